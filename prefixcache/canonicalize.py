@@ -1,0 +1,284 @@
+"""Canonicalize: a chat request or a text prompt becomes one deterministic token-id sequence.
+
+Chat is rendered with the tokenizer's template and tokenized *span by span*: the text
+each message adds (render of ``messages[:i+1]`` minus render of ``messages[:i]``) is
+tokenized alone, so no BPE merge crosses a message boundary and requests sharing their
+first k messages share those tokens. An assistant header is a span of its own, so last
+turn's prompt (with its generation prompt) is a token prefix of this turn's. Where the
+template is not prefix-monotone, the rest is one span and ``drift`` is set.
+
+Canonical inputs: tool definitions and tool-call arguments (dicts or JSON strings) get
+recursively sorted keys; dict content becomes compact sorted JSON; text parts are joined
+with "\\n" (as vLLM does); ``content=None`` becomes ""; keys other than role, content,
+name, tool_calls, tool_call_id are dropped. Opt-in whitespace/Unicode normalisation
+touches message content only, never the template's own text.
+"""
+from __future__ import annotations
+
+import json
+import re
+import unicodedata
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from prefixcache.config import UNICODE_FORMS, CacheConfig
+from prefixcache.errors import ConfigError, InvalidRequestError
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# Part of the fingerprint: bump it whenever the canonical form changes, so ids made by an
+# older algorithm never share KV with ids made by a newer one.
+CANON_VERSION = "canon-1"
+# Encoded with and without special tokens: shows what the tokenizer adds (BOS) and
+# fingerprints its behaviour beyond the vocab size.
+_PROBE = "Hello, world! 123 \u00fcn\u00efc\u00f6d\u00e9\n\tx  y"
+_HSPACE = re.compile(r"[ \t]+")
+
+
+@dataclass(frozen=True, slots=True)
+class CanonicalPrompt:
+    """The canonical ids of one request.
+
+    ``boundaries[i]``: token offset where message i's span ends (where drift merged it
+    into a later span, that span's end); ``encode_text`` gives ``(len(token_ids),)``.
+    ``drift``: the template was not prefix-monotone somewhere, so a shorter request may
+    not be a token prefix of this one.
+    """
+
+    token_ids: tuple[int, ...]
+    boundaries: tuple[int, ...]
+    drift: bool
+
+
+def template_fingerprint(tokenizer: Any, *, normalize_whitespace: bool = False,
+                         unicode_normalization: str | None = None) -> str:
+    """Stable 16-hex-digit xxh64 of everything that decides the canonical ids.
+
+    Covers the chat template, tokenizer class, vocab sizes, special and added tokens, a
+    probe encoding (catches a changed BOS rule), the normalisation options and
+    ``CANON_VERSION``. Goes into the cache namespace, so a change never shares KV.
+    """
+    cls = type(tokenizer)
+    facts = {
+        "version": CANON_VERSION, "class": f"{cls.__module__}.{cls.__qualname__}",
+        "template": getattr(tokenizer, "chat_template", None),
+        "vocab_size": tokenizer.vocab_size, "len": len(tokenizer),
+        "special": tokenizer.special_tokens_map, "added": tokenizer.get_added_vocab(),
+        "probe": [tokenizer(_PROBE)["input_ids"], tokenizer(_PROBE, add_special_tokens=False)["input_ids"]],
+        "normalize_whitespace": normalize_whitespace, "unicode_normalization": unicode_normalization,
+    }
+    blob = json.dumps(facts, sort_keys=True, ensure_ascii=False, default=str)
+    return xxhash.xxh64_hexdigest(blob.encode("utf-8"), seed=0)
+
+
+class Canonicalizer:
+    """Turns chat messages or a text prompt into a ``CanonicalPrompt`` for one tokenizer.
+
+    Holds no per-request state, so one instance can serve concurrent requests. Both the
+    cached and the uncached path must feed the model these ids. The fingerprint is taken
+    at construction: build a new instance after changing the tokenizer or its template.
+    """
+
+    def __init__(self, tokenizer: Any, *, normalize_whitespace: bool = False,
+                 unicode_normalization: str | None = None):
+        if unicode_normalization is not None and unicode_normalization not in UNICODE_FORMS:
+            raise ConfigError("unicode_normalization", unicode_normalization, f"None or one of {UNICODE_FORMS}")
+        self._tok = tokenizer
+        self._ws = bool(normalize_whitespace)
+        self._form = unicode_normalization
+        self._fingerprint = template_fingerprint(tokenizer, normalize_whitespace=self._ws,
+                                                 unicode_normalization=self._form)
+        self._auto_prefix = _auto_prefix_ids(tokenizer)
+
+    @classmethod
+    def from_config(cls, tokenizer: Any, config: CacheConfig) -> Canonicalizer:
+        """A canonicalizer with ``config``'s normalisation options."""
+        return cls(tokenizer, normalize_whitespace=config.normalize_whitespace,
+                   unicode_normalization=config.unicode_normalization)
+
+    @property
+    def fingerprint(self) -> str:
+        """``template_fingerprint`` of this tokenizer and these options."""
+        return self._fingerprint
+
+    def encode_text(self, prompt: str) -> CanonicalPrompt:
+        """A plain completion prompt, with the tokenizer's default special tokens and no normalisation."""
+        if not isinstance(prompt, str):
+            raise InvalidRequestError(f"prompt must be a string, got {type(prompt).__name__}", param="prompt")
+        ids = tuple(self._tok(prompt)["input_ids"])
+        if not ids:
+            raise InvalidRequestError("prompt is empty: it encodes to no tokens", param="prompt")
+        return CanonicalPrompt(ids, (len(ids),), False)
+
+    def encode_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
+                    add_generation_prompt: bool = True) -> CanonicalPrompt:
+        """Canonical, prefix-stable ids of an OpenAI-shaped chat request.
+
+        Raises ``InvalidRequestError`` (with ``param``) for malformed messages or tools,
+        tools on a template that ignores them, a tokenizer without a chat template, or a
+        template that refuses the conversation.
+        """
+        if not getattr(self._tok, "chat_template", None):
+            raise InvalidRequestError("this model's tokenizer has no chat template, so chat messages cannot "
+                                      "be formatted; send a plain prompt to /v1/completions", param="messages")
+        msgs = _canonical_messages(messages, self._clean)
+        tools = _canonical_tools(tools)
+        # Refuse rather than silently drop tools the model would never see.
+        if tools and not re.search(r"\btools\b", self._tok.get_chat_template(None, tools)):
+            raise InvalidRequestError("this model's chat template does not support tools", param="tools")
+        full, cuts, ends, drift = self._plan(msgs, tools, add_generation_prompt)
+        spans = [full[a:b] for a, b in zip(cuts, cuts[1:])]
+        encoded = self._tok(spans, add_special_tokens=False)["input_ids"] if spans else []
+        ids = [tid for span in encoded for tid in span]
+        # Templates usually write BOS themselves; if this one does not but the tokenizer
+        # adds one by default, the model expects it: keep it rather than silently drop it.
+        prefix = self._auto_prefix if ids[:len(self._auto_prefix)] != self._auto_prefix else []
+        token_at, pos = {0: len(prefix)}, len(prefix)  # character cut -> token offset
+        for cut, span in zip(cuts[1:], encoded):
+            pos += len(span)
+            token_at[cut] = pos
+        return CanonicalPrompt(tuple(prefix + ids), tuple(token_at[e] for e in ends), drift)
+
+    def _plan(self, msgs: list[dict], tools: list[dict] | None,
+              add_generation_prompt: bool) -> tuple[str, list[int], list[int], bool]:
+        """Render the request and choose its cuts: character offsets where spans split.
+
+        A cut is taken where a partial render is a string prefix of the full render, not
+        before the previous cut; anything else is drift and merges into the next span.
+        Returns (full text, cuts from 0 to len(full), each message's end cut, drift).
+        """
+        full = self._render(msgs, tools, add_generation_prompt, strict=True)
+        cuts, ends, drift = [0], [], False
+        for i, msg in enumerate(msgs):
+            candidates = []
+            if msg["role"] == "assistant" and i > 0:  # the header alone: last turn's generation prompt
+                candidates.append((self._render(msgs[:i], tools, True), False))
+            last = i + 1 == len(msgs) and not add_generation_prompt
+            candidates.append((full if last else self._render(msgs[:i + 1], tools, False), True))
+            for text, is_end in candidates:
+                ok = text is not None and full.startswith(text) and len(text) >= cuts[-1]
+                drift |= not ok
+                if ok and len(text) > cuts[-1]:
+                    cuts.append(len(text))
+                if is_end:
+                    ends.append(len(text) if ok else None)
+        if cuts[-1] != len(full):
+            cuts.append(len(full))
+        after = len(full)  # a message whose end is no cut ends where the next located end does
+        for i in range(len(ends) - 1, -1, -1):
+            after = ends[i] = after if ends[i] is None else ends[i]
+        return full, cuts, ends, drift
+
+    def _render(self, msgs: list[dict], tools: list[dict] | None, gen: bool, strict: bool = False) -> str | None:
+        try:
+            return self._tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=gen, tokenize=False)
+        except Exception as exc:  # templates are user code: any failure is the template's verdict
+            if not strict:
+                return None  # a partial conversation the template refuses: that cut is unavailable
+            raise InvalidRequestError(f"the chat template cannot format these messages: {exc}",
+                                      param="messages") from exc
+
+    def _clean(self, text: str) -> str:
+        """Opt-in normalisation of message content (identity when both options are off)."""
+        if self._form is not None:
+            text = unicodedata.normalize(self._form, text)
+        if self._ws:
+            text = _HSPACE.sub(" ", text.replace("\r\n", "\n").replace("\r", "\n"))
+            text = "\n".join(line.rstrip(" ") for line in text.split("\n")).strip()
+        return text
+
+
+def _auto_prefix_ids(tokenizer: Any) -> list[int]:
+    """The ids the tokenizer puts in front of text by default (usually [BOS] or [])."""
+    with_special = tokenizer(_PROBE)["input_ids"]
+    plain = tokenizer(_PROBE, add_special_tokens=False)["input_ids"]
+    for start in range(len(with_special) - len(plain) + 1):
+        if with_special[start:start + len(plain)] == plain:
+            return list(with_special[:start])
+    return []  # adding specials rewrote the text itself: nothing is safe to prepend
+
+
+def _sorted_json(value: Any) -> Any:
+    """Recursively key-sorted copy, so a template's ``tojson`` prints keys in a stable order."""
+    if isinstance(value, dict):
+        return {k: _sorted_json(value[k]) for k in sorted(value, key=str)}
+    if isinstance(value, (list, tuple)):
+        return [_sorted_json(v) for v in value]
+    return value
+
+
+def _canonical_tools(tools: Any) -> list[dict] | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, (list, tuple)) or not all(isinstance(t, dict) for t in tools):
+        raise InvalidRequestError("tools must be a list of tool definition objects", param="tools")
+    return [_sorted_json(t) for t in tools] or None  # [] and no tools render the same
+
+
+def _canonical_messages(messages: Any, clean: Callable[[str], str]) -> list[dict]:
+    if not isinstance(messages, (list, tuple)):
+        raise InvalidRequestError("messages must be a list of message objects", param="messages")
+    if not messages:
+        raise InvalidRequestError("messages must contain at least one message", param="messages")
+    return [_canonical_message(f"messages[{i}]", m, clean) for i, m in enumerate(messages)]
+
+
+def _canonical_message(where: str, msg: Any, clean: Callable[[str], str]) -> dict:
+    if not isinstance(msg, dict):
+        raise InvalidRequestError(f"{where} must be an object, got {type(msg).__name__}", param=where)
+    role = msg.get("role")
+    if role not in ROLES:
+        raise InvalidRequestError(f"{where}.role must be one of {', '.join(ROLES)}; got {role!r}",
+                                  param=f"{where}.role")
+    out = {"role": role, "content": _canonical_content(where, role, msg.get("content"), clean)}
+    for key in ("name", "tool_call_id"):
+        if msg.get(key) is not None:
+            if not isinstance(msg[key], str):
+                raise InvalidRequestError(f"{where}.{key} must be a string", param=f"{where}.{key}")
+            out[key] = msg[key]
+    if msg.get("tool_calls"):
+        out["tool_calls"] = _canonical_tool_calls(where, msg["tool_calls"])
+    return out
+
+
+def _canonical_content(where: str, role: str, content: Any, clean: Callable[[str], str]) -> str:
+    if isinstance(content, str):
+        return clean(content)
+    if content is None and role == "assistant":
+        return ""  # OpenAI allows null content beside tool_calls; templates expect a string
+    if isinstance(content, dict):
+        return json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    if not isinstance(content, (list, tuple)):
+        raise InvalidRequestError(f"{where}.content must be a string or a list of content parts, "
+                                  f"got {type(content).__name__}", param=f"{where}.content")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            raise InvalidRequestError(f"{where}.content[{j}] has type {kind!r}: only 'text' parts are "
+                                      "supported (no images, audio or files)", param=f"{where}.content[{j}].type")
+        if not isinstance(part.get("text"), str):
+            raise InvalidRequestError(f"{where}.content[{j}].text must be a string",
+                                      param=f"{where}.content[{j}].text")
+        texts.append(clean(part["text"]))
+    return "\n".join(texts)
+
+
+def _canonical_tool_calls(where: str, calls: Any) -> list[dict]:
+    if not isinstance(calls, (list, tuple)) or not all(isinstance(c, dict) for c in calls):
+        raise InvalidRequestError(f"{where}.tool_calls must be a list of objects", param=f"{where}.tool_calls")
+    out = [_sorted_json(call) for call in calls]
+    for call in out:
+        fn = call.get("function")
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            # A JSON string and the same object as a dict must render identically; text that
+            # is not a JSON object has no canonical form and is kept as the model wrote it.
+            try:
+                parsed = json.loads(fn["arguments"])
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):
+                fn["arguments"] = _sorted_json(parsed)
+    return out

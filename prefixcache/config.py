@@ -1,0 +1,70 @@
+"""Cache configuration: one validated dataclass, one source of truth for defaults."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from prefixcache.errors import ConfigError
+
+# Unicode normal forms accepted by ``CacheConfig.unicode_normalization``.
+UNICODE_FORMS = ("NFC", "NFKC", "NFD", "NFKD")
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    """How much KV to keep, for how long, and how requests are canonicalized.
+
+    Every field is checked in ``__post_init__``; a bad value raises ``ConfigError``
+    naming the field and its allowed range.
+    """
+
+    #: Total bytes of KV snapshots the cache may hold (on the model's device).
+    max_bytes: int = 2 << 30
+    #: Tokens per hash block. Matching is token-granular; blocks only bound hashing work
+    #: and the size of a copy-on-write split.
+    block_size: int = 16
+    #: Idle time after which a prefix is never matched again and gets freed. None = no TTL.
+    ttl_seconds: float | None = 300.0
+    #: Per-tenant byte quota. None = only the global budget applies.
+    tenant_quota_bytes: int | None = None
+    #: How often the background sweeper frees expired prefixes (seconds).
+    sweep_interval_seconds: float = 30.0
+    #: Cache the generated answer with the prompt, so the next chat turn hits.
+    cache_generated: bool = True
+    #: Opt-in text normalisation before tokenizing chat content (see README).
+    normalize_whitespace: bool = False
+    unicode_normalization: str | None = None
+    #: Seed of the block hash chain; None draws a per-process secret.
+    hash_seed: int | None = None
+    #: Prompts shorter than this are not worth storing.
+    min_cache_tokens: int = 1
+    #: Extra namespace component (e.g. a deployment or adapter name).
+    namespace_extra: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        _int_in("max_bytes", self.max_bytes, 0, None)
+        _int_in("block_size", self.block_size, 1, 4096)
+        if self.ttl_seconds is not None:
+            _float_positive("ttl_seconds", self.ttl_seconds)
+        if self.tenant_quota_bytes is not None:
+            _int_in("tenant_quota_bytes", self.tenant_quota_bytes, 0, None)
+        _float_positive("sweep_interval_seconds", self.sweep_interval_seconds)
+        if self.unicode_normalization is not None and self.unicode_normalization not in UNICODE_FORMS:
+            raise ConfigError("unicode_normalization", self.unicode_normalization, f"None or one of {UNICODE_FORMS}")
+        if self.hash_seed is not None:
+            _int_in("hash_seed", self.hash_seed, 0, 2**64 - 1)
+        _int_in("min_cache_tokens", self.min_cache_tokens, 1, None)
+        if not all(isinstance(s, str) for s in self.namespace_extra):
+            raise ConfigError("namespace_extra", self.namespace_extra, "a tuple of strings")
+
+
+def _int_in(name: str, value: object, lo: int, hi: int | None) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= lo and (hi is None or value <= hi)
+    if not ok:
+        raise ConfigError(name, value, f"an integer in [{lo}, {hi if hi is not None else 'inf'}]")
+
+
+def _float_positive(name: str, value: object) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 and math.isfinite(value)
+    if not ok:
+        raise ConfigError(name, value, "a finite number > 0")

@@ -1,0 +1,200 @@
+"""The generation engine: lookup → pin → build past_key_values → prefill suffix → decode → insert → unpin.
+
+One request at a time holds the model (a lock); lookups and inserts go through the
+store's own lock. Anything the cache cannot serve exactly (beam search, attention
+outputs, a sequence longer than a sliding window…) runs as plain ``generate()`` and
+is counted as a bypass, so the answer is always the uncached answer.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from prefixcache.kv_cache import KVLayout, UnsupportedModelError, WorkingCache, probe_layout
+from prefixcache.store import KVStore
+
+log = logging.getLogger(__name__)
+
+#: generate() options the shared cache cannot serve exactly; such calls bypass the cache.
+#: Checked on the effective generation config (model default, then the caller's config, then kwargs).
+_BYPASS_CONFIG = {
+    "num_beams": lambda v: v not in (None, 1),
+    "num_return_sequences": lambda v: v not in (None, 1),
+    "prompt_lookup_num_tokens": lambda v: v is not None,
+    "output_attentions": bool,
+    "output_hidden_states": bool,
+    "use_cache": lambda v: v is False,
+    "cache_implementation": lambda v: v is not None,
+}
+#: generate() keyword arguments that are not config fields but also bypass the cache.
+_BYPASS_KWARGS = ("assistant_model", "past_key_values", "assistant_tokenizer")
+
+
+@dataclass(slots=True)
+class CallStats:
+    """What one call did. ``cached_tokens`` is the reused-token count the SDK reports."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    stored_tokens: int = 0
+    lookup_seconds: float = 0.0
+    ttft_seconds: float | None = None
+    total_seconds: float = 0.0
+    bypass_reason: str | None = None
+
+    @property
+    def outcome(self) -> str:
+        """hit (all reusable tokens came from cache), partial, or miss."""
+        if self.cached_tokens == 0:
+            return "miss"
+        return "hit" if self.cached_tokens >= self.prompt_tokens - 1 else "partial"
+
+
+class _FirstTokenClock(LogitsProcessor):
+    """Records when the first logits are ready (prefill done) without touching them."""
+
+    def __init__(self, clock: Callable[[], float]):
+        self._clock, self.at = clock, None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self.at is None:
+            self.at = self._clock()
+        return scores
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, store: KVStore, clock: Callable[[], float]):
+        self.model = model
+        self.store = store
+        self._clock = clock
+        self._model_lock = threading.Lock()
+        self._stats_lock = threading.Lock()
+        self.counters: dict[str, Counter[str]] = {}
+        try:
+            self.layout: KVLayout | None = probe_layout(model)
+            self.unsupported_reason: str | None = None
+        except UnsupportedModelError as exc:
+            self.layout, self.unsupported_reason = None, str(exc)
+            log.warning("prefix caching disabled for this model: %s", exc)
+
+    # -- public --------------------------------------------------------------------
+    def generate(self, input_ids: torch.Tensor, namespace: tuple[str, ...], tenant: str,
+                 generation_config: GenerationConfig | None, kwargs: dict[str, Any],
+                 ttl_seconds: float | None, cache_generated: bool) -> tuple[Any, CallStats]:
+        """Run ``model.generate`` for one prompt ``input_ids: [1, n]``, reusing cached KV."""
+        start = self._clock()
+        n = int(input_ids.shape[1])
+        stats = CallStats(prompt_tokens=n)
+        timer = _FirstTokenClock(self._clock)
+        kwargs = dict(kwargs)
+        seed = kwargs.pop("seed", None)
+        kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), timer])
+        effective = self._effective_config(generation_config, kwargs)
+        max_new = effective.max_new_tokens if effective.max_new_tokens is not None else max(
+            int(effective.max_length or 20) - n, 1)
+        stats.bypass_reason = self._bypass_reason(effective, kwargs, n + int(max_new))
+        with self._model_lock:
+            if seed is not None:  # seeded inside the lock, so concurrent callers cannot interleave
+                torch.manual_seed(seed)
+            if stats.bypass_reason is not None:
+                out = self.model.generate(input_ids, generation_config=generation_config, **kwargs)
+            else:
+                out = self._cached_generate(input_ids, namespace, tenant, generation_config, kwargs,
+                                            ttl_seconds, cache_generated, max_new, stats, start)
+        seq = out.sequences if hasattr(out, "sequences") else out
+        stats.completion_tokens = int(seq.shape[1]) - n
+        stats.ttft_seconds = None if timer.at is None else timer.at - start
+        stats.total_seconds = self._clock() - start
+        self._count(tenant, stats)
+        return out, stats
+
+    def prefill(self, tokens: list[int], namespace: tuple[str, ...], tenant: str,
+                ttl_seconds: float | None, pin: bool) -> CallStats:
+        """Compute and store the KV of ``tokens`` without generating (cache warming)."""
+        if self.layout is None:
+            raise UnsupportedModelError(self.unsupported_reason or "model not supported")
+        stats = CallStats(prompt_tokens=len(tokens))
+        with self._model_lock:
+            lease = self.store.acquire(namespace, tenant, tokens, len(tokens), ttl_seconds)
+            try:
+                stats.cached_tokens = lease.cached_tokens
+                cache = WorkingCache(self.layout, [(s.node.kv, s.used) for s in lease.steps], len(tokens))
+                if lease.cached_tokens < len(tokens):
+                    ids = torch.tensor([tokens[lease.cached_tokens :]], device=self.layout.device)
+                    with torch.no_grad():  # positions follow from the cache's length
+                        self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+                result = self.store.insert(namespace, tenant, tokens, cache.slice, ttl_seconds, pin=pin)
+                stats.stored_tokens = result.stored_tokens
+            finally:
+                self.store.release(lease)
+        return stats
+
+    def tenant_counters(self, tenant: str | None) -> Counter[str]:
+        with self._stats_lock:
+            if tenant is not None:
+                return Counter(self.counters.get(tenant, Counter()))
+            total: Counter[str] = Counter()
+            for c in self.counters.values():
+                total.update(c)
+            return total
+
+    # -- internals -----------------------------------------------------------------
+    def _cached_generate(self, input_ids, namespace, tenant, generation_config, kwargs, ttl_seconds,
+                         cache_generated, max_new, stats: CallStats, start: float) -> Any:
+        assert self.layout is not None
+        prompt = input_ids[0].tolist()
+        n = len(prompt)
+        # At least the last prompt token is recomputed, so its logits exist.
+        lease = self.store.acquire(namespace, tenant, prompt, n - 1, ttl_seconds)
+        try:
+            stats.cached_tokens = lease.cached_tokens
+            stats.lookup_seconds = self._clock() - start
+            cache = WorkingCache(self.layout, [(s.node.kv, s.used) for s in lease.steps], n + max_new)
+            mask = torch.ones_like(input_ids)
+            out = self.model.generate(input_ids, attention_mask=mask, past_key_values=cache,
+                                      generation_config=generation_config, **kwargs)
+            seq = out.sequences if hasattr(out, "sequences") else out
+            keep = cache.length if cache_generated else n
+            tokens = seq[0, :keep].tolist()
+            stats.stored_tokens = self.store.insert(namespace, tenant, tokens, cache.slice, ttl_seconds).stored_tokens
+            return out
+        finally:
+            self.store.release(lease)
+
+    def _effective_config(self, generation_config: GenerationConfig | None, kwargs: dict[str, Any]) -> GenerationConfig:
+        config = copy.deepcopy(generation_config or self.model.generation_config)
+        config.update(**{k: v for k, v in kwargs.items() if hasattr(config, k)})
+        return config
+
+    def _bypass_reason(self, config: GenerationConfig, kwargs: dict[str, Any], total_len: int) -> str | None:
+        if self.layout is None:
+            return f"model not supported: {self.unsupported_reason}"
+        for name in _BYPASS_KWARGS:
+            if kwargs.get(name) is not None:
+                return f"option {name} is served uncached"
+        for name, rejects in _BYPASS_CONFIG.items():
+            value = getattr(config, name, None)
+            if rejects(value):
+                return f"option {name}={value!r} is served uncached"
+        limit = self.layout.full_attention_limit
+        if limit is not None and total_len > limit:
+            return f"sequence of up to {total_len} tokens exceeds the sliding window ({limit})"
+        return None
+
+    def _count(self, tenant: str, stats: CallStats) -> None:
+        with self._stats_lock:
+            c = self.counters.setdefault(tenant, Counter())
+            c["queries"] += 1
+            c["prompt_tokens"] += stats.prompt_tokens
+            c["cached_tokens"] += stats.cached_tokens
+            c["completion_tokens"] += stats.completion_tokens
+            c["bypassed" if stats.bypass_reason else stats.outcome] += 1

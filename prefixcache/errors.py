@@ -1,0 +1,40 @@
+"""Typed exceptions for everything a caller can cause.
+
+The proxy maps these once, at its edge, to HTTP status codes and OpenAI error
+objects. Internal invariants use ``assert``; these are for callers.
+"""
+from __future__ import annotations
+
+
+class PrefixCacheError(Exception):
+    """Base class of every error prefixcache raises on purpose."""
+
+
+class ConfigError(PrefixCacheError, ValueError):
+    """A configuration value is out of range; the message names the field and the allowed range."""
+
+    def __init__(self, field: str, value: object, allowed: str):
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"{field}={value!r} is invalid: allowed {allowed}")
+
+
+class ModelLoadError(PrefixCacheError, RuntimeError):
+    """A model could not be found or loaded; the message says how to fix it."""
+
+
+class InvalidRequestError(PrefixCacheError, ValueError):
+    """A request is malformed (bad messages, empty prompt, unsupported argument)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        self.param = param
+        super().__init__(message)
+
+
+class ContextLengthExceededError(InvalidRequestError):
+    """Prompt tokens plus requested new tokens exceed the model's context window."""
+
+
+class CapacityError(PrefixCacheError, RuntimeError):
+    """The cache cannot hold what was asked (for example a pin larger than the budget)."""

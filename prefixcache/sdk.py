@@ -1,0 +1,441 @@
+"""The public SDK: ``PrefixCache`` wraps a model's ``generate()`` with prefix reuse."""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+from prefixcache.canonicalize import Canonicalizer
+from prefixcache.config import CacheConfig
+from prefixcache.engine import CallStats, Engine
+from prefixcache.errors import CapacityError, ContextLengthExceededError, InvalidRequestError
+from prefixcache.hashing import BlockHasher, HashFn, xxh3_64
+from prefixcache.loading import model_fingerprint
+from prefixcache.store import KVStore
+
+DEFAULT_TENANT = "default"
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    """One chat or completion answer."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str  # "stop", "length" or "cancelled"
+    usage: Usage
+    stats: CallStats
+
+
+@dataclass(frozen=True, slots=True)
+class WarmResult:
+    prompt_tokens: int
+    cached_tokens: int  # already cached before warming
+    stored_tokens: int
+    pinned: bool
+
+
+class _Cancel(StoppingCriteria):
+    """Stops generation once ``event`` is set (a client went away)."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+class _TextStream(BaseStreamer):
+    """Decodes new tokens incrementally and hands text deltas to ``on_text``.
+
+    Text that could still turn into a stop string is held back, so a client never
+    sees a stop sequence (OpenAI semantics).
+    """
+
+    def __init__(self, tokenizer, on_text: Callable[[str], None], stop: Sequence[str]):
+        self._tok, self._on_text, self._stop = tokenizer, on_text, tuple(stop)
+        self._ids: list[int] = []
+        self._sent = 0
+        self._prompt_seen = False
+        self.stopped = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:  # generate() first hands over the prompt
+            self._prompt_seen = True
+            return
+        self._ids.extend(value.reshape(-1).tolist())
+        self._emit(final=False)
+
+    def end(self) -> None:
+        self._emit(final=True)
+
+    def _emit(self, final: bool) -> None:
+        if self.stopped:
+            return
+        text = self._tok.decode(self._ids, skip_special_tokens=True)
+        cut = _first_stop(text, self._stop)
+        if cut is not None:
+            text, self.stopped = text[:cut], True
+        elif not final:
+            # Hold back an unfinished multi-byte character and any possible stop-string start.
+            safe = len(text) - 1 if text.endswith("\ufffd") else len(text)
+            for s in self._stop:
+                for k in range(min(len(s) - 1, safe), 0, -1):
+                    if text[:safe].endswith(s[:k]):
+                        safe -= k
+                        break
+            text = text[:safe]
+        if len(text) > self._sent:
+            self._on_text(text[self._sent :])
+            self._sent = len(text)
+
+
+def _first_stop(text: str, stop: Sequence[str]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
+    return min(hits) if hits else None
+
+
+class PrefixCache:
+    """Prefix-cached generation around a Hugging Face causal LM.
+
+    ``generate()`` takes ``model.generate()``'s arguments and returns what it returns;
+    ``chat()`` / ``complete()`` take OpenAI-shaped input and return a ``GenerationResult``.
+    All methods are thread-safe. Time comes from ``clock`` (monotonic seconds) so tests
+    can drive TTLs without sleeping.
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any = None, config: CacheConfig | None = None, *,
+                 clock: Callable[[], float] = time.monotonic, hash_fn: HashFn = xxh3_64,
+                 start_sweeper: bool = True):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = config if config is not None else CacheConfig()
+        self._clock = clock
+        self.canonicalizer = None if tokenizer is None else Canonicalizer(
+            tokenizer, normalize_whitespace=self.config.normalize_whitespace,
+            unicode_normalization=self.config.unicode_normalization)
+        self.store = KVStore(self.config, BlockHasher(self.config.hash_seed, hash_fn), clock)
+        self.engine = Engine(self.model, self.store, clock)
+        self._model_key = tuple(model_fingerprint(model))
+        self._local = threading.local()
+        self._closed = threading.Event()
+        self._sweeper: threading.Thread | None = None
+        if start_sweeper and self.config.ttl_seconds is not None:
+            self._sweeper = threading.Thread(target=self._sweep_loop, name="prefixcache-sweeper", daemon=True)
+            self._sweeper.start()
+
+    # -- identity ------------------------------------------------------------------
+    @property
+    def model_id(self) -> str:
+        return self._model_key[0]
+
+    @property
+    def max_context(self) -> int:
+        cfg = self.model.config.get_text_config(decoder=True)
+        for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+            if getattr(cfg, name, None):
+                return int(getattr(cfg, name))
+        return 2048
+
+    def namespace(self, tenant: str) -> tuple[str, ...]:
+        """Cache namespace: tenant, model identity, dtype, tokenizer/template fingerprint."""
+        template = self.canonicalizer.fingerprint if self.canonicalizer is not None else "no-tokenizer"
+        return (tenant, *self._model_key, template, *self.config.namespace_extra)
+
+    @property
+    def last_call(self) -> CallStats | None:
+        """Stats of this thread's last call (``cached_tokens`` is the reused-token count)."""
+        return getattr(self._local, "last", None)
+
+    # -- generate() drop-in --------------------------------------------------------
+    def generate(self, input_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]] | None = None,
+                 attention_mask: torch.Tensor | None = None, generation_config: GenerationConfig | None = None, *,
+                 tenant: str | None = None, ttl_seconds: float | None = None, **kwargs: Any) -> Any:
+        """``model.generate()`` with prefix reuse; same arguments, same return value.
+
+        A batch (padded or not) is served one row at a time: each row's padding is
+        removed using ``attention_mask``, and the rows are put back together padded
+        as ``generate()`` pads them. ``return_dict_in_generate`` needs batch size 1.
+        """
+        ids = self._as_ids(kwargs.pop("inputs", input_ids))
+        tenant = self._tenant(tenant)
+        ttl = self._ttl(ttl_seconds)
+        if attention_mask is not None and tuple(attention_mask.shape) != tuple(ids.shape):
+            raise InvalidRequestError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
+                                      f"{tuple(ids.shape)}", param="attention_mask")
+        rows = [ids[i] if attention_mask is None else ids[i][attention_mask[i].to(torch.bool)]
+                for i in range(ids.shape[0])]
+        if any(len(r) == 0 for r in rows):
+            raise InvalidRequestError("a prompt row has no tokens (attention_mask is all zeros)", param="input_ids")
+        if len(rows) == 1 and len(rows[0]) == ids.shape[1]:
+            out, stats = self._run(rows[0].unsqueeze(0), tenant, generation_config, kwargs, ttl)
+            return out
+        if kwargs.get("return_dict_in_generate") or getattr(generation_config, "return_dict_in_generate", False):
+            raise InvalidRequestError("return_dict_in_generate needs one unpadded prompt per call (batch size 1)",
+                                      param="return_dict_in_generate")
+        outs = [self._run(r.unsqueeze(0), tenant, generation_config, kwargs, ttl)[0][0, len(r):] for r in rows]
+        pad = self._pad_id(generation_config)
+        width = max(len(o) for o in outs)
+        new = torch.full((len(outs), width), pad, dtype=ids.dtype, device=ids.device)
+        for i, o in enumerate(outs):
+            new[i, : len(o)] = o
+        return torch.cat([ids, new], dim=1)
+
+    def _run(self, ids: torch.Tensor, tenant: str, generation_config: GenerationConfig | None,
+             kwargs: dict[str, Any], ttl: float | None) -> tuple[Any, CallStats]:
+        out, stats = self.engine.generate(ids, self.namespace(tenant), tenant, generation_config, kwargs, ttl,
+                                          self.config.cache_generated)
+        self._local.last = stats
+        return out, stats
+
+    # -- OpenAI-shaped calls -------------------------------------------------------
+    def chat(self, messages: Sequence[dict[str, Any]], *, tools: Sequence[dict[str, Any]] | None = None,
+             **options: Any) -> GenerationResult:
+        """Answer a chat conversation. Options: see ``complete``."""
+        prompt = self._canon().encode_chat(list(messages), tools=tools)
+        return self._answer(list(prompt.token_ids), **options)
+
+    def complete(self, prompt: str, **options: Any) -> GenerationResult:
+        """Continue a text prompt.
+
+        Options: ``tenant``, ``max_new_tokens`` (default 256), ``temperature`` (0 or
+        unset = greedy), ``top_p``, ``top_k``, ``do_sample``, ``seed``, ``stop`` (list of
+        strings, excluded from the text), ``on_text`` (callback for text deltas),
+        ``cancel`` (threading.Event), ``ttl_seconds``, and any other ``generate()`` kwarg.
+        """
+        if not isinstance(prompt, str):
+            raise InvalidRequestError("prompt must be a string", param="prompt")
+        return self._answer(list(self._canon().encode_text(prompt).token_ids), **options)
+
+    def encode_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+        return list(self._canon().encode_chat(list(messages), tools=tools).token_ids)
+
+    def encode_text(self, prompt: str) -> list[int]:
+        return list(self._canon().encode_text(prompt).token_ids)
+
+    def _answer(self, prompt: list[int], *, tenant: str | None = None, max_new_tokens: int = 256,
+                temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                do_sample: bool | None = None, seed: int | None = None, stop: Sequence[str] | str | None = None,
+                on_text: Callable[[str], None] | None = None, cancel: threading.Event | None = None,
+                ttl_seconds: float | None = None, **kwargs: Any) -> GenerationResult:
+        if not prompt:
+            raise InvalidRequestError("the prompt encodes to zero tokens", param="prompt")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise InvalidRequestError("max_new_tokens must be an integer >= 1", param="max_tokens")
+        if len(prompt) + max_new_tokens > self.max_context:
+            raise ContextLengthExceededError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_new_tokens}) exceeds the model's context of "
+                f"{self.max_context} tokens", param="messages")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        gen = dict(kwargs, max_new_tokens=max_new_tokens, **_sampling(temperature, top_p, top_k, do_sample))
+        criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
+        if cancel is not None:
+            criteria.append(_Cancel(cancel))
+        gen["stopping_criteria"] = criteria
+        if stops:
+            gen.update(stop_strings=stops, tokenizer=self.tokenizer)
+        stream = _TextStream(self.tokenizer, on_text or (lambda _t: None), stops)
+        gen["streamer"] = stream
+        gen.setdefault("pad_token_id", self._pad_id(None))
+        if seed is not None:
+            gen["seed"] = seed
+        ids = torch.tensor([prompt], device=next(self.model.parameters()).device)
+        out, stats = self._run(ids, self._tenant(tenant), None, gen, self._ttl(ttl_seconds))
+        new = out[0, len(prompt):].tolist()
+        text = self.tokenizer.decode(new, skip_special_tokens=True)
+        cut = _first_stop(text, stops)
+        eos = _as_set(self.model.generation_config.eos_token_id)
+        if cancel is not None and cancel.is_set():
+            reason = "cancelled"
+        elif cut is not None or (new and new[-1] in eos):
+            reason = "stop"
+        else:
+            reason = "length"
+        text = text if cut is None else text[:cut]
+        usage = Usage(len(prompt), len(new), stats.cached_tokens)
+        return GenerationResult(text, tuple(new), reason, usage, stats)
+
+    # -- cache management ----------------------------------------------------------
+    def warm(self, prefix: str | Sequence[dict[str, Any]] | Sequence[int], *,
+             tools: Sequence[dict[str, Any]] | None = None, tenant: str | None = None, pin: bool = False,
+             ttl_seconds: float | None = None) -> WarmResult:
+        """Prefill and keep a prefix: chat messages, a text prompt, or token ids.
+
+        Messages are encoded without the generation prompt, so any later conversation
+        that starts with them hits. ``pin=True`` keeps the prefix until ``unpin``,
+        ``flush`` or its TTL (pins have no TTL unless ``ttl_seconds`` is given); a pin
+        that cannot fit the budget or quota raises ``CapacityError``.
+        """
+        tokens = self._prefix_tokens(prefix, tools)
+        tenant = self._tenant(tenant)
+        ttl = self._ttl(ttl_seconds) if (ttl_seconds is not None or not pin) else None
+        stats = self.engine.prefill(tokens, self.namespace(tenant), tenant, ttl, pin)
+        if pin and stats.stored_tokens < len(tokens):
+            raise CapacityError(
+                f"cannot pin {len(tokens)} tokens ({len(tokens) * self.bytes_per_token} bytes): budget "
+                f"{self.config.max_bytes} bytes, tenant quota {self.config.tenant_quota_bytes}, "
+                f"pinned now {self.store.snapshot_stats()['pinned_bytes']} bytes")
+        return WarmResult(len(tokens), stats.cached_tokens, stats.stored_tokens, pin)
+
+    def unpin(self, prefix: str | Sequence[dict[str, Any]] | Sequence[int], *,
+              tools: Sequence[dict[str, Any]] | None = None, tenant: str | None = None) -> bool:
+        """Undo one ``warm(..., pin=True)`` of the same prefix. Returns whether it was pinned."""
+        tokens = self._prefix_tokens(prefix, tools)
+        tenant = self._tenant(tenant)
+        return self.store.unpin(self.namespace(tenant), tokens) > 0
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 0 if self.engine.layout is None else self.engine.layout.bytes_per_token
+
+    def can_admit(self, n_tokens: int, tenant: str | None = None) -> bool:
+        """Whether the KV of ``n_tokens`` more tokens could be stored now (after evicting what may go)."""
+        return self.store.can_admit(n_tokens * self.bytes_per_token, self._tenant(tenant))
+
+    def stats(self, tenant: str | None = None) -> dict[str, Any]:
+        """Hit counters and memory figures, for one tenant or (None) all."""
+        c = self.engine.tenant_counters(tenant)
+        mem = self.store.snapshot_stats()
+        queries = c["queries"]
+        out: dict[str, Any] = {
+            "queries": queries, "hits": c["hit"], "partial_hits": c["partial"], "misses": c["miss"],
+            "bypassed": c["bypassed"], "prompt_tokens": c["prompt_tokens"], "cached_tokens": c["cached_tokens"],
+            "completion_tokens": c["completion_tokens"],
+            "hit_rate": (c["hit"] + c["partial"]) / queries if queries else 0.0,
+            "token_hit_rate": c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
+        }
+        out.update(mem)
+        if tenant is not None:
+            out["bytes"] = mem["tenant_bytes"].get(tenant, 0)
+            out["tenant_bytes"] = {tenant: out["bytes"]}
+        return out
+
+    def flush(self, tenant: str | None = None) -> int:
+        """Drop cached prefixes (one tenant's, or all). Returns bytes freed now."""
+        return self.store.flush(None if tenant is None else self._tenant(tenant))
+
+    def sweep(self) -> int:
+        """Free expired prefixes now (the background sweeper does this periodically)."""
+        return self.store.sweep()
+
+    def check_integrity(self) -> None:
+        self.store.check_integrity()
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._sweeper is not None:
+            self._sweeper.join(timeout=5)
+
+    def __enter__(self) -> PrefixCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- helpers -------------------------------------------------------------------
+    def _sweep_loop(self) -> None:
+        while not self._closed.wait(self.config.sweep_interval_seconds):
+            self.store.sweep()
+
+    def _canon(self) -> Canonicalizer:
+        if self.canonicalizer is None:
+            raise InvalidRequestError("chat/complete need a tokenizer: PrefixCache(model, tokenizer)")
+        return self.canonicalizer
+
+    def _prefix_tokens(self, prefix: Any, tools: Any) -> list[int]:
+        if isinstance(prefix, str):
+            tokens = self.encode_text(prefix)
+        elif isinstance(prefix, Sequence) and prefix and all(isinstance(m, dict) for m in prefix):
+            tokens = list(self._canon().encode_chat(list(prefix), tools=tools, add_generation_prompt=False).token_ids)
+        else:
+            tokens = self._as_ids(prefix)[0].tolist()
+        if not tokens:
+            raise InvalidRequestError("the prefix encodes to zero tokens", param="prefix")
+        return tokens
+
+    def _as_ids(self, value: Any) -> torch.Tensor:
+        if value is None:
+            raise InvalidRequestError("input_ids is required", param="input_ids")
+        try:
+            ids = value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.long)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequestError(f"input_ids must be integer token ids: {exc}", param="input_ids") from exc
+        if ids.dim() == 1:
+            ids = ids.unsqueeze(0)
+        if ids.dim() != 2 or ids.shape[1] == 0 or ids.dtype not in (torch.long, torch.int, torch.int32, torch.int64):
+            raise InvalidRequestError(f"input_ids must be a non-empty [batch, seq] integer tensor, got shape "
+                                      f"{tuple(ids.shape)} dtype {ids.dtype}", param="input_ids")
+        vocab = self.model.get_input_embeddings().num_embeddings
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="input_ids")
+        return ids.to(device=next(self.model.parameters()).device, dtype=torch.long)
+
+    @staticmethod
+    def _tenant(tenant: str | None) -> str:
+        if tenant is None:
+            return DEFAULT_TENANT
+        if not isinstance(tenant, str) or not tenant:
+            raise InvalidRequestError("tenant must be a non-empty string", param="tenant")
+        return tenant
+
+    def _ttl(self, ttl_seconds: float | None) -> float | None:
+        if ttl_seconds is None:
+            return self.config.ttl_seconds
+        if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, (int, float)) or not ttl_seconds > 0:
+            raise InvalidRequestError("ttl_seconds must be a number > 0 (math.inf for no expiry)", param="ttl_seconds")
+        return None if math.isinf(ttl_seconds) else float(ttl_seconds)
+
+    def _pad_id(self, generation_config: GenerationConfig | None) -> int:
+        for cfg in (generation_config, self.model.generation_config):
+            if cfg is not None and cfg.pad_token_id is not None:
+                return int(cfg.pad_token_id)
+        eos = sorted(_as_set(self.model.generation_config.eos_token_id))
+        return eos[0] if eos else 0
+
+
+def _sampling(temperature: float | None, top_p: float | None, top_k: int | None,
+              do_sample: bool | None) -> dict[str, Any]:
+    """Map OpenAI-style sampling to generate() kwargs; temperature 0 or unset means greedy."""
+    if temperature is not None and (not isinstance(temperature, (int, float)) or temperature < 0):
+        raise InvalidRequestError("temperature must be a number >= 0", param="temperature")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise InvalidRequestError("top_p must be in (0, 1]", param="top_p")
+    if top_k is not None and not (isinstance(top_k, int) and top_k >= 0):
+        raise InvalidRequestError("top_k must be an integer >= 0", param="top_k")
+    sample = do_sample if do_sample is not None else bool(temperature)
+    if not sample:
+        return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    out: dict[str, Any] = {"do_sample": True}
+    if temperature:
+        out["temperature"] = float(temperature)
+    if top_p is not None:
+        out["top_p"] = float(top_p)
+    if top_k is not None:
+        out["top_k"] = int(top_k)
+    return out
+
+
+def _as_set(value: Any) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    return {int(v) for v in value}

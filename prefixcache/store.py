@@ -1,0 +1,322 @@
+"""KV snapshot store: the trie plus refcounts, byte accounting and the memory policy.
+
+A snapshot (``node.kv``) is published once, when its node is added, and never written
+again: readers copy from it, writers create new nodes. All methods take the store's
+lock, so lookups, inserts and evictions from many threads are serialised; model work
+happens outside it.
+"""
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from prefixcache.config import CacheConfig
+from prefixcache.hashing import BlockHasher
+from prefixcache.policy import REASONS, evictable, expired_bottom_up, expiry, is_expired, lru_order
+from prefixcache.trie import Node, PrefixTrie, Step
+
+#: Called with (node, reason) just before a snapshot is dropped: the offload hook.
+EvictHook = Callable[[Node, str], None]
+#: Returns a fresh tensor holding the KV of tokens [start, end), shape [L, 2, H, end-start, D].
+KVSlicer = Callable[[int, int], torch.Tensor]
+
+
+@dataclass(slots=True)
+class Lease:
+    """A pinned match. ``steps`` stay alive and unchanged until ``KVStore.release``."""
+
+    root: Node | None
+    steps: list[Step]
+    cached_tokens: int
+    released: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class InsertResult:
+    stored_tokens: int  # tokens of the sequence now cached (prefix-closed)
+    new_bytes: int
+    complete: bool  # False when the budget or quota cut the insert short
+
+
+class KVStore:
+    def __init__(self, config: CacheConfig, hasher: BlockHasher, clock: Callable[[], float],
+                 on_evict: EvictHook | None = None):
+        self.config = config
+        self.trie = PrefixTrie(config.block_size, hasher)
+        self._clock = clock
+        self._on_evict = on_evict
+        self._lock = threading.RLock()
+        self.bytes = 0
+        self.tenant_bytes: Counter[str] = Counter()
+        self.evictions: Counter[str] = Counter({r: 0 for r in REASONS})
+        self.reclaimed_bytes: Counter[str] = Counter({r: 0 for r in REASONS})
+        self._leaves: set[Node] = set()
+
+    # -- read path -----------------------------------------------------------------
+    def acquire(self, namespace: tuple[str, ...], tenant: str, tokens: Sequence[int], limit: int,
+                ttl_seconds: float | None) -> Lease:
+        """Match the longest live prefix of ``tokens[:limit]`` and pin it (refcount walk)."""
+        with self._lock:
+            now = self._clock()
+            root = self.trie.root(namespace, tenant, create=False)
+            if root is None or limit <= 0:
+                return Lease(root, [], 0)
+            steps = self.trie.match(root, tokens, limit, lambda n: _usable(n, now))
+            root.refcount += 1
+            for step in steps:
+                step.node.refcount += 1
+            self._touch([s.node for s in steps], now, ttl_seconds)
+            return Lease(root, steps, sum(s.used for s in steps))
+
+    def release(self, lease: Lease) -> None:
+        """Drop a lease's refcounts; nodes flushed or expired meanwhile are freed now."""
+        with self._lock:
+            if lease.released or lease.root is None:
+                lease.released = True
+                return
+            lease.released = True
+            for step in lease.steps:
+                step.node.refcount -= 1
+            lease.root.refcount -= 1
+            now = self._clock()
+            for step in reversed(lease.steps):
+                node = step.node
+                if node.alive and node.refcount == 0 and node.num_children == 0 and not _usable(node, now):
+                    self._free(node, "flush" if node.doomed else "ttl")
+            self.trie.drop_root_if_empty(lease.root)
+
+    # -- write path ----------------------------------------------------------------
+    def insert(self, namespace: tuple[str, ...], tenant: str, tokens: Sequence[int], slice_kv: KVSlicer,
+               ttl_seconds: float | None, pin: bool = False) -> InsertResult:
+        """Store the KV of ``tokens`` (all of them) below ``namespace``, block by block.
+
+        Blocks are added root-first, so what is stored is always a prefix of
+        ``tokens``; under budget or quota pressure the tail is dropped, never an error.
+        With ``pin``, the whole stored path is pinned (``unpin`` undoes it).
+        """
+        with self._lock:
+            now = self._clock()
+            root = self.trie.root(namespace, tenant, create=True)
+            # Every node on the path is held (refcount) while we evict to make room,
+            # so eviction can never free the node we are about to attach to.
+            held: list[Node] = [root]
+            root.refcount += 1
+            try:
+                new_bytes, pos = self._grow(root, tokens, slice_kv, tenant, held, now)
+            finally:
+                for node in held:
+                    node.refcount -= 1
+            path = held[1:]
+            self._touch(path, now, ttl_seconds)
+            complete = pos == len(tokens)
+            if pin and complete:
+                for node in path:
+                    node.pins += 1
+            self.trie.drop_root_if_empty(root)
+            return InsertResult(pos, new_bytes, complete)
+
+    def _grow(self, root: Node, tokens: Sequence[int], slice_kv: KVSlicer, tenant: str,
+              held: list[Node], now: float) -> tuple[int, int]:
+        """Walk existing blocks and add missing ones; returns (new bytes, tokens covered)."""
+        bs, new_bytes, pos, attach = self.config.block_size, 0, 0, root
+        while pos < len(tokens):
+            chunk = tuple(tokens[pos : pos + bs])
+            node = self._covering_child(attach, chunk, now)
+            if node is None:
+                kv = slice_kv(pos, pos + len(chunk))
+                nbytes = _tensor_bytes(kv)
+                if not self._make_room(nbytes, tenant):
+                    break
+                self._drop_superseded(attach, chunk)
+                node = self.trie.add_child(attach, chunk)
+                node.kv, node.nbytes = kv, nbytes
+                self._account(node, +1)
+                new_bytes += nbytes
+            node.refcount += 1
+            held.append(node)
+            pos += len(chunk)
+            if len(chunk) < bs or len(node.tokens) < bs:
+                break
+            attach = node
+        return new_bytes, pos
+
+    def _covering_child(self, parent: Node, chunk: tuple[int, ...], now: float) -> Node | None:
+        """An existing usable block holding ``chunk`` (a partial chunk may sit inside a longer block)."""
+        for child in parent.by_first.get(chunk[0], ()):
+            if _usable(child, now) and child.tokens[: len(chunk)] == chunk:
+                if len(child.tokens) == len(chunk) or len(chunk) < self.config.block_size:
+                    return child
+        return None
+
+    def _drop_superseded(self, parent: Node, chunk: tuple[int, ...]) -> None:
+        """Copy-on-write: a new block replaces shorter partial siblings it extends, if unused."""
+        for child in list(parent.by_first.get(chunk[0], ())):
+            if len(child.tokens) < len(chunk) and chunk[: len(child.tokens)] == child.tokens and evictable(child):
+                self._free(child, "lru")
+
+    def unpin(self, namespace: tuple[str, ...], tokens: Sequence[int]) -> int:
+        """Undo one ``pin`` of exactly this token path. Returns the tokens unpinned."""
+        with self._lock:
+            root = self.trie.root(namespace, "", create=False)
+            if root is None:
+                return 0
+            steps = self.trie.match(root, tokens, len(tokens), lambda n: n.alive)
+            if sum(s.used for s in steps) != len(tokens) or any(s.node.pins == 0 for s in steps):
+                return 0
+            for step in steps:
+                step.node.pins -= 1
+            return len(tokens)
+
+    # -- policy --------------------------------------------------------------------
+    def _make_room(self, need: int, tenant: str) -> bool:
+        """Evict until ``need`` more bytes fit the tenant quota and the budget."""
+        cfg = self.config
+        if need > cfg.max_bytes or (cfg.tenant_quota_bytes is not None and need > cfg.tenant_quota_bytes):
+            return False
+        self._expire(self._clock())
+        if cfg.tenant_quota_bytes is not None and self.tenant_bytes[tenant] + need > cfg.tenant_quota_bytes:
+            # Over its quota, a tenant evicts only its own entries.
+            for victim in lru_order(list(self._leaves), lambda n: n.tenant == tenant):
+                self._free(victim, "quota")
+                if self.tenant_bytes[tenant] + need <= cfg.tenant_quota_bytes:
+                    break
+            else:
+                return False
+        if self.bytes + need > cfg.max_bytes:
+            for victim in lru_order(list(self._leaves), lambda n: True):
+                self._free(victim, "lru")
+                if self.bytes + need <= cfg.max_bytes:
+                    break
+            else:
+                return False
+        return True
+
+    def can_admit(self, need: int, tenant: str) -> bool:
+        """Whether ``need`` more bytes could be stored for ``tenant`` now, evicting only what may go."""
+        with self._lock:
+            cfg = self.config
+            reclaimable = sum(n.nbytes for n in self.trie.iter_nodes() if n.refcount == 0 and n.pins == 0)
+            if cfg.tenant_quota_bytes is not None:
+                own = sum(n.nbytes for n in self.trie.iter_nodes()
+                          if n.tenant == tenant and n.refcount == 0 and n.pins == 0)
+                if self.tenant_bytes[tenant] - own + need > cfg.tenant_quota_bytes:
+                    return False
+            return self.bytes - reclaimable + need <= cfg.max_bytes
+
+    def _expire(self, now: float) -> int:
+        freed = 0
+        for node in expired_bottom_up(self.trie.iter_nodes(), now):
+            if node.alive and node.num_children == 0 and node.refcount == 0:
+                freed += node.nbytes
+                self._free(node, "ttl")
+        return freed
+
+    def sweep(self) -> int:
+        """Free every expired prefix nobody is reading. Returns bytes freed."""
+        with self._lock:
+            return self._expire(self._clock())
+
+    def flush(self, tenant: str | None = None) -> int:
+        """Drop every prefix (of one tenant, or all). Prefixes in use die on release."""
+        with self._lock:
+            freed = 0
+            for node in sorted(self.trie.iter_nodes(), key=lambda n: n.start, reverse=True):
+                if tenant is not None and node.tenant != tenant:
+                    continue
+                node.doomed = True  # never matched again; freed here or on release
+                node.pins = 0
+                if node.refcount == 0 and node.num_children == 0:
+                    freed += node.nbytes
+                    self._free(node, "flush")
+            for root in list(self.trie.roots()):
+                self.trie.drop_root_if_empty(root)
+            return freed
+
+    # -- bookkeeping ---------------------------------------------------------------
+    def _touch(self, nodes: list[Node], now: float, ttl_seconds: float | None) -> None:
+        until = expiry(now, ttl_seconds)
+        for node in nodes:  # root-first, so a parent never expires before its child
+            node.last_access = now
+            # New (or expired but still in use) nodes take the new deadline; live ones keep the later one.
+            node.expires_at = until if node.expires_at <= now else max(node.expires_at, until)
+
+    def _account(self, node: Node, sign: int) -> None:
+        self.bytes += sign * node.nbytes
+        self.tenant_bytes[node.tenant] += sign * node.nbytes
+        if sign > 0:
+            self._leaves.add(node)
+            self._leaves.discard(node.parent)
+        else:
+            self._leaves.discard(node)
+
+    def _free(self, node: Node, reason: str) -> None:
+        if self._on_evict is not None:
+            self._on_evict(node, reason)
+        self.trie.remove_leaf(node)
+        self._account(node, -1)
+        parent = node.parent
+        if parent is not None and not parent.is_root and parent.num_children == 0:
+            self._leaves.add(parent)
+        self.evictions[reason] += 1
+        self.reclaimed_bytes[reason] += node.nbytes
+        node.kv = None
+
+    def snapshot_stats(self) -> dict[str, Any]:
+        with self._lock:
+            nodes = list(self.trie.iter_nodes())
+            return {
+                "bytes": self.bytes,
+                "budget_bytes": self.config.max_bytes,
+                "entries": len(nodes),
+                "cached_tokens_held": sum(len(n.tokens) for n in nodes),
+                "pinned_bytes": sum(n.nbytes for n in nodes if n.pins > 0),
+                "tenant_bytes": {t: b for t, b in self.tenant_bytes.items() if b},
+                "evictions": dict(self.evictions),
+                "reclaimed_bytes": dict(self.reclaimed_bytes),
+            }
+
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if any invariant of the store is broken.
+
+        Bytes held equal the bytes of live snapshot tensors (overall and per tenant);
+        refcounts and pins are never negative; every node is reachable from its root
+        and indexed under its parent; partial blocks are leaves; a parent never
+        expires before its child; the leaf set is exact; the budget holds.
+        """
+        with self._lock:
+            bs, total, per_tenant = self.config.block_size, 0, Counter()
+            nodes = list(self.trie.iter_nodes())
+            for root in self.trie.roots():
+                assert root.alive and root.refcount >= 0 and root.namespace is not None
+            for node in nodes:
+                parent = node.parent
+                assert node.alive and node.kv is not None, "freed node still reachable"
+                assert node.refcount >= 0 and node.pins >= 0
+                assert parent is not None and parent.alive and node.start == parent.end
+                assert node in parent.by_key[node.key] and node in parent.by_first[node.tokens[0]]
+                assert parent.is_root or len(parent.tokens) == bs, "partial block with children"
+                assert 0 < len(node.tokens) <= bs and node.tenant == parent.tenant
+                assert node.num_children == sum(1 for _ in node.children())
+                assert parent.is_root or parent.expires_at >= node.expires_at or parent.doomed
+                assert node.nbytes == _tensor_bytes(node.kv) == node.kv.numel() * node.kv.element_size()
+                assert node.kv.shape[-2] == len(node.tokens)
+                assert (node in self._leaves) == (node.num_children == 0)
+                total += node.nbytes
+                per_tenant[node.tenant] += node.nbytes
+            assert len(self._leaves) == sum(1 for n in nodes if n.num_children == 0)
+            assert total == self.bytes, f"accounted {self.bytes} != live {total}"
+            assert all(per_tenant[t] == b for t, b in self.tenant_bytes.items()), "tenant bytes drift"
+            assert self.bytes <= self.config.max_bytes, "over budget"
+
+def _usable(node: Node, now: float) -> bool:
+    return node.alive and not node.doomed and not is_expired(node, now)
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()

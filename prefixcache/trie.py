@@ -1,0 +1,168 @@
+"""Prefix trie over token blocks: structure and matching, no policy.
+
+Each node holds one block of at most ``block_size`` tokens that starts at a multiple
+of ``block_size``. Only full blocks have children, so a partial block is always a
+leaf; extending one creates a full sibling (copy-on-write) instead of writing to it.
+Children are indexed two ways: by chained block key (exact full-block lookups in
+O(1)) and by first token (token-granular partial matches). Every candidate found by
+key is confirmed by comparing token ids.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from prefixcache.hashing import BlockHasher
+
+
+@dataclass(slots=True, eq=False)
+class Node:
+    """One block of a cached prefix. ``kv`` is opaque here (the store owns it)."""
+
+    key: int
+    tokens: tuple[int, ...]
+    start: int
+    parent: Node | None
+    tenant: str
+    kv: Any = None
+    nbytes: int = 0
+    by_key: dict[int, list[Node]] = field(default_factory=dict)
+    by_first: dict[int, list[Node]] = field(default_factory=dict)
+    num_children: int = 0
+    refcount: int = 0
+    pins: int = 0
+    last_access: float = 0.0
+    expires_at: float = -math.inf  # set when the store publishes the node
+    alive: bool = True
+    doomed: bool = False  # flushed while in use: never matched, freed on release
+    namespace: tuple[str, ...] | None = None  # set on roots only
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    def children(self) -> Iterator[Node]:
+        for bucket in self.by_first.values():
+            yield from bucket
+
+
+class Step(NamedTuple):
+    """A matched node and how many of its tokens the match uses (from its start)."""
+
+    node: Node
+    used: int
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class PrefixTrie:
+    """Namespace roots plus block nodes. Not thread-safe: the store serialises access."""
+
+    def __init__(self, block_size: int, hasher: BlockHasher):
+        self.block_size = block_size
+        self.hasher = hasher
+        self._roots: dict[int, list[Node]] = {}
+
+    # -- roots ---------------------------------------------------------------------
+    def root(self, namespace: tuple[str, ...], tenant: str, create: bool) -> Node | None:
+        key = self.hasher.root(namespace)
+        for node in self._roots.get(key, ()):
+            if node.namespace == namespace:  # confirm: a hash never decides alone
+                return node
+        if not create:
+            return None
+        node = Node(key=key, tokens=(), start=0, parent=None, tenant=tenant, namespace=namespace)
+        self._roots.setdefault(key, []).append(node)
+        return node
+
+    def roots(self) -> Iterator[Node]:
+        for bucket in self._roots.values():
+            yield from bucket
+
+    def drop_root_if_empty(self, root: Node) -> None:
+        if root.num_children == 0 and root.refcount == 0:
+            bucket = self._roots.get(root.key, [])
+            if root in bucket:
+                bucket.remove(root)
+                if not bucket:
+                    del self._roots[root.key]
+            root.alive = False
+
+    # -- matching ------------------------------------------------------------------
+    def match(self, root: Node, tokens: Sequence[int], limit: int, usable: Callable[[Node], bool]) -> list[Step]:
+        """Longest cached prefix of ``tokens[:limit]`` below ``root``, token-granular.
+
+        Full blocks are found by chained key and confirmed by token ids; the last
+        step may use only part of a node (a partial block, or a divergence inside a
+        block). Nodes for which ``usable`` is false (expired, freed) end the match.
+        """
+        steps: list[Step] = []
+        node, pos, bs = root, 0, self.block_size
+        while pos < limit:
+            block = tuple(tokens[pos : pos + bs])
+            child = None
+            if len(block) == bs:
+                key = self.hasher.chain(node.key, block)
+                child = next((c for c in node.by_key.get(key, ()) if c.tokens == block and usable(c)), None)
+            if child is not None:
+                used = min(bs, limit - pos)
+                steps.append(Step(child, used))
+                pos += used
+                node = child
+                if used < bs:
+                    break
+                continue
+            best, best_len = None, 0
+            want = tokens[pos:limit]
+            for cand in node.by_first.get(want[0], ()):
+                if usable(cand):
+                    n = _common_prefix(cand.tokens, want)
+                    if n > best_len:
+                        best, best_len = cand, n
+            if best is not None:
+                steps.append(Step(best, best_len))
+            break
+        return steps
+
+    # -- mutation ------------------------------------------------------------------
+    def add_child(self, parent: Node, tokens: tuple[int, ...]) -> Node:
+        assert parent.is_root or len(parent.tokens) == self.block_size, "only full blocks have children"
+        assert 0 < len(tokens) <= self.block_size
+        key = self.hasher.chain(parent.key, tokens)
+        node = Node(key=key, tokens=tokens, start=parent.end, parent=parent, tenant=parent.tenant)
+        parent.by_key.setdefault(key, []).append(node)
+        parent.by_first.setdefault(tokens[0], []).append(node)
+        parent.num_children += 1
+        return node
+
+    def remove_leaf(self, node: Node) -> None:
+        assert node.num_children == 0 and node.parent is not None
+        parent = node.parent
+        for index, k in ((parent.by_key, node.key), (parent.by_first, node.tokens[0])):
+            bucket = index[k]
+            bucket.remove(node)
+            if not bucket:
+                del index[k]
+        parent.num_children -= 1
+        node.alive = False
+
+    def iter_nodes(self) -> Iterator[Node]:
+        """Every non-root node, parents before children."""
+        stack = list(self.roots())
+        while stack:
+            node = stack.pop()
+            if not node.is_root:
+                yield node
+            stack.extend(node.children())
