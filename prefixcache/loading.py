@@ -234,13 +234,14 @@ def _convert_atomically(gguf: Path, folder: Path) -> None:
             with open(tmp / name, "rb") as f:
                 os.fsync(f.fileno())
         (tmp / _MARKER).write_text(json.dumps({"source": str(gguf), "files": sizes}))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the published copy is a normal cache folder
         try:
             os.rename(tmp, folder)  # atomic publish; fails if another process published first
+            logger.info("converted %s in %.1f s into %s", gguf.name, time.perf_counter() - start, folder)
         except OSError:
             if not _is_complete(folder):
                 raise
             logger.info("another process published %s first; using it", folder)
-        logger.info("converted %s in %.1f s into %s", gguf.name, time.perf_counter() - start, folder)
     except ModelLoadError:
         raise
     except Exception as exc:  # same reason as in _from_pretrained: one type for the caller

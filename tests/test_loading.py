@@ -118,23 +118,34 @@ def test_half_written_copy_is_reconverted(default, fake_convert, tmp_path, damag
 
 
 @pytest.mark.slow
-def test_concurrent_first_calls_publish_one_copy(default, fake_convert, tmp_path):
-    results, errors = [], []
+def test_concurrent_conversions_publish_one_copy(default, fake_convert, tmp_path, monkeypatch):
+    # Both converters are in flight before either publishes, so they race the rename.
+    # Threads stand in for processes here: the race is on the folder, not in memory.
+    # (They do not call from_pretrained at once: transformers 5.23 loading is not
+    # thread-safe and yields meta tensors.)
+    barrier = threading.Barrier(2, timeout=30)
+    link = loading._convert_gguf
+    monkeypatch.setattr(loading, "_convert_gguf", lambda gguf, dest: (barrier.wait(), link(gguf, dest)))
+    folder = tmp_path / default.folder.name
+    errors: list[BaseException] = []
 
-    def worker():
+    def convert():
         try:
-            results.append(load_default_model(cache_dir=tmp_path))
-        except Exception as exc:  # surfaced by the assert below
+            loading._convert_atomically(loading.find_default_gguf(), folder)
+        except BaseException as exc:  # surfaced by the assert below
             errors.append(exc)
 
-    threads = [threading.Thread(target=worker) for _ in range(2)]
+    threads = [threading.Thread(target=convert) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert not errors and len(results) == 2
-    assert len(_converted_folders(tmp_path)) == 1
+    assert not errors and len(fake_convert) == 2
+    assert _converted_folders(tmp_path) == [folder] and loading._is_complete(folder)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    model, tokenizer = load_default_model(cache_dir=tmp_path)
+    assert len(fake_convert) == 2  # loaded the published copy, no third conversion
+    assert torch.equal(_logits(model, tokenizer), default.logits)
 
 
 @pytest.mark.slow

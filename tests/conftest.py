@@ -1,0 +1,81 @@
+"""Shared fixtures: tiny random models of several architectures, and the default model."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+TINY_VOCAB = 320
+PAD, EOS = 0, 1
+
+_ARCHS = {
+    # Llama with grouped-query attention (4 query heads share 2 KV heads).
+    "llama-gqa": lambda: LlamaForCausalLM(LlamaConfig(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)),
+    # Mistral with its sliding window larger than any test sequence: full attention holds.
+    "mistral": lambda: MistralForCausalLM(MistralConfig(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, sliding_window=4096)),
+    # GPT-2: absolute position embeddings, so a wrong cache offset shows up at once.
+    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(
+        vocab_size=TINY_VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=1024,
+        bos_token_id=EOS, eos_token_id=EOS)),
+}
+ARCHS = tuple(_ARCHS)
+
+
+def build_tiny(arch: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = _ARCHS[arch]().eval()
+    model.generation_config.pad_token_id = PAD
+    model.generation_config.eos_token_id = EOS
+    model.generation_config.bos_token_id = EOS
+    return model
+
+
+@pytest.fixture(scope="session", params=ARCHS)
+def tiny_model(request) -> torch.nn.Module:
+    return build_tiny(request.param)
+
+
+@pytest.fixture(scope="session")
+def llama() -> torch.nn.Module:
+    return build_tiny("llama-gqa")
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    from prefixcache import load_default_model
+
+    return load_default_model()
+
+
+class FakeClock:
+    """Injected clock: tests move time explicitly and never sleep."""
+
+    def __init__(self, start: float = 1000.0):
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
