@@ -1,0 +1,176 @@
+"""Engine behaviour: suffix-only prefill, immutable snapshots, isolation, bypasses."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from prefixcache import CacheConfig, InvalidRequestError, PrefixCache
+from prefixcache.loading import model_fingerprint
+from tests.conftest import build_tiny
+
+
+def forwarded_tokens(model):
+    """Record how many tokens each forward call of ``model`` receives."""
+    seen: list[int] = []
+    handle = model.register_forward_pre_hook(
+        lambda _m, args, kwargs: seen.append((kwargs.get("input_ids") if "input_ids" in kwargs else args[0]).shape[-1]),
+        with_kwargs=True)
+    return seen, handle
+
+
+def test_hit_forwards_only_the_suffix(llama):
+    cache = PrefixCache(llama, None, CacheConfig(block_size=8), start_sweeper=False)
+    system = list(range(5, 105))
+    cache.generate(torch.tensor([system + [200, 201]]), max_new_tokens=3, do_sample=False)
+    prompt = system + [210, 211, 212, 213, 214, 215, 216]
+    seen, handle = forwarded_tokens(llama)
+    try:
+        cache.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False)
+    finally:
+        handle.remove()
+    cached = cache.last_call.cached_tokens
+    assert cached == len(system)  # token-granular: the whole shared system prompt, not a block multiple
+    assert seen[0] == len(prompt) - cached  # prefill forwards only the suffix
+    assert seen[1:] == [1, 1]  # then one token per decode step
+
+
+def test_exact_repeat_recomputes_only_last_token(llama):
+    cache = PrefixCache(llama, None, start_sweeper=False)
+    prompt = torch.tensor([list(range(30, 90))])
+    cache.generate(prompt, max_new_tokens=2, do_sample=False)
+    seen, handle = forwarded_tokens(llama)
+    try:
+        cache.generate(prompt, max_new_tokens=2, do_sample=False)
+    finally:
+        handle.remove()
+    assert cache.last_call.cached_tokens == 59 and seen[0] == 1
+
+
+def _checksums(cache: PrefixCache) -> dict[int, torch.Tensor]:
+    return {id(n): n.kv.clone() for n in cache.store.trie.iter_nodes()}
+
+
+def test_snapshots_unchanged_after_reuse_including_threads(llama):
+    cache = PrefixCache(llama, None, CacheConfig(block_size=8, cache_generated=False), start_sweeper=False)
+    system = list(range(40, 140))
+    cache.warm(system)
+    before = _checksums(cache)
+    prompts = [system + [150 + i % 7, 151] for i in range(50)]
+
+    def reuse(chunk):
+        for p in chunk:
+            cache.generate(torch.tensor([p]), max_new_tokens=3, do_sample=False)
+            assert cache.last_call.cached_tokens >= len(system)
+
+    reuse(prompts[:20])
+    threads = [threading.Thread(target=reuse, args=(prompts[20 + 10 * k: 30 + 10 * k],)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    after = {id(n): n for n in cache.store.trie.iter_nodes()}
+    for key, snapshot in before.items():
+        assert key in after and torch.equal(after[key].kv, snapshot), "a published snapshot changed"
+    assert all(n.refcount == 0 for n in after.values())
+    cache.check_integrity()
+
+
+def test_other_tenant_gets_nothing(llama):
+    cache = PrefixCache(llama, None, start_sweeper=False)
+    prompt = torch.tensor([list(range(10, 80))])
+    cache.generate(prompt, max_new_tokens=2, do_sample=False, tenant="acme")
+    cache.generate(prompt, max_new_tokens=2, do_sample=False, tenant="globex")
+    assert cache.last_call.cached_tokens == 0
+    cache.generate(prompt, max_new_tokens=2, do_sample=False, tenant="acme")
+    assert cache.last_call.cached_tokens == 69
+    assert cache.stats("globex")["hits"] == 0 and cache.stats("acme")["hits"] == 1
+
+
+def test_other_model_revision_gets_nothing(llama):
+    """Same tokens, same store, another revision of the weights: no KV is shared."""
+    other = build_tiny("llama-gqa", seed=1)
+    assert model_fingerprint(other) != model_fingerprint(llama)
+    cache = PrefixCache(llama, None, start_sweeper=False)
+    tokens = list(range(10, 80))
+    cache.warm(tokens)
+    foreign = ("default", *model_fingerprint(other), cache.namespace("default")[-1])
+    lease = cache.store.acquire(foreign, "default", tokens, len(tokens) - 1, None)
+    assert lease.cached_tokens == 0
+    cache.store.release(lease)
+    lease = cache.store.acquire(cache.namespace("default"), "default", tokens, len(tokens) - 1, None)
+    assert lease.cached_tokens == len(tokens) - 1
+    cache.store.release(lease)
+
+
+def test_namespace_parts_cannot_alias(llama):
+    cache = PrefixCache(llama, None, start_sweeper=False)
+    tokens = list(range(10, 50))
+    cache.warm(tokens, tenant="ab")
+    # ("ab", "c...") vs ("a", "bc..."): joined strings would collide; length prefixes do not.
+    assert cache.store.trie.hasher.root(("a", "bc")) != cache.store.trie.hasher.root(("ab", "c"))
+    cache.generate(torch.tensor([tokens]), max_new_tokens=1, do_sample=False, tenant="a")
+    assert cache.last_call.cached_tokens == 0
+
+
+def test_options_the_cache_cannot_serve_bypass_it(llama):
+    cache = PrefixCache(llama, None, start_sweeper=False)
+    prompt = torch.tensor([list(range(10, 40))])
+    cache.generate(prompt, max_new_tokens=2, do_sample=False)
+    expected = llama.generate(prompt, max_new_tokens=3, num_beams=2, do_sample=False)
+    got = cache.generate(prompt, max_new_tokens=3, num_beams=2, do_sample=False)
+    assert torch.equal(expected, got)
+    assert "num_beams" in cache.last_call.bypass_reason and cache.last_call.cached_tokens == 0
+    assert cache.stats()["bypassed"] == 1
+
+
+def test_return_dict_and_scores_match(llama):
+    cache = PrefixCache(llama, None, start_sweeper=False)
+    prompt = torch.tensor([list(range(10, 60))])
+    cache.generate(prompt, max_new_tokens=2, do_sample=False)
+    kw = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    ref, got = llama.generate(prompt, **kw), cache.generate(prompt, **kw)
+    assert cache.last_call.cached_tokens == 49
+    assert torch.equal(ref.sequences, got.sequences)
+    for a, b in zip(ref.scores, got.scores):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_padded_batch_rows_equal_single_prompts(llama):
+    cache = PrefixCache(llama, None, start_sweeper=False)
+    rows = [list(range(10, 40)), list(range(10, 30)) + [99, 98]]
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    out = cache.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert out.shape[0] == 2 and torch.equal(out[:, :width], ids)
+    for i, r in enumerate(rows):
+        single = llama.generate(torch.tensor([r]), max_new_tokens=4, do_sample=False)[0, len(r):]
+        assert torch.equal(out[i, width: width + len(single)], single)
+    with pytest.raises(InvalidRequestError, match="batch size 1"):
+        cache.generate(ids, attention_mask=mask, max_new_tokens=2, return_dict_in_generate=True)
+
+
+@pytest.mark.parametrize("bad", [[], [[]], [[1, 2], [3]], [[-1, 2]], [[10**9]], "text"])
+def test_bad_input_ids_raise_clear_errors(llama, bad):
+    cache = PrefixCache(llama, None, start_sweeper=False)
+    with pytest.raises(InvalidRequestError):
+        cache.generate(bad, max_new_tokens=2)
+
+
+def test_exception_mid_generation_releases_pins(llama):
+    cache = PrefixCache(llama, None, start_sweeper=False)
+    prompt = torch.tensor([list(range(10, 60))])
+    cache.generate(prompt, max_new_tokens=2, do_sample=False)
+
+    class Boom(RuntimeError):
+        pass
+
+    def explode(input_ids, scores):
+        raise Boom("mid-decode")
+
+    with pytest.raises(Boom):
+        cache.generate(prompt, max_new_tokens=4, do_sample=False, logits_processor=[explode])
+    assert all(n.refcount == 0 for n in cache.store.trie.iter_nodes())
+    cache.check_integrity()
