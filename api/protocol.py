@@ -1,0 +1,277 @@
+"""Request and response schemas of the proxy (OpenAI's shapes, plus the cache admin routes).
+
+Requests forbid unknown fields: OpenAI answers an unrecognized argument with a 400,
+and a sampling option we silently dropped would change answers without a word. Every
+OpenAI sampling parameter is declared; the ones the proxy cannot honour are rejected
+with a 400 in ``sampling.py``. Chat messages ignore extra keys (clients echo back
+``refusal``, ``annotations``…), and the canonicalizer drops them anyway.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+
+def _valid_unicode(value: Any) -> Any:
+    """Reject lone surrogates anywhere in a value: JSON allows them, tokenizers crash on them."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError("text must be valid Unicode (a lone surrogate escape was sent)") from exc
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _valid_unicode(k)
+            _valid_unicode(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _valid_unicode(v)
+    return value
+
+
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+JSONObject = Annotated[dict[str, Any], AfterValidator(_valid_unicode)]
+_REQUEST = ConfigDict(extra="forbid", allow_inf_nan=False)
+_SEED = Field(None, ge=-(2**63), le=2**64 - 1, description="Seed for sampling (reproducible with the same seed).")
+
+
+# -- requests ----------------------------------------------------------------------
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Text
+    text: Text | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
+    tool_calls: list[JSONObject] | None = None
+    tool_call_id: Text | None = None
+
+
+class FunctionDefinition(BaseModel):
+    model_config = _REQUEST
+    name: Text = Field(min_length=1, max_length=64)
+    description: Text | None = None
+    parameters: JSONObject | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = _REQUEST
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _REQUEST
+    type: Literal["function"]
+    function: JSONObject
+
+
+class StreamOptions(BaseModel):
+    model_config = _REQUEST
+    include_usage: bool | None = Field(None, description="Send a last chunk with usage (choices empty).")
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class SamplingParams(BaseModel):
+    """Parameters chat and text completions share."""
+
+    model_config = _REQUEST
+    model: Text = Field(description="The served model name (see /v1/models).")
+    max_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
+    temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy. Unset: the server default.")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0, description="Extension (as in vLLM): keep the k likeliest tokens.")
+    n: int | None = Field(None, ge=1, le=128, description="Only 1 is supported.")
+    stop: Text | list[Text] | None = Field(None, description="Up to 4 strings; the text ends before one.")
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, description="Token id (as a string) -> bias added to its logit.")
+    seed: int | None = _SEED
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: Text | None = Field(None, description="End-user id, for the caller's records. Never selects a "
+                              "tenant or cache namespace: that comes from the API key.")
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingParams:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+
+class ChatCompletionRequest(SamplingParams):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens.")
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class CompletionRequest(SamplingParams):
+    prompt: Text | list[Text] | list[int] | list[list[int]]
+    suffix: Text | None = None
+    echo: bool | None = Field(None, description="Return the prompt before the completion.")
+    best_of: int | None = Field(None, ge=1, le=20, description="Only 1 is supported.")
+    logprobs: int | None = Field(None, ge=0, le=5)
+
+
+class PrewarmRequest(BaseModel):
+    """Prefill and keep a prefix: chat ``messages`` (without a generation prompt) or a text ``prompt``."""
+
+    model_config = _REQUEST
+    model: Text | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    prompt: Text | None = None
+    tools: list[Tool] | None = None
+    pin: bool = Field(False, description="Keep it until flushed or its TTL ends (no TTL unless given).")
+    ttl_seconds: float | None = Field(None, gt=0, description="Idle expiry of this prefix. Unset: the server's.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PrewarmRequest:
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("give exactly one of messages or prompt")
+        return self
+
+
+# -- responses ---------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="Prompt tokens whose KV came from the prefix cache.")
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"]
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"]
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "prefixcache"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class PrewarmResponse(BaseModel):
+    object: Literal["cache.prewarm"] = "cache.prewarm"
+    tenant: str
+    prompt_tokens: int
+    cached_tokens: int = Field(description="Tokens that were already cached before this call.")
+    stored_tokens: int
+    pinned: bool
+
+
+class FlushResponse(BaseModel):
+    object: Literal["cache.flush"] = "cache.flush"
+    tenant: str | None = Field(description="The tenant flushed; null = every tenant (admin).")
+    freed_bytes: int
+
+
+class QueueInfo(BaseModel):
+    running: int
+    waiting: int
+    capacity: int
+
+
+class CacheStats(BaseModel):
+    """Hit counters of one tenant (or all, for admin) and memory figures.
+
+    Store-wide figures (entries, pinned bytes, evictions) are shown to admin only: for a
+    tenant they would reveal other tenants' traffic.
+    """
+
+    object: Literal["cache.stats"] = "cache.stats"
+    tenant: str | None
+    queries: int
+    hits: int
+    partial_hits: int
+    misses: int
+    bypassed: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    hit_rate: float
+    token_hit_rate: float
+    bytes: int
+    budget_bytes: int
+    tenant_quota_bytes: int | None
+    entries: int | None = None
+    pinned_bytes: int | None = None
+    tenant_bytes: dict[str, int] | None = None
+    evictions: dict[str, int] | None = None
+    reclaimed_bytes: dict[str, int] | None = None
+    queue: QueueInfo | None = None
+
+
+class Health(BaseModel):
+    status: str
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

@@ -1,0 +1,289 @@
+"""HTTP routes: authenticate, turn the request into a job, hand it to ``Serving``, shape the answer.
+
+Handlers stay thin: tenancy lives in ``auth``, parameter handling in ``sampling``,
+queueing and cancellation in ``serving``, error mapping in ``errors``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query, Request, Security
+from fastapi.responses import Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from prefixcache import GenerationResult
+
+from .auth import Principal
+from .errors import NotFoundError, UnavailableError, map_exception
+from .metrics import CONTENT_TYPE
+from .protocol import (
+    AssistantMessage,
+    CacheStats,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    ErrorResponse,
+    FlushResponse,
+    Health,
+    ModelCard,
+    ModelList,
+    PrewarmRequest,
+    PrewarmResponse,
+    PromptTokensDetails,
+    QueueInfo,
+    UsageInfo,
+)
+from .sampling import chat_job, completion_job
+from .serving import Serving, TextStream
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+_bearer = HTTPBearer(auto_error=False, description="A tenant's API key, or the admin key.")
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": text} for status, text in (
+        (400, "Invalid request (validation, context length)"), (401, "Missing or wrong API key"),
+        (403, "Needs the admin key"), (404, "Unknown model"), (429, "Queue full (Retry-After)"),
+        (503, "Not ready, shutting down or out of cache capacity (Retry-After)"), (504, "Timed out"))}
+_SSE = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or server-sent events if stream is true"}}
+_TENANT = Query(None, description="Admin only: act on this tenant (omit for all). Others may name only their own.")
+
+
+# -- dependencies --------------------------------------------------------------------
+def principal(request: Request, _: HTTPAuthorizationCredentials | None = Security(_bearer)) -> Principal:
+    return request.app.state.keyring.authenticate(request.headers.get("authorization"))
+
+
+def serving(request: Request) -> Serving:
+    current = request.app.state.serving
+    if current is None:
+        raise UnavailableError("the model is still loading", code="not_ready")
+    return current
+
+
+def _check_model(srv: Serving, model: str | None) -> None:
+    if model is not None and model != srv.model_name:
+        raise NotFoundError(f"The model `{model}` does not exist. This server serves `{srv.model_name}`.",
+                            param="model", code="model_not_found")
+
+
+def _disconnected(request: Request) -> Callable[[], Awaitable[None]]:
+    async def wait() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            await asyncio.sleep(0.05)  # a stray body message; keep listening
+
+    return wait
+
+
+# -- health --------------------------------------------------------------------------
+@router.get("/healthz", response_model=Health, tags=["health"])
+async def healthz() -> Health:
+    """Liveness: the process answers."""
+    return Health(status="ok")
+
+
+@router.get("/readyz", response_model=Health, responses=_ERRORS, tags=["health"])
+async def readyz(request: Request) -> Health:
+    """Readiness: the model is loaded, the server is not shutting down and the queue has room."""
+    if not serving(request).ready:
+        raise UnavailableError("not ready: shutting down or the queue is full", code="not_ready")
+    return Health(status="ready")
+
+
+# -- OpenAI ----------------------------------------------------------------------------
+@router.get("/v1/models", response_model=ModelList, responses=_ERRORS, tags=["openai"])
+async def list_models(who: Principal = Depends(principal), srv: Serving = Depends(serving)) -> ModelList:
+    return ModelList(data=[ModelCard(id=srv.model_name, created=srv.created)])
+
+
+@router.get("/v1/models/{model}", response_model=ModelCard, responses=_ERRORS, tags=["openai"])
+async def get_model(model: str, who: Principal = Depends(principal), srv: Serving = Depends(serving)) -> ModelCard:
+    _check_model(srv, model)
+    return ModelCard(id=srv.model_name, created=srv.created)
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletion, responses={**_ERRORS, **_SSE}, tags=["openai"])
+async def chat_completions(body: ChatCompletionRequest, request: Request, who: Principal = Depends(principal),
+                           srv: Serving = Depends(serving)) -> Any:
+    _check_model(srv, body.model)
+    job = chat_job(body, who.tenant, srv.settings, srv.vocab_size)
+    meta = _Meta.new("chatcmpl", srv)
+    if body.stream:
+        stream = await srv.open_stream(job)
+        usage_chunk = bool(body.stream_options and body.stream_options.include_usage)
+        return _sse(_chat_events(stream, meta, usage_chunk, srv))
+    result = await srv.run(job, _disconnected(request))
+    return ChatCompletion(id=meta.id, created=meta.created, model=meta.model, system_fingerprint=meta.fingerprint,
+                          choices=[ChatChoice(index=0, message=AssistantMessage(content=result.text),
+                                              finish_reason=_finish(result))], usage=_usage(result))
+
+
+@router.post("/v1/completions", response_model=Completion, responses={**_ERRORS, **_SSE}, tags=["openai"])
+async def completions(body: CompletionRequest, request: Request, who: Principal = Depends(principal),
+                      srv: Serving = Depends(serving)) -> Any:
+    _check_model(srv, body.model)
+    job = completion_job(body, who.tenant, srv.settings, srv.vocab_size)
+    meta = _Meta.new("cmpl", srv)
+    if body.stream:
+        stream = await srv.open_stream(job)
+        usage_chunk = bool(body.stream_options and body.stream_options.include_usage)
+        return _sse(_completion_events(stream, meta, usage_chunk, job.prompt if job.echo else None, srv))
+    result = await srv.run(job, _disconnected(request))
+    text = (job.prompt or "") + result.text if job.echo else result.text
+    return Completion(id=meta.id, created=meta.created, model=meta.model, system_fingerprint=meta.fingerprint,
+                      choices=[CompletionChoice(index=0, text=text, finish_reason=_finish(result))],
+                      usage=_usage(result))
+
+
+# -- cache admin -------------------------------------------------------------------------
+@router.post("/v1/cache/prewarm", response_model=PrewarmResponse, responses=_ERRORS, tags=["cache"])
+async def prewarm(body: PrewarmRequest, tenant: str | None = _TENANT, who: Principal = Depends(principal),
+                  srv: Serving = Depends(serving)) -> PrewarmResponse:
+    """Prefill and keep a prefix for the caller's tenant (admin: any tenant via ?tenant=)."""
+    _check_model(srv, body.model)
+    target = who.target(tenant)
+    prefix: Any = body.prompt if body.prompt is not None else [m.model_dump(exclude_none=True) for m in body.messages]
+    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+    warm = await srv.prewarm(target, prefix, tools, body.pin, body.ttl_seconds)
+    return PrewarmResponse(tenant=target, prompt_tokens=warm.prompt_tokens, cached_tokens=warm.cached_tokens,
+                           stored_tokens=warm.stored_tokens, pinned=warm.pinned)
+
+
+@router.delete("/v1/cache", response_model=FlushResponse, responses=_ERRORS, tags=["cache"])
+async def flush(tenant: str | None = _TENANT, who: Principal = Depends(principal),
+                srv: Serving = Depends(serving)) -> FlushResponse:
+    """Drop cached prefixes: the caller's tenant; with the admin key every tenant (or ?tenant=)."""
+    scope = who.scope(tenant)
+    return FlushResponse(tenant=scope, freed_bytes=await srv.flush(scope))
+
+
+@router.get("/v1/cache/stats", response_model=CacheStats, responses=_ERRORS, tags=["cache"])
+async def cache_stats(tenant: str | None = _TENANT, who: Principal = Depends(principal),
+                      srv: Serving = Depends(serving)) -> CacheStats:
+    """Hit rate and memory of the caller's tenant; with the admin key of all tenants (or ?tenant=)."""
+    scope = who.scope(tenant)
+    s = await srv.stats(scope)
+    stats = CacheStats(tenant=scope, tenant_quota_bytes=srv.settings.tenant_quota_bytes,
+                       **{k: s[k] for k in ("queries", "hits", "partial_hits", "misses", "bypassed", "prompt_tokens",
+                                            "cached_tokens", "completion_tokens", "hit_rate", "token_hit_rate",
+                                            "bytes", "budget_bytes")})
+    if who.admin:  # store-wide figures would show a tenant other tenants' traffic
+        running, waiting = srv.queue()
+        stats = stats.model_copy(update={
+            "entries": s["entries"], "pinned_bytes": s["pinned_bytes"], "tenant_bytes": s["tenant_bytes"],
+            "evictions": s["evictions"], "reclaimed_bytes": s["reclaimed_bytes"],
+            "queue": QueueInfo(running=running, waiting=waiting, capacity=srv.capacity)})
+    return stats
+
+
+@router.get("/metrics", response_class=Response, responses={**_ERRORS, 200: {"content": {CONTENT_TYPE: {}}}},
+            tags=["metrics"])
+async def metrics(request: Request) -> Response:
+    """Prometheus text format. Needs the admin key unless ``metrics_public`` is set."""
+    state = request.app.state
+    if not state.settings.metrics_public:
+        state.keyring.require_admin(state.keyring.authenticate(request.headers.get("authorization")))
+    return Response(await asyncio.to_thread(state.metrics.render), media_type=CONTENT_TYPE)
+
+
+# -- response shaping --------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class _Meta:
+    id: str
+    created: int
+    model: str
+    fingerprint: str
+
+    @classmethod
+    def new(cls, prefix: str, srv: Serving) -> _Meta:
+        return cls(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), srv.model_name, srv.system_fingerprint)
+
+    def chunk(self, kind: str, choices: list[dict[str, Any]], usage: UsageInfo | None, with_usage: bool) -> str:
+        body: dict[str, Any] = {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                                "system_fingerprint": self.fingerprint, "choices": choices}
+        if with_usage or usage is not None:
+            body["usage"] = None if usage is None else usage.model_dump()
+        return _event(body)
+
+
+def _usage(result: GenerationResult) -> UsageInfo:
+    u = result.usage
+    return UsageInfo(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
+                     total_tokens=u.total_tokens, prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens))
+
+
+def _finish(result: GenerationResult) -> str:
+    return "length" if result.finish_reason == "length" else "stop"
+
+
+def _event(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def _sse(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _chat_events(stream: TextStream, meta: _Meta, usage_chunk: bool, srv: Serving) -> AsyncIterator[str]:
+    """OpenAI's chunk sequence: role, content deltas, finish_reason, [usage], [DONE].
+
+    Without ``include_usage`` the usage rides on the finish chunk, so every response
+    reports ``cached_tokens``; with it, a last chunk with empty choices carries it.
+    """
+    def choice(delta: dict[str, Any], finish: str | None = None) -> list[dict[str, Any]]:
+        return [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+
+    kind = "chat.completion.chunk"
+    try:
+        yield meta.chunk(kind, choice({"role": "assistant", "content": ""}), None, usage_chunk)
+        async for text in stream.texts():
+            yield meta.chunk(kind, choice({"content": text}), None, usage_chunk)
+        usage = _usage(stream.result)
+        yield meta.chunk(kind, choice({}, _finish(stream.result)), None if usage_chunk else usage, usage_chunk)
+        if usage_chunk:
+            yield meta.chunk(kind, [], usage, True)
+        yield "data: [DONE]\n\n"
+    except Exception as exc:  # after the headers: the error becomes the stream's last event
+        yield _stream_error(exc, "/v1/chat/completions", srv)
+    finally:
+        stream.close()
+
+
+async def _completion_events(stream: TextStream, meta: _Meta, usage_chunk: bool, echo: str | None,
+                             srv: Serving) -> AsyncIterator[str]:
+    def choice(text: str, finish: str | None = None) -> list[dict[str, Any]]:
+        return [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+
+    kind = "text_completion"
+    try:
+        if echo:
+            yield meta.chunk(kind, choice(echo), None, usage_chunk)
+        async for text in stream.texts():
+            yield meta.chunk(kind, choice(text), None, usage_chunk)
+        usage = _usage(stream.result)
+        yield meta.chunk(kind, choice("", _finish(stream.result)), None if usage_chunk else usage, usage_chunk)
+        if usage_chunk:
+            yield meta.chunk(kind, [], usage, True)
+        yield "data: [DONE]\n\n"
+    except Exception as exc:
+        yield _stream_error(exc, "/v1/completions", srv)
+    finally:
+        stream.close()
+
+
+def _stream_error(exc: Exception, route: str, srv: Serving) -> str:
+    mapped = map_exception(exc)
+    if mapped.status >= 500 and mapped.detail.code == "internal_error":
+        log.error("error while streaming", exc_info=exc)
+    srv.metrics.error(route, mapped.status)
+    return _event({"error": mapped.detail.model_dump()})

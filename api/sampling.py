@@ -1,0 +1,149 @@
+"""OpenAI request -> one ``Job`` for the engine: every sampling parameter honoured or refused.
+
+Honoured: max_tokens / max_completion_tokens, temperature, top_p, top_k (extension),
+stop, seed, presence_penalty, frequency_penalty, logit_bias, echo, tools (rendered by
+the chat template; tool calls come back as text). Refused with a 400 naming the
+parameter: n > 1, best_of > 1, logprobs, suffix, response_format other than text,
+tool_choice "required" or a named tool, token-id or multi-prompt completions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from transformers import LogitsProcessor
+
+from prefixcache.errors import ContextLengthExceededError, InvalidRequestError
+
+from .protocol import ChatCompletionRequest, CompletionRequest, SamplingParams
+from .settings import Settings
+
+MAX_STOP = 4
+
+
+@dataclass(slots=True)
+class Job:
+    """One generation as the engine sees it. Built from a request; read by ``serving``."""
+
+    endpoint: Literal["chat", "completions"]
+    tenant: str
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    prompt: str | None = None
+    max_tokens: int | None = None  # None: the default, capped to what fits (see ``max_new_tokens``)
+    echo: bool = False
+    options: dict[str, Any] = field(default_factory=dict)  # PrefixCache.chat/complete keyword arguments
+
+    def max_new_tokens(self, prompt_tokens: int, max_context: int, default: int) -> int:
+        """The requested ``max_tokens``; or the default, capped to the room left in the context."""
+        if self.max_tokens is not None:
+            return self.max_tokens  # the SDK refuses it if prompt + max_tokens exceeds the context
+        room = max_context - prompt_tokens
+        if room < 1:
+            raise ContextLengthExceededError(
+                f"the prompt ({prompt_tokens} tokens) leaves no room in the model's context of {max_context} "
+                "tokens", param="messages" if self.endpoint == "chat" else "prompt")
+        return min(default, room)
+
+
+class OpenAIPenalties(LogitsProcessor):
+    """presence/frequency penalties and logit_bias, as OpenAI defines them.
+
+    Penalties count generated tokens only; the prompt length is learnt on the first
+    call (the prefill step). One instance serves one request.
+    """
+
+    def __init__(self, presence: float, frequency: float, bias: dict[int, float]):
+        self.presence, self.frequency = presence, frequency
+        self.bias_ids = torch.tensor(list(bias), dtype=torch.long)
+        self.bias_values = torch.tensor(list(bias.values()), dtype=torch.float32)
+        self._prompt_len: int | None = None
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        # input_ids: [B, S]; scores: [B, V]
+        if self._prompt_len is None:
+            self._prompt_len = input_ids.shape[1]
+        scores = scores.clone()
+        if self.bias_ids.numel():
+            scores[:, self.bias_ids.to(scores.device)] += self.bias_values.to(scores.device, scores.dtype)
+        generated = input_ids[:, self._prompt_len :]
+        if generated.numel() and (self.presence or self.frequency):
+            counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
+            scores -= self.frequency * counts + self.presence * (counts > 0).to(scores.dtype)
+        return scores
+
+
+def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_size: int) -> Job:
+    if req.logprobs or req.top_logprobs:
+        raise InvalidRequestError("logprobs are not supported by this server", param="logprobs")
+    if req.response_format is not None and req.response_format.type != "text":
+        raise InvalidRequestError(f"response_format {req.response_format.type!r} is not supported (only 'text')",
+                                  param="response_format")
+    if req.tool_choice is not None and req.tool_choice not in ("none", "auto"):
+        raise InvalidRequestError("tool_choice must be 'auto' or 'none': this server cannot force a tool call",
+                                  param="tool_choice")
+    if req.max_tokens is not None and req.max_completion_tokens is not None \
+            and req.max_tokens != req.max_completion_tokens:
+        raise InvalidRequestError("max_tokens and max_completion_tokens differ; send one", param="max_tokens")
+    tools = None
+    if req.tools and req.tool_choice != "none":  # "none": the model must not call tools, so it does not see them
+        tools = [t.model_dump(exclude_none=True) for t in req.tools]
+    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return Job("chat", tenant, messages=messages, tools=tools, max_tokens=_limit(max_tokens, settings),
+               options=_options(req, settings, vocab_size))
+
+
+def completion_job(req: CompletionRequest, tenant: str, settings: Settings, vocab_size: int) -> Job:
+    prompt = req.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise InvalidRequestError("prompt must be one string (token-id and batched prompts are not supported)",
+                                      param="prompt")
+        prompt = prompt[0]
+    if req.suffix:
+        raise InvalidRequestError("suffix (insertion) is not supported", param="suffix")
+    if req.best_of not in (None, 1):
+        raise InvalidRequestError("best_of > 1 is not supported", param="best_of")
+    if req.logprobs is not None:
+        raise InvalidRequestError("logprobs are not supported by this server", param="logprobs")
+    return Job("completions", tenant, prompt=prompt, max_tokens=_limit(req.max_tokens, settings), echo=bool(req.echo),
+               options=_options(req, settings, vocab_size))
+
+
+def _limit(max_tokens: int | None, settings: Settings) -> int | None:
+    cap = settings.max_tokens_limit
+    if max_tokens is not None and cap is not None and max_tokens > cap:
+        raise InvalidRequestError(f"max_tokens is {max_tokens}; this server allows at most {cap}", param="max_tokens")
+    return max_tokens
+
+
+def _options(req: SamplingParams, settings: Settings, vocab_size: int) -> dict[str, Any]:
+    if req.n not in (None, 1):
+        raise InvalidRequestError("n > 1 is not supported: send one request per choice", param="n")
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stops) > MAX_STOP:
+        raise InvalidRequestError(f"stop takes at most {MAX_STOP} sequences", param="stop")
+    temperature = settings.default_temperature if req.temperature is None else req.temperature
+    options: dict[str, Any] = {"temperature": temperature, "top_p": req.top_p, "top_k": req.top_k or None,
+                               "seed": req.seed, "stop": [s for s in stops if s] or None}
+    bias = _logit_bias(req.logit_bias, vocab_size)
+    if bias or req.presence_penalty or req.frequency_penalty:
+        options["logits_processor"] = [OpenAIPenalties(req.presence_penalty or 0.0, req.frequency_penalty or 0.0, bias)]
+    return options
+
+
+def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for key, value in (raw or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if not 0 <= token < vocab_size or str(token) != key.strip():
+            raise InvalidRequestError(f"logit_bias key {key!r} is not a token id in [0, {vocab_size})",
+                                      param="logit_bias")
+        if value:
+            out[token] = float(value)
+    return out

@@ -1,0 +1,268 @@
+"""Serving: the engine behind a bounded queue; the event loop only ever awaits.
+
+At most ``workers + max_queue`` requests are admitted (more get 429). An admitted job
+waits for one of ``workers`` threads, which encodes the prompt and runs
+``PrefixCache.chat``/``complete`` (the engine itself runs one generation at a time).
+Text deltas cross into the event loop with ``call_soon_threadsafe``. Every job owns a
+``threading.Event``: a client disconnect, a timeout or shutdown sets it, generation
+stops at the next token (a job still queued never starts), and the SDK then releases
+the job's pins.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import xxhash
+
+from prefixcache import GenerationResult, PrefixCache, WarmResult
+from prefixcache.errors import InvalidRequestError
+
+from .errors import ClientClosedError, QueueFullError, RequestTimeoutError, UnavailableError
+from .metrics import Metrics
+from .sampling import Job
+from .settings import Settings
+
+T = TypeVar("T")
+Emit = Callable[[str, Any], None]
+
+
+class _Skipped(Exception):
+    """A job cancelled while it waited in the queue; it never ran."""
+
+
+class Serving:
+    """Owns the worker pool and admission for one ``PrefixCache``."""
+
+    def __init__(self, cache: PrefixCache, settings: Settings, metrics: Metrics,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.cache, self.settings, self.metrics = cache, settings, metrics
+        self._clock = clock
+        self._pool = ThreadPoolExecutor(settings.workers, thread_name_prefix="prefixcache-worker")
+        self._lock = threading.Lock()
+        self._admitted = 0  # waiting + running
+        self._running = 0
+        self._active: set[threading.Event] = set()
+        self.closing = False
+        self.capacity = settings.workers + settings.max_queue
+        self.model_name = settings.served_model_name or cache.model_id or "default"
+        self.vocab_size = int(cache.model.config.get_text_config(decoder=True).vocab_size)
+        self.system_fingerprint = "fp_" + xxhash.xxh64_hexdigest(repr(cache.namespace("")).encode())[:12]
+        self.created = int(time.time())
+
+    # -- state ---------------------------------------------------------------------
+    def queue(self) -> tuple[int, int]:
+        """(running, waiting)."""
+        with self._lock:
+            return self._running, self._admitted - self._running
+
+    @property
+    def ready(self) -> bool:
+        with self._lock:
+            return not self.closing and self._admitted < self.capacity
+
+    def engine_state(self) -> tuple[dict[str, Any], int, int]:
+        """What /metrics reads at scrape time: cache stats of all tenants, running, waiting."""
+        running, waiting = self.queue()
+        return self.cache.stats(), running, waiting
+
+    # -- generation ----------------------------------------------------------------
+    async def run(self, job: Job, disconnected: Callable[[], Awaitable[None]] | None = None) -> GenerationResult:
+        """Run ``job`` to the end; 504 after the timeout, 499 if ``disconnected`` resolves first."""
+        start = self._clock()
+        try:
+            fut, cancel = self._submit(lambda c: self._execute(job, c, None))
+            return await self._wait(fut, cancel, disconnected)
+        finally:
+            self.metrics.duration.labels(job.endpoint).observe(self._clock() - start)
+
+    async def open_stream(self, job: Job) -> TextStream:
+        """Start ``job`` streaming; returns once its prompt is encoded and checked.
+
+        Errors found before generation (bad messages, context length, queue full)
+        raise here, so they still get their HTTP status; later ones end the stream.
+        """
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+        def emit(kind: str, value: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, (kind, value))
+            except RuntimeError:  # the loop closed (shutdown): nobody is listening
+                pass
+
+        start = self._clock()
+        fut, cancel = self._submit(lambda c: self._execute(job, c, emit))
+        fut.add_done_callback(lambda f: events.put_nowait(("done", f)))
+        stream = TextStream(events, cancel, loop.time() + self.settings.request_timeout_seconds,
+                            lambda: self.metrics.duration.labels(job.endpoint).observe(self._clock() - start))
+        try:
+            await stream.wait_started()
+        except BaseException:
+            stream.close()
+            raise
+        return stream
+
+    async def prewarm(self, tenant: str, prefix: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                      pin: bool, ttl_seconds: float | None) -> WarmResult:
+        fut, cancel = self._submit(lambda c: self.cache.warm(prefix, tools=tools, tenant=tenant, pin=pin,
+                                                               ttl_seconds=ttl_seconds))
+        return await self._wait(fut, cancel, None)
+
+    # -- cache admin (store work only: no model, no queue) ----------------------------
+    async def stats(self, tenant: str | None) -> dict[str, Any]:
+        return await asyncio.to_thread(self.cache.stats, tenant)
+
+    async def flush(self, tenant: str | None) -> int:
+        return await asyncio.to_thread(self.cache.flush, tenant)
+
+    async def aclose(self) -> None:
+        """Refuse new work, cancel what runs, and wait for the workers to stop (one token each)."""
+        with self._lock:
+            self.closing = True
+            active = list(self._active)
+        for cancel in active:
+            cancel.set()
+        await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
+
+    # -- internals -----------------------------------------------------------------
+    def _submit(self, work: Callable[[threading.Event], T]) -> tuple[asyncio.Future[T], threading.Event]:
+        with self._lock:
+            if self.closing:
+                raise UnavailableError("the server is shutting down", code="shutting_down")
+            if self._admitted >= self.capacity:
+                raise QueueFullError(f"the server is busy: {self._admitted} requests are running or queued "
+                                     f"(limit {self.capacity}); retry shortly")
+            self._admitted += 1
+        cancel = threading.Event()
+        enqueued = self._clock()
+
+        def task() -> T:
+            with self._lock:
+                self._running += 1
+            try:
+                if cancel.is_set():
+                    raise _Skipped()
+                self.metrics.queue_wait.observe(self._clock() - enqueued)
+                return work(cancel)
+            finally:
+                with self._lock:
+                    self._running -= 1
+                    self._admitted -= 1
+
+        try:
+            fut = asyncio.get_running_loop().run_in_executor(self._pool, task)
+        except RuntimeError as exc:  # the pool was shut down
+            with self._lock:
+                self._admitted -= 1
+            raise UnavailableError("the server is shutting down", code="shutting_down") from exc
+        with self._lock:
+            self._active.add(cancel)
+
+        def finished(f: asyncio.Future[T]) -> None:
+            with self._lock:
+                self._active.discard(cancel)
+            if not f.cancelled():
+                f.exception()  # retrieved here, so an abandoned job never logs "exception never retrieved"
+
+        fut.add_done_callback(finished)
+        return fut, cancel
+
+    async def _wait(self, fut: asyncio.Future[T], cancel: threading.Event,
+                    disconnected: Callable[[], Awaitable[None]] | None) -> T:
+        watcher = asyncio.ensure_future(disconnected()) if disconnected is not None else None
+        try:
+            done, _ = await asyncio.wait([fut] if watcher is None else [fut, watcher],
+                                         timeout=self.settings.request_timeout_seconds,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            cancel.set()
+            raise
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+        if fut in done:
+            return _unwrap(fut)
+        cancel.set()
+        if watcher is not None and watcher in done:
+            raise ClientClosedError("the client closed the connection; the generation was cancelled")
+        raise RequestTimeoutError(f"the request did not finish within {self.settings.request_timeout_seconds:g} s "
+                                  "and was cancelled")
+
+    def _execute(self, job: Job, cancel: threading.Event, emit: Emit | None) -> GenerationResult:
+        """Worker thread: encode, check the context, generate, record metrics."""
+        cache = self.cache
+        try:
+            ids = cache.encode_chat(job.messages, job.tools) if job.endpoint == "chat" else cache.encode_text(job.prompt)
+        except UnicodeError as exc:  # protocol validation should have caught it; never a 500
+            raise InvalidRequestError(f"the text cannot be encoded: {exc}") from exc
+        max_new = job.max_new_tokens(len(ids), cache.max_context, self.settings.default_max_tokens)
+        if emit is not None:
+            emit("started", len(ids))
+        kwargs = dict(job.options, tenant=job.tenant, max_new_tokens=max_new, cancel=cancel,
+                      on_text=None if emit is None else (lambda text: emit("text", text)))
+        if job.endpoint == "chat":
+            result = cache.chat(job.messages, tools=job.tools, **kwargs)
+        else:
+            result = cache.complete(job.prompt, **kwargs)
+        self.metrics.observe(job.endpoint, job.tenant, result.stats)
+        return result
+
+
+class TextStream:
+    """A streamed generation: ``prompt_tokens`` once started, then text deltas, then ``result``."""
+
+    def __init__(self, events: asyncio.Queue[tuple[str, Any]], cancel: threading.Event, deadline: float,
+                 on_close: Callable[[], None]):
+        self._events, self._cancel, self._deadline, self._on_close = events, cancel, deadline, on_close
+        self._closed = False
+        self.prompt_tokens = 0
+        self.result: GenerationResult | None = None
+
+    async def wait_started(self) -> None:
+        kind, value = await self._next()
+        if kind == "started":
+            self.prompt_tokens = value
+        else:  # the job ended before it started: it failed
+            _unwrap(value)
+            raise UnavailableError("the generation ended before it started")
+
+    async def texts(self) -> AsyncIterator[str]:
+        """Text deltas until the generation ends; then ``result`` is set. Raises the job's error."""
+        while True:
+            kind, value = await self._next()
+            if kind == "text":
+                yield value
+            elif kind == "done":
+                self.result = _unwrap(value)
+                return
+
+    def close(self) -> None:
+        """Stop the generation (if it still runs). Idempotent; called when the client goes."""
+        self._cancel.set()
+        if not self._closed:
+            self._closed = True
+            self._on_close()
+
+    async def _next(self) -> tuple[str, Any]:
+        remaining = self._deadline - asyncio.get_running_loop().time()
+        try:
+            return await asyncio.wait_for(self._events.get(), timeout=max(remaining, 0.0))
+        except asyncio.TimeoutError:  # the builtin TimeoutError from 3.11
+            self._cancel.set()
+            raise RequestTimeoutError("the request did not finish in time and was cancelled") from None
+
+
+def _unwrap(fut: asyncio.Future[T]) -> T:
+    if fut.cancelled():
+        raise UnavailableError("the server is shutting down", code="shutting_down")
+    exc = fut.exception()
+    if isinstance(exc, _Skipped):
+        raise RequestTimeoutError("the request was cancelled before it started")
+    if exc is not None:
+        raise exc
+    return fut.result()

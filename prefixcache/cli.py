@@ -1,0 +1,132 @@
+"""The ``prefixcache`` command: ``prefixcache serve`` (the OpenAI-compatible proxy), more subcommands later.
+
+Each subcommand is registered by one ``_add_<name>`` function on the shared subparsers.
+``serve`` flags are generated from the proxy's ``Settings`` fields, so a flag, its
+``PREFIXCACHE_*`` env var and its default are defined once; a flag given on the command
+line overrides the env var.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import types
+import typing
+from collections.abc import Sequence
+from typing import Any
+
+from prefixcache.errors import ConfigError, ModelLoadError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "handler", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return int(args.handler(args) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prefixcache", description="Prompt-prefix KV caching for Hugging Face "
+                                     "causal LMs.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_serve(commands)
+    return parser
+
+
+# -- serve ---------------------------------------------------------------------------
+def _add_serve(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser(
+        "serve", help="run the OpenAI-compatible proxy (default model: the embedded SmolLM2-135M-Instruct)",
+        description="Run the OpenAI-compatible proxy. Every flag can also be set as an env var (shown in brackets).")
+    try:
+        from prefixcache_api.settings import ENV_PREFIX, Settings
+    except ImportError:  # the proxy's dependencies are missing: the command says so when run
+        serve.set_defaults(handler=_serve_unavailable)
+        return
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        env = f"[{ENV_PREFIX}{name.upper()}]"
+        help_text = f"{field.description} {env}"
+        if name == "api_keys":
+            serve.add_argument("--api-key", dest=name, action="append", metavar="KEY=TENANT", type=_key_pair,
+                               default=argparse.SUPPRESS, help=f"{help_text} (repeatable)")
+            continue
+        kind, choices, optional = _flag_type(field.annotation)
+        if kind is bool:
+            serve.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                               help=help_text)
+        else:
+            serve.add_argument(flag, dest=name, type=_nullable(kind) if optional else kind, choices=choices,
+                               default=argparse.SUPPRESS, help=help_text + (" ('none' to unset)" if optional else ""))
+    serve.set_defaults(handler=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+    from pydantic import ValidationError
+
+    from prefixcache_api import Settings, build_cache, create_app
+
+    overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
+    if "api_keys" in overrides:
+        overrides["api_keys"] = dict(overrides["api_keys"])
+    try:
+        settings = Settings(**overrides)
+    except ValidationError as exc:
+        print(f"prefixcache serve: invalid settings:\n{exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cache = build_cache(settings)  # loaded before binding, so a bad --model fails fast with a clear message
+    except (ModelLoadError, ConfigError) as exc:
+        print(f"prefixcache serve: {exc}", file=sys.stderr)
+        return 1
+    mode = "local single-tenant mode (no API keys)" if settings.local_mode else f"{len(settings.api_keys)} API keys"
+    logging.getLogger("prefixcache.cli").info("serving %s on http://%s:%d/v1 in %s", cache.model_id or "model",
+                                              settings.host, settings.port, mode)
+    try:
+        uvicorn.run(create_app(settings, cache=cache), host=settings.host, port=settings.port,
+                    log_level=settings.log_level)
+    finally:
+        cache.close()
+    return 0
+
+
+def _serve_unavailable(args: argparse.Namespace) -> int:
+    print("prefixcache serve: the proxy's dependencies are not installed (fastapi, uvicorn, pydantic-settings, "
+          "prometheus-client); reinstall with `pip install prefixcache`.", file=sys.stderr)
+    return 1
+
+
+def _flag_type(annotation: Any) -> tuple[Any, list[str] | None, bool]:
+    """(argparse type, choices, accepts None) for a Settings field annotation."""
+    args = typing.get_args(annotation)
+    optional = (typing.get_origin(annotation) in (typing.Union, types.UnionType)) and type(None) in args
+    if optional:
+        annotation = next(a for a in args if a is not type(None))
+    if typing.get_origin(annotation) is typing.Literal:
+        return str, [str(a) for a in typing.get_args(annotation)], optional
+    if annotation in (bool, int, float):
+        return annotation, None, optional
+    return str, None, optional
+
+
+def _nullable(kind: Any):
+    def parse(text: str) -> Any:
+        return None if text.lower() in ("none", "null") else kind(text)
+
+    parse.__name__ = getattr(kind, "__name__", "value")
+    return parse
+
+
+def _key_pair(text: str) -> tuple[str, str]:
+    key, sep, tenant = text.partition("=")
+    if not sep or not key or not tenant:
+        raise argparse.ArgumentTypeError(f"expected KEY=TENANT, got {text!r}")
+    return key, tenant
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,48 @@
+"""Fixtures for the proxy tests: a tiny random Llama with the real SmolLM2 tokenizer, live servers.
+
+The tokenizer is the default model's (its chat template included), so requests are
+encoded exactly as in production; the model is a 2-layer random Llama, so generation
+takes milliseconds. Servers are real uvicorn servers on 127.0.0.1, driven by the
+official ``openai`` client and httpx.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from prefixcache import load_default_model
+from prefixcache_api import create_app
+from proxy_support import LiveServer, live, make_cache, settings
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    _, tok = load_default_model()
+    return tok
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tokenizer):
+    # One torch thread: tiny matmuls on a shared 2-core machine are ~10x faster without thread contention.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)).eval()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    yield model
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model, tokenizer) -> Iterator[LiveServer]:
+    """The shared multi-tenant server (keys alpha, beta, admin)."""
+    cache = make_cache(tiny_model, tokenizer)
+    with live(create_app(settings(), cache=cache)) as srv:
+        yield srv
+    cache.close()

@@ -1,0 +1,102 @@
+"""Helpers shared by the proxy tests (imported by name: tests/api is on sys.path)."""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import uvicorn
+
+from prefixcache import CacheConfig, PrefixCache
+from prefixcache_api import Settings
+
+MODEL = "tiny-llama"
+KEYS = {"sk-alpha": "alpha", "sk-beta": "beta"}
+ALPHA, BETA, ADMIN = "sk-alpha", "sk-beta", "sk-admin"
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def settings(**overrides) -> Settings:
+    """Multi-tenant test settings: greedy by default, short answers."""
+    base = dict(api_keys=KEYS, admin_key=ADMIN, served_model_name=MODEL, default_max_tokens=8,
+                max_tokens_limit=2000, default_temperature=0.0, workers=2, max_queue=64,
+                request_timeout_seconds=60.0)
+    return Settings(**{**base, **overrides})
+
+
+def make_cache(model, tokenizer, **config) -> PrefixCache:
+    return PrefixCache(model, tokenizer, CacheConfig(**{"max_bytes": 256 << 20, **config}))
+
+
+class LiveServer:
+    """A uvicorn server on a free 127.0.0.1 port, in a background thread."""
+
+    def __init__(self, app):
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                                    timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)
+
+    def start(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def serving(self):
+        return self.app.state.serving
+
+    @property
+    def cache(self) -> PrefixCache:
+        return self.app.state.serving.cache
+
+    def client(self, key: str | None = None, **kwargs) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=auth(key) if key else {}, timeout=60, **kwargs)
+
+    def openai(self, key: str, **kwargs):
+        from openai import OpenAI
+
+        return OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=60, **kwargs)
+
+
+@contextmanager
+def live(app) -> Iterator[LiveServer]:
+    server = LiveServer(app).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def leased_refs(cache: PrefixCache) -> int:
+    """Refcounts held on cached blocks (pins of running requests); 0 when nothing runs."""
+    with cache.store._lock:  # test-only peek at the store's invariant state
+        return sum(node.refcount for node in cache.store.trie.iter_nodes())
+
+
+def wait_until(predicate, timeout: float = 5.0, interval: float = 0.01) -> float:
+    """Poll ``predicate`` until true; return the seconds it took. Fails after ``timeout``."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(interval)
+    return time.monotonic() - start

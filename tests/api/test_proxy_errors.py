@@ -1,0 +1,231 @@
+"""Every error a client can cause gets its status and OpenAI's error object; none is a 500."""
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from prefixcache_api import create_app
+from proxy_support import ADMIN, ALPHA, MODEL, auth, leased_refs, live, make_cache, settings, wait_until
+
+CHAT = "/v1/chat/completions"
+LONG = 1500  # tokens: seconds of generation on the tiny model, so it is still running when we look
+
+
+def ok_chat(**extra):
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2, **extra}
+
+
+def assert_error(r: httpx.Response, status: int, *, code: str | None = None, param: str | None = None,
+                 kind: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str) and err["type"]
+    if code is not None:
+        assert err["code"] == code, err
+    if param is not None:
+        assert err["param"] == param, err
+    if kind is not None:
+        assert err["type"] == kind, err
+    return err
+
+
+@pytest.fixture()
+def http(server):
+    with server.client(ALPHA) as client:
+        yield client
+
+
+@pytest.mark.parametrize("content,headers", [
+    (b"{not json", {"content-type": "application/json"}),
+    (b'{"model": "tiny-llama", "messages": [', {"content-type": "application/json"}),
+])
+def test_malformed_json_is_400(http, content, headers):
+    assert_error(http.post(CHAT, content=content, headers=headers), 400, code="invalid_json",
+                 kind="invalid_request_error")
+
+
+@pytest.mark.parametrize("body,param", [
+    ([1, 2], None),
+    ({"model": MODEL}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+    (ok_chat(messages="hello"), "messages"),
+    (ok_chat(messages=[]), "messages"),
+    (ok_chat(messages=[{"role": "robot", "content": "x"}]), "messages.0.role"),
+    (ok_chat(temperature=3), "temperature"),
+    (ok_chat(top_p=0), "top_p"),
+    (ok_chat(max_tokens=0), "max_tokens"),
+    (ok_chat(max_tokens="many"), "max_tokens"),
+    (ok_chat(presence_penalty=-3), "presence_penalty"),
+    (ok_chat(seed=2**70), "seed"),
+    (ok_chat(stop=["a", "b", "c", "d", "e"]), "stop"),
+    (ok_chat(n=2), "n"),
+    (ok_chat(logit_bias={"not-a-token": 1}), "logit_bias"),
+    (ok_chat(logit_bias={"99999999": 1}), "logit_bias"),
+    (ok_chat(stream_options={"include_usage": True}), None),
+    (ok_chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+     "messages[0].content[0].type"),
+    (ok_chat(messages=[{"role": "user"}]), "messages[0].content"),
+    (ok_chat(tenant="beta"), "tenant"),
+])
+def test_invalid_requests_are_400(http, body, param):
+    err = assert_error(http.post(CHAT, json=body), 400, kind="invalid_request_error")
+    if param is not None:
+        assert err["param"] == param, err
+
+
+def test_non_json_content_type_is_400(http):
+    r = http.post(CHAT, content=json.dumps(ok_chat()).encode(), headers={"content-type": "text/plain"})
+    assert "application/json" in assert_error(r, 400)["message"]
+
+
+def test_lone_surrogates_are_400_not_a_tokenizer_crash(http):
+    raw = b'{"model": "tiny-llama", "max_tokens": 2, "messages": [{"role": "user", "content": "a\\ud800b"}]}'
+    assert_error(http.post(CHAT, content=raw, headers={"content-type": "application/json"}), 400)
+    raw = b'{"model": "tiny-llama", "prompt": "x", "max_tokens": 2, "stop": ["\\udfff"]}'
+    assert_error(http.post("/v1/completions", content=raw, headers={"content-type": "application/json"}), 400)
+
+
+def test_context_length_exceeded_is_400(http):
+    long_text = "word " * 2100  # > 2048 tokens of context
+    assert_error(http.post(CHAT, json=ok_chat(messages=[{"role": "user", "content": long_text}], max_tokens=None)),
+                 400, code="context_length_exceeded")
+    assert_error(http.post(CHAT, json=ok_chat(max_tokens=2040)), 400, code="context_length_exceeded")
+    # Streaming requests are checked before the stream starts: a plain 400, not an event.
+    r = http.post(CHAT, json=ok_chat(max_tokens=2040, stream=True))
+    assert r.headers["content-type"].startswith("application/json")
+    assert_error(r, 400, code="context_length_exceeded")
+    assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": long_text}), 400,
+                 code="context_length_exceeded", param="prompt")
+
+
+def test_max_tokens_over_the_server_limit_is_400(http):
+    assert_error(http.post(CHAT, json=ok_chat(max_tokens=2001)), 400, param="max_tokens")
+
+
+@pytest.mark.parametrize("headers", [{}, auth("sk-wrong"), {"Authorization": "Basic sk-alpha"},
+                                     {"Authorization": "Bearer"}, auth("sk-alph"), auth("sk-alpha-")])
+def test_bad_or_missing_key_is_401(server, headers):
+    with httpx.Client(base_url=server.url, headers=headers) as client:
+        for method, path in (("POST", CHAT), ("POST", "/v1/completions"), ("GET", "/v1/models"),
+                             ("GET", "/v1/cache/stats"), ("DELETE", "/v1/cache"), ("GET", "/metrics"),
+                             ("POST", "/v1/cache/prewarm")):
+            body = ok_chat() if method == "POST" else None
+            assert_error(client.request(method, path, json=body), 401, code="invalid_api_key")
+
+
+def test_admin_only_actions_are_403_for_a_tenant(http):
+    assert_error(http.get("/metrics"), 403, kind="permission_error")
+    assert_error(http.get("/v1/cache/stats", params={"tenant": "beta"}), 403)
+    assert_error(http.delete("/v1/cache", params={"tenant": "beta"}), 403)
+    assert_error(http.post("/v1/cache/prewarm", params={"tenant": "beta"}, json={"prompt": "x"}), 403)
+    assert http.get("/v1/cache/stats", params={"tenant": "alpha"}).status_code == 200  # one's own is fine
+
+
+def test_unknown_model_and_route_are_404(http):
+    assert_error(http.post(CHAT, json=ok_chat(model="gpt-4o")), 404, code="model_not_found", param="model")
+    assert_error(http.post("/v1/completions", json={"model": "gpt-4o", "prompt": "x"}), 404, code="model_not_found")
+    assert_error(http.post("/v1/cache/prewarm", json={"model": "gpt-4o", "prompt": "x"}), 404)
+    assert_error(http.get("/v1/models/gpt-4o"), 404, code="model_not_found")
+    assert_error(http.get("/v1/nothing-here"), 404, code="not_found")
+    assert_error(http.get(CHAT), 405, code="method_not_allowed")
+
+
+def test_body_over_the_limit_is_413(http):
+    assert_error(http.post(CHAT, json=ok_chat(messages=[{"role": "user", "content": "x" * (5 << 20)}])), 413,
+                 code="payload_too_large")
+
+
+def test_prewarm_needs_exactly_one_source(http):
+    assert_error(http.post("/v1/cache/prewarm", json={}), 400)
+    assert_error(http.post("/v1/cache/prewarm", json={"prompt": "a", "messages": [{"role": "user", "content": "b"}]}),
+                 400)
+    assert_error(http.post("/v1/cache/prewarm", json={"prompt": "a", "ttl_seconds": 0}), 400, param="ttl_seconds")
+
+
+def test_not_ready_is_503_with_retry_after(tiny_model, tokenizer):
+    app = create_app(settings(), cache=make_cache(tiny_model, tokenizer))
+    client = TestClient(app)  # not entered: the lifespan never ran, so no engine yet
+    r = client.post(CHAT, json=ok_chat(), headers=auth(ALPHA))
+    assert_error(r, 503, code="not_ready")
+    assert r.headers["retry-after"] == "1"
+    assert client.get("/healthz").status_code == 200
+    assert_error(client.get("/readyz"), 503)
+
+
+def test_an_unexpected_bug_is_a_500_in_openai_shape(tiny_model, tokenizer):
+    cache = make_cache(tiny_model, tokenizer)
+    cache.encode_chat = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))  # a bug, not client input
+    with TestClient(create_app(settings(), cache=cache), raise_server_exceptions=False) as client:
+        err = assert_error(client.post(CHAT, json=ok_chat(), headers=auth(ALPHA)), 500, code="internal_error")
+        assert "boom" not in err["message"]  # internals are logged, not sent
+
+
+@pytest.fixture(scope="module")
+def tight(tiny_model, tokenizer):
+    """One worker, no queue, a 1 s timeout and a 64 KiB cache: every limit is easy to hit."""
+    cache = make_cache(tiny_model, tokenizer, max_bytes=64 << 10)
+    with live(create_app(settings(workers=1, max_queue=0, request_timeout_seconds=1.0), cache=cache)) as srv:
+        yield srv
+    cache.close()
+
+
+def long_job(tokenizer, **extra):
+    return ok_chat(max_tokens=LONG, logit_bias={str(tokenizer.eos_token_id): -100}, **extra)
+
+
+def test_queue_full_is_429_with_retry_after_and_a_timeout_ends_the_stream(tight, tokenizer):
+    started, events = threading.Event(), []
+
+    def hold_the_worker():
+        with tight.client(ALPHA) as client, client.stream("POST", CHAT, json=long_job(tokenizer, stream=True)) as r:
+            for line in r.iter_lines():
+                started.set()
+                if line.startswith("data: "):
+                    events.append(line[6:])
+
+    thread = threading.Thread(target=hold_the_worker)
+    thread.start()
+    assert started.wait(10)
+    with tight.client(ALPHA) as client:
+        r = client.post(CHAT, json=ok_chat())
+        assert_error(r, 429, code="queue_full", kind="rate_limit_error")
+        assert int(r.headers["retry-after"]) >= 1
+        assert client.get("/readyz").status_code == 503  # a load balancer should look elsewhere
+    thread.join(10)
+    # The held request hit the 1 s timeout mid-stream: its last event is the error, in OpenAI's shape.
+    last = json.loads(events[-1])
+    assert last["error"]["code"] == "request_timeout" and last["error"]["type"] == "timeout_error"
+    wait_until(lambda: tight.serving.queue() == (0, 0) and leased_refs(tight.cache) == 0, timeout=2)
+
+
+def test_timeout_is_504_and_cancels_the_generation(tight, tokenizer):
+    with tight.client(ALPHA) as client:
+        assert_error(client.post(CHAT, json=long_job(tokenizer)), 504, code="request_timeout")
+    wait_until(lambda: tight.serving.queue() == (0, 0), timeout=1)  # cancelled, not left running
+    assert tight.cache.stats()["completion_tokens"] < LONG
+
+
+def test_memory_pressure_on_a_pin_is_503_with_retry_after(tight):
+    text = "A long policy document that will not fit in the cache budget. " * 40  # ~500 tokens > 64 KiB
+    with tight.client(ALPHA) as client:
+        r = client.post("/v1/cache/prewarm", json={"prompt": text, "pin": True})
+        assert_error(r, 503, code="insufficient_capacity")
+        assert r.headers["retry-after"] == "1"
+        # Unpinned, the same prefix is simply cached as far as it fits: no error.
+        assert client.post("/v1/cache/prewarm", json={"prompt": text}).status_code == 200
+
+
+def test_errors_are_counted_by_route_and_status(server):
+    with server.client(ALPHA) as client:
+        client.post(CHAT, json={"model": MODEL})
+    with server.client(ADMIN) as admin:
+        text = admin.get("/metrics").text
+    assert 'prefixcache_request_errors_total{route="/v1/chat/completions",status="400"}' in text

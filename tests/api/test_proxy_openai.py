@@ -1,0 +1,181 @@
+"""The official ``openai`` client against a live proxy: chat, streaming, completions, models, tenancy."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+from proxy_support import ADMIN, ALPHA, BETA, MODEL, auth
+
+SYSTEM = "You are a meticulous assistant for a shipping company. " * 24  # ~250 tokens shared by every call
+
+
+def chat(client, question: str, **kwargs):
+    return client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        max_tokens=6, temperature=0, **kwargs)
+
+
+def test_models_list_and_retrieve(server):
+    client = server.openai(ALPHA)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+
+
+def test_chat_reports_cached_tokens_on_the_second_call(server):
+    client = server.openai(ALPHA)
+    server.cache.flush("alpha")
+    first = chat(client, "Where is parcel 1?")
+    second = chat(client, "Where is parcel 2?")
+    assert first.object == "chat.completion" and first.model == MODEL
+    assert first.choices[0].message.role == "assistant" and first.choices[0].message.content
+    assert first.choices[0].finish_reason in ("stop", "length")
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens > 200
+    assert second.usage.total_tokens == second.usage.prompt_tokens + second.usage.completion_tokens
+    assert second.usage.completion_tokens <= 6
+
+
+def test_another_tenant_never_sees_the_prefix_and_body_fields_cannot_pick_one(server):
+    alpha, beta = server.openai(ALPHA), server.openai(BETA)
+    server.cache.flush()
+    chat(alpha, "Prime the cache")
+    assert chat(alpha, "Same prefix").usage.prompt_tokens_details.cached_tokens > 0
+    # Beta sends alpha's exact prefix: its own namespace, so nothing cached.
+    assert chat(beta, "Same prefix").usage.prompt_tokens_details.cached_tokens == 0
+    server.cache.flush("beta")
+    # OpenAI's `user` field is metadata only: naming alpha does not reach alpha's namespace.
+    forged = chat(beta, "Same prefix", user="alpha")
+    assert forged.usage.prompt_tokens_details.cached_tokens == 0
+    # A made-up tenant field is refused outright, never honoured.
+    for extra in ({"tenant": "alpha"}, {"namespace": "alpha"}, {"cache_salt": "alpha"}):
+        with pytest.raises(openai.BadRequestError) as err:
+            chat(beta, "Same prefix", extra_body=extra)
+        assert err.value.body["code"] == "unrecognized_argument"
+    assert server.cache.stats("alpha")["queries"] >= 2
+    assert chat(alpha, "Same prefix").usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_admin_key_has_its_own_namespace(server):
+    server.cache.flush()
+    chat(server.openai(ALPHA), "warm alpha")
+    assert chat(server.openai(ADMIN), "warm alpha").usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_chat_stream_with_include_usage(server):
+    client = server.openai(ALPHA)
+    chat(client, "prime")
+    chunks = list(chat(client, "stream me", stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["length"] or finish == ["stop"]
+    assert all(c.usage is None for c in chunks[:-1])
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.prompt_tokens_details.cached_tokens > 0
+    assert last.usage.completion_tokens >= 1 and len({c.id for c in chunks}) == 1
+    # Streaming and non-streaming give the same greedy text.
+    assert text == chat(client, "stream me").choices[0].message.content
+
+
+def test_chat_stream_without_include_usage_still_reports_cached_tokens(server):
+    chunks = list(chat(server.openai(ALPHA), "no usage asked", stream=True))
+    assert all(c.choices for c in chunks)  # no extra choice-less chunk an app did not ask for
+    assert chunks[-1].choices[0].finish_reason is not None
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_completions_plain_echo_and_stream(server):
+    client = server.openai(ALPHA)
+    prompt = "Once upon a time, in a quiet harbour town, "
+    done = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0)
+    assert done.object == "text_completion" and done.choices[0].text
+    echoed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, echo=True)
+    assert echoed.choices[0].text == prompt + done.choices[0].text
+    assert echoed.usage.prompt_tokens_details.cached_tokens > 0
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_sampling_parameters_are_honoured(server, tokenizer):
+    client = server.openai(ALPHA)
+    kwargs = dict(model=MODEL, prompt="The weather today is", max_tokens=8)
+    # seed: the same seed gives the same sample.
+    a = client.completions.create(temperature=1.0, top_p=0.9, seed=7, **kwargs).choices[0].text
+    b = client.completions.create(temperature=1.0, top_p=0.9, seed=7, **kwargs).choices[0].text
+    assert a == b
+    # logit_bias: +100 on one token makes greedy decoding emit only it.
+    token = tokenizer.encode(" ship", add_special_tokens=False)[0]
+    forced = client.completions.create(temperature=0, logit_bias={str(token): 100}, **kwargs)
+    assert forced.choices[0].text == " ship" * 8
+    # frequency_penalty: the forced token loses after repeating.
+    free = client.completions.create(temperature=0, logit_bias={str(token): 5}, frequency_penalty=2.0, **kwargs)
+    assert free.choices[0].text != " ship" * 8
+    # stop: the text ends before the stop string, finish_reason "stop".
+    stopped = client.completions.create(temperature=0, logit_bias={str(token): 100}, stop=["ship ship"], **kwargs)
+    assert stopped.choices[0].text == " " and stopped.choices[0].finish_reason == "stop"
+    # max_completion_tokens is max_tokens' newer name.
+    short = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                           max_completion_tokens=3, temperature=0)
+    assert short.usage.completion_tokens == 3
+
+
+def test_unsupported_openai_parameters_are_refused_not_ignored(server):
+    client = server.openai(ALPHA)
+    msgs = [{"role": "user", "content": "hi"}]
+    for kwargs, param in (({"n": 2}, "n"), ({"logprobs": True}, "logprobs"),
+                          ({"response_format": {"type": "json_object"}}, "response_format"),
+                          ({"tool_choice": "required", "tools": [
+                              {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
+                           "tool_choice")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, **kwargs)
+        assert err.value.body["param"] == param, kwargs
+    for kwargs, param in (({"best_of": 3}, "best_of"), ({"suffix": "end"}, "suffix"), ({"logprobs": 2}, "logprobs")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=2, **kwargs)
+        assert err.value.body["param"] == param, kwargs
+
+
+def test_tools_the_template_cannot_render_are_refused(server):
+    """SmolLM2's template has no tools section: the tools are refused, never dropped in silence."""
+    tools = [{"type": "function", "function": {"name": "track", "description": "Track a parcel",
+                                               "parameters": {"type": "object", "properties": {"id": {"type": "string"}}}}}]
+    client = server.openai(ALPHA)
+    msgs = [{"role": "user", "content": "track 9"}]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, max_tokens=2)
+    assert err.value.body["param"] == "tools"
+    # tool_choice "none": the model must not call tools, so they are not rendered at all.
+    ok = client.chat.completions.create(model=MODEL, messages=msgs, tools=tools, tool_choice="none", max_tokens=2)
+    assert ok.choices[0].message.content is not None
+
+
+def test_local_mode_needs_no_key(tiny_model, tokenizer):
+    from proxy_support import live, make_cache
+
+    from prefixcache_api import Settings, create_app
+
+    cache = make_cache(tiny_model, tokenizer)
+    with live(create_app(Settings(served_model_name=MODEL, default_max_tokens=3), cache=cache)) as srv:
+        with srv.client() as http:
+            r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+            assert http.get("/metrics").status_code == 200  # local mode: the one caller is admin
+            assert http.get("/v1/cache/stats").json()["tenant"] is None
+            assert cache.stats("default")["queries"] == 1
+        # Any key (or none) is the same single tenant.
+        with srv.client("anything") as http:
+            assert http.get("/v1/models").status_code == 200
+    cache.close()
+
+
+def test_health_and_readiness(server):
+    with server.client() as http:
+        assert http.get("/healthz").json() == {"status": "ok"}
+        assert http.get("/readyz").json() == {"status": "ready"}
+    with server.client(ALPHA) as http:
+        assert http.get("/v1/models", headers=auth(ALPHA)).status_code == 200

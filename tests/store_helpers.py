@@ -1,0 +1,49 @@
+"""A model-free store harness: fake KV whose values encode the token prefix they belong to."""
+from __future__ import annotations
+
+import torch
+import xxhash
+
+from prefixcache.config import CacheConfig
+from prefixcache.hashing import BlockHasher
+from prefixcache.store import KVStore
+
+NS = {t: (t, "model", "rev", "float32", "tpl") for t in ("a", "b", "c")}
+BYTES_PER_TOKEN = 2 * 4  # [L=1, 2, H=1, n, D=1] float32
+
+
+def kv_value(tokens, i: int) -> float:
+    """The fake KV of position ``i`` depends on every token up to it, as real KV does."""
+    return float(xxhash.xxh32_intdigest(bytes(str(tokens[: i + 1]), "ascii")) % 100_000)
+
+
+def slicer(tokens):
+    def slice_kv(start: int, end: int) -> torch.Tensor:
+        vals = torch.tensor([kv_value(tokens, i) for i in range(start, end)], dtype=torch.float32)
+        return torch.stack([vals, -vals]).reshape(1, 2, 1, end - start, 1).clone()
+
+    return slice_kv
+
+
+def lease_values(lease) -> list[float]:
+    out: list[float] = []
+    for step in lease.steps:
+        out.extend(step.node.kv[0, 0, 0, : step.used, 0].tolist())
+    return out
+
+
+def make_store(clock, *, blocks_budget: int = 1000, block_size: int = 4, quota_blocks: int | None = None,
+               hash_fn=None) -> KVStore:
+    block = block_size * BYTES_PER_TOKEN
+    cfg = CacheConfig(max_bytes=blocks_budget * block, block_size=block_size,
+                      tenant_quota_bytes=None if quota_blocks is None else quota_blocks * block)
+    hasher = BlockHasher(1234) if hash_fn is None else BlockHasher(1234, hash_fn)
+    return KVStore(cfg, hasher, clock)
+
+
+def insert(store, tenant: str, tokens, ttl=300.0, pin=False):
+    return store.insert(NS[tenant], tenant, tokens, slicer(tokens), ttl, pin=pin)
+
+
+def lookup(store, tenant: str, tokens, ttl=300.0):
+    return store.acquire(NS[tenant], tenant, tokens, len(tokens), ttl)

@@ -1,0 +1,209 @@
+"""Memory policy rules, each with a test that fails if the rule breaks."""
+from __future__ import annotations
+
+import pytest
+
+from tests.store_helpers import BYTES_PER_TOKEN, insert, kv_value, lease_values, lookup, make_store
+
+B = 4  # block size used here
+BLOCK = B * BYTES_PER_TOKEN
+
+
+def seq(tag: int, n: int) -> list[int]:
+    return [tag * 100 + i for i in range(n)]
+
+
+def cached(store, tenant, tokens, ttl=300.0) -> int:
+    lease = lookup(store, tenant, tokens, ttl)
+    store.release(lease)
+    return lease.cached_tokens
+
+
+def test_match_returns_the_right_kv_token_granular(clock):
+    store = make_store(clock)
+    a = seq(1, 10)
+    insert(store, "a", a)
+    probe = a[:7] + [999, 998]
+    lease = lookup(store, "a", probe)
+    assert lease.cached_tokens == 7  # inside the second block
+    assert lease_values(lease) == [kv_value(a, i) for i in range(7)]
+    store.release(lease)
+    store.check_integrity()
+
+
+def test_lru_evicts_least_recently_used_leaf(clock):
+    store = make_store(clock, blocks_budget=3)
+    for tag in (1, 2, 3):
+        insert(store, "a", seq(tag, B))
+        clock.advance(1)
+    assert cached(store, "a", seq(1, B)) == B  # touch 1: now 2 is the oldest
+    clock.advance(1)
+    insert(store, "a", seq(4, B))
+    assert cached(store, "a", seq(2, B)) == 0
+    assert cached(store, "a", seq(1, B)) == B and cached(store, "a", seq(3, B)) == B
+    assert store.evictions["lru"] == 1
+    store.check_integrity()
+
+
+def test_shared_parent_outlives_its_children(clock):
+    store = make_store(clock, blocks_budget=4)
+    system = seq(1, B)
+    insert(store, "a", system + seq(2, B))
+    clock.advance(1)
+    insert(store, "a", system + seq(3, B))
+    clock.advance(1)
+    insert(store, "a", seq(5, B))  # 4 blocks held: system, two children, this one
+    clock.advance(1)
+    insert(store, "a", seq(6, B))  # must evict: the oldest *leaf* (child 2), not the older parent
+    assert cached(store, "a", system + seq(3, B)) == 2 * B
+    assert cached(store, "a", system + seq(2, B)) == B
+    store.check_integrity()
+
+
+def test_in_use_prefix_is_never_freed(clock):
+    store = make_store(clock, blocks_budget=2)
+    held = seq(1, 2 * B)
+    insert(store, "a", held)
+    lease = lookup(store, "a", held)
+    result = insert(store, "a", seq(2, B))  # no room, nothing evictable: stored uncached
+    assert result.stored_tokens == 0 and not result.complete
+    assert lease_values(lease) == [kv_value(held, i) for i in range(2 * B)]
+    store.release(lease)
+    assert insert(store, "a", seq(2, B)).complete  # once released, LRU may take it
+    store.check_integrity()
+
+
+def test_ttl_is_checked_at_lookup_and_swept(clock):
+    store = make_store(clock)
+    tokens = seq(1, 3 * B)
+    insert(store, "a", tokens, ttl=10)
+    clock.advance(9)
+    assert cached(store, "a", tokens, ttl=10) == 3 * B  # access refreshes the idle timer
+    clock.advance(9.5)
+    assert cached(store, "a", tokens, ttl=10) == 3 * B
+    clock.advance(10.5)
+    assert store.bytes > 0
+    assert cached(store, "a", tokens, ttl=10) == 0  # lazily expired before any sweep
+    assert store.sweep() == 3 * BLOCK and store.bytes == 0
+    assert store.evictions["ttl"] == 3
+    store.check_integrity()
+
+
+def test_per_request_ttl_override_never_shortens_a_longer_one(clock):
+    store = make_store(clock)
+    tokens = seq(1, 2 * B)
+    insert(store, "a", tokens, ttl=100)
+    insert(store, "a", tokens, ttl=5)
+    clock.advance(50)
+    assert cached(store, "a", tokens) == 2 * B
+
+
+def test_pinned_prefix_survives_pressure_until_unpinned(clock):
+    store = make_store(clock, blocks_budget=3)
+    pinned = seq(1, 2 * B)
+    insert(store, "a", pinned, ttl=None, pin=True)
+    for tag in range(2, 6):
+        clock.advance(1)
+        insert(store, "a", seq(tag, B))
+    assert cached(store, "a", pinned) == 2 * B
+    assert store.snapshot_stats()["pinned_bytes"] == 2 * BLOCK
+    assert store.unpin(store.trie.root(("a", "model", "rev", "float32", "tpl"), "a", False).namespace, pinned)
+    for tag in range(6, 9):
+        clock.advance(1)
+        insert(store, "a", seq(tag, B))
+    assert cached(store, "a", pinned) == 0
+    store.check_integrity()
+
+
+def test_pin_with_ttl_expires(clock):
+    store = make_store(clock)
+    pinned = seq(1, B)
+    insert(store, "a", pinned, ttl=60, pin=True)
+    clock.advance(61)
+    assert cached(store, "a", pinned, ttl=60) == 0
+    store.sweep()
+    assert store.bytes == 0
+
+
+def test_quota_isolation(clock):
+    store = make_store(clock, blocks_budget=10, quota_blocks=3)
+    for tag in (1, 2, 3):
+        insert(store, "b", seq(tag, B))
+    for tag in range(10, 20):  # tenant a churns far past its quota
+        clock.advance(1)
+        insert(store, "a", seq(tag, B))
+    assert store.tenant_bytes["a"] <= 3 * BLOCK
+    assert all(cached(store, "b", seq(tag, B)) == B for tag in (1, 2, 3))  # b untouched
+    assert store.evictions["quota"] == 7 and store.evictions["lru"] == 0
+    store.check_integrity()
+
+
+def test_global_budget_may_evict_other_tenants_only_when_forced(clock):
+    store = make_store(clock, blocks_budget=4, quota_blocks=3)
+    for tag in (1, 2, 3):
+        insert(store, "b", seq(tag, B))
+        clock.advance(1)
+    insert(store, "a", seq(10, B))
+    clock.advance(1)
+    insert(store, "a", seq(11, B))  # within a's quota, budget full: global LRU takes b's oldest
+    assert cached(store, "b", seq(1, B)) == 0 and store.evictions["lru"] == 1
+
+
+def test_budget_smaller_than_one_snapshot(clock):
+    store = make_store(clock, blocks_budget=0)
+    result = insert(store, "a", seq(1, 3 * B))
+    assert result.stored_tokens == 0 and store.bytes == 0
+    assert cached(store, "a", seq(1, 3 * B)) == 0
+    store.check_integrity()
+
+
+def test_flush_frees_everything_and_in_use_on_release(clock):
+    store = make_store(clock)
+    insert(store, "a", seq(1, 3 * B))
+    insert(store, "b", seq(2, 2 * B))
+    lease = lookup(store, "a", seq(1, 3 * B))
+    freed = store.flush("a")
+    assert freed == 0 and store.tenant_bytes["b"] == 2 * BLOCK  # a's blocks are in use
+    assert cached(store, "a", seq(1, 3 * B)) == 0  # but never matched again
+    store.release(lease)
+    assert store.tenant_bytes["a"] == 0 and store.evictions["flush"] == 3
+    store.flush()
+    assert store.bytes == 0
+    store.check_integrity()
+
+
+def test_copy_on_write_extension_of_a_partial_block(clock):
+    store = make_store(clock)
+    short = seq(1, B + 2)  # one full block + a partial one
+    insert(store, "a", short)
+    partial = [n for n in store.trie.iter_nodes() if len(n.tokens) == 2][0]
+    snapshot = partial.kv.clone()
+    lease = lookup(store, "a", short)  # a reader holds the partial block
+    longer = short + [7, 7, 7, 7]
+    insert(store, "a", longer)
+    assert partial.alive and (partial.kv == snapshot).all()  # never written, kept for its reader
+    store.release(lease)
+    assert cached(store, "a", longer) == len(longer)
+    insert(store, "a", longer + [8])
+    assert not partial.alive or partial.refcount == 0
+    store.check_integrity()
+
+
+def test_can_admit(clock):
+    store = make_store(clock, blocks_budget=2)
+    assert store.can_admit(2 * BLOCK, "a") and not store.can_admit(3 * BLOCK, "a")
+    insert(store, "a", seq(1, 2 * B), ttl=None, pin=True)
+    assert not store.can_admit(BLOCK, "a")
+
+
+@pytest.mark.parametrize("hash_fn", [None, lambda data, seed: 0])
+def test_collisions_never_return_wrong_kv(clock, hash_fn):
+    store = make_store(clock, hash_fn=hash_fn)
+    seqs = [seq(t, 3 * B) for t in range(1, 6)] + [seq(1, B) + seq(9, 2 * B)]
+    for s in seqs:
+        insert(store, "a", s)
+    for s in seqs:
+        lease = lookup(store, "a", s)
+        assert lease.cached_tokens == len(s)
+        assert lease_values(lease) == [kv_value(s, i) for i in range(len(s))]
+        store.release(lease)

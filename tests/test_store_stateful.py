@@ -1,0 +1,99 @@
+"""Random interleavings of every store operation; invariants checked after each step."""
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from tests.conftest import FakeClock
+from tests.store_helpers import NS, insert, kv_value, lease_values, lookup, make_store
+
+TENANTS = st.sampled_from(["a", "b", "c"])
+# Few distinct tokens and short sequences: prefixes collide and share constantly.
+SEQS = st.lists(st.integers(0, 3), min_size=1, max_size=14)
+TTLS = st.sampled_from([None, 5.0, 30.0, 300.0])
+
+
+class StoreMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.clock = FakeClock()
+        self.store = make_store(self.clock, blocks_budget=12, block_size=3, quota_blocks=7)
+        self.leases: list[tuple[list[int], object]] = []
+        self.pins: list[tuple[str, list[int]]] = []
+
+    @rule(tenant=TENANTS, tokens=SEQS, ttl=TTLS, pin=st.booleans())
+    def insert(self, tenant, tokens, ttl, pin):
+        result = insert(self.store, tenant, tokens, ttl=ttl, pin=pin)
+        assert 0 <= result.stored_tokens <= len(tokens)
+        if pin and result.complete:
+            self.pins.append((tenant, tokens))
+
+    @rule(tenant=TENANTS, tokens=SEQS, hold=st.booleans())
+    def lookup(self, tenant, tokens, hold):
+        deadlines = {id(n): n.expires_at for n in self.store.trie.iter_nodes()}
+        lease = lookup(self.store, tenant, tokens)
+        # Whatever matched is exactly the KV of these tokens (never a colliding neighbour's).
+        assert lease_values(lease) == [kv_value(tokens, i) for i in range(lease.cached_tokens)]
+        for step in lease.steps:
+            assert deadlines[id(step.node)] > self.clock.now, "an expired prefix was matched"
+            assert not step.node.doomed, "a flushed prefix was matched"
+        if hold:  # a concurrent reader keeps it while the rest goes on
+            self.leases.append((tokens, lease))
+        else:
+            self.store.release(lease)
+
+    @precondition(lambda self: self.leases)
+    @rule(data=st.data(), then_insert=st.booleans())
+    def finish_request(self, data, then_insert):
+        """A request ends: normally (insert, then release) or by raising mid-decode (release only)."""
+        tokens, lease = self.leases.pop(data.draw(st.integers(0, len(self.leases) - 1)))
+        assert lease_values(lease) == [kv_value(tokens, i) for i in range(lease.cached_tokens)]
+        if then_insert:
+            tenant = next(t for t, ns in NS.items() if ns == lease.root.namespace) if lease.root else "a"
+            insert(self.store, tenant, tokens + [9])
+        self.store.release(lease)
+
+    @precondition(lambda self: self.pins)
+    @rule(data=st.data())
+    def unpin(self, data):
+        tenant, tokens = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
+        self.store.unpin(NS[tenant], tokens)
+
+    @rule(seconds=st.sampled_from([0.5, 4.0, 10.0, 100.0, 1000.0]))
+    def clock_jump(self, seconds):
+        self.clock.advance(seconds)
+
+    @rule()
+    def sweep(self):
+        self.store.sweep()
+
+    @rule(tenant=st.one_of(st.none(), TENANTS))
+    def flush(self, tenant):
+        self.store.flush(tenant)
+        if tenant is None:
+            self.pins.clear()
+        else:
+            self.pins = [(t, s) for t, s in self.pins if t != tenant]
+
+    @invariant()
+    def integrity(self):
+        self.store.check_integrity()
+        if not self.leases:
+            assert all(n.refcount == 0 for n in self.store.trie.iter_nodes())
+            assert all(r.refcount == 0 for r in self.store.trie.roots())
+        assert self.store.bytes <= self.store.config.max_bytes
+        quota = self.store.config.tenant_quota_bytes
+        assert all(b <= quota for b in self.store.tenant_bytes.values())
+
+    def teardown(self):
+        for _, lease in self.leases:
+            self.store.release(lease)
+        self.store.flush()
+        assert self.store.bytes == 0
+        self.store.check_integrity()
+
+
+StoreMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None,
+                                          suppress_health_check=[HealthCheck.too_slow])
+TestStore = StoreMachine.TestCase
