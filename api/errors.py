@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from prefixcache.errors import CapacityError, ConfigError, ContextLengthExceededError, InvalidRequestError
 from prefixcache.kv_cache import UnsupportedModelError
 
-from .protocol import ErrorDetail, ErrorResponse
+from .protocol import MESSAGE_ROLES, ErrorDetail, ErrorResponse
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +109,8 @@ def validation_detail(exc: RequestValidationError) -> ErrorDetail:
         return ErrorDetail(message="We could not parse the JSON body of your request: "
                            f"{first.get('ctx', {}).get('error', 'invalid JSON')}", type="invalid_request_error",
                            code="invalid_json")
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    param = _param(first.get("loc", ()), first.get("type"))
+    loc = param
     if first.get("type") == "extra_forbidden":
         return ErrorDetail(message=f"Unrecognized request argument supplied: {param}", type="invalid_request_error",
                            param=param, code="unrecognized_argument")
@@ -123,6 +123,25 @@ def validation_detail(exc: RequestValidationError) -> ErrorDetail:
     if more > 0:
         message += f" (and {more} more problem{'s' if more > 1 else ''})"
     return ErrorDetail(message=message, type="invalid_request_error", param=param, code="invalid_value")
+
+
+def _param(loc: tuple, kind: str | None) -> str | None:
+    """``('body', 'messages', 0, 'user', 'content')`` -> ``messages[0].content`` (the SDK's spelling).
+
+    A message's role tag, which pydantic puts in the path of a tagged union, is dropped.
+    """
+    out = ""
+    parts = [p for p in loc if p != "body"]
+    for i, part in enumerate(parts):
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif i > 0 and isinstance(parts[i - 1], int) and part in MESSAGE_ROLES:
+            continue
+        else:
+            out += f".{part}" if out else str(part)
+    if kind == "union_tag_invalid":
+        out += ".role"
+    return out or None
 
 
 def install(app: FastAPI, retry_after: int, on_error: Callable[[Request, int], None]) -> None:

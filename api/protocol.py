@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 
 def _valid_unicode(value: Any) -> Any:
@@ -38,18 +39,45 @@ _SEED = Field(None, ge=-(2**63), le=2**64 - 1, description="Seed for sampling (r
 
 # -- requests ----------------------------------------------------------------------
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: Text
-    text: Text | None = None
+    """Only text parts: a text-only model has nothing to do with images, audio or files."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: Text
 
 
-class ChatMessage(BaseModel):
+class _Message(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[ContentPart] | None = None
+    content: Text | list[ContentPart]
     name: Text | None = None
+
+
+class SystemMessage(_Message):
+    role: Literal["system"]
+
+
+class DeveloperMessage(_Message):
+    role: Literal["developer"]
+
+
+class UserMessage(_Message):
+    role: Literal["user"]
+
+
+class AssistantMessage(_Message):
+    role: Literal["assistant"]
+    content: Text | list[ContentPart] | None = None  # null beside tool_calls
     tool_calls: list[JSONObject] | None = None
-    tool_call_id: Text | None = None
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    tool_call_id: Text
+
+
+MESSAGE_ROLES = ("system", "developer", "user", "assistant", "tool")
+ChatMessage = Annotated[SystemMessage | DeveloperMessage | UserMessage | AssistantMessage | ToolMessage,
+                        Field(discriminator="role")]
 
 
 class FunctionDefinition(BaseModel):
@@ -64,12 +92,6 @@ class Tool(BaseModel):
     model_config = _REQUEST
     type: Literal["function"]
     function: FunctionDefinition
-
-
-class NamedToolChoice(BaseModel):
-    model_config = _REQUEST
-    type: Literal["function"]
-    function: JSONObject
 
 
 class StreamOptions(BaseModel):
@@ -91,7 +113,7 @@ class SamplingParams(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy. Unset: the server default.")
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0, description="Extension (as in vLLM): keep the k likeliest tokens.")
-    n: int | None = Field(None, ge=1, le=128, description="Only 1 is supported.")
+    n: int | None = Field(None, ge=1, le=1, description="Choices per request: only 1 is supported.")
     stop: Text | list[Text] | None = Field(None, description="Up to 4 strings; the text ends before one.")
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -114,7 +136,8 @@ class ChatCompletionRequest(SamplingParams):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens.")
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Literal["none", "auto"] | None = Field(None, description="'none' hides the tools from the "
+                                                        "model; forcing a tool call is not supported.")
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
     logprobs: bool | None = None
@@ -122,20 +145,22 @@ class ChatCompletionRequest(SamplingParams):
 
 
 class CompletionRequest(SamplingParams):
-    prompt: Text | list[Text] | list[int] | list[list[int]]
+    prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=1)] = Field(
+        description="One prompt (a string, or a list holding one string).")
     suffix: Text | None = None
     echo: bool | None = Field(None, description="Return the prompt before the completion.")
-    best_of: int | None = Field(None, ge=1, le=20, description="Only 1 is supported.")
+    best_of: int | None = Field(None, ge=1, le=1, description="Only 1 is supported.")
     logprobs: int | None = Field(None, ge=0, le=5)
 
 
 class PrewarmRequest(BaseModel):
     """Prefill and keep a prefix: chat ``messages`` (without a generation prompt) or a text ``prompt``."""
 
-    model_config = _REQUEST
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra={
+        "oneOf": [{"required": ["messages"]}, {"required": ["prompt"]}]})
     model: Text | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
-    prompt: Text | None = None
+    messages: list[ChatMessage] | SkipJsonSchema[None] = Field(None, min_length=1)
+    prompt: Text | SkipJsonSchema[None] = None
     tools: list[Tool] | None = None
     pin: bool = Field(False, description="Keep it until flushed or its TTL ends (no TTL unless given).")
     ttl_seconds: float | None = Field(None, gt=0, description="Idle expiry of this prefix. Unset: the server's.")
@@ -159,7 +184,7 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
-class AssistantMessage(BaseModel):
+class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
     refusal: None = None
@@ -167,7 +192,7 @@ class AssistantMessage(BaseModel):
 
 class ChatChoice(BaseModel):
     index: int
-    message: AssistantMessage
+    message: ResponseMessage
     finish_reason: Literal["stop", "length"]
     logprobs: None = None
 

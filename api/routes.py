@@ -24,7 +24,6 @@ from .auth import Principal
 from .errors import NotFoundError, UnavailableError, map_exception
 from .metrics import CONTENT_TYPE
 from .protocol import (
-    AssistantMessage,
     CacheStats,
     ChatChoice,
     ChatCompletion,
@@ -41,6 +40,7 @@ from .protocol import (
     PrewarmResponse,
     PromptTokensDetails,
     QueueInfo,
+    ResponseMessage,
     UsageInfo,
 )
 from .sampling import chat_job, completion_job
@@ -123,7 +123,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, who: P
         return _sse(_chat_events(stream, meta, usage_chunk, srv))
     result = await srv.run(job, _disconnected(request))
     return ChatCompletion(id=meta.id, created=meta.created, model=meta.model, system_fingerprint=meta.fingerprint,
-                          choices=[ChatChoice(index=0, message=AssistantMessage(content=result.text),
+                          choices=[ChatChoice(index=0, message=ResponseMessage(content=result.text),
                                               finish_reason=_finish(result))], usage=_usage(result))
 
 

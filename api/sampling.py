@@ -2,9 +2,11 @@
 
 Honoured: max_tokens / max_completion_tokens, temperature, top_p, top_k (extension),
 stop, seed, presence_penalty, frequency_penalty, logit_bias, echo, tools (rendered by
-the chat template; tool calls come back as text). Refused with a 400 naming the
-parameter: n > 1, best_of > 1, logprobs, suffix, response_format other than text,
-tool_choice "required" or a named tool, token-id or multi-prompt completions.
+the chat template; tool calls come back as text), tool_choice "none" (tools hidden).
+Refused with a 400 naming the parameter, here: logprobs, suffix, response_format
+other than text, max_tokens over the server's limit; by the schema (``protocol``):
+n > 1, best_of > 1, tool_choice "required" or a named tool, token-id or multi-prompt
+completions, non-text content parts.
 """
 from __future__ import annotations
 
@@ -36,15 +38,22 @@ class Job:
     options: dict[str, Any] = field(default_factory=dict)  # PrefixCache.chat/complete keyword arguments
 
     def max_new_tokens(self, prompt_tokens: int, max_context: int, default: int) -> int:
-        """The requested ``max_tokens``; or the default, capped to the room left in the context."""
-        if self.max_tokens is not None:
-            return self.max_tokens  # the SDK refuses it if prompt + max_tokens exceeds the context
+        """The requested ``max_tokens``, or the default capped to the room left in the context.
+
+        Checked here, before a stream starts, so an overlong request is a plain 400
+        (the SDK would refuse it too, but only once the response is streaming).
+        """
         room = max_context - prompt_tokens
+        param = "messages" if self.endpoint == "chat" else "prompt"
+        if self.max_tokens is not None and self.max_tokens > room:
+            raise ContextLengthExceededError(
+                f"prompt ({prompt_tokens} tokens) + max_tokens ({self.max_tokens}) exceeds the model's context of "
+                f"{max_context} tokens", param=param)
         if room < 1:
             raise ContextLengthExceededError(
                 f"the prompt ({prompt_tokens} tokens) leaves no room in the model's context of {max_context} "
-                "tokens", param="messages" if self.endpoint == "chat" else "prompt")
-        return min(default, room)
+                "tokens", param=param)
+        return self.max_tokens if self.max_tokens is not None else min(default, room)
 
 
 class OpenAIPenalties(LogitsProcessor):
@@ -80,9 +89,6 @@ def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_
     if req.response_format is not None and req.response_format.type != "text":
         raise InvalidRequestError(f"response_format {req.response_format.type!r} is not supported (only 'text')",
                                   param="response_format")
-    if req.tool_choice is not None and req.tool_choice not in ("none", "auto"):
-        raise InvalidRequestError("tool_choice must be 'auto' or 'none': this server cannot force a tool call",
-                                  param="tool_choice")
     if req.max_tokens is not None and req.max_completion_tokens is not None \
             and req.max_tokens != req.max_completion_tokens:
         raise InvalidRequestError("max_tokens and max_completion_tokens differ; send one", param="max_tokens")
@@ -98,14 +104,9 @@ def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_
 def completion_job(req: CompletionRequest, tenant: str, settings: Settings, vocab_size: int) -> Job:
     prompt = req.prompt
     if isinstance(prompt, list):
-        if len(prompt) != 1 or not isinstance(prompt[0], str):
-            raise InvalidRequestError("prompt must be one string (token-id and batched prompts are not supported)",
-                                      param="prompt")
-        prompt = prompt[0]
+        prompt = prompt[0]  # the schema allows exactly one
     if req.suffix:
         raise InvalidRequestError("suffix (insertion) is not supported", param="suffix")
-    if req.best_of not in (None, 1):
-        raise InvalidRequestError("best_of > 1 is not supported", param="best_of")
     if req.logprobs is not None:
         raise InvalidRequestError("logprobs are not supported by this server", param="logprobs")
     return Job("completions", tenant, prompt=prompt, max_tokens=_limit(req.max_tokens, settings), echo=bool(req.echo),
@@ -120,8 +121,6 @@ def _limit(max_tokens: int | None, settings: Settings) -> int | None:
 
 
 def _options(req: SamplingParams, settings: Settings, vocab_size: int) -> dict[str, Any]:
-    if req.n not in (None, 1):
-        raise InvalidRequestError("n > 1 is not supported: send one request per choice", param="n")
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stops) > MAX_STOP:
         raise InvalidRequestError(f"stop takes at most {MAX_STOP} sequences", param="stop")

@@ -65,7 +65,7 @@ class KVStore:
             now = self._clock()
             root = self.trie.root(namespace, tenant, create=False)
             if root is None or limit <= 0:
-                return Lease(root, [], 0)
+                return Lease(None, [], 0)
             steps = self.trie.match(root, tokens, limit, lambda n: _usable(n, now))
             root.refcount += 1
             for step in steps:

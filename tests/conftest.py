@@ -79,3 +79,20 @@ class FakeClock:
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model):
+    return default_model[1]
+
+
+@pytest.fixture(scope="session")
+def chat_llama(tokenizer) -> torch.nn.Module:
+    """A tiny random Llama over the real SmolLM2 vocabulary, so chat templates work."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)).eval()
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model

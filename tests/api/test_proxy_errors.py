@@ -58,7 +58,7 @@ def test_malformed_json_is_400(http, content, headers):
     ({"messages": [{"role": "user", "content": "x"}]}, "model"),
     (ok_chat(messages="hello"), "messages"),
     (ok_chat(messages=[]), "messages"),
-    (ok_chat(messages=[{"role": "robot", "content": "x"}]), "messages.0.role"),
+    (ok_chat(messages=[{"role": "robot", "content": "x"}]), "messages[0].role"),
     (ok_chat(temperature=3), "temperature"),
     (ok_chat(top_p=0), "top_p"),
     (ok_chat(max_tokens=0), "max_tokens"),
@@ -71,7 +71,11 @@ def test_malformed_json_is_400(http, content, headers):
     (ok_chat(logit_bias={"99999999": 1}), "logit_bias"),
     (ok_chat(stream_options={"include_usage": True}), None),
     (ok_chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
-     "messages[0].content[0].type"),
+     "messages[0].content"),
+    (ok_chat(messages=[{"role": "tool", "content": "42"}]), "messages[0].tool_call_id"),
+    (ok_chat(n=2), "n"),
+    ({"model": MODEL, "prompt": [1, 2, 3]}, "prompt"),
+    ({"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
     (ok_chat(messages=[{"role": "user"}]), "messages[0].content"),
     (ok_chat(tenant="beta"), "tenant"),
 ])
@@ -97,9 +101,11 @@ def test_context_length_exceeded_is_400(http):
     long_text = "word " * 2100  # > 2048 tokens of context
     assert_error(http.post(CHAT, json=ok_chat(messages=[{"role": "user", "content": long_text}], max_tokens=None)),
                  400, code="context_length_exceeded")
-    assert_error(http.post(CHAT, json=ok_chat(max_tokens=2040)), 400, code="context_length_exceeded")
+    fits_alone = [{"role": "user", "content": "word " * 100}]  # ~100 tokens + 1990 new > 2048
+    assert_error(http.post(CHAT, json=ok_chat(messages=fits_alone, max_tokens=1990)), 400,
+                 code="context_length_exceeded")
     # Streaming requests are checked before the stream starts: a plain 400, not an event.
-    r = http.post(CHAT, json=ok_chat(max_tokens=2040, stream=True))
+    r = http.post(CHAT, json=ok_chat(messages=fits_alone, max_tokens=1990, stream=True))
     assert r.headers["content-type"].startswith("application/json")
     assert_error(r, 400, code="context_length_exceeded")
     assert_error(http.post("/v1/completions", json={"model": MODEL, "prompt": long_text}), 400,

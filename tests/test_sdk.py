@@ -1,0 +1,138 @@
+"""The SDK surface: chat, completions, streaming, stop, cancel, warm/pin, TTL, limits."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from prefixcache import (
+    CacheConfig,
+    CapacityError,
+    ContextLengthExceededError,
+    InvalidRequestError,
+    PrefixCache,
+)
+
+SYSTEM = {"role": "system", "content": "You are a terse assistant. " + "Always answer briefly. " * 40}
+
+
+def test_second_chat_turn_reuses_prompt_and_answer(default_model):
+    model, tokenizer = default_model
+    cache = PrefixCache(model, tokenizer, start_sweeper=False)
+    turn1 = [SYSTEM, {"role": "user", "content": "What is the capital of France?"}]
+    first = cache.chat(turn1, max_new_tokens=12)
+    prompt1 = cache.encode_chat(turn1)
+    turn2 = turn1 + [{"role": "assistant", "content": first.text}, {"role": "user", "content": "And of Italy?"}]
+    second = cache.chat(turn2, max_new_tokens=8)
+    answer_tokens = len(first.token_ids) - 1  # the final token's KV was never computed
+    assert second.usage.cached_tokens >= len(prompt1) + answer_tokens - 1, (second.usage, len(prompt1))
+    # and the answer is what an uncached model says
+    ids = torch.tensor([cache.encode_chat(turn2)])
+    ref = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
+    assert list(second.token_ids) == ref.tolist()
+
+
+def test_streaming_deltas_add_up_to_the_text(chat_llama, tokenizer):
+    cache = PrefixCache(chat_llama, tokenizer, start_sweeper=False)
+    deltas: list[str] = []
+    res = cache.chat([{"role": "user", "content": "hi"}], max_new_tokens=12, on_text=deltas.append)
+    assert "".join(deltas) == res.text and res.usage.completion_tokens == len(res.token_ids)
+    assert res.finish_reason in ("stop", "length")
+
+
+def test_stop_strings_cut_the_text_and_the_stream(chat_llama, tokenizer):
+    cache = PrefixCache(chat_llama, tokenizer, start_sweeper=False)
+    free = cache.chat([{"role": "user", "content": "go"}], max_new_tokens=16)
+    if len(free.text) < 4:
+        pytest.skip("model produced too little text to cut")
+    stop = free.text[2:4]
+    deltas: list[str] = []
+    res = cache.chat([{"role": "user", "content": "go"}], max_new_tokens=16, stop=[stop], on_text=deltas.append)
+    assert res.text == free.text[: free.text.find(stop)] and res.finish_reason == "stop"
+    assert "".join(deltas) == res.text
+
+
+def test_cancel_stops_generation(chat_llama, tokenizer):
+    cache = PrefixCache(chat_llama, tokenizer, start_sweeper=False)
+    cancel = threading.Event()
+    seen: list[str] = []
+
+    def on_text(delta: str) -> None:
+        seen.append(delta)
+        cancel.set()
+
+    res = cache.chat([{"role": "user", "content": "go on"}], max_new_tokens=200, on_text=on_text, cancel=cancel)
+    assert res.finish_reason == "cancelled" and len(res.token_ids) < 20
+    assert all(n.refcount == 0 for n in cache.store.trie.iter_nodes())
+
+
+def test_context_length_is_checked(chat_llama, tokenizer):
+    cache = PrefixCache(chat_llama, tokenizer, start_sweeper=False)
+    with pytest.raises(ContextLengthExceededError, match="context of 2048"):
+        cache.complete("word " * 2000, max_new_tokens=100)
+
+
+@pytest.mark.parametrize("kwargs", [{"temperature": -1}, {"top_p": 0}, {"max_new_tokens": 0},
+                                    {"ttl_seconds": -5}, {"tenant": ""}])
+def test_bad_options_raise(chat_llama, tokenizer, kwargs):
+    cache = PrefixCache(chat_llama, tokenizer, start_sweeper=False)
+    with pytest.raises(InvalidRequestError):
+        cache.complete("hello", **{"max_new_tokens": 2, **kwargs})
+
+
+def test_warm_then_chat_hits_and_pin_survives_pressure(chat_llama, tokenizer, clock):
+    probe = PrefixCache(chat_llama, tokenizer, start_sweeper=False)
+    per_token = probe.bytes_per_token
+    cache = PrefixCache(chat_llama, tokenizer, CacheConfig(max_bytes=per_token * 700), clock=clock,
+                        start_sweeper=False)
+    warmed = cache.warm([SYSTEM], pin=True)
+    assert warmed.stored_tokens == warmed.prompt_tokens and warmed.pinned
+    for i in range(6):  # unrelated traffic pushes against the budget
+        cache.complete(f"unrelated {i} " * 60, max_new_tokens=2)
+        clock.advance(400)  # far past the default TTL: pins without TTL do not expire
+    res = cache.chat([SYSTEM, {"role": "user", "content": "hello"}], max_new_tokens=2)
+    assert res.usage.cached_tokens >= warmed.prompt_tokens - 1
+    assert cache.unpin([SYSTEM])
+    cache.check_integrity()
+
+
+def test_pin_that_cannot_fit_is_refused(chat_llama, tokenizer):
+    per_token = PrefixCache(chat_llama, tokenizer, start_sweeper=False).bytes_per_token
+    cache = PrefixCache(chat_llama, tokenizer, CacheConfig(max_bytes=per_token * 50), start_sweeper=False)
+    with pytest.raises(CapacityError, match="cannot pin"):
+        cache.warm([SYSTEM], pin=True)
+    # and ordinary requests still succeed, uncached, under the same pressure
+    res = cache.chat([SYSTEM, {"role": "user", "content": "hi"}], max_new_tokens=2)
+    assert res.usage.completion_tokens >= 1
+
+
+def test_ttl_override_expires_with_injected_clock(chat_llama, tokenizer, clock):
+    cache = PrefixCache(chat_llama, tokenizer, clock=clock, start_sweeper=False)
+    msgs = [SYSTEM, {"role": "user", "content": "hello"}]
+    cache.chat(msgs, max_new_tokens=2, ttl_seconds=10)
+    clock.advance(11)
+    assert cache.chat(msgs, max_new_tokens=2, ttl_seconds=10).usage.cached_tokens == 0
+    clock.advance(11)
+    assert cache.sweep() > 0 or cache.stats()["bytes"] > 0
+
+
+def test_stats_and_flush(chat_llama, tokenizer):
+    cache = PrefixCache(chat_llama, tokenizer, start_sweeper=False)
+    msgs = [SYSTEM, {"role": "user", "content": "hello"}]
+    cache.chat(msgs, max_new_tokens=2, tenant="t1")
+    cache.chat(msgs, max_new_tokens=2, tenant="t1")
+    s = cache.stats("t1")
+    assert s["queries"] == 2 and s["hits"] == 1 and s["misses"] == 1 and s["hit_rate"] == 0.5
+    assert s["bytes"] > 0 and s["entries"] > 0 and s["cached_tokens"] > 0
+    assert cache.stats("t2")["queries"] == 0 and cache.stats("t2")["bytes"] == 0
+    assert cache.flush("t1") == s["bytes"]
+    assert cache.stats()["bytes"] == 0 and cache.stats()["evictions"]["flush"] > 0
+
+
+def test_sampling_with_seed_is_reproducible(chat_llama, tokenizer):
+    cache = PrefixCache(chat_llama, tokenizer, start_sweeper=False)
+    msgs = [{"role": "user", "content": "tell me"}]
+    a = cache.chat(msgs, max_new_tokens=8, temperature=0.9, seed=7)
+    b = cache.chat(msgs, max_new_tokens=8, temperature=0.9, seed=7)
+    assert a.token_ids == b.token_ids and b.usage.cached_tokens > 0
