@@ -102,46 +102,66 @@ def error_response(mapped: Mapped, retry_after: int) -> JSONResponse:
 
 
 def validation_detail(exc: RequestValidationError) -> ErrorDetail:
-    """The first validation error as one clear message, with ``param`` set to its field path."""
-    errors = exc.errors()
-    first = errors[0] if errors else {"type": "value_error", "loc": (), "msg": "invalid request"}
+    """The validation errors as one clear message, with ``param`` set to the field's path.
+
+    Several errors under one path are one union that matched no form (``content`` is
+    neither a string nor a list of parts); they are reported once, at that path.
+    """
+    errors = exc.errors() or [{"type": "value_error", "loc": (), "msg": "invalid request"}]
+    first = errors[0]
     if first.get("type") == "json_invalid":
         return ErrorDetail(message="We could not parse the JSON body of your request: "
                            f"{first.get('ctx', {}).get('error', 'invalid JSON')}", type="invalid_request_error",
                            code="invalid_json")
-    param = _param(first.get("loc", ()), first.get("type"))
-    loc = param
+    shared = _common_prefix([tuple(e.get("loc", ())) for e in errors])
+    union = len(errors) > 1 and len(shared) > 1
+    param = _param(shared if union else tuple(first.get("loc", ())), first.get("type"))
     if first.get("type") == "extra_forbidden":
         return ErrorDetail(message=f"Unrecognized request argument supplied: {param}", type="invalid_request_error",
                            param=param, code="unrecognized_argument")
-    if not loc and first.get("type") in ("missing", "model_attributes_type"):
+    if param is None and first.get("type") in ("missing", "model_attributes_type"):
         hint = " with Content-Type: application/json" if isinstance(first.get("input"), bytes) else ""
         message = f"the request body must be a JSON object{hint}"
+    elif union:
+        message = f"{param}: {first.get('msg', 'invalid value')} (no accepted form of {param} matched)"
     else:
         message = f"{param + ': ' if param else ''}{first.get('msg', 'invalid value')}"
-    more = len(errors) - 1
-    if more > 0:
-        message += f" (and {more} more problem{'s' if more > 1 else ''})"
+        if len(errors) > 1:
+            message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
     return ErrorDetail(message=message, type="invalid_request_error", param=param, code="invalid_value")
+
+
+def _common_prefix(locs: list[tuple]) -> tuple:
+    out: list = []
+    for parts in zip(*locs):
+        if any(p != parts[0] for p in parts):
+            break
+        out.append(parts[0])
+    return tuple(out)
 
 
 def _param(loc: tuple, kind: str | None) -> str | None:
     """``('body', 'messages', 0, 'user', 'content')`` -> ``messages[0].content`` (the SDK's spelling).
 
-    A message's role tag, which pydantic puts in the path of a tagged union, is dropped.
+    Pydantic puts union members in the path (a message's role tag, ``str``,
+    ``list[...]``, ``function-after[...]``); those are not fields and are dropped.
     """
     out = ""
     parts = [p for p in loc if p != "body"]
     for i, part in enumerate(parts):
         if isinstance(part, int):
             out += f"[{part}]"
-        elif i > 0 and isinstance(parts[i - 1], int) and part in MESSAGE_ROLES:
+        elif (i > 0 and isinstance(parts[i - 1], int) and part in MESSAGE_ROLES) or not str(part).isidentifier() \
+                or part in _TYPE_LABELS:
             continue
         else:
             out += f".{part}" if out else str(part)
     if kind == "union_tag_invalid":
         out += ".role"
     return out or None
+
+
+_TYPE_LABELS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
 
 
 def install(app: FastAPI, retry_after: int, on_error: Callable[[Request, int], None]) -> None:

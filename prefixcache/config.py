@@ -36,8 +36,6 @@ class CacheConfig:
     unicode_normalization: str | None = None
     #: Seed of the block hash chain; None draws a per-process secret.
     hash_seed: int | None = None
-    #: Prompts shorter than this are not worth storing.
-    min_cache_tokens: int = 1
     #: Extra namespace component (e.g. a deployment or adapter name).
     namespace_extra: tuple[str, ...] = field(default_factory=tuple)
 
@@ -53,7 +51,6 @@ class CacheConfig:
             raise ConfigError("unicode_normalization", self.unicode_normalization, f"None or one of {UNICODE_FORMS}")
         if self.hash_seed is not None:
             _int_in("hash_seed", self.hash_seed, 0, 2**64 - 1)
-        _int_in("min_cache_tokens", self.min_cache_tokens, 1, None)
         if not all(isinstance(s, str) for s in self.namespace_extra):
             raise ConfigError("namespace_extra", self.namespace_extra, "a tuple of strings")
 

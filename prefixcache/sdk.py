@@ -18,7 +18,7 @@ from prefixcache.engine import CallStats, Engine
 from prefixcache.errors import CapacityError, ContextLengthExceededError, InvalidRequestError
 from prefixcache.hashing import BlockHasher, HashFn, xxh3_64
 from prefixcache.loading import model_fingerprint
-from prefixcache.store import KVStore
+from prefixcache.store import EvictHook, KVStore
 
 DEFAULT_TENANT = "default"
 
@@ -119,12 +119,13 @@ class PrefixCache:
     ``generate()`` takes ``model.generate()``'s arguments and returns what it returns;
     ``chat()`` / ``complete()`` take OpenAI-shaped input and return a ``GenerationResult``.
     All methods are thread-safe. Time comes from ``clock`` (monotonic seconds) so tests
-    can drive TTLs without sleeping.
+    can drive TTLs without sleeping. ``on_evict`` receives every snapshot about to be
+    dropped (an ``EvictedSnapshot``), the hook for host, disk or Redis tiers.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, config: CacheConfig | None = None, *,
                  clock: Callable[[], float] = time.monotonic, hash_fn: HashFn = xxh3_64,
-                 start_sweeper: bool = True):
+                 start_sweeper: bool = True, on_evict: EvictHook | None = None):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config if config is not None else CacheConfig()
@@ -132,7 +133,7 @@ class PrefixCache:
         self.canonicalizer = None if tokenizer is None else Canonicalizer(
             tokenizer, normalize_whitespace=self.config.normalize_whitespace,
             unicode_normalization=self.config.unicode_normalization)
-        self.store = KVStore(self.config, BlockHasher(self.config.hash_seed, hash_fn), clock)
+        self.store = KVStore(self.config, BlockHasher(self.config.hash_seed, hash_fn), clock, on_evict)
         self.engine = Engine(self.model, self.store, clock)
         self._model_key = tuple(model_fingerprint(model))
         self._local = threading.local()

@@ -7,6 +7,7 @@ happens outside it.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -20,8 +21,26 @@ from prefixcache.hashing import BlockHasher
 from prefixcache.policy import REASONS, evictable, expired_bottom_up, expiry, is_expired, lru_order
 from prefixcache.trie import Node, PrefixTrie, Step
 
-#: Called with (node, reason) just before a snapshot is dropped: the offload hook.
-EvictHook = Callable[[Node, str], None]
+@dataclass(frozen=True, slots=True)
+class EvictedSnapshot:
+    """What the offload hook receives: enough to store the block elsewhere and restore it later.
+
+    ``kv`` (``[L, 2, H, n, D]``) covers ``tokens[start:]``; ``tokens`` is the whole
+    prefix from the namespace root, since a block's KV is only valid after it.
+    """
+
+    namespace: tuple[str, ...]
+    tenant: str
+    tokens: tuple[int, ...]
+    start: int
+    kv: torch.Tensor
+    reason: str
+
+
+#: Called once per snapshot just before it is dropped: the one place a tier can take it over.
+EvictHook = Callable[[EvictedSnapshot], None]
+log = logging.getLogger(__name__)
+
 #: Returns a fresh tensor holding the KV of tokens [start, end), shape [L, 2, H, end-start, D].
 KVSlicer = Callable[[int, int], torch.Tensor]
 
@@ -256,7 +275,10 @@ class KVStore:
 
     def _free(self, node: Node, reason: str) -> None:
         if self._on_evict is not None:
-            self._on_evict(node, reason)
+            try:
+                self._on_evict(_evicted(node, reason))
+            except Exception:  # a failing tier must never break eviction or a request
+                log.exception("offload hook failed; snapshot dropped")
         self.trie.remove_leaf(node)
         self._account(node, -1)
         parent = node.parent
@@ -313,6 +335,16 @@ class KVStore:
             assert total == self.bytes, f"accounted {self.bytes} != live {total}"
             assert all(per_tenant[t] == b for t, b in self.tenant_bytes.items()), "tenant bytes drift"
             assert self.bytes <= self.config.max_bytes, "over budget"
+
+def _evicted(node: Node, reason: str) -> EvictedSnapshot:
+    chain, cur = [], node
+    while cur is not None and not cur.is_root:
+        chain.append(cur.tokens)
+        cur = cur.parent
+    tokens = tuple(t for block in reversed(chain) for t in block)
+    namespace = cur.namespace if cur is not None else ()
+    return EvictedSnapshot(namespace, node.tenant, tokens, node.start, node.kv, reason)
+
 
 def _usable(node: Node, now: float) -> bool:
     return node.alive and not node.doomed and not is_expired(node, now)

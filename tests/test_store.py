@@ -207,3 +207,20 @@ def test_collisions_never_return_wrong_kv(clock, hash_fn):
         assert lease.cached_tokens == len(s)
         assert lease_values(lease) == [kv_value(s, i) for i in range(len(s))]
         store.release(lease)
+
+
+def test_offload_hook_sees_every_dropped_snapshot(clock):
+    seen = []
+    store = make_store(clock, blocks_budget=2)
+    store._on_evict = seen.append
+    first = seq(1, 2 * B)
+    insert(store, "a", first)
+    clock.advance(1)
+    insert(store, "a", seq(2, B))  # evicts first's leaf block
+    assert [(e.reason, e.start, e.tokens) for e in seen] == [("lru", B, tuple(first))]
+    assert seen[0].kv[0, 0, 0, :, 0].tolist() == [kv_value(first, i) for i in range(B, 2 * B)]
+    assert seen[0].namespace[0] == "a"
+    store._on_evict = lambda snap: 1 / 0  # a broken tier never breaks eviction
+    clock.advance(1)
+    insert(store, "a", seq(3, 2 * B))
+    store.check_integrity()
