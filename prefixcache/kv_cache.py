@@ -146,3 +146,172 @@ class WorkingCache(DynamicCache):
     @property
     def buffer_bytes(self) -> int:
         return self._buf.untyped_storage().nbytes()
+
+
+# -- cascade (continuous batching) contact -------------------------------------------
+# A packed forward runs all active requests as one sequence of T rows (batch 1). The
+# model writes each request's new K/V through ``CascadeCache.update`` into its
+# ``PrivateKV``; the registered attention function reads the stored prefix snapshots in
+# place (never written) plus the private KV, via ``cascade.cascade_attention``.
+
+from prefixcache.cascade import Shared, cascade_attention  # noqa: E402 - pure torch, no transformers
+
+CASCADE_KWARG = "prefixcache_cascade"  # forward kwarg carrying the CascadeCache to attention
+
+
+class PrivateKV:
+    """One request's own KV ``[L, 2, H, capacity, D]``; capacity grows by whole chunks, never per token."""
+
+    def __init__(self, layout: KVLayout, chunk: int):
+        self.layout, self.chunk, self.length = layout, chunk, 0
+        self._buf = self._alloc(0)
+
+    def _alloc(self, tokens: int) -> torch.Tensor:
+        lay = self.layout
+        return torch.empty((lay.num_layers, 2, lay.num_kv_heads, tokens, lay.head_dim), dtype=lay.dtype,
+                           device=lay.device)
+
+    def reserve(self, end: int) -> None:
+        """Make room for ``end`` tokens (rounded up to a chunk); one copy per growth."""
+        cap = self._buf.shape[3]
+        if end > cap:
+            grown = self._alloc(-(-end // self.chunk) * self.chunk)
+            grown[:, :, :, : self.length].copy_(self._buf[:, :, :, : self.length])
+            self._buf = grown
+
+    def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        # keys/values: [H, n, D] at private positions [start, start + n)
+        n = keys.shape[1]
+        self._buf[layer, 0, :, start : start + n].copy_(keys)
+        self._buf[layer, 1, :, start : start + n].copy_(values)
+
+    def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._buf[layer, 0, :, :end], self._buf[layer, 1, :, :end]  # [H, end, D] each, no copy
+
+    def window(self, start: int, end: int) -> torch.Tensor:
+        """A view ``[L, 2, H, end-start, D]`` of private tokens [start, end) (clone before publishing)."""
+        return self._buf[:, :, :, start:end]
+
+    @property
+    def nbytes(self) -> int:
+        return self._buf.untyped_storage().nbytes()
+
+
+@dataclass(frozen=True, slots=True)
+class CascadeRow:
+    """One request's part of a packed forward: prefix snapshots read in place, private KV written."""
+
+    segments: Sequence[tuple[torch.Tensor, int]]  # (snapshot [L, 2, H, n, D], tokens used)
+    private: PrivateKV
+    start: int  # private tokens held before this forward
+    count: int  # new tokens (packed rows) in this forward
+
+
+class _CascadeLayer(DynamicLayer):
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0  # the mask transformers builds is ignored by cascade attention
+
+
+class CascadeCache(Cache):
+    """``past_key_values`` of one packed forward over several requests (see ``CascadeRow``)."""
+
+    def __init__(self, rows: Sequence[CascadeRow], num_layers: int):
+        super().__init__(layers=[_CascadeLayer() for _ in range(num_layers)])
+        self.rows = list(rows)
+        self.spans, pos = [], 0
+        for row in self.rows:
+            self.spans.append((pos, pos + row.count))
+            pos += row.count
+        groups: dict[tuple[int, int], tuple[torch.Tensor, int, list[int]]] = {}
+        for i, row in enumerate(self.rows):
+            for snap, used in row.segments:  # one attention call per distinct (snapshot, used)
+                groups.setdefault((id(snap), used), (snap, used, []))[2].append(i)
+        self.groups = list(groups.values())
+        self.calls = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        # key_states: [1, H, T, D] packed; each request's rows go to its private KV
+        for row, (s, e) in zip(self.rows, self.spans):
+            row.private.write(layer_idx, row.start, key_states[0, :, s:e], value_states[0, :, s:e])
+        return key_states, value_states
+
+    def attend(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """query: [1, Hq, T, D] → attention output [1, T, Hq, D] (the layout attention functions return)."""
+        shared = [Shared(snap[layer, 0, :, :used], snap[layer, 1, :, :used], tuple(members))
+                  for snap, used, members in self.groups]
+        private = [row.private.view(layer, row.start + row.count) for row in self.rows]
+        out = cascade_attention(query[0], self.spans, shared, private, scale)  # [Hq, T, D]
+        self.calls += 1
+        return out.transpose(0, 1).unsqueeze(0)
+
+
+def _cascade_forward(module, query, key, value, attention_mask, *args, delegate=None, **kwargs):
+    cache = kwargs.pop(CASCADE_KWARG, None)
+    if cache is None:  # not a packed forward: behave exactly as the model's own implementation
+        return delegate(module, query, key, value, attention_mask, *args, **kwargs)
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise UnsupportedModelError("cascade attention has no softcap or attention sinks")
+    scale = kwargs.get("scaling") or query.shape[-1] ** -0.5
+    return cache.attend(module.layer_idx, query, scale), None
+
+
+def enable_cascade_attention(model: torch.nn.Module) -> None:
+    """Switch ``model`` to cascade-capable attention (idempotent; same results for ordinary calls).
+
+    Registers ``prefixcache_cascade`` (delegating to SDPA unless a forward carries a
+    ``CascadeCache``) and its mask function. Raises ``UnsupportedModelError`` if the
+    model does not dispatch attention through ``AttentionInterface`` or is not on SDPA.
+    """
+    from functools import partial
+
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    name = "prefixcache_cascade"
+    current = model.config._attn_implementation
+    if current == name:
+        return
+    if current != "sdpa":
+        raise UnsupportedModelError(f"attention implementation {current!r} (cascade delegates to 'sdpa' only)")
+    AttentionInterface.register(name, partial(_cascade_forward, delegate=sdpa_attention_forward))
+    AttentionMaskInterface.register(name, sdpa_mask)
+    model.set_attn_implementation(name)
+    if model.config._attn_implementation != name:
+        raise UnsupportedModelError(f"{type(model).__name__} cannot switch its attention implementation")
+
+
+def check_cascade(model: torch.nn.Module, layout: KVLayout) -> None:
+    """Compare one packed cascade forward with a plain forward on a few tokens; raise if they differ.
+
+    Catches architectures whose attention does not route through the registered
+    function (or differs in some way we do not model), so they fall back instead of being wrong.
+    """
+    device = layout.device
+    prefix, suffixes = list(range(1, 7)), [[7, 8, 9], [10]]
+    probe = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=torch.tensor([prefix], device=device), past_key_values=probe, use_cache=True)
+    snap = torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in probe.layers])  # [L, 2, H, 6, D]
+    rows = []
+    for suffix in suffixes:
+        private = PrivateKV(layout, 4)
+        private.reserve(len(suffix))
+        rows.append(CascadeRow([(snap, len(prefix))], private, 0, len(suffix)))
+    cache = CascadeCache(rows, layout.num_layers)
+    ids = [t for s in suffixes for t in s]
+    pos = [len(prefix) + i for s in suffixes for i in range(len(s))]
+    with torch.no_grad():
+        got = model(input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([pos], device=device),
+                    past_key_values=cache, use_cache=True, **{CASCADE_KWARG: cache}).logits[0]
+        want = torch.cat([model(input_ids=torch.tensor([prefix + s], device=device)).logits[0, len(prefix):]
+                          for s in suffixes])
+    if cache.calls != layout.num_layers:
+        raise UnsupportedModelError(f"cascade attention ran in {cache.calls} of {layout.num_layers} layers")
+    err = float((got.float() - want.float()).abs().max())
+    tol = 1e-3 * max(1.0, float(want.float().abs().max()))
+    if not err <= tol:
+        raise UnsupportedModelError(f"cascade self-check differs from plain attention by {err:.3g}")

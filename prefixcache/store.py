@@ -176,7 +176,7 @@ class KVStore:
         """Copy-on-write: a new block replaces shorter partial siblings it extends, if unused."""
         for child in list(parent.by_first.get(chunk[0], ())):
             if len(child.tokens) < len(chunk) and chunk[: len(child.tokens)] == child.tokens and evictable(child):
-                self._free(child, "lru")
+                self._free(child, None)
 
     def unpin(self, namespace: tuple[str, ...], tokens: Sequence[int]) -> int:
         """Undo one ``pin`` of exactly this token path. Returns the tokens unpinned."""
@@ -273,8 +273,9 @@ class KVStore:
         else:
             self._leaves.discard(node)
 
-    def _free(self, node: Node, reason: str) -> None:
-        if self._on_evict is not None:
+    def _free(self, node: Node, reason: str | None) -> None:
+        """Drop a leaf. ``reason`` None: superseded by a longer copy of itself, not an eviction."""
+        if reason is not None and self._on_evict is not None:
             try:
                 self._on_evict(_evicted(node, reason))
             except Exception:  # a failing tier must never break eviction or a request
@@ -284,8 +285,9 @@ class KVStore:
         parent = node.parent
         if parent is not None and not parent.is_root and parent.num_children == 0:
             self._leaves.add(parent)
-        self.evictions[reason] += 1
-        self.reclaimed_bytes[reason] += node.nbytes
+        if reason is not None:
+            self.evictions[reason] += 1
+            self.reclaimed_bytes[reason] += node.nbytes
         node.kv = None
 
     def snapshot_stats(self) -> dict[str, Any]:

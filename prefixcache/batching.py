@@ -1,0 +1,260 @@
+"""Continuous-batching engine with shared-prefix (cascade) attention.
+
+A background loop runs ``schedule() → run() → postprocess()``: one packed forward per
+step for every active request (decodes feed 1 token, prefills a chunk). Requests join
+between steps and leave when done; on leaving, their prompt + answer KV is inserted
+into the store and their prefix lease released (also on error or cancel). Stored
+prefix snapshots are read in place; each request's own KV lives in a ``PrivateKV``.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from prefixcache.engine import CallStats, Engine
+from prefixcache.kv_cache import (
+    CASCADE_KWARG, CascadeCache, CascadeRow, KVLayout, PrivateKV, UnsupportedModelError, check_cascade,
+    enable_cascade_attention, probe_layout,
+)
+from prefixcache.sampling import fallback_generate, sample_next
+from prefixcache.scheduler import BatchRequest, SamplingParams, admission_order, plan_step
+from prefixcache.store import KVStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class BatchConfig:
+    max_batch: int = 16  # active requests per step
+    token_budget: int = 256  # packed tokens per forward (decodes first, then prefill chunks)
+    prefill_chunk: int = 128  # most prompt tokens one request feeds per step
+    private_chunk: int = 32  # private KV grows by this many tokens at a time
+    max_wait_seconds: float = 2.0  # a request waiting longer is admitted first
+    max_private_tokens: int = 1 << 16  # admission budget: private KV tokens reserved by active requests
+
+
+@dataclass(frozen=True, slots=True)
+class BatchResult:
+    tokens: list[int]  # generated tokens only
+    finish_reason: str  # "stop", "length" or "cancelled"
+    stats: CallStats
+    fallback_reason: str | None = None  # set when the plain engine served the request
+
+
+class BatchEngine:
+    """Serves ``generate`` calls from many threads through one batched model loop.
+
+    Falls back to ``fallback`` (the one-at-a-time ``Engine``) for models or requests the
+    cascade path cannot serve exactly; the reason is logged and kept in ``fallback_reason``.
+    """
+
+    def __init__(self, model: torch.nn.Module, store: KVStore, clock: Callable[[], float],
+                 config: BatchConfig | None = None, fallback: Engine | None = None):
+        self.model, self.store, self._clock = model, store, clock
+        self.config = config or BatchConfig()
+        self.fallback = fallback
+        self.layout: KVLayout | None = None
+        self.fallback_reason: str | None = None
+        try:
+            layout = probe_layout(model)
+            previous = model.config._attn_implementation
+            enable_cascade_attention(model)  # one-time, idempotent registration
+            try:
+                check_cascade(model, layout)
+            except UnsupportedModelError:
+                model.set_attn_implementation(previous)
+                raise
+            self.layout = layout
+        except UnsupportedModelError as exc:
+            self.fallback_reason = str(exc)
+            log.warning("batching disabled, serving through the plain engine: %s", exc)
+        self._cv = threading.Condition()
+        self._waiting: list[BatchRequest] = []
+        self._active: list[BatchRequest] = []
+        self._closed = False
+        self.steps = 0
+        self._thread = threading.Thread(target=self._loop, name="prefixcache-batching", daemon=True)
+        if self.layout is not None:
+            self._thread.start()
+
+    # -- public --------------------------------------------------------------------
+    def generate(self, prompt: Sequence[int], namespace: tuple[str, ...], tenant: str, params: SamplingParams,
+                 ttl_seconds: float | None = None, on_token: Callable[[int], None] | None = None,
+                 cancel: threading.Event | None = None) -> BatchResult:
+        """Generate for one prompt (token ids); blocks until done. Thread-safe."""
+        return self.wait(self.submit(prompt, namespace, tenant, params, ttl_seconds, on_token, cancel))
+
+    def submit(self, prompt, namespace, tenant, params, ttl_seconds=None, on_token=None, cancel=None) -> BatchRequest:
+        req = BatchRequest(list(prompt), namespace, tenant, params, ttl_seconds, self._clock(), on_token, cancel)
+        reason = self._unservable(req)
+        if reason is not None:
+            req.fallback_reason = reason
+            self._run_fallback(req)
+            return req
+        # Pin the longest cached prefix now: admission order needs its length. The last
+        # prompt token is always recomputed, so its logits exist.
+        req.lease = self.store.acquire(namespace, tenant, req.prompt, len(req.prompt) - 1, ttl_seconds)
+        req.stats.prompt_tokens, req.stats.cached_tokens = len(req.prompt), req.cached
+        with self._cv:
+            self._waiting.append(req)
+            self._cv.notify()
+        return req
+
+    def wait(self, req: BatchRequest, timeout: float | None = None) -> BatchResult:
+        if not req.done.wait(timeout):
+            raise TimeoutError("request still running")
+        if req.error is not None:
+            raise req.error
+        return BatchResult(list(req.output), req.finish_reason or "length", req.stats, req.fallback_reason)
+
+    def kv_bytes(self) -> int:
+        """Bytes of KV held: store snapshots plus every active request's private buffer."""
+        with self._cv:
+            private = sum(r.private.nbytes for r in self._active if r.private is not None)
+        return self.store.bytes + private
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    # -- loop: schedule → run → postprocess ------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and not self._waiting and not self._active:
+                    self._cv.wait()
+                if self._closed:
+                    break
+                self._admit()
+                plan = plan_step(self._active, self.config.token_budget, self.config.prefill_chunk)
+            try:
+                if plan:
+                    self._postprocess(plan, self._run(plan))
+            except BaseException as exc:  # noqa: BLE001 - fail this step's requests, keep serving
+                log.exception("batched step failed")
+                for req, _ in plan:
+                    self._finish(req, None, exc)
+        with self._cv:
+            for req in [*self._active, *self._waiting]:
+                self._finish(req, "cancelled", None)
+
+    def _admit(self) -> None:
+        """Move waiting requests into the batch, cache-aware, within the batch and memory budgets."""
+        cfg = self.config
+        reserved = sum(r.private_need for r in self._active)
+        for req in admission_order(self._waiting, self._clock(), cfg.max_wait_seconds):
+            if len(self._active) >= cfg.max_batch:
+                break
+            if self._active and reserved + req.private_need > cfg.max_private_tokens:
+                break  # keep order: the head of the queue is never overtaken for memory
+            self._waiting.remove(req)
+            if req.cancel is not None and req.cancel.is_set():
+                self._finish(req, "cancelled", None)
+                continue
+            req.private = PrivateKV(self.layout, cfg.private_chunk)
+            if req.params.seed is not None:
+                req.generator = torch.Generator(device=self.layout.device).manual_seed(req.params.seed)
+            reserved += req.private_need
+            self._active.append(req)
+
+    def _run(self, plan: list[tuple[BatchRequest, int]]) -> torch.Tensor:
+        """One packed forward; returns logits [K, V] for the requests that sample this step."""
+        ids, pos, rows, keep, at = [], [], [], [], 0
+        for req, n in plan:
+            start = req.held
+            new = req.prompt[start : start + n] if req.prefilling else [req.output[-1]]
+            req.private.reserve(req.private.length + n)
+            rows.append(CascadeRow(req.segments, req.private, req.private.length, n))
+            ids.extend(new)
+            pos.extend(range(start, start + n))
+            at += n
+            if start + n >= len(req.prompt):
+                keep.append(at - 1)
+        cache = CascadeCache(rows, self.layout.num_layers)
+        device = self.layout.device
+        with torch.no_grad():
+            out = self.model(input_ids=torch.tensor([ids], device=device),  # [1, T] packed
+                             position_ids=torch.tensor([pos], device=device), past_key_values=cache,
+                             use_cache=True, logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
+                             **{CASCADE_KWARG: cache})
+        if cache.calls != self.layout.num_layers:
+            raise UnsupportedModelError(f"cascade attention ran in {cache.calls} of {self.layout.num_layers} layers")
+        self.steps += 1
+        return out.logits[0]  # [K, V]
+
+    def _postprocess(self, plan: list[tuple[BatchRequest, int]], logits: torch.Tensor) -> None:
+        k = 0
+        for req, n in plan:
+            req.private.length += n
+            if req.prefilling:
+                if req.cancel is not None and req.cancel.is_set():
+                    self._finish(req, "cancelled", None)
+                continue
+            token = sample_next(logits[k], req.params, req.prompt + req.output, req.generator)
+            k += 1
+            req.output.append(token)
+            if req.stats.ttft_seconds is None:
+                req.stats.ttft_seconds = self._clock() - req.arrival
+            try:
+                if req.on_token is not None:
+                    req.on_token(token)
+            except BaseException as exc:  # noqa: BLE001 - a broken callback ends only its request
+                self._finish(req, None, exc)
+                continue
+            if token in req.params.eos_token_ids:
+                self._finish(req, "stop", None)
+            elif len(req.output) >= req.params.max_new_tokens:
+                self._finish(req, "length", None)
+            elif req.cancel is not None and req.cancel.is_set():
+                self._finish(req, "cancelled", None)
+
+    # -- leaving -------------------------------------------------------------------
+    def _finish(self, req: BatchRequest, reason: str | None, error: BaseException | None) -> None:
+        """Insert prompt + answer KV, release the lease, wake the caller. Idempotent."""
+        if req.done.is_set():
+            return
+        try:
+            if error is None and req.private is not None and req.held > 0:
+                tokens = (req.prompt + req.output)[: req.held]
+                res = self.store.insert(req.namespace, req.tenant, tokens, req.kv_slicer(), req.ttl_seconds)
+                req.stats.stored_tokens = res.stored_tokens
+        except BaseException as exc:  # noqa: BLE001 - the answer stands even if caching it failed
+            log.warning("could not store KV of a finished request: %s", exc)
+        finally:
+            if req.lease is not None:
+                self.store.release(req.lease)
+            with self._cv:
+                if req in self._active:
+                    self._active.remove(req)
+            req.finish_reason, req.error = reason, error
+            req.stats.completion_tokens = len(req.output)
+            req.stats.total_seconds = self._clock() - req.arrival
+            req.private = None  # free the private KV now
+            req.done.set()
+
+    # -- fallback ------------------------------------------------------------------
+    def _unservable(self, req: BatchRequest) -> str | None:
+        if self.layout is None:
+            return f"model not supported by batching: {self.fallback_reason}"
+        limit = self.layout.full_attention_limit
+        total = len(req.prompt) + req.params.max_new_tokens
+        if limit is not None and total > limit:
+            return f"sequence of up to {total} tokens exceeds the sliding window ({limit})"
+        return None
+
+    def _run_fallback(self, req: BatchRequest) -> None:
+        log.info("request served by the plain engine: %s", req.fallback_reason)
+        try:
+            if self.fallback is None:
+                raise UnsupportedModelError(req.fallback_reason)
+            fallback_generate(self.fallback, req)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller by wait()
+            req.error = exc
+        req.done.set()

@@ -1,0 +1,179 @@
+"""Benchmark settings: workload sizes, systems, presets and their command-line flags.
+
+Every size has one default per preset (``PRESETS``); a flag given on the command line
+overrides it. ``options_from_args`` is the only place flags become a ``BenchOptions``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+WORKLOADS = ("shared-prefix", "multi-turn", "no-reuse")
+#: Systems run one request at a time, interleaved request by request (same noise for all).
+SEQUENTIAL_SYSTEMS = ("generate", "prefixcache", "manual-reuse", "limit")
+#: Systems that take the whole workload (or one multi-turn round) in one call.
+BATCH_SYSTEMS = ("generate-batch", "generate-batch-noshare")
+SYSTEMS = SEQUENTIAL_SYSTEMS + BATCH_SYSTEMS
+DEFAULT_SYSTEMS = ("generate", "prefixcache", "manual-reuse", "limit", "generate-batch")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(slots=True)
+class SharedPrefixSpec:
+    groups: int  # G groups, one system prompt each
+    prompts: int  # P prompts per group
+    system_tokens: int  # S
+    question_tokens: int  # Q
+
+    @property
+    def ideal_hit_rate(self) -> float:
+        """(1 − 1/P)·S/(S+Q): every prompt but a group's first reuses its system prompt."""
+        return (1 - 1 / self.prompts) * self.system_tokens / (self.system_tokens + self.question_tokens)
+
+
+@dataclass(slots=True)
+class MultiTurnSpec:
+    users: int  # U conversations
+    rounds: int  # R turns each
+    system_tokens: int  # system prompt shared by every user
+    question_tokens: int  # new user tokens per turn
+
+
+@dataclass(slots=True)
+class NoReuseSpec:
+    prompts: int
+    prompt_tokens: int
+
+
+@dataclass(slots=True)
+class BenchOptions:
+    preset: str
+    shared: SharedPrefixSpec
+    multi: MultiTurnSpec
+    unique: NoReuseSpec
+    output_tokens: int  # O, generated per request with EOS ignored
+    dtypes: tuple[str, ...] = ("float32",)
+    workloads: tuple[str, ...] = WORKLOADS
+    systems: tuple[str, ...] = DEFAULT_SYSTEMS
+    model: str | None = None  # hub id or local path; None = the preset's model
+    seed: int = 0
+    out: Path = Path("bench-out")
+    progress: bool = True
+    plot: bool = True
+    #: generate_batch sizing: tokens per forward (its CPU default, 8,192, builds huge masks).
+    cb_max_batch_tokens: int = 1024
+
+
+PRESETS: dict[str, BenchOptions] = {
+    # Tiny random Llama, small vocabulary: seconds; used by the tests.
+    "small": BenchOptions(
+        preset="small", shared=SharedPrefixSpec(groups=2, prompts=3, system_tokens=96, question_tokens=16),
+        multi=MultiTurnSpec(users=2, rounds=3, system_tokens=48, question_tokens=12),
+        unique=NoReuseSpec(prompts=4, prompt_tokens=80), output_tokens=8),
+    # The embedded SmolLM2-135M: S=2,048 and Q=128 as the TTFT target is defined; the rest
+    # is sized to keep one float32 run under ~15 minutes on a 2-core CPU.
+    "default": BenchOptions(
+        preset="default", shared=SharedPrefixSpec(groups=2, prompts=6, system_tokens=2048, question_tokens=128),
+        multi=MultiTurnSpec(users=3, rounds=3, system_tokens=512, question_tokens=64),
+        unique=NoReuseSpec(prompts=8, prompt_tokens=576), output_tokens=16),
+}
+
+# flag -> (dataclass path inside BenchOptions, help)
+_SIZE_FLAGS = {
+    "groups": ("shared.groups", "shared-prefix: groups G"),
+    "prompts": ("shared.prompts", "shared-prefix: prompts per group P"),
+    "system_tokens": ("shared.system_tokens", "shared-prefix: system prompt tokens S"),
+    "question_tokens": ("shared.question_tokens", "shared-prefix: question tokens Q"),
+    "users": ("multi.users", "multi-turn: users U"),
+    "rounds": ("multi.rounds", "multi-turn: rounds R per user"),
+    "turn_system_tokens": ("multi.system_tokens", "multi-turn: shared system prompt tokens"),
+    "turn_tokens": ("multi.question_tokens", "multi-turn: new user tokens per round"),
+    "unique_prompts": ("unique.prompts", "no-reuse: prompts"),
+    "unique_tokens": ("unique.prompt_tokens", "no-reuse: tokens per prompt"),
+    "output_tokens": ("output_tokens", "tokens generated per request O (EOS ignored)"),
+    "cb_max_batch_tokens": ("cb_max_batch_tokens", "generate_batch: max tokens per forward"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the benchmark's flags to ``parser`` (used by ``prefixcache bench`` and ``python -m``)."""
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="small",
+                        help="sizes and model: 'small' = tiny random Llama (seconds), "
+                             "'default' = the embedded SmolLM2-135M (minutes)")
+    parser.add_argument("--model", default=None, help="hub id or local path instead of the preset's model")
+    parser.add_argument("--dtype", nargs="+", choices=DTYPES, default=None,
+                        help="one or more dtypes, each a separate run (default: float32)")
+    parser.add_argument("--workloads", type=_names(WORKLOADS), default=None,
+                        help=f"comma-separated subset of {','.join(WORKLOADS)}")
+    parser.add_argument("--systems", type=_names(SYSTEMS), default=None,
+                        help=f"comma-separated subset of {','.join(SYSTEMS)} (default {','.join(DEFAULT_SYSTEMS)})")
+    for name, (_, text) in _SIZE_FLAGS.items():
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=_positive, default=None,
+                            help=f"{text} (default: from the preset)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random token content and order")
+    parser.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for results.{md,json,png}")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    parser.add_argument("--no-plot", dest="plot", action="store_false", help="skip the PNG plot")
+
+
+def options_from_args(args: argparse.Namespace) -> BenchOptions:
+    opts = _copy(PRESETS[args.preset])
+    for name, (path, _) in _SIZE_FLAGS.items():
+        value = getattr(args, name, None)
+        if value is not None:
+            _set_path(opts, path, value)
+    if args.dtype:
+        opts.dtypes = tuple(dict.fromkeys(args.dtype))
+    if args.workloads:
+        opts.workloads = args.workloads
+    if args.systems:
+        opts.systems = args.systems
+    opts.model, opts.seed, opts.out = args.model, args.seed, args.out
+    opts.progress, opts.plot = args.progress, args.plot
+    if opts.shared.prompts < 2 and "shared-prefix" in opts.workloads:
+        raise argparse.ArgumentTypeError("--prompts must be >= 2 for any reuse to happen")
+    return opts
+
+
+def describe(opts: BenchOptions) -> str:
+    s, m, u = opts.shared, opts.multi, opts.unique
+    return (f"preset={opts.preset} model={opts.model or opts.preset} dtypes={','.join(opts.dtypes)} "
+            f"O={opts.output_tokens} seed={opts.seed}\n"
+            f"  shared-prefix: G={s.groups} P={s.prompts} S={s.system_tokens} Q={s.question_tokens} "
+            f"(ideal hit rate {s.ideal_hit_rate:.3f})\n"
+            f"  multi-turn:    U={m.users} R={m.rounds} system={m.system_tokens} per-turn={m.question_tokens}\n"
+            f"  no-reuse:      N={u.prompts} tokens={u.prompt_tokens}\n"
+            f"  systems: {', '.join(opts.systems)}; workloads: {', '.join(opts.workloads)}")
+
+
+def _copy(opts: BenchOptions) -> BenchOptions:
+    return dataclasses.replace(opts, shared=dataclasses.replace(opts.shared), multi=dataclasses.replace(opts.multi),
+                               unique=dataclasses.replace(opts.unique))
+
+
+def _set_path(obj: object, path: str, value: object) -> None:
+    *parents, leaf = path.split(".")
+    for p in parents:
+        obj = getattr(obj, p)
+    setattr(obj, leaf, value)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return value
+
+
+def _names(allowed: tuple[str, ...]):
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+        bad = [n for n in names if n not in allowed]
+        if bad or not names:
+            raise argparse.ArgumentTypeError(f"unknown {bad or text!r}; choose from {','.join(allowed)}")
+        return names
+
+    parse.__name__ = "list"
+    return parse

@@ -1,0 +1,183 @@
+"""Runs every workload against every system in one process and checks the answers agree.
+
+Sequential systems are interleaved request by request, in an order that rotates per
+request, so background noise lands on all of them alike. Batch systems then take the
+workload round by round. After each request, prefixcache's output must equal plain
+``generate()``'s token for token (same greedy workload); otherwise the run stops.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from prefixcache.bench import models, workloads
+from prefixcache.bench.batch import GenerateBatch
+from prefixcache.bench.options import BATCH_SYSTEMS, BenchOptions
+from prefixcache.bench.systems import SEQUENTIAL, PlainGenerate, PrefixCacheSystem, Served, kv_bytes_per_token
+from prefixcache.bench.workloads import Request, Workload
+
+Progress = Callable[[int], None]
+
+
+class CorrectnessError(RuntimeError):
+    """prefixcache and plain generate() disagreed on a greedy answer."""
+
+
+@dataclass(slots=True)
+class Record:
+    index: int
+    prompt_tokens: int
+    output: tuple[int, ...]
+    ttft: float
+    total: float
+    cached_tokens: int | None
+
+
+@dataclass(slots=True)
+class SystemRun:
+    name: str
+    records: list[Record] = field(default_factory=list)
+    wall: float = 0.0  # seconds serving: sum over requests, or over batch calls
+    retained_peak: int = 0  # KV bytes kept between requests, max over the run
+    inflight_peak: int = 0  # KV bytes of the largest request being served
+    batched: bool = False  # a batch system: retained_peak is its pre-allocated paged pool
+
+
+@dataclass(slots=True)
+class WorkloadRun:
+    workload: str
+    dtype: str
+    systems: dict[str, SystemRun]
+    prompt_tokens: list[int]  # per request, as plain generate() saw them
+    ideal_cached: list[int]  # per request: the most any token-granular cache could reuse
+    formula_hit_rate: float | None
+
+
+@dataclass(slots=True)
+class BenchResult:
+    options: BenchOptions
+    runs: list[WorkloadRun]
+    models: dict[str, str]  # dtype -> model label
+    bytes_per_token: dict[str, int]  # dtype -> KV bytes per token
+    machine: dict[str, object]
+    load_after: list[float] | None = None
+    elapsed: float = 0.0
+
+
+def run_benchmark(opts: BenchOptions, progress: Progress, clock: Callable[[], float] = time.perf_counter,
+                  ) -> BenchResult:
+    """Every dtype × workload × system. Raises ``CorrectnessError`` if prefixcache ever
+    answers differently from plain ``generate()``."""
+    start = clock()
+    result = BenchResult(opts, [], {}, {}, models.machine())
+    for dtype in opts.dtypes:
+        mut = models.load(opts, dtype)
+        built = [workloads.build(name, opts, mut.space) for name in opts.workloads]
+        _warm_up(mut.model)
+        bpt = kv_bytes_per_token(mut.model)
+        result.models[dtype], result.bytes_per_token[dtype] = mut.label, bpt
+        result.runs += [run_workload(opts, mut.model, dtype, w, bpt, progress) for w in built]
+        del mut
+    result.load_after = models.machine()["load_average"]
+    result.elapsed = clock() - start
+    return result
+
+
+def total_steps(opts: BenchOptions) -> int:
+    """Requests served over the whole run (for the progress bar)."""
+    sizes = {"shared-prefix": opts.shared.groups * opts.shared.prompts, "multi-turn": opts.multi.users *
+             opts.multi.rounds, "no-reuse": opts.unique.prompts}
+    per_dtype = 0
+    for name in opts.workloads:
+        seq = [n for n in opts.systems if n in SEQUENTIAL and (n != "limit" or name == "shared-prefix")]
+        per_dtype += sizes[name] * (len(seq) + sum(n in BATCH_SYSTEMS for n in opts.systems))
+    return per_dtype * len(opts.dtypes)
+
+
+def run_workload(opts: BenchOptions, model: torch.nn.Module, dtype: str, workload: Workload, bpt: int,
+                 progress: Progress) -> WorkloadRun:
+    seq = {n: SEQUENTIAL[n](model, opts.output_tokens) for n in opts.systems if n in SEQUENTIAL}
+    seq = {n: s for n, s in seq.items() if s.applies(workload)}
+    runs = {n: SystemRun(n) for n in seq}
+    reference = next((n for n in ("generate", "prefixcache", "manual-reuse") if n in seq), None)
+    prompts: list[int] = []
+    ideal: list[int] = []
+    histories: dict[str, dict[str, list[int]]] = {n: {} for n in seq}
+    finished: list[list[int]] = []  # the reference's prompt + answer sequences so far
+    for s in seq.values():
+        s.start(workload)
+    try:
+        for req in workload.requests:
+            names = list(seq)
+            k = req.index % len(names)
+            for name in names[k:] + names[:k]:
+                prompt = histories[name].get(req.session, []) + list(req.new_tokens)
+                served = seq[name].serve(req, prompt)
+                histories[name][req.session] = prompt + list(served.output)
+                _record(runs[name], req, prompt, served, (len(prompt) + opts.output_tokens) * bpt)
+                runs[name].retained_peak = max(runs[name].retained_peak, seq[name].retained_bytes())
+                progress(1)
+                if name == reference:
+                    prompts.append(len(prompt))
+                    ideal.append(workloads.ideal_cached(prompt, finished))
+                    finished.append(histories[name][req.session])
+            _check(workload, req, runs)
+    finally:
+        for s in seq.values():
+            s.finish()
+    for name in (n for n in opts.systems if n in BATCH_SYSTEMS):
+        runs[name] = _run_batch(name, model, opts, workload, bpt, progress)
+    return WorkloadRun(workload.name, dtype, runs, prompts, ideal, workload.formula_hit_rate)
+
+
+def _record(run: SystemRun, req: Request, prompt: list[int], served: Served, inflight: int) -> None:
+    run.records.append(Record(req.index, len(prompt), served.output, served.ttft, served.total, served.cached_tokens))
+    run.wall += served.total
+    run.inflight_peak = max(run.inflight_peak, inflight)
+
+
+def _check(workload: Workload, req: Request, runs: dict[str, SystemRun]) -> None:
+    if "prefixcache" not in runs or "generate" not in runs:
+        return
+    got, want = runs["prefixcache"].records[-1], runs["generate"].records[-1]
+    if got.output != want.output:
+        first = next(i for i, (a, b) in enumerate(zip(got.output, want.output)) if a != b)
+        raise CorrectnessError(
+            f"{workload.name} request {req.index} (session {req.session}, {got.prompt_tokens} prompt tokens, "
+            f"{got.cached_tokens} cached): prefixcache output differs from plain generate() at output token {first}:"
+            f"\n  prefixcache: {list(got.output)}\n  generate():  {list(want.output)}")
+
+
+def _run_batch(name: str, model: torch.nn.Module, opts: BenchOptions, workload: Workload, bpt: int,
+               progress: Progress) -> SystemRun:
+    system = GenerateBatch(model, opts.output_tokens, sharing=name == "generate-batch",
+                           max_batch_tokens=opts.cb_max_batch_tokens, bytes_per_token=bpt)
+    run = SystemRun(name, batched=True)
+    history: dict[str, list[int]] = {}
+    by_index: dict[int, Record] = {}
+    for batch in workload.rounds():
+        prompts = [history.get(r.session, []) + list(r.new_tokens) for r in batch]
+        call = system.call(prompts)
+        run.wall += call.wall
+        run.retained_peak = max(run.retained_peak, call.reserved_bytes)
+        for req, prompt, served in zip(batch, prompts, call.served):
+            history[req.session] = prompt + list(served.output)
+            by_index[req.index] = Record(req.index, len(prompt), served.output, served.ttft, served.total, None)
+            run.inflight_peak = max(run.inflight_peak, (len(prompt) + opts.output_tokens) * bpt)
+        progress(len(batch))
+    run.records = [by_index[i] for i in sorted(by_index)]
+    return run
+
+
+def _warm_up(model: torch.nn.Module) -> None:
+    """One untimed call per code path, so first-call costs land on no system."""
+    ids = torch.arange(2, 34, dtype=torch.long, device=next(model.parameters()).device).unsqueeze(0)
+    PlainGenerate(model, 2).serve(Request(0, "w", (), None), ids[0].tolist())
+    pc = PrefixCacheSystem(model, 2)
+    pc.start(Workload("warm-up", (), {}))
+    pc.serve(Request(0, "w", (), None), ids[0].tolist())
+    pc.serve(Request(0, "w", (), None), ids[0].tolist())
+    pc.finish()

@@ -1,0 +1,125 @@
+"""Cascade attention: shared prefix KV read once for many requests, merged exactly by log-sum-exp.
+
+Pure torch, no ``transformers``. Queries of all active requests are *packed*: request
+``i`` owns rows ``spans[i] = (start, end)`` of ``q: [Hq, T, D]``. Keys come in two kinds:
+
+- ``Shared`` segments (a stored prefix block, read in place, never written): every
+  query row of every member sees every key, so one attention call serves all members.
+- one private ``(k, v)`` per request (``[Hkv, m_i, D]``) whose last ``end - start``
+  keys are the request's own queries, so it is causal there (bottom-right aligned).
+
+Softmax over a union of key sets is the log-sum-exp weighted mix of the softmaxes over
+the parts, so the result equals attention over the concatenation (to fp rounding).
+GQA: ``Hq = g * Hkv``; query head ``h`` reads KV head ``h // g`` (as ``repeat_kv``), so
+queries are viewed as ``[Hkv, g * rows, D]`` instead of repeating keys.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Shared:
+    """A KV segment every query of ``members`` (request indices) attends to in full."""
+
+    keys: torch.Tensor  # [Hkv, n, D]
+    values: torch.Tensor  # [Hkv, n, D]
+    members: tuple[int, ...]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+           mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with its log-sum-exp. q: [1, H, R, D], k/v: [1, H, n, D], mask: additive [R, n].
+
+    Returns out [1, H, R, D] (q's dtype) and lse [1, H, R] (float32).
+    """
+    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        if mask is not None:
+            mask = mask.to(q.dtype)
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
+                                                                         scale=scale)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [1, H, R, n]
+    if mask is not None:
+        scores = scores + mask.float()
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float())
+    return out.to(q.dtype), lse
+
+
+def causal_tail_mask(rows: int, keys: int, groups: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive mask [groups * rows, keys]: query t (of the last ``rows``) sees keys <= keys - rows + t."""
+    t = torch.arange(rows, device=device).unsqueeze(1)
+    j = torch.arange(keys, device=device).unsqueeze(0)
+    allowed = j <= keys - rows + t  # [rows, keys]
+    mask = torch.zeros((rows, keys), dtype=dtype, device=device).masked_fill(~allowed, float("-inf"))
+    return mask.repeat(groups, 1)
+
+
+def merge(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    """Exact merge of partial attentions. outs: [S, ..., R, D], lses: [S, ..., R] (-inf = part absent)."""
+    total = torch.logsumexp(lses, dim=0)  # [..., R]
+    weights = torch.exp(lses - total.unsqueeze(0)).unsqueeze(-1)  # [S, ..., R, 1]
+    return (outs.float() * weights).sum(dim=0)
+
+
+def cascade_attention(q: torch.Tensor, spans: Sequence[tuple[int, int]], shared: Sequence[Shared],
+                      private: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
+    """Packed cascade attention. q: [Hq, T, D]; private[i]: ([Hkv, m_i, D], [Hkv, m_i, D]). Returns [Hq, T, D]."""
+    hq, total, dim = q.shape
+    hkv = private[0][0].shape[0]
+    g = hq // hkv
+    qg = q.reshape(hkv, g, total, dim)  # [Hkv, g, T, D]
+    outs, lses = [], []
+    for seg in shared:
+        rows = _member_rows(seg.members, spans, total, q.device)
+        sel = qg if rows is None else qg.index_select(2, rows)
+        r = sel.shape[2]
+        o, lse = attend(sel.reshape(1, hkv, g * r, dim), seg.keys.unsqueeze(0), seg.values.unsqueeze(0), scale)
+        if rows is None:
+            o_full, l_full = o.view(hkv, g, r, dim), lse.view(hkv, g, r)
+        else:
+            o_full = q.new_zeros((hkv, g, total, dim))
+            l_full = torch.full((hkv, g, total), float("-inf"), dtype=torch.float32, device=q.device)
+            o_full.index_copy_(2, rows, o.view(hkv, g, r, dim))
+            l_full.index_copy_(2, rows, lse.view(hkv, g, r))
+        outs.append(o_full)
+        lses.append(l_full)
+    o_priv = q.new_empty((hkv, g, total, dim))
+    l_priv = torch.empty((hkv, g, total), dtype=torch.float32, device=q.device)
+    for (start, end), (k, v) in zip(spans, private):
+        r = end - start
+        mask = None if r == 1 else causal_tail_mask(r, k.shape[1], g, q.dtype, q.device)
+        sel = qg[:, :, start:end].reshape(1, hkv, g * r, dim)
+        o, lse = attend(sel, k.unsqueeze(0), v.unsqueeze(0), scale, mask)
+        o_priv[:, :, start:end] = o.view(hkv, g, r, dim)
+        l_priv[:, :, start:end] = lse.view(hkv, g, r)
+    if not outs:
+        return o_priv.reshape(hq, total, dim)
+    merged = merge(torch.stack([*outs, o_priv]), torch.stack([*lses, l_priv]))
+    return merged.to(q.dtype).reshape(hq, total, dim)
+
+
+def _member_rows(members: Sequence[int], spans: Sequence[tuple[int, int]], total: int,
+                 device: torch.device) -> torch.Tensor | None:
+    """Packed query rows of ``members``; None when they are all rows."""
+    covered = sum(spans[i][1] - spans[i][0] for i in members)
+    if covered == total:
+        return None
+    return torch.cat([torch.arange(spans[i][0], spans[i][1], device=device) for i in members])
+
+
+def batched_cascade(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor,
+                    private: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
+    """Convenience form: q [B, Hq, t, D] (same t per request), prefix [1, Hkv, P, D] shared by all B.
+
+    ``private[i]`` is ([Hkv, m_i, D], ...) with m_i >= t. Returns [B, Hq, t, D].
+    """
+    b, hq, t, dim = q.shape
+    packed = q.permute(1, 0, 2, 3).reshape(hq, b * t, dim)  # [Hq, B*t, D]
+    spans = [(i * t, (i + 1) * t) for i in range(b)]
+    seg = Shared(prefix_k[0], prefix_v[0], tuple(range(b)))
+    out = cascade_attention(packed, spans, [seg] if prefix_k.shape[2] else [], private, scale)
+    return out.reshape(hq, b, t, dim).permute(1, 0, 2, 3)
