@@ -1,0 +1,184 @@
+"""Batched, cascaded generation equals plain per-request generate(); leases and memory stay exact."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from prefixcache.batching import BatchConfig, BatchEngine
+from prefixcache.config import CacheConfig
+from prefixcache.engine import Engine
+from prefixcache.hashing import BlockHasher
+from prefixcache.scheduler import BatchRequest, SamplingParams, admission_order, plan_step
+from prefixcache.store import KVStore
+from tests.conftest import ARCHS, EOS, FakeClock, build_tiny
+
+NS = ("t", "model")
+
+
+def make_engine(model, block_size=8, **cfg):
+    clock = FakeClock()
+    store = KVStore(CacheConfig(block_size=block_size), BlockHasher(1), clock)
+    return BatchEngine(model, store, clock, BatchConfig(**cfg), fallback=Engine(model, store, clock))
+
+
+def expected(ref_model, prompt, new):
+    out = ref_model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def params(new):
+    return SamplingParams(max_new_tokens=new, eos_token_ids=frozenset({EOS}))
+
+
+def check_released(engine):
+    engine.store.check_integrity()
+    assert all(n.refcount == 0 for n in engine.store.trie.iter_nodes())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_parity_join_leave_and_two_prefixes(arch):
+    model, ref = build_tiny(arch), build_tiny(arch)
+    engine = make_engine(model, max_batch=6, token_budget=24, prefill_chunk=7, private_chunk=4)
+    try:
+        assert engine.fallback_reason is None
+        base_a, base_b = list(range(10, 60)), list(range(200, 237))
+        for base in (base_a, base_b):  # both prefixes stored: one batch cascades over two prefixes
+            assert engine.generate(base + [5], NS, "t", params(1)).finish_reason in ("length", "stop")
+        first = [base_a + [70 + i] * (i + 1) for i in range(3)] + [base_b + [90, 91]]
+        later = [base_a + [80, 81, 82, 83][: i + 1] for i in range(3)] + [base_b[:20] + [95]]
+        news = [9, 3, 6, 4, 5, 2, 8, 7]
+        reqs = [engine.submit(p, NS, "t", params(n)) for p, n in zip(first, news)]
+        while engine.steps < 3:  # the first wave is mid-generation when the second joins
+            threading.Event().wait(0.001)
+        reqs += [engine.submit(p, NS, "t", params(n)) for p, n in zip(later, news[4:])]
+        for req, prompt, new in zip(reqs, first + later, news):
+            got = engine.wait(req, timeout=60)
+            assert got.fallback_reason is None
+            assert got.tokens == expected(ref, prompt, new), prompt
+        assert [r.stats.cached_tokens for r in reqs[:4]] == [50, 50, 50, 37]
+        check_released(engine)
+    finally:
+        engine.close()
+
+
+def test_sliding_window_and_eager_fall_back():
+    """Requests longer than a sliding window, and non-SDPA models, go to the plain engine, still exact."""
+    from transformers import MistralConfig, MistralForCausalLM
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=16)
+    model = MistralForCausalLM(cfg).eval()
+    engine = make_engine(model)
+    try:
+        prompt = list(range(3, 30))
+        got = engine.generate(prompt, NS, "t", SamplingParams(max_new_tokens=4))
+        assert "sliding window" in got.fallback_reason
+        assert got.tokens == model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, 27:].tolist()
+    finally:
+        engine.close()
+    eager = build_tiny("llama-gqa")
+    eager.set_attn_implementation("eager")
+    engine = make_engine(eager)
+    try:
+        got = engine.generate([5, 6, 7], NS, "t", SamplingParams(max_new_tokens=3))
+        assert "eager" in got.fallback_reason and len(got.tokens) == 3
+    finally:
+        engine.close()
+
+
+def test_memory_is_prefix_once_plus_private_per_request():
+    """N concurrent requests on one P-token prefix hold about P + N·(q + out) tokens of KV."""
+    model = build_tiny("llama-gqa")
+    p_len, n_req, q_len, out_len = 256, 6, 16, 16
+    engine = make_engine(model, block_size=16, max_batch=n_req, token_budget=256, prefill_chunk=64, private_chunk=8)
+    try:
+        prefix = [2 + (i * 7) % 300 for i in range(p_len)]
+        engine.generate(prefix + [3], NS, "t", SamplingParams(max_new_tokens=1))
+        per_token = engine.layout.bytes_per_token
+        assert engine.store.bytes == (p_len + 1) * per_token
+        engine.store.flush()
+        engine.generate(prefix, NS, "t", SamplingParams(max_new_tokens=1))  # exactly P tokens stored
+        held: list[int] = []
+        reqs = [engine.submit(prefix + [10 + i] * q_len, NS, "t", SamplingParams(max_new_tokens=out_len),
+                              on_token=lambda _t: held.append(engine.kv_bytes())) for i in range(n_req)]
+        for r in reqs:
+            engine.wait(r, timeout=60)
+        ideal = (p_len + n_req * (q_len + out_len)) * per_token
+        assert max(held) <= 1.1 * ideal, (max(held) / per_token, ideal / per_token)
+        assert max(held) < 0.5 * n_req * p_len * per_token  # not one prefix copy per request
+        check_released(engine)
+    finally:
+        engine.close()
+
+
+def test_cancel_callback_error_and_sampling():
+    model = build_tiny("qwen2")
+    engine = make_engine(model)
+    try:
+        prompt = list(range(20, 60))
+        cancel = threading.Event()
+        seen: list[int] = []
+
+        def on_token(t):
+            seen.append(t)
+            if len(seen) == 2:
+                cancel.set()
+        got = engine.generate(prompt, NS, "t", SamplingParams(max_new_tokens=50), on_token=on_token, cancel=cancel)
+        assert got.finish_reason == "cancelled" and got.tokens == seen and len(seen) == 2
+
+        def broken(_t):
+            raise RuntimeError("client went away")
+        bad = engine.submit(prompt + [7], NS, "t", SamplingParams(max_new_tokens=5), on_token=broken)
+        good = engine.submit(prompt + [8], NS, "t", SamplingParams(max_new_tokens=5))
+        with pytest.raises(RuntimeError, match="client went away"):
+            engine.wait(bad, timeout=30)
+        assert len(engine.wait(good, timeout=30).tokens) == 5
+        sampled = [engine.generate(prompt, NS, "t", SamplingParams(max_new_tokens=6, temperature=0.9, top_p=0.9,
+                                                                   top_k=50, seed=4)).tokens for _ in range(2)]
+        assert sampled[0] == sampled[1]
+        top1 = engine.generate(prompt, NS, "t", SamplingParams(max_new_tokens=6, temperature=1.0, top_k=1, seed=1))
+        greedy = engine.generate(prompt, NS, "t", SamplingParams(max_new_tokens=6))
+        assert top1.tokens == greedy.tokens
+        check_released(engine)
+    finally:
+        engine.close()
+
+
+def _req(cached_arrival, group=0):
+    r = BatchRequest([1] * 50, NS, "t", SamplingParams(), None, cached_arrival[1])
+    r.lease = type("L", (), {"cached_tokens": cached_arrival[0], "steps": []})()
+    return r
+
+
+def test_admission_order_is_cache_aware_and_bounded():
+    short, long_, old = _req((5, 10.0)), _req((40, 11.0)), _req((0, 0.0))
+    assert admission_order([short, long_], now=11.0, max_wait=5.0) == [long_, short]
+    assert admission_order([short, long_, old], now=11.0, max_wait=5.0)[0] is old  # starved goes first
+
+
+def test_plan_step_keeps_decodes_running_during_long_prefill():
+    decoding = _req((49, 0.0))
+    decoding.private = type("P", (), {"length": 1})()
+    prefilling = _req((0, 1.0))
+    prefilling.prompt = [1] * 1000
+    prefilling.private = type("P", (), {"length": 0})()
+    plan = plan_step([decoding, prefilling], token_budget=64, prefill_chunk=512)
+    assert plan == [(decoding, 1), (prefilling, 63)]
+
+
+def test_next_turn_hits_prompt_and_answer():
+    """Inserted KV (prefix snapshot + private, straddling blocks) serves the next turn exactly."""
+    model, ref = build_tiny("gpt2"), build_tiny("gpt2")
+    engine = make_engine(model, block_size=8, prefill_chunk=5)
+    try:
+        first = list(range(30, 43))  # 13 tokens: blocks end inside the private part
+        answer = engine.generate(first, NS, "t", SamplingParams(max_new_tokens=6)).tokens
+        second = first + answer + [9, 10]
+        got = engine.generate(second, NS, "t", SamplingParams(max_new_tokens=5))
+        assert got.stats.cached_tokens == len(first) + len(answer) - 1
+        assert got.tokens == expected(ref, second, 5)
+        check_released(engine)
+    finally:
+        engine.close()
