@@ -65,9 +65,8 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
-    from pydantic import ValidationError
-
     from prefixcache_api import Settings, build_cache, create_app
+    from pydantic import ValidationError
 
     overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
     if "api_keys" in overrides:

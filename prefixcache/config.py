@@ -20,9 +20,10 @@ class CacheConfig:
 
     #: Total bytes of KV snapshots the cache may hold (on the model's device).
     max_bytes: int = 2 << 30
-    #: Tokens per hash block. Matching is token-granular; blocks only bound hashing work
-    #: and the size of a copy-on-write split.
-    block_size: int = 16
+    #: Tokens per stored block. Matching is token-granular whatever the size; blocks bound
+    #: hashing work, the size of a copy-on-write split (≤ block_size - 1 duplicated tokens per
+    #: branch) and the number of attention calls over a shared prefix in batched decoding.
+    block_size: int = 64
     #: Idle time after which a prefix is never matched again and gets freed. None = no TTL.
     ttl_seconds: float | None = 300.0
     #: Per-tenant byte quota. None = only the global budget applies.

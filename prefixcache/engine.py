@@ -114,7 +114,7 @@ class Engine:
         stats.completion_tokens = int(seq.shape[1]) - n
         stats.ttft_seconds = None if timer.at is None else timer.at - start
         stats.total_seconds = self._clock() - start
-        self._count(tenant, stats)
+        self.record(tenant, stats)
         return out, stats
 
     def prefill(self, tokens: list[int], namespace: tuple[str, ...], tenant: str,
@@ -190,7 +190,8 @@ class Engine:
             return f"sequence of up to {total_len} tokens exceeds the sliding window ({limit})"
         return None
 
-    def _count(self, tenant: str, stats: CallStats) -> None:
+    def record(self, tenant: str, stats: CallStats) -> None:
+        """Count one finished call in the tenant's hit counters."""
         with self._stats_lock:
             c = self.counters.setdefault(tenant, Counter())
             c["queries"] += 1

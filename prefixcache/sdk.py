@@ -14,9 +14,11 @@ from transformers.generation.streamers import BaseStreamer
 
 from prefixcache.canonicalize import Canonicalizer
 from prefixcache.config import CacheConfig
+from prefixcache.batching import BatchConfig, BatchEngine
 from prefixcache.engine import CallStats, Engine
 from prefixcache.errors import CapacityError, ContextLengthExceededError, InvalidRequestError
 from prefixcache.hashing import BlockHasher, HashFn, xxh3_64
+from prefixcache.scheduler import SamplingParams
 from prefixcache.loading import model_fingerprint
 from prefixcache.store import EvictHook, KVStore
 
@@ -61,6 +63,16 @@ class _Cancel(StoppingCriteria):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
         return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+class _Halt:
+    """Stops a batched request when the caller cancels or the text reached a stop string."""
+
+    def __init__(self, cancel: threading.Event | None, stream: _TextStream):
+        self._cancel, self._stream = cancel, stream
+
+    def is_set(self) -> bool:
+        return self._stream.stopped or (self._cancel is not None and self._cancel.is_set())
 
 
 class _TextStream(BaseStreamer):
@@ -125,7 +137,8 @@ class PrefixCache:
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, config: CacheConfig | None = None, *,
                  clock: Callable[[], float] = time.monotonic, hash_fn: HashFn = xxh3_64,
-                 start_sweeper: bool = True, on_evict: EvictHook | None = None):
+                 start_sweeper: bool = True, on_evict: EvictHook | None = None,
+                 batching: BatchConfig | bool = True):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config if config is not None else CacheConfig()
@@ -135,6 +148,12 @@ class PrefixCache:
             unicode_normalization=self.config.unicode_normalization)
         self.store = KVStore(self.config, BlockHasher(self.config.hash_seed, hash_fn), clock, on_evict)
         self.engine = Engine(self.model, self.store, clock)
+        # chat()/complete() go through continuous batching with cascade attention over shared
+        # prefixes; generate() keeps the drop-in engine, which takes every generate() option.
+        self.batcher: BatchEngine | None = None
+        if batching:
+            batch_config = batching if isinstance(batching, BatchConfig) else BatchConfig()
+            self.batcher = BatchEngine(self.model, self.store, clock, batch_config, fallback=self.engine)
         self._model_key = tuple(model_fingerprint(model))
         self._local = threading.local()
         self._closed = threading.Event()
@@ -246,7 +265,11 @@ class PrefixCache:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({max_new_tokens}) exceeds the model's context of "
                 f"{self.max_context} tokens", param="messages")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        gen = dict(kwargs, max_new_tokens=max_new_tokens, **_sampling(temperature, top_p, top_k, do_sample))
+        sampling = _sampling(temperature, top_p, top_k, do_sample)
+        tenant, ttl = self._tenant(tenant), self._ttl(ttl_seconds)
+        if self.batcher is not None and not kwargs:
+            return self._answer_batched(prompt, tenant, max_new_tokens, sampling, seed, stops, on_text, cancel, ttl)
+        gen = dict(kwargs, max_new_tokens=max_new_tokens, **sampling)
         criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
         if cancel is not None:
             criteria.append(_Cancel(cancel))
@@ -259,20 +282,41 @@ class PrefixCache:
         if seed is not None:
             gen["seed"] = seed
         ids = torch.tensor([prompt], device=next(self.model.parameters()).device)
-        out, stats = self._run(ids, self._tenant(tenant), None, gen, self._ttl(ttl_seconds))
+        out, stats = self._run(ids, tenant, None, gen, ttl)
         new = out[0, len(prompt):].tolist()
+        eos = _as_set(self.model.generation_config.eos_token_id)
+        reason = "stop" if new and new[-1] in eos else "length"
+        return self._result(prompt, new, reason, stops, cancel, stats)
+
+    def _answer_batched(self, prompt: list[int], tenant: str, max_new_tokens: int, sampling: dict[str, Any],
+                        seed: int | None, stops: list[str], on_text: Callable[[str], None] | None,
+                        cancel: threading.Event | None, ttl: float | None) -> GenerationResult:
+        params = SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=sampling.get("temperature", 1.0) if sampling["do_sample"] else None,
+            top_p=sampling.get("top_p"), top_k=sampling.get("top_k"), seed=seed,
+            eos_token_ids=frozenset(_as_set(self.model.generation_config.eos_token_id)))
+        stream = _TextStream(self.tokenizer, on_text or (lambda _t: None), stops)
+        stream.put(torch.tensor(prompt))  # the stream skips the prompt, as with generate()
+        halt = _Halt(cancel, stream)
+        res = self.batcher.generate(prompt, self.namespace(tenant), tenant, params, ttl,
+                                    on_token=lambda t: stream.put(torch.tensor([t])), cancel=halt)
+        stream.end()
+        if res.fallback_reason is None:  # the plain engine counts its own calls
+            self.engine.record(tenant, res.stats)
+        self._local.last = res.stats
+        reason = "stop" if stream.stopped else res.finish_reason
+        return self._result(prompt, res.tokens, reason, stops, cancel, res.stats)
+
+    def _result(self, prompt: list[int], new: list[int], reason: str, stops: list[str],
+                cancel: threading.Event | None, stats: CallStats) -> GenerationResult:
+        """Text without special tokens, cut at the first stop string; OpenAI finish reasons."""
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         cut = _first_stop(text, stops)
-        eos = _as_set(self.model.generation_config.eos_token_id)
-        if cancel is not None and cancel.is_set():
+        if cut is not None:
+            text, reason = text[:cut], "stop"
+        elif cancel is not None and cancel.is_set():
             reason = "cancelled"
-        elif cut is not None or (new and new[-1] in eos):
-            reason = "stop"
-        else:
-            reason = "length"
-        text = text if cut is None else text[:cut]
-        usage = Usage(len(prompt), len(new), stats.cached_tokens)
-        return GenerationResult(text, tuple(new), reason, usage, stats)
+        return GenerationResult(text, tuple(new), reason, Usage(len(prompt), len(new), stats.cached_tokens), stats)
 
     # -- cache management ----------------------------------------------------------
     def warm(self, prefix: str | Sequence[dict[str, Any]] | Sequence[int], *,
@@ -342,6 +386,8 @@ class PrefixCache:
 
     def close(self) -> None:
         self._closed.set()
+        if self.batcher is not None:
+            self.batcher.close()
         if self._sweeper is not None:
             self._sweeper.join(timeout=5)
 

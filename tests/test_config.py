@@ -19,4 +19,4 @@ def test_bad_values_name_field_and_range(field, value):
 
 def test_defaults_are_valid():
     cfg = CacheConfig()
-    assert cfg.ttl_seconds == 300.0 and cfg.block_size == 16 and cfg.max_bytes > 0
+    assert cfg.ttl_seconds == 300.0 and cfg.block_size == 64 and cfg.max_bytes > 0

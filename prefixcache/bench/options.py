@@ -28,6 +28,10 @@ class SharedPrefixSpec:
     question_tokens: int  # Q
 
     @property
+    def requests(self) -> int:
+        return self.groups * self.prompts
+
+    @property
     def ideal_hit_rate(self) -> float:
         """(1 − 1/P)·S/(S+Q): every prompt but a group's first reuses its system prompt."""
         return (1 - 1 / self.prompts) * self.system_tokens / (self.system_tokens + self.question_tokens)
@@ -40,11 +44,19 @@ class MultiTurnSpec:
     system_tokens: int  # system prompt shared by every user
     question_tokens: int  # new user tokens per turn
 
+    @property
+    def requests(self) -> int:
+        return self.users * self.rounds
+
 
 @dataclass(slots=True)
 class NoReuseSpec:
     prompts: int
     prompt_tokens: int
+
+    @property
+    def requests(self) -> int:
+        return self.prompts
 
 
 @dataclass(slots=True)
@@ -64,6 +76,9 @@ class BenchOptions:
     plot: bool = True
     #: generate_batch sizing: tokens per forward (its CPU default, 8,192, builds huge masks).
     cb_max_batch_tokens: int = 1024
+
+    def spec(self, workload: str) -> SharedPrefixSpec | MultiTurnSpec | NoReuseSpec:
+        return {"shared-prefix": self.shared, "multi-turn": self.multi, "no-reuse": self.unique}[workload]
 
 
 PRESETS: dict[str, BenchOptions] = {

@@ -88,12 +88,10 @@ def run_benchmark(opts: BenchOptions, progress: Progress, clock: Callable[[], fl
 
 def total_steps(opts: BenchOptions) -> int:
     """Requests served over the whole run (for the progress bar)."""
-    sizes = {"shared-prefix": opts.shared.groups * opts.shared.prompts, "multi-turn": opts.multi.users *
-             opts.multi.rounds, "no-reuse": opts.unique.prompts}
     per_dtype = 0
     for name in opts.workloads:
         seq = [n for n in opts.systems if n in SEQUENTIAL and (n != "limit" or name == "shared-prefix")]
-        per_dtype += sizes[name] * (len(seq) + sum(n in BATCH_SYSTEMS for n in opts.systems))
+        per_dtype += opts.spec(name).requests * (len(seq) + sum(n in BATCH_SYSTEMS for n in opts.systems))
     return per_dtype * len(opts.dtypes)
 
 

@@ -56,11 +56,9 @@ class Workload:
 
 
 def build(name: str, opts: BenchOptions, space: TokenSpace) -> Workload:
-    builders = {"shared-prefix": lambda rng: shared_prefix(opts.shared, space, rng),
-                "multi-turn": lambda rng: multi_turn(opts.multi, space, rng),
-                "no-reuse": lambda rng: no_reuse(opts.unique, space, rng)}
+    builders = {"shared-prefix": shared_prefix, "multi-turn": multi_turn, "no-reuse": no_reuse}
     # One stream per workload name, so adding a workload never changes another's tokens.
-    return builders[name](random.Random(f"{opts.seed}:{name}"))
+    return builders[name](opts.spec(name), space, random.Random(f"{opts.seed}:{name}"))
 
 
 def shared_prefix(spec: SharedPrefixSpec, space: TokenSpace, rng: random.Random) -> Workload:

@@ -1,0 +1,52 @@
+"""``prefixcache bench``: shared-prefix workloads, side by side with what users would pick instead.
+
+Files follow the run: options (flags, presets) → workloads (seeded token streams) →
+systems / batch (prefixcache, plain generate(), manual deepcopy reuse, transformers'
+generate_batch, the bare-forward limit) → runner (one process, interleaved, checked)
+→ metrics → report / plot. ``add_arguments`` and ``run`` are the command's interface.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from prefixcache.bench.options import BenchOptions, add_arguments, describe, options_from_args
+
+__all__ = ["BenchOptions", "add_arguments", "run"]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark described by ``args`` (from ``add_arguments``); return an exit code.
+
+    0 = done; 1 = a correctness check failed (prefixcache differed from generate()) or a
+    system failed; 2 = bad options.
+    """
+    from prefixcache.bench import report, runner
+
+    try:
+        opts = options_from_args(args)
+    except argparse.ArgumentTypeError as exc:
+        print(f"prefixcache bench: {exc}", file=sys.stderr)
+        return 2
+    print(describe(opts), flush=True)
+    bar = _progress_bar(runner.total_steps(opts), opts.progress)
+    try:
+        result = runner.run_benchmark(opts, bar.update)
+    except runner.CorrectnessError as exc:
+        print(f"\nprefixcache bench: CORRECTNESS CHECK FAILED — {exc}", file=sys.stderr)
+        return 1
+    except RuntimeError as exc:
+        print(f"\nprefixcache bench: a system failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        bar.close()
+    paths = report.write(result, opts.out, plot=opts.plot)
+    print(report.markdown(result))
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def _progress_bar(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
