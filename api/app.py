@@ -7,7 +7,8 @@ the workers. Nothing is a module global, so two apps live side by side in one pr
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import torch
@@ -24,6 +25,7 @@ from .routes import router
 from .serving import Serving
 from .settings import Settings
 
+log = logging.getLogger(__name__)
 DESCRIPTION = ("OpenAI-compatible proxy with prompt-prefix KV caching. Every answer reports "
                "`usage.prompt_tokens_details.cached_tokens`. The cache namespace is the API key's tenant.")
 
@@ -65,14 +67,43 @@ def create_app(settings: Settings | None = None, *, cache: PrefixCache | None = 
     app.state.serving = None
     errors.install(app, settings.retry_after_seconds, lambda request, status: metrics.error(_route(request), status))
     app.include_router(router)
+    app.add_middleware(InternalErrors, on_error=lambda scope: metrics.error(_route(scope), 500))
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes, retry_after=settings.retry_after_seconds)
     return app
 
 
-def _route(request: Request) -> str:
+def _route(request_or_scope: Request | Scope) -> str:
     """The matched route's template (bounded label values), never the raw path."""
-    route = request.scope.get("route")
-    return getattr(route, "path", None) or "unmatched"
+    scope = request_or_scope.scope if isinstance(request_or_scope, Request) else request_or_scope
+    return getattr(scope.get("route"), "path", None) or "unmatched"
+
+
+class InternalErrors:
+    """A bug becomes a logged 500 in OpenAI's shape, and the connection stays usable.
+
+    (Starlette's own last-resort handler answers too, but then re-raises, and the
+    server drops the keep-alive connection the client will reuse.)
+    """
+
+    def __init__(self, app: ASGIApp, on_error: Callable[[Scope], None]):
+        self.app, self.on_error = app, on_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def tracked(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            if scope["type"] != "http" or started:
+                raise  # too late for an error response
+            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
+            self.on_error(scope)
+            await errors.error_response(errors.map_exception(exc), 0)(scope, receive, send)
 
 
 class BodyLimit:

@@ -133,7 +133,7 @@ def validation_detail(exc: RequestValidationError) -> ErrorDetail:
 
 def _common_prefix(locs: list[tuple]) -> tuple:
     out: list = []
-    for parts in zip(*locs):
+    for parts in zip(*locs, strict=False):  # as long as the shortest
         if any(p != parts[0] for p in parts):
             break
         out.append(parts[0])

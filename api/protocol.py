@@ -2,8 +2,9 @@
 
 Requests forbid unknown fields: OpenAI answers an unrecognized argument with a 400,
 and a sampling option we silently dropped would change answers without a word. Every
-OpenAI sampling parameter is declared; the ones the proxy cannot honour are rejected
-with a 400 in ``sampling.py``. Chat messages ignore extra keys (clients echo back
+OpenAI sampling parameter is declared; the ones the proxy cannot honour are refused
+with a 400, by the schema itself where it can say so (``n`` is at most 1) and
+otherwise in ``sampling.py``. Chat messages ignore extra keys (clients echo back
 ``refusal``, ``annotations``…), and the canonicalizer drops them anyway.
 """
 from __future__ import annotations
@@ -34,7 +35,6 @@ def _valid_unicode(value: Any) -> Any:
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 JSONObject = Annotated[dict[str, Any], AfterValidator(_valid_unicode)]
 _REQUEST = ConfigDict(extra="forbid", allow_inf_nan=False)
-_SEED = Field(None, ge=-(2**63), le=2**64 - 1, description="Seed for sampling (reproducible with the same seed).")
 
 
 # -- requests ----------------------------------------------------------------------
@@ -114,12 +114,13 @@ class SamplingParams(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0, description="Extension (as in vLLM): keep the k likeliest tokens.")
     n: int | None = Field(None, ge=1, le=1, description="Choices per request: only 1 is supported.")
-    stop: Text | list[Text] | None = Field(None, description="Up to 4 strings; the text ends before one.")
+    stop: Text | Annotated[list[Text], Field(max_length=4)] | None = Field(
+        None, description="Up to 4 strings; the text ends before the first one generated.")
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
         None, description="Token id (as a string) -> bias added to its logit.")
-    seed: int | None = _SEED
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1, description="Same seed, same sample.")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: Text | None = Field(None, description="End-user id, for the caller's records. Never selects a "
@@ -159,7 +160,7 @@ class PrewarmRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra={
         "oneOf": [{"required": ["messages"]}, {"required": ["prompt"]}]})
     model: Text | None = None
-    messages: list[ChatMessage] | SkipJsonSchema[None] = Field(None, min_length=1)
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | SkipJsonSchema[None] = None
     prompt: Text | SkipJsonSchema[None] = None
     tools: list[Tool] | None = None
     pin: bool = Field(False, description="Keep it until flushed or its TTL ends (no TTL unless given).")

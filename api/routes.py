@@ -12,7 +12,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request, Security
 from fastapi.responses import Response, StreamingResponse
@@ -52,14 +52,15 @@ _bearer = HTTPBearer(auto_error=False, description="A tenant's API key, or the a
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": text} for status, text in (
         (400, "Invalid request (validation, context length)"), (401, "Missing or wrong API key"),
-        (403, "Needs the admin key"), (404, "Unknown model"), (429, "Queue full (Retry-After)"),
+        (403, "Needs the admin key"), (404, "Unknown model"), (413, "Body too large"),
+        (429, "Queue full (Retry-After)"),
         (503, "Not ready, shutting down or out of cache capacity (Retry-After)"), (504, "Timed out"))}
 _SSE = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or server-sent events if stream is true"}}
-_TENANT = Query(None, description="Admin only: act on this tenant (omit for all). Others may name only their own.")
 
 
 # -- dependencies --------------------------------------------------------------------
-def principal(request: Request, _: HTTPAuthorizationCredentials | None = Security(_bearer)) -> Principal:
+def principal(request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)]) -> Principal:
+    """The caller's tenant, from the bearer key only (the ``Security`` parameter documents the scheme)."""
     return request.app.state.keyring.authenticate(request.headers.get("authorization"))
 
 
@@ -68,6 +69,12 @@ def serving(request: Request) -> Serving:
     if current is None:
         raise UnavailableError("the model is still loading", code="not_ready")
     return current
+
+
+Caller = Annotated[Principal, Depends(principal)]
+Engine = Annotated[Serving, Depends(serving)]
+TenantQuery = Annotated[str | None, Query(description="Admin only: act on this tenant (omit: all). Others may "
+                                          "name only their own.")]
 
 
 def _check_model(srv: Serving, model: str | None) -> None:
@@ -101,24 +108,23 @@ async def readyz(request: Request) -> Health:
 
 # -- OpenAI ----------------------------------------------------------------------------
 @router.get("/v1/models", response_model=ModelList, responses=_ERRORS, tags=["openai"])
-async def list_models(who: Principal = Depends(principal), srv: Serving = Depends(serving)) -> ModelList:
+async def list_models(who: Caller, srv: Engine) -> ModelList:
     return ModelList(data=[ModelCard(id=srv.model_name, created=srv.created)])
 
 
 @router.get("/v1/models/{model}", response_model=ModelCard, responses=_ERRORS, tags=["openai"])
-async def get_model(model: str, who: Principal = Depends(principal), srv: Serving = Depends(serving)) -> ModelCard:
+async def get_model(model: str, who: Caller, srv: Engine) -> ModelCard:
     _check_model(srv, model)
     return ModelCard(id=srv.model_name, created=srv.created)
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletion, responses={**_ERRORS, **_SSE}, tags=["openai"])
-async def chat_completions(body: ChatCompletionRequest, request: Request, who: Principal = Depends(principal),
-                           srv: Serving = Depends(serving)) -> Any:
+async def chat_completions(body: ChatCompletionRequest, request: Request, who: Caller, srv: Engine) -> Any:
     _check_model(srv, body.model)
     job = chat_job(body, who.tenant, srv.settings, srv.vocab_size)
     meta = _Meta.new("chatcmpl", srv)
     if body.stream:
-        stream = await srv.open_stream(job)
+        stream = await srv.open_stream(job, _disconnected(request))
         usage_chunk = bool(body.stream_options and body.stream_options.include_usage)
         return _sse(_chat_events(stream, meta, usage_chunk, srv))
     result = await srv.run(job, _disconnected(request))
@@ -128,13 +134,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, who: P
 
 
 @router.post("/v1/completions", response_model=Completion, responses={**_ERRORS, **_SSE}, tags=["openai"])
-async def completions(body: CompletionRequest, request: Request, who: Principal = Depends(principal),
-                      srv: Serving = Depends(serving)) -> Any:
+async def completions(body: CompletionRequest, request: Request, who: Caller, srv: Engine) -> Any:
     _check_model(srv, body.model)
     job = completion_job(body, who.tenant, srv.settings, srv.vocab_size)
     meta = _Meta.new("cmpl", srv)
     if body.stream:
-        stream = await srv.open_stream(job)
+        stream = await srv.open_stream(job, _disconnected(request))
         usage_chunk = bool(body.stream_options and body.stream_options.include_usage)
         return _sse(_completion_events(stream, meta, usage_chunk, job.prompt if job.echo else None, srv))
     result = await srv.run(job, _disconnected(request))
@@ -146,8 +151,7 @@ async def completions(body: CompletionRequest, request: Request, who: Principal 
 
 # -- cache admin -------------------------------------------------------------------------
 @router.post("/v1/cache/prewarm", response_model=PrewarmResponse, responses=_ERRORS, tags=["cache"])
-async def prewarm(body: PrewarmRequest, tenant: str | None = _TENANT, who: Principal = Depends(principal),
-                  srv: Serving = Depends(serving)) -> PrewarmResponse:
+async def prewarm(body: PrewarmRequest, who: Caller, srv: Engine, tenant: TenantQuery = None) -> PrewarmResponse:
     """Prefill and keep a prefix for the caller's tenant (admin: any tenant via ?tenant=)."""
     _check_model(srv, body.model)
     target = who.target(tenant)
@@ -159,20 +163,18 @@ async def prewarm(body: PrewarmRequest, tenant: str | None = _TENANT, who: Princ
 
 
 @router.delete("/v1/cache", response_model=FlushResponse, responses=_ERRORS, tags=["cache"])
-async def flush(tenant: str | None = _TENANT, who: Principal = Depends(principal),
-                srv: Serving = Depends(serving)) -> FlushResponse:
+async def flush(who: Caller, srv: Engine, tenant: TenantQuery = None) -> FlushResponse:
     """Drop cached prefixes: the caller's tenant; with the admin key every tenant (or ?tenant=)."""
     scope = who.scope(tenant)
     return FlushResponse(tenant=scope, freed_bytes=await srv.flush(scope))
 
 
 @router.get("/v1/cache/stats", response_model=CacheStats, responses=_ERRORS, tags=["cache"])
-async def cache_stats(tenant: str | None = _TENANT, who: Principal = Depends(principal),
-                      srv: Serving = Depends(serving)) -> CacheStats:
+async def cache_stats(who: Caller, srv: Engine, tenant: TenantQuery = None) -> CacheStats:
     """Hit rate and memory of the caller's tenant; with the admin key of all tenants (or ?tenant=)."""
     scope = who.scope(tenant)
     s = await srv.stats(scope)
-    stats = CacheStats(tenant=scope, tenant_quota_bytes=srv.settings.tenant_quota_bytes,
+    stats = CacheStats(tenant=scope, tenant_quota_bytes=srv.cache.config.tenant_quota_bytes,
                        **{k: s[k] for k in ("queries", "hits", "partial_hits", "misses", "bypassed", "prompt_tokens",
                                             "cached_tokens", "completion_tokens", "hit_rate", "token_hit_rate",
                                             "bytes", "budget_bytes")})
@@ -217,8 +219,8 @@ class _Meta:
 
 def _usage(result: GenerationResult) -> UsageInfo:
     u = result.usage
-    return UsageInfo(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                     total_tokens=u.total_tokens, prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens))
+    return UsageInfo(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, total_tokens=u.total_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens))
 
 
 def _finish(result: GenerationResult) -> str:

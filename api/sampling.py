@@ -21,7 +21,8 @@ from prefixcache.errors import ContextLengthExceededError, InvalidRequestError
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingParams
 from .settings import Settings
 
-MAX_STOP = 4
+#: Temperatures below this are served greedily (their limit); sampling at them is numerically unsafe.
+GREEDY_BELOW = 1e-4
 
 
 @dataclass(slots=True)
@@ -122,9 +123,9 @@ def _limit(max_tokens: int | None, settings: Settings) -> int | None:
 
 def _options(req: SamplingParams, settings: Settings, vocab_size: int) -> dict[str, Any]:
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    if len(stops) > MAX_STOP:
-        raise InvalidRequestError(f"stop takes at most {MAX_STOP} sequences", param="stop")
     temperature = settings.default_temperature if req.temperature is None else req.temperature
+    if temperature < GREEDY_BELOW:  # logits / 1e-300 overflow to inf and sampling fails; the limit is argmax anyway
+        temperature = 0.0
     options: dict[str, Any] = {"temperature": temperature, "top_p": req.top_p, "top_k": req.top_k or None,
                                "seed": req.seed, "stop": [s for s in stops if s] or None}
     bias = _logit_bias(req.logit_bias, vocab_size)

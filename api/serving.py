@@ -80,11 +80,12 @@ class Serving:
         finally:
             self.metrics.duration.labels(job.endpoint).observe(self._clock() - start)
 
-    async def open_stream(self, job: Job) -> TextStream:
+    async def open_stream(self, job: Job, disconnected: Callable[[], Awaitable[None]] | None = None) -> TextStream:
         """Start ``job`` streaming; returns once its prompt is encoded and checked.
 
         Errors found before generation (bad messages, context length, queue full)
         raise here, so they still get their HTTP status; later ones end the stream.
+        A client that leaves while the job waits in the queue cancels it (499).
         """
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
@@ -101,7 +102,7 @@ class Serving:
         stream = TextStream(events, cancel, loop.time() + self.settings.request_timeout_seconds,
                             lambda: self.metrics.duration.labels(job.endpoint).observe(self._clock() - start))
         try:
-            await stream.wait_started()
+            await _unless_disconnected(stream.wait_started(), disconnected)
         except BaseException:
             stream.close()
             raise
@@ -195,9 +196,9 @@ class Serving:
 
     def _execute(self, job: Job, cancel: threading.Event, emit: Emit | None) -> GenerationResult:
         """Worker thread: encode, check the context, generate, record metrics."""
-        cache = self.cache
+        cache, chat = self.cache, job.endpoint == "chat"
         try:
-            ids = cache.encode_chat(job.messages, job.tools) if job.endpoint == "chat" else cache.encode_text(job.prompt)
+            ids = cache.encode_chat(job.messages, job.tools) if chat else cache.encode_text(job.prompt)
         except UnicodeError as exc:  # protocol validation should have caught it; never a 500
             raise InvalidRequestError(f"the text cannot be encoded: {exc}") from exc
         max_new = job.max_new_tokens(len(ids), cache.max_context, self.settings.default_max_tokens)
@@ -205,7 +206,7 @@ class Serving:
             emit("started", len(ids))
         kwargs = dict(job.options, tenant=job.tenant, max_new_tokens=max_new, cancel=cancel,
                       on_text=None if emit is None else (lambda text: emit("text", text)))
-        if job.endpoint == "chat":
+        if chat:
             result = cache.chat(job.messages, tools=job.tools, **kwargs)
         else:
             result = cache.complete(job.prompt, **kwargs)
@@ -255,6 +256,25 @@ class TextStream:
         except asyncio.TimeoutError:  # the builtin TimeoutError from 3.11
             self._cancel.set()
             raise RequestTimeoutError("the request did not finish in time and was cancelled") from None
+
+
+async def _unless_disconnected(aw: Awaitable[T], disconnected: Callable[[], Awaitable[None]] | None) -> T:
+    """Await ``aw``; if ``disconnected`` resolves first, cancel it and raise ``ClientClosedError``."""
+    task = asyncio.ensure_future(aw)
+    watcher = asyncio.ensure_future(disconnected()) if disconnected is not None else None
+    try:
+        done, _ = await asyncio.wait([task] if watcher is None else [task, watcher],
+                                     return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    raise ClientClosedError("the client closed the connection before the stream started")
 
 
 def _unwrap(fut: asyncio.Future[T]) -> T:

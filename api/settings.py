@@ -26,7 +26,9 @@ def _cache_default(name: str) -> Any:
 class Settings(BaseSettings):
     """Everything the proxy can be told. Env var: ``PREFIXCACHE_<FIELD>``; flag: ``--<field-with-dashes>``."""
 
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+    # An empty env var counts as unset (compose passes `VAR: ${VAR:-}` through as "").
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True,
+                                      env_ignore_empty=True)
 
     # -- model ---------------------------------------------------------------------
     model: str | None = Field(None, description="Hugging Face hub id or local folder of a causal LM. "

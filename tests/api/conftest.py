@@ -11,11 +11,11 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from prefixcache_api import create_app
+from proxy_support import LiveServer, live, make_cache, settings
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from prefixcache import load_default_model
-from prefixcache_api import create_app
-from proxy_support import LiveServer, live, make_cache, settings
 
 
 @pytest.fixture(scope="session")
@@ -24,19 +24,28 @@ def tokenizer():
     return tok
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tokenizer):
-    # One torch thread: tiny matmuls on a shared 2-core machine are ~10x faster without thread contention.
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Tiny matmuls on a shared 2-core machine are ~10x faster without thread contention.
+
+    Restored after each module, so tests outside tests/api keep torch's default.
+    """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tokenizer):
+    """A 2-layer random Llama over the real SmolLM2 vocabulary (generation: milliseconds per token)."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)).eval()
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    yield model
-    torch.set_num_threads(threads)
+    return model
 
 
 @pytest.fixture(scope="session")

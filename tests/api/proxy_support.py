@@ -8,9 +8,9 @@ from contextlib import contextmanager
 
 import httpx
 import uvicorn
+from prefixcache_api import Settings
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache_api import Settings
 
 MODEL = "tiny-llama"
 KEYS = {"sk-alpha": "alpha", "sk-beta": "beta"}

@@ -7,7 +7,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-
 from proxy_support import ALPHA, BETA, MODEL, auth, leased_refs, wait_until
 
 CHAT = "/v1/chat/completions"
@@ -30,7 +29,7 @@ def test_disconnect_mid_stream_stops_generation_and_releases_pins_within_1s(serv
     with server.client(ALPHA) as client, client.stream("POST", CHAT, json=long_stream(tokenizer)) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
-        seen = [line for line, _ in zip(lines, range(6)) if line]
+        seen = [line for line, _ in zip(lines, range(6), strict=False) if line]
         assert len(seen) >= 3
         assert leased_refs(cache) > 0 or server.serving.queue()[0] == 1  # it is running, holding its prefix
     closed = time.monotonic()
@@ -79,6 +78,38 @@ def test_the_event_loop_stays_free_during_generation(server, tokenizer):
         stop.set()
         worker.join(10)
     wait_until(lambda: idle(server), timeout=2)
+
+
+def test_a_client_that_leaves_while_queued_never_starts(server, tokenizer):
+    """Both workers busy: a third request waits; its client gives up; it is never generated."""
+    stop, holders = threading.Event(), []
+
+    def hold():
+        with server.client(ALPHA) as client, client.stream("POST", CHAT, json=long_stream(tokenizer)) as r:
+            for _ in r.iter_lines():
+                if stop.is_set():
+                    return
+
+    wait_until(lambda: idle(server))
+    for _ in range(server.serving.settings.workers):
+        holders.append(threading.Thread(target=hold))
+        holders[-1].start()
+    try:
+        wait_until(lambda: server.serving.queue()[0] == server.serving.settings.workers, timeout=5)
+        before = server.cache.stats("beta")["queries"]
+        for stream in (True, False):
+            try:
+                httpx.post(f"{server.url}{CHAT}", json={**long_stream(tokenizer), "stream": stream},
+                           headers=auth(BETA), timeout=0.3)
+            except httpx.ReadTimeout:
+                pass
+            assert server.serving.queue()[1] >= 1  # still waiting for a worker when the client left
+    finally:
+        stop.set()
+        for thread in holders:
+            thread.join(10)
+    wait_until(lambda: idle(server), timeout=2)
+    assert server.cache.stats("beta")["queries"] == before
 
 
 SYSTEMS = ["You are a terse logistics assistant. " * 12, "You answer questions about tides and harbours. " * 10]

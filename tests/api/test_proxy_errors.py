@@ -7,7 +7,6 @@ import threading
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-
 from prefixcache_api import create_app
 from proxy_support import ADMIN, ALPHA, MODEL, auth, leased_refs, live, make_cache, settings, wait_until
 
@@ -74,8 +73,6 @@ def test_malformed_json_is_400(http, content, headers):
      "messages[0].content"),
     (ok_chat(messages=[{"role": "tool", "content": "42"}]), "messages[0].tool_call_id"),
     (ok_chat(n=2), "n"),
-    ({"model": MODEL, "prompt": [1, 2, 3]}, "prompt"),
-    ({"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
     (ok_chat(messages=[{"role": "user"}]), "messages[0].content"),
     (ok_chat(tenant="beta"), "tenant"),
 ])
@@ -83,6 +80,17 @@ def test_invalid_requests_are_400(http, body, param):
     err = assert_error(http.post(CHAT, json=body), 400, kind="invalid_request_error")
     if param is not None:
         assert err["param"] == param, err
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": MODEL, "prompt": [1, 2, 3]}, "prompt"),
+    ({"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
+    ({"model": MODEL, "prompt": ""}, "prompt"),
+    ({"model": MODEL, "prompt": "x", "best_of": 2}, "best_of"),
+    ({"model": MODEL, "prompt": "x", "echo": "maybe"}, "echo"),
+])
+def test_invalid_completions_are_400(http, body, param):
+    assert assert_error(http.post("/v1/completions", json=body), 400)["param"] == param
 
 
 def test_non_json_content_type_is_400(http):
@@ -169,9 +177,11 @@ def test_not_ready_is_503_with_retry_after(tiny_model, tokenizer):
 def test_an_unexpected_bug_is_a_500_in_openai_shape(tiny_model, tokenizer):
     cache = make_cache(tiny_model, tokenizer)
     cache.encode_chat = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))  # a bug, not client input
-    with TestClient(create_app(settings(), cache=cache), raise_server_exceptions=False) as client:
-        err = assert_error(client.post(CHAT, json=ok_chat(), headers=auth(ALPHA)), 500, code="internal_error")
-        assert "boom" not in err["message"]  # internals are logged, not sent
+    with live(create_app(settings(), cache=cache)) as srv, srv.client(ALPHA) as client:
+        for _ in range(2):  # the keep-alive connection survives the first 500
+            err = assert_error(client.post(CHAT, json=ok_chat()), 500, code="internal_error")
+            assert "boom" not in err["message"]  # internals are logged, not sent
+        assert client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 1}).status_code == 200
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,8 @@
 from __future__ import annotations
 
 from fastapi.testclient import TestClient
-from prometheus_client.parser import text_string_to_metric_families
-
 from prefixcache_api import create_app, metrics
+from prometheus_client.parser import text_string_to_metric_families
 from proxy_support import ADMIN, ALPHA, BETA, MODEL, auth, make_cache, settings
 
 SYSTEM = "Policy: refunds within 30 days, exchanges within 60, no questions asked. " * 10
@@ -122,7 +121,8 @@ def test_prewarm_pins_then_hits_and_flush_is_scoped(server):
         assert alpha.get("/v1/cache/stats").json()["bytes"] == 0
         assert beta.get("/v1/cache/stats").json()["bytes"] > 0
         # Admin prewarms for a named tenant, and flushes everyone.
-        assert admin.post("/v1/cache/prewarm", params={"tenant": "beta"}, json={"prompt": "hello"}).json()["tenant"] == "beta"
+        warmed = admin.post("/v1/cache/prewarm", params={"tenant": "beta"}, json={"prompt": "hello"}).json()
+        assert warmed["tenant"] == "beta"
         assert admin.delete("/v1/cache").json()["tenant"] is None
         assert admin.get("/v1/cache/stats").json()["bytes"] == 0
     samples = scrape(server)

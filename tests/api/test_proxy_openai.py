@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import openai
 import pytest
-
 from proxy_support import ADMIN, ALPHA, BETA, MODEL, auth
 
 SYSTEM = "You are a meticulous assistant for a shipping company. " * 24  # ~250 tokens shared by every call
@@ -107,6 +106,10 @@ def test_sampling_parameters_are_honoured(server, tokenizer):
     a = client.completions.create(temperature=1.0, top_p=0.9, seed=7, **kwargs).choices[0].text
     b = client.completions.create(temperature=1.0, top_p=0.9, seed=7, **kwargs).choices[0].text
     assert a == b
+    # A vanishing temperature is greedy decoding (its limit), not a numeric failure.
+    greedy = client.completions.create(temperature=0, **kwargs).choices[0].text
+    for tiny in (1e-300, 5e-324, 1e-5):
+        assert client.completions.create(temperature=tiny, **kwargs).choices[0].text == greedy
     # logit_bias: +100 on one token makes greedy decoding emit only it.
     token = tokenizer.encode(" ship", add_special_tokens=False)[0]
     forced = client.completions.create(temperature=0, logit_bias={str(token): 100}, **kwargs)
@@ -142,8 +145,9 @@ def test_unsupported_openai_parameters_are_refused_not_ignored(server):
 
 def test_tools_the_template_cannot_render_are_refused(server):
     """SmolLM2's template has no tools section: the tools are refused, never dropped in silence."""
-    tools = [{"type": "function", "function": {"name": "track", "description": "Track a parcel",
-                                               "parameters": {"type": "object", "properties": {"id": {"type": "string"}}}}}]
+    parameters = {"type": "object", "properties": {"id": {"type": "string"}}}
+    tools = [{"type": "function",
+              "function": {"name": "track", "description": "Track a parcel", "parameters": parameters}}]
     client = server.openai(ALPHA)
     msgs = [{"role": "user", "content": "track 9"}]
     with pytest.raises(openai.BadRequestError) as err:
@@ -155,9 +159,8 @@ def test_tools_the_template_cannot_render_are_refused(server):
 
 
 def test_local_mode_needs_no_key(tiny_model, tokenizer):
-    from proxy_support import live, make_cache
-
     from prefixcache_api import Settings, create_app
+    from proxy_support import live, make_cache
 
     cache = make_cache(tiny_model, tokenizer)
     with live(create_app(Settings(served_model_name=MODEL, default_max_tokens=3), cache=cache)) as srv:
@@ -179,3 +182,17 @@ def test_health_and_readiness(server):
         assert http.get("/readyz").json() == {"status": "ready"}
     with server.client(ALPHA) as http:
         assert http.get("/v1/models", headers=auth(ALPHA)).status_code == 200
+
+
+def test_the_example_client_shows_cached_tokens_on_the_second_call(server, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "openai_client.py"
+    spec = importlib.util.spec_from_file_location("openai_client_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    server.cache.flush("alpha")
+    first, second, streamed = example.main(base_url=f"{server.url}/v1", api_key=ALPHA)
+    assert first == 0 and second > 100 and streamed > 100
+    assert "cached" in capsys.readouterr().out

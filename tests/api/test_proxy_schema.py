@@ -5,17 +5,19 @@ example database, so the run is reproducible and takes well under a minute.
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
-from schemathesis import GenerationMode
-
 from prefixcache_api import create_app
 from proxy_support import ADMIN, ALPHA, MODEL, auth, leased_refs, live, make_cache, wait_until
 from proxy_support import settings as proxy_settings
+from schemathesis import GenerationMode
 
-EXAMPLES = {GenerationMode.POSITIVE: 25, GenerationMode.NEGATIVE: 15}
+EXAMPLES = {GenerationMode.POSITIVE: 30, GenerationMode.NEGATIVE: 20}
 
 
 @pytest.fixture(scope="module")
@@ -39,31 +41,65 @@ def test_openapi_lists_every_route(fuzzed):
             "DELETE /v1/cache", "GET /v1/cache/stats", "GET /metrics", "GET /healthz", "GET /readyz"} <= labels
 
 
+def _fuzz(operation, mode: GenerationMode, key: str, statuses: Counter, failures: list[str]) -> None:
+    """Send generated requests for one operation; count statuses and record any 5xx."""
+
+    @settings(max_examples=EXAMPLES[mode], deadline=None, derandomize=True, database=None,
+              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def run(case):
+        if mode is GenerationMode.POSITIVE and isinstance(case.body, dict) and "model" in case.body:
+            case.body["model"] = MODEL  # a random name is a 404 before any generation; fuzz the rest
+        response = case.call(headers=auth(key), timeout=60)
+        statuses[operation.label, response.status_code] += 1
+        if response.status_code >= 500:
+            failures.append(f"{response.status_code} {case.as_curl_command()}\n  -> {response.text[:300]}")
+
+    try:
+        run()
+    except Unsatisfiable:  # negative mode: an operation without inputs has no invalid request to send
+        assert mode is GenerationMode.NEGATIVE
+
+
 @pytest.mark.parametrize("key", [ADMIN, ALPHA])
 @pytest.mark.parametrize("mode", list(EXAMPLES), ids=lambda m: m.value)
 def test_no_generated_request_gets_a_5xx(fuzzed, key, mode):
-    failures, exercised, statuses = [], set(), {}
+    failures: list[str] = []
+    statuses: Counter[tuple[str, int]] = Counter()
     for operation in _operations(fuzzed.url):
-
-        @settings(max_examples=EXAMPLES[mode], deadline=None, derandomize=True, database=None,
-                  phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
-        @given(case=operation.as_strategy(generation_mode=mode))
-        def run(case):
-            if mode is GenerationMode.POSITIVE and isinstance(case.body, dict) and "model" in case.body:
-                case.body["model"] = MODEL  # a random name is a 404 before any generation; fuzz the rest
-            response = case.call(headers=auth(key), timeout=60)
-            statuses[operation.label, response.status_code] = statuses.get((operation.label, response.status_code), 0) + 1
-            if response.status_code == 400 and mode is GenerationMode.POSITIVE: print(operation.label, response.json()["error"]["message"][:150])
-            exercised.add(operation.label)
-            if response.status_code >= 500:
-                failures.append(f"{response.status_code} {case.as_curl_command()}\n  -> {response.text[:300]}")
-
-        try:
-            run()
-        except Unsatisfiable:  # negative mode: an operation without inputs has no invalid request to send
-            assert mode is GenerationMode.NEGATIVE
+        _fuzz(operation, mode, key, statuses, failures)
+    exercised = {label for label, _ in statuses}
     assert {"POST /v1/chat/completions", "POST /v1/completions", "POST /v1/cache/prewarm"} <= exercised
-    print(sorted(statuses.items()))
+    if mode is GenerationMode.POSITIVE:  # valid requests really reached the engine
+        assert statuses["POST /v1/chat/completions", 200] >= 5, statuses
+        assert statuses["POST /v1/completions", 200] >= 1, statuses
     assert not failures, "\n".join(failures[:10])
     wait_until(lambda: fuzzed.serving.queue() == (0, 0) and leased_refs(fuzzed.cache) == 0, timeout=5)
     fuzzed.cache.check_integrity()
+
+
+_text = st.text(st.characters(codec="utf-8"), max_size=40)
+_message = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": _text})
+_required = {"model": st.just(MODEL), "messages": st.lists(_message, min_size=1, max_size=4)}
+_chat = st.fixed_dictionaries(_required, optional={
+    "max_tokens": st.integers(1, 6), "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1),
+    "top_k": st.integers(0, 50), "seed": st.integers(0, 2**32), "stop": st.lists(_text, max_size=2),
+    "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
+    "logit_bias": st.dictionaries(st.integers(0, 49151).map(str), st.floats(-100, 100), max_size=3),
+    "stream": st.booleans(), "user": _text})
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@given(body=_chat)
+def test_valid_random_chats_are_always_answered(fuzzed, body):
+    """Any well-formed chat (odd Unicode, empty strings, any sampling values) is a 200 with usage."""
+    with fuzzed.client(ALPHA) as client:
+        r = client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        if body.get("stream"):
+            events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]" and "usage" in events[-2], events[-3:]
+        else:
+            usage = r.json()["usage"]
+            assert 1 <= usage["completion_tokens"] <= body.get("max_tokens", 4)
+            assert 0 <= usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"]

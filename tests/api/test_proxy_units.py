@@ -1,0 +1,153 @@
+"""Units of the proxy without a server: CLI, settings, key ring, sampling."""
+from __future__ import annotations
+
+import hmac
+
+import pytest
+import torch
+from prefixcache_api import Settings
+from prefixcache_api.auth import KeyRing, Principal
+from prefixcache_api.errors import AuthenticationError, PermissionDeniedError
+from prefixcache_api.sampling import Job, OpenAIPenalties
+from proxy_support import make_cache
+from pydantic import ValidationError
+
+from prefixcache.cli import build_parser, main
+from prefixcache.errors import ContextLengthExceededError
+
+# -- CLI -----------------------------------------------------------------------------
+
+
+def test_no_command_prints_help_and_fails(capsys):
+    assert main([]) == 2
+    assert "serve" in capsys.readouterr().err
+
+
+def test_serve_help_lists_every_setting_with_its_env_var(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--help"])
+    assert exit_.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for name in Settings.model_fields:
+        flag = "--api-key" if name == "api_keys" else "--" + name.replace("_", "-")
+        assert flag in out and f"PREFIXCACHE_{name.upper()}" in out
+
+
+def test_serve_flags_parse_to_settings_overrides():
+    args = build_parser().parse_args(["serve", "--model", "org/model", "--port", "9001", "--api-key", "k1=t1",
+                                      "--api-key", "k2=t2", "--ttl-seconds", "none", "--metrics-public",
+                                      "--max-bytes", "1048576"])
+    assert (args.model, args.port, args.api_keys, args.ttl_seconds, args.metrics_public, args.max_bytes) == (
+        "org/model", 9001, [("k1", "t1"), ("k2", "t2")], None, True, 1 << 20)
+    assert not hasattr(build_parser().parse_args(["serve"]), "port")  # unset flags leave env vars in charge
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--api-key", "no-tenant"])
+
+
+def test_serve_runs_uvicorn_with_flags_over_env(monkeypatch, tiny_model, tokenizer):
+    import prefixcache_api
+    import uvicorn
+
+    seen = {}
+    cache = make_cache(tiny_model, tokenizer)
+    def build_cache(settings):
+        seen["settings"] = settings
+        return cache
+
+    monkeypatch.setattr(prefixcache_api, "build_cache", build_cache)
+    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, log_level: seen.update(app=app, host=host, port=port))
+    monkeypatch.setenv("PREFIXCACHE_PORT", "9100")
+    monkeypatch.setenv("PREFIXCACHE_ADMIN_KEY", "from-env")
+    assert main(["serve", "--port", "9200", "--api-key", "sk-x=team-x", "--log-level", "warning"]) == 0
+    settings = seen["settings"]
+    assert (seen["host"], seen["port"]) == ("127.0.0.1", 9200)  # the flag beats the env var
+    assert settings.admin_key.get_secret_value() == "from-env" and settings.api_keys == {"sk-x": "team-x"}
+    assert seen["app"].state.settings is settings
+
+
+def test_serve_reports_a_missing_model_and_bad_settings_without_a_traceback(capsys):
+    assert main(["serve", "--model", "/nonexistent/model/folder"]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["serve", "--port", "70000"]) == 2
+    assert "port" in capsys.readouterr().err
+
+
+# -- settings and keys ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"api_keys": {"sk-a": "a"}, "admin_key": "sk-a"},  # a tenant key equal to the admin key
+    {"api_keys": {"sk-a": "admin"}},  # a tenant named like the admin tenant would share its namespace
+    {"api_keys": {"": "a"}},
+    {"admin_key": ""},
+    {"workers": 0},
+    {"default_temperature": 3},
+])
+def test_bad_settings_are_refused(kwargs):
+    with pytest.raises(ValidationError):
+        Settings(**kwargs)
+
+
+def test_env_json_api_keys_and_local_mode(monkeypatch):
+    monkeypatch.setenv("PREFIXCACHE_API_KEYS", '{"sk-1": "one"}')
+    assert Settings().api_keys == {"sk-1": "one"} and not Settings().local_mode
+    monkeypatch.setenv("PREFIXCACHE_API_KEYS", "")  # empty = unset
+    assert Settings().local_mode
+    assert "sk-1" not in repr(Settings(api_keys={"sk-1": "one"}, admin_key="secret"))  # keys never logged
+    assert "secret" not in repr(Settings(admin_key="secret"))
+
+
+def test_key_ring_compares_every_key_in_constant_time(monkeypatch):
+    ring = KeyRing(Settings(api_keys={f"sk-{i}": f"t{i}" for i in range(5)}, admin_key="sk-admin"))
+    calls = []
+    real = hmac.compare_digest
+    monkeypatch.setattr(hmac, "compare_digest", lambda a, b: calls.append(1) or real(a, b))
+    assert ring.authenticate("Bearer sk-0") == Principal("t0", admin=False)
+    first = len(calls)
+    calls.clear()
+    assert ring.authenticate("bearer  sk-4 ") == Principal("t4", admin=False)
+    assert len(calls) == first == 6  # all five keys and the admin key, whichever matched
+    assert ring.authenticate("Bearer sk-admin") == Principal("admin", admin=True)
+    for header in (None, "", "Bearer ", "Basic sk-0", "Bearer sk-5", "Bearer sk-0x"):
+        with pytest.raises(AuthenticationError):
+            ring.authenticate(header)
+
+
+def test_principal_scopes():
+    tenant, admin = Principal("a", admin=False), Principal("admin", admin=True)
+    assert tenant.scope(None) == "a" and tenant.scope("a") == "a" and tenant.target(None) == "a"
+    with pytest.raises(PermissionDeniedError):
+        tenant.scope("b")
+    assert admin.scope(None) is None and admin.scope("b") == "b"
+    assert admin.target(None) == "admin" and admin.target("b") == "b"
+
+
+def test_local_mode_principal_is_the_default_tenant_with_admin_rights():
+    assert KeyRing(Settings()).authenticate(None) == Principal("default", admin=True)
+
+
+# -- sampling -------------------------------------------------------------------------
+
+
+def test_default_max_tokens_is_capped_to_the_context_and_overlong_requests_refused():
+    job = Job("chat", "t")
+    assert job.max_new_tokens(100, 2048, 256) == 256
+    assert job.max_new_tokens(2000, 2048, 256) == 48
+    with pytest.raises(ContextLengthExceededError):
+        job.max_new_tokens(2048, 2048, 256)
+    asked = Job("completions", "t", max_tokens=100)
+    assert asked.max_new_tokens(1948, 2048, 8) == 100
+    with pytest.raises(ContextLengthExceededError) as err:
+        asked.max_new_tokens(1949, 2048, 8)
+    assert err.value.param == "prompt"
+
+
+def test_openai_penalties_count_generated_tokens_only():
+    proc = OpenAIPenalties(presence=0.5, frequency=1.0, bias={3: 10.0})
+    scores = torch.zeros(1, 5)
+    prompt = torch.tensor([[1, 1, 2]])
+    first = proc(prompt, scores)  # prefill step: nothing generated yet, only the bias
+    assert first.tolist() == [[0, 0, 0, 10, 0]]
+    out = proc(torch.tensor([[1, 1, 2, 4, 4]]), scores)  # two generated 4s
+    assert out.tolist() == [[0, 0, 0, 10, -2.5]]
+    assert scores.tolist() == [[0] * 5]  # the input is not modified
