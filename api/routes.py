@@ -177,12 +177,12 @@ async def cache_stats(who: Caller, srv: Engine, tenant: TenantQuery = None) -> C
     stats = CacheStats(tenant=scope, tenant_quota_bytes=srv.cache.config.tenant_quota_bytes,
                        **{k: s[k] for k in ("queries", "hits", "partial_hits", "misses", "bypassed", "prompt_tokens",
                                             "cached_tokens", "completion_tokens", "hit_rate", "token_hit_rate",
-                                            "bytes", "budget_bytes")})
-    if who.admin:  # store-wide figures would show a tenant other tenants' traffic
+                                            "bytes", "budget_bytes", "entries", "pinned_bytes", "evictions",
+                                            "reclaimed_bytes")})
+    if who.admin:  # other tenants' bytes and the shared queue are not a tenant's business
         running, waiting = srv.queue()
         stats = stats.model_copy(update={
-            "entries": s["entries"], "pinned_bytes": s["pinned_bytes"], "tenant_bytes": s["tenant_bytes"],
-            "evictions": s["evictions"], "reclaimed_bytes": s["reclaimed_bytes"],
+            "tenant_bytes": s["tenant_bytes"],
             "queue": QueueInfo(running=running, waiting=waiting, capacity=srv.capacity)})
     return stats
 

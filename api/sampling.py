@@ -17,12 +17,12 @@ import torch
 from transformers import LogitsProcessor
 
 from prefixcache.errors import ContextLengthExceededError, InvalidRequestError
+from prefixcache.sdk import GREEDY_BELOW
 
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingParams
 from .settings import Settings
 
 #: Temperatures below this are served greedily (their limit); sampling at them is numerically unsafe.
-GREEDY_BELOW = 1e-4
 
 
 @dataclass(slots=True)

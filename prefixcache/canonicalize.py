@@ -107,7 +107,7 @@ class Canonicalizer:
         """A plain completion prompt, with the tokenizer's default special tokens and no normalisation."""
         if not isinstance(prompt, str):
             raise InvalidRequestError(f"prompt must be a string, got {type(prompt).__name__}", param="prompt")
-        ids = tuple(self._tok(prompt)["input_ids"])
+        ids = tuple(self._tok(check_text(prompt, "prompt"))["input_ids"])
         if not ids:
             raise InvalidRequestError("prompt is empty: it encodes to no tokens", param="prompt")
         return CanonicalPrompt(ids, (len(ids),), False)
@@ -243,9 +243,19 @@ def _canonical_message(where: str, msg: Any, clean: Callable[[str], str]) -> dic
     return out
 
 
+def check_text(text: str, param: str) -> str:
+    """Reject text that is not valid Unicode (lone surrogates cannot be encoded or tokenized)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(f"{param} is not valid UTF-8 text: {exc.reason} at position {exc.start}",
+                                  param=param) from None
+    return text
+
+
 def _canonical_content(where: str, role: str, content: Any, clean: Callable[[str], str]) -> str:
     if isinstance(content, str):
-        return clean(content)
+        return clean(check_text(content, f"{where}.content"))
     if content is None and role == "assistant":
         return ""  # OpenAI allows null content beside tool_calls; templates expect a string
     if isinstance(content, dict):
@@ -262,7 +272,7 @@ def _canonical_content(where: str, role: str, content: Any, clean: Callable[[str
         if not isinstance(part.get("text"), str):
             raise InvalidRequestError(f"{where}.content[{j}].text must be a string",
                                       param=f"{where}.content[{j}].text")
-        texts.append(clean(part["text"]))
+        texts.append(clean(check_text(part["text"], f"{where}.content[{j}].text")))
     return "\n".join(texts)
 
 

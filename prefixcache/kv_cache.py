@@ -15,6 +15,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
 
+from prefixcache.errors import PrefixCacheError
+
 log = logging.getLogger(__name__)
 
 
@@ -36,7 +38,7 @@ class KVLayout:
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * elem
 
 
-class UnsupportedModelError(RuntimeError):
+class UnsupportedModelError(PrefixCacheError, RuntimeError):
     """The model's cache layout cannot be shared as plain per-layer KV; serve uncached."""
 
 

@@ -12,7 +12,7 @@ import torch
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from prefixcache.canonicalize import Canonicalizer
+from prefixcache.canonicalize import Canonicalizer, check_text
 from prefixcache.config import CacheConfig
 from prefixcache.batching import BatchConfig, BatchEngine
 from prefixcache.engine import CallStats, Engine
@@ -231,7 +231,7 @@ class PrefixCache:
              **options: Any) -> GenerationResult:
         """Answer a chat conversation. Options: see ``complete``."""
         prompt = self._canon().encode_chat(list(messages), tools=tools)
-        return self._answer(list(prompt.token_ids), **options)
+        return self.answer(list(prompt.token_ids), **options)
 
     def complete(self, prompt: str, **options: Any) -> GenerationResult:
         """Continue a text prompt.
@@ -243,7 +243,7 @@ class PrefixCache:
         """
         if not isinstance(prompt, str):
             raise InvalidRequestError("prompt must be a string", param="prompt")
-        return self._answer(list(self._canon().encode_text(prompt).token_ids), **options)
+        return self.answer(list(self._canon().encode_text(prompt).token_ids), **options)
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
         return list(self._canon().encode_chat(list(messages), tools=tools).token_ids)
@@ -251,11 +251,12 @@ class PrefixCache:
     def encode_text(self, prompt: str) -> list[int]:
         return list(self._canon().encode_text(prompt).token_ids)
 
-    def _answer(self, prompt: list[int], *, tenant: str | None = None, max_new_tokens: int = 256,
+    def answer(self, prompt: list[int], *, tenant: str | None = None, max_new_tokens: int = 256,
                 temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                 do_sample: bool | None = None, seed: int | None = None, stop: Sequence[str] | str | None = None,
                 on_text: Callable[[str], None] | None = None, cancel: threading.Event | None = None,
                 ttl_seconds: float | None = None, **kwargs: Any) -> GenerationResult:
+        """Answer already-encoded prompt ids (from ``encode_chat``/``encode_text``); options as ``complete``."""
         if not prompt:
             raise InvalidRequestError("the prompt encodes to zero tokens", param="prompt")
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -265,6 +266,10 @@ class PrefixCache:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({max_new_tokens}) exceeds the model's context of "
                 f"{self.max_context} tokens", param="messages")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if not all(isinstance(s, str) and s for s in stops):
+            raise InvalidRequestError("stop must be a non-empty string or a list of them", param="stop")
+        for s in stops:
+            check_text(s, "stop")
         sampling = _sampling(temperature, top_p, top_k, do_sample)
         tenant, ttl = self._tenant(tenant), self._ttl(ttl_seconds)
         if self.batcher is not None and not kwargs:
@@ -358,7 +363,7 @@ class PrefixCache:
     def stats(self, tenant: str | None = None) -> dict[str, Any]:
         """Hit counters and memory figures, for one tenant or (None) all."""
         c = self.engine.tenant_counters(tenant)
-        mem = self.store.snapshot_stats()
+        mem = self.store.snapshot_stats(tenant)
         queries = c["queries"]
         out: dict[str, Any] = {
             "queries": queries, "hits": c["hit"], "partial_hits": c["partial"], "misses": c["miss"],
@@ -368,9 +373,6 @@ class PrefixCache:
             "token_hit_rate": c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
         }
         out.update(mem)
-        if tenant is not None:
-            out["bytes"] = mem["tenant_bytes"].get(tenant, 0)
-            out["tenant_bytes"] = {tenant: out["bytes"]}
         return out
 
     def flush(self, tenant: str | None = None) -> int:
@@ -458,15 +460,22 @@ class PrefixCache:
         return eos[0] if eos else 0
 
 
+#: Temperatures below this are served greedily: their limit is argmax, and dividing logits
+#: by e.g. 1e-300 overflows to inf and breaks sampling.
+GREEDY_BELOW = 1e-4
+
+
 def _sampling(temperature: float | None, top_p: float | None, top_k: int | None,
               do_sample: bool | None) -> dict[str, Any]:
-    """Map OpenAI-style sampling to generate() kwargs; temperature 0 or unset means greedy."""
+    """Map OpenAI-style sampling to generate() kwargs; temperature 0 (< GREEDY_BELOW) or unset means greedy."""
     if temperature is not None and (not isinstance(temperature, (int, float)) or temperature < 0):
         raise InvalidRequestError("temperature must be a number >= 0", param="temperature")
     if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
         raise InvalidRequestError("top_p must be in (0, 1]", param="top_p")
     if top_k is not None and not (isinstance(top_k, int) and top_k >= 0):
         raise InvalidRequestError("top_k must be an integer >= 0", param="top_k")
+    if temperature is not None and temperature < GREEDY_BELOW:
+        temperature, do_sample = 0.0, False
     sample = do_sample if do_sample is not None else bool(temperature)
     if not sample:
         return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}

@@ -74,6 +74,8 @@ class KVStore:
         self.tenant_bytes: Counter[str] = Counter()
         self.evictions: Counter[str] = Counter({r: 0 for r in REASONS})
         self.reclaimed_bytes: Counter[str] = Counter({r: 0 for r in REASONS})
+        # Per tenant: {tenant: Counter({"lru": n, ..., "lru_bytes": b, ...})}
+        self._tenant_evictions: dict[str, Counter[str]] = {}
         self._leaves: set[Node] = set()
 
     # -- read path -----------------------------------------------------------------
@@ -288,20 +290,32 @@ class KVStore:
         if reason is not None:
             self.evictions[reason] += 1
             self.reclaimed_bytes[reason] += node.nbytes
+            per = self._tenant_evictions.setdefault(node.tenant, Counter())
+            per[reason] += 1
+            per[reason + "_bytes"] += node.nbytes
         node.kv = None
 
-    def snapshot_stats(self) -> dict[str, Any]:
+    def snapshot_stats(self, tenant: str | None = None) -> dict[str, Any]:
+        """Memory figures for one tenant's entries, or (None) the whole store."""
         with self._lock:
-            nodes = list(self.trie.iter_nodes())
+            nodes = [n for n in self.trie.iter_nodes() if tenant is None or n.tenant == tenant]
+            if tenant is None:
+                evictions, reclaimed = dict(self.evictions), dict(self.reclaimed_bytes)
+            else:
+                per = self._tenant_evictions.get(tenant, Counter())
+                evictions = {r: per[r] for r in REASONS}
+                reclaimed = {r: per[r + "_bytes"] for r in REASONS}
             return {
-                "bytes": self.bytes,
+                "bytes": self.bytes if tenant is None else self.tenant_bytes[tenant],
                 "budget_bytes": self.config.max_bytes,
+                "tenant_quota_bytes": self.config.tenant_quota_bytes,
                 "entries": len(nodes),
                 "cached_tokens_held": sum(len(n.tokens) for n in nodes),
                 "pinned_bytes": sum(n.nbytes for n in nodes if n.pins > 0),
-                "tenant_bytes": {t: b for t, b in self.tenant_bytes.items() if b},
-                "evictions": dict(self.evictions),
-                "reclaimed_bytes": dict(self.reclaimed_bytes),
+                "leased_entries": sum(1 for n in nodes if n.refcount > 0),
+                "tenant_bytes": {t: b for t, b in self.tenant_bytes.items() if b and (tenant in (None, t))},
+                "evictions": evictions,
+                "reclaimed_bytes": reclaimed,
             }
 
 

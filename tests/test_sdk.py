@@ -136,3 +136,30 @@ def test_sampling_with_seed_is_reproducible(chat_llama, tokenizer):
     a = cache.chat(msgs, max_new_tokens=8, temperature=0.9, seed=7)
     b = cache.chat(msgs, max_new_tokens=8, temperature=0.9, seed=7)
     assert a.token_ids == b.token_ids and b.usage.cached_tokens > 0
+
+
+def test_invalid_unicode_and_stop_are_clear_errors(chat_llama, tokenizer):
+    cache = PrefixCache(chat_llama, tokenizer, start_sweeper=False)
+    with pytest.raises(InvalidRequestError, match="UTF-8"):
+        cache.chat([{"role": "user", "content": "bad \ud800 text"}], max_new_tokens=2)
+    with pytest.raises(InvalidRequestError, match="UTF-8"):
+        cache.complete("fine", max_new_tokens=2, stop=["\udfff"])
+    with pytest.raises(InvalidRequestError, match="stop"):
+        cache.complete("fine", max_new_tokens=2, stop=[""])
+
+
+def test_tiny_temperature_is_greedy(chat_llama, tokenizer):
+    cache = PrefixCache(chat_llama, tokenizer, start_sweeper=False)
+    msgs = [{"role": "user", "content": "count"}]
+    assert cache.chat(msgs, max_new_tokens=6, temperature=1e-300).token_ids == cache.chat(msgs, max_new_tokens=6).token_ids
+
+
+def test_answer_takes_encoded_ids_and_stats_are_per_tenant(chat_llama, tokenizer):
+    cache = PrefixCache(chat_llama, tokenizer, start_sweeper=False)
+    ids = cache.encode_chat([SYSTEM, {"role": "user", "content": "hello"}])
+    res = cache.answer(ids, max_new_tokens=3, tenant="t1")
+    assert res.usage.prompt_tokens == len(ids)
+    cache.answer(ids, max_new_tokens=3, tenant="t2")
+    one, all_ = cache.stats("t1"), cache.stats()
+    assert 0 < one["entries"] < all_["entries"] and one["bytes"] < all_["bytes"]
+    assert one["tenant_bytes"] == {"t1": one["bytes"]} and one["leased_entries"] == 0

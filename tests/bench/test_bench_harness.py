@@ -1,0 +1,88 @@
+"""The harness end to end on the small preset, so it cannot rot: tables, JSON, plot, sane numbers."""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from prefixcache.bench import add_arguments, run
+from prefixcache.bench.systems import PrefixCacheSystem, Served
+
+
+def _run(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return run(parser.parse_args([*argv, "--no-progress"]))
+
+
+@pytest.fixture(scope="module")
+def small_run(tmp_path_factory) -> tuple[Path, float]:
+    out = tmp_path_factory.mktemp("bench")
+    start = time.perf_counter()
+    assert _run("--preset", "small", "--out", str(out)) == 0
+    return out, time.perf_counter() - start
+
+
+def _summaries(out: Path) -> dict[tuple[str, str], dict]:
+    data = json.loads((out / "results.json").read_text())
+    return {(run["workload"], s["system"]): s for run in data["runs"] for s in run["summaries"]}
+
+
+def test_small_preset_writes_table_json_and_plot_quickly(small_run):
+    out, seconds = small_run
+    assert seconds < 60
+    md = (out / "results.md").read_text()
+    for heading in ("## shared-prefix (float32)", "## multi-turn (float32)", "## no-reuse (float32)", "## Targets"):
+        assert heading in md
+    assert "| prefixcache |" in md and "| generate-batch |" in md and "| limit |" in md
+    assert (out / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads((out / "results.json").read_text())
+    assert data["machine"]["cpus"] >= 1 and data["kv_bytes_per_token"]["float32"] > 0
+
+
+def test_small_preset_numbers_are_sane(small_run):
+    out, _ = small_run
+    s = _summaries(out)
+    assert s[("shared-prefix", "prefixcache")]["hit_rate"] > 0
+    assert s[("multi-turn", "prefixcache")]["hit_rate"] > 0
+    assert s[("no-reuse", "prefixcache")]["hit_rate"] == 0
+    assert s[("shared-prefix", "generate")]["hit_rate"] == 0
+    for (workload, system), row in s.items():
+        assert row["ttft_mean"] > 0 and row["ttft_p50"] <= row["ttft_p99"] + 1e-12, (workload, system)
+        if system != "limit":
+            assert row["tokens_per_s"] > 0 and row["requests_per_s"] > 0 and row["peak_kv_bytes"] > 0
+            assert row["output_tokens"] == row["requests"] * 8  # EOS ignored: exactly O tokens each
+        if system in ("generate", "prefixcache"):
+            assert row["match_vs_generate"] == 1.0
+    assert s[("shared-prefix", "generate")]["throughput_vs_generate"] == pytest.approx(1.0)
+    data = json.loads((out / "results.json").read_text())
+    shared = next(r for r in data["runs"] if r["workload"] == "shared-prefix")
+    assert shared["formula_hit_rate"] == pytest.approx((1 - 1 / 3) * 96 / 112)
+    assert s[("shared-prefix", "prefixcache")]["hit_rate"] == pytest.approx(shared["ideal_hit_rate"])
+    assert data["targets"][0]["hit_over_limit"] is not None
+
+
+def test_a_wrong_answer_fails_the_run_loudly(monkeypatch, tmp_path, capsys):
+    real = PrefixCacheSystem.serve
+
+    def corrupt(self, request, prompt):
+        served = real(self, request, prompt)
+        return Served((served.output[0] + 1,) + served.output[1:], served.ttft, served.total, served.cached_tokens)
+
+    monkeypatch.setattr(PrefixCacheSystem, "serve", corrupt)
+    code = _run("--workloads", "no-reuse", "--systems", "generate,prefixcache", "--unique-prompts", "1",
+                "--out", str(tmp_path))
+    assert code == 1
+    assert "CORRECTNESS CHECK FAILED" in capsys.readouterr().err
+    assert not (tmp_path / "results.md").exists()
+
+
+def test_module_entry_point_runs_standalone():
+    proc = subprocess.run([sys.executable, "-m", "prefixcache.bench", "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "--preset" in proc.stdout and "--dtype" in proc.stdout
