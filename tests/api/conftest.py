@@ -13,15 +13,6 @@ import pytest
 import torch
 from prefixcache_api import create_app
 from proxy_support import LiveServer, live, make_cache, settings
-from transformers import LlamaConfig, LlamaForCausalLM
-
-from prefixcache import load_default_model
-
-
-@pytest.fixture(scope="session")
-def tokenizer():
-    _, tok = load_default_model()
-    return tok
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -37,15 +28,9 @@ def one_torch_thread():
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tokenizer):
-    """A 2-layer random Llama over the real SmolLM2 vocabulary (generation: milliseconds per token)."""
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)).eval()
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    return model
+def tiny_model(chat_llama):
+    """The top-level conftest's tiny random Llama over the real SmolLM2 vocabulary."""
+    return chat_llama
 
 
 @pytest.fixture(scope="session")
