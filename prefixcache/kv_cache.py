@@ -15,6 +15,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
 
+from prefixcache.cascade import Shared, cascade_attention
 from prefixcache.errors import PrefixCacheError
 
 log = logging.getLogger(__name__)
@@ -155,8 +156,6 @@ class WorkingCache(DynamicCache):
 # model writes each request's new K/V through ``CascadeCache.update`` into its
 # ``PrivateKV``; the registered attention function reads the stored prefix snapshots in
 # place (never written) plus the private KV, via ``cascade.cascade_attention``.
-
-from prefixcache.cascade import Shared, cascade_attention  # noqa: E402 - pure torch, no transformers
 
 CASCADE_KWARG = "prefixcache_cascade"  # forward kwarg carrying the CascadeCache to attention
 
