@@ -1,7 +1,8 @@
 """prefixcache: prompt-prefix KV caching for Hugging Face causal LMs.
 
 Pipeline (one module per stage, each importing only earlier ones):
-canonicalize → hashing → trie → policy → store → kv_cache → engine → sdk.
+canonicalize → hashing → trie → policy → store → cascade → kv_cache → engine
+→ scheduler → sampling → batching → sdk. ``config``, ``errors`` and ``loading`` are shared.
 """
 from prefixcache.config import CacheConfig
 from prefixcache.errors import (
