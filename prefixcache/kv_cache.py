@@ -226,11 +226,17 @@ class CascadeCache(Cache):
         for row in self.rows:
             self.spans.append((pos, pos + row.count))
             pos += row.count
-        groups: dict[tuple[int, int], tuple[torch.Tensor, int, list[int]]] = {}
+        # Segments read by exactly the same requests are attended as one key set: attention
+        # is order-free over keys (positions are already in them), so a chain of prefix blocks
+        # costs one call per layer instead of one per block.
+        members_of: dict[tuple[int, int], tuple[torch.Tensor, int, list[int]]] = {}
         for i, row in enumerate(self.rows):
-            for snap, used in row.segments:  # one attention call per distinct (snapshot, used)
-                groups.setdefault((id(snap), used), (snap, used, []))[2].append(i)
-        self.groups = list(groups.values())
+            for snap, used in row.segments:
+                members_of.setdefault((id(snap), used), (snap, used, []))[2].append(i)
+        groups: dict[tuple[int, ...], list[tuple[torch.Tensor, int]]] = {}
+        for snap, used, members in members_of.values():
+            groups.setdefault(tuple(members), []).append((snap, used))
+        self.groups = list(groups.items())
         self.calls = 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -241,12 +247,21 @@ class CascadeCache(Cache):
 
     def attend(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
         """query: [1, Hq, T, D] → attention output [1, T, Hq, D] (the layout attention functions return)."""
-        shared = [Shared(snap[layer, 0, :, :used], snap[layer, 1, :, :used], tuple(members))
-                  for snap, used, members in self.groups]
+        shared = [Shared(*_layer_kv(segments, layer), members) for members, segments in self.groups]
         private = [row.private.view(layer, row.start + row.count) for row in self.rows]
         out = cascade_attention(query[0], self.spans, shared, private, scale)  # [Hq, T, D]
         self.calls += 1
         return out.transpose(0, 1).unsqueeze(0)
+
+
+def _layer_kv(segments: Sequence[tuple[torch.Tensor, int]], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's keys and values [H, n, D] over ``segments``: a view for one, a transient concat for more."""
+    if len(segments) == 1:
+        snap, used = segments[0]
+        return snap[layer, 0, :, :used], snap[layer, 1, :, :used]
+    keys = torch.cat([snap[layer, 0, :, :used] for snap, used in segments], dim=1)
+    values = torch.cat([snap[layer, 1, :, :used] for snap, used in segments], dim=1)
+    return keys, values
 
 
 def _cascade_forward(module, query, key, value, attention_mask, *args, delegate=None, **kwargs):
@@ -309,10 +324,16 @@ def check_cascade(model: torch.nn.Module, layout: KVLayout) -> None:
         got = model(input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([pos], device=device),
                     past_key_values=cache, use_cache=True, **{CASCADE_KWARG: cache}).logits[0]
         want = torch.cat([model(input_ids=torch.tensor([prefix + s], device=device)).logits[0, len(prefix):]
-                          for s in suffixes])
+                          for s in suffixes]).float()
     if cache.calls != layout.num_layers:
         raise UnsupportedModelError(f"cascade attention ran in {cache.calls} of {layout.num_layers} layers")
-    err = float((got.float() - want.float()).abs().max())
-    tol = 1e-3 * max(1.0, float(want.float().abs().max()))
+    err = float((got.float() - want).abs().max())
+    scale = max(1.0, float(want.abs().max()))
+    # fp32 must agree to rounding. In bf16/fp16 a different summation order alone moves logits by
+    # several units after 30 layers (measured on SmolLM2: cascade and plain bf16 are both ~3.5 away
+    # from fp32, 1.97 from each other), so there the check only catches gross errors (wrong
+    # positions or masks move logits by their own magnitude); the fp32 check covers the logic.
+    tol = (1e-3 if layout.dtype == torch.float32 else 0.25) * scale
     if not err <= tol:
-        raise UnsupportedModelError(f"cascade self-check differs from plain attention by {err:.3g}")
+        raise UnsupportedModelError(f"cascade self-check differs from plain attention by {err:.3g} "
+                                    f"(tolerance {tol:.3g})")

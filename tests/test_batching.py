@@ -182,3 +182,25 @@ def test_next_turn_hits_prompt_and_answer():
         check_released(engine)
     finally:
         engine.close()
+
+
+def test_reduced_precision_is_batched_and_chained_blocks_attend_as_one():
+    """bf16 passes the self-check (no fallback); a prefix of many blocks is one key set per layer."""
+    model = build_tiny("llama-gqa").to(torch.bfloat16)
+    store = KVStore(CacheConfig(block_size=4), BlockHasher(0), FakeClock())
+    engine = BatchEngine(model, store, FakeClock(), BatchConfig())
+    try:
+        assert engine.fallback_reason is None
+        prefix = list(range(10, 50))  # 10 blocks of 4
+        engine.generate(prefix, ("t",), "t", SamplingParams(max_new_tokens=1))
+        requests = [engine.submit(prefix + [60 + i], ("t",), "t", SamplingParams(max_new_tokens=2)) for i in range(3)]
+        results = [engine.wait(r) for r in requests]
+        assert all(r.stats.cached_tokens == len(prefix) for r in results)
+    finally:
+        engine.close()
+    from prefixcache.kv_cache import CascadeCache, CascadeRow, PrivateKV, probe_layout
+    layout = probe_layout(build_tiny("llama-gqa"))
+    snaps = [(torch.zeros(layout.num_layers, 2, layout.num_kv_heads, 4, layout.head_dim), 4) for _ in range(10)]
+    rows = [CascadeRow(snaps, PrivateKV(layout, 4), 0, 1) for _ in range(3)]
+    cache = CascadeCache(rows, layout.num_layers)
+    assert len(cache.groups) == 1 and len(cache.groups[0][1]) == 10  # one call over all 10 blocks
