@@ -26,6 +26,10 @@ from prefixcache.store import KVStore
 
 log = logging.getLogger(__name__)
 
+#: Tokens after its cached prefix that a waiting request must share with a running prefill
+#: to wait for it instead of computing them again.
+HOLD_PROBE_TOKENS = 16
+
 
 @dataclass(frozen=True, slots=True)
 class BatchConfig:
@@ -152,17 +156,57 @@ class BatchEngine:
         for req in admission_order(self._waiting, self._clock(), cfg.max_wait_seconds):
             if len(self._active) >= cfg.max_batch:
                 break
+            if req.cancel is not None and req.cancel.is_set():
+                self._waiting.remove(req)
+                self._finish(req, "cancelled", None)
+                continue
+            if self._follows_a_prefill(req):
+                continue  # its prefix is being computed right now: wait for it to be stored
+            self._refresh_lease(req)
             if self._active and reserved + req.private_need > cfg.max_private_tokens:
                 break  # keep order: the head of the queue is never overtaken for memory
             self._waiting.remove(req)
-            if req.cancel is not None and req.cancel.is_set():
-                self._finish(req, "cancelled", None)
-                continue
             req.private = PrivateKV(self.layout, cfg.private_chunk)
             if req.params.seed is not None:
                 req.generator = torch.Generator(device=self.layout.device).manual_seed(req.params.seed)
             reserved += req.private_need
             self._active.append(req)
+
+    def _follows_a_prefill(self, req: BatchRequest) -> bool:
+        """Whether an active request is still prefilling the tokens right after ``req``'s cached prefix.
+
+        Computing them twice would waste the step; once that prefill ends its prompt is
+        stored and ``req`` finds it (``_refresh_lease``). The leader always progresses, so
+        the wait is bounded by its prefill.
+        """
+        start, probe = req.cached, HOLD_PROBE_TOKENS
+        want = req.prompt[start : start + probe]
+        if len(want) < probe:
+            return False
+        return any(a.prefilling and a.namespace == req.namespace and a.prompt[start : start + probe] == want
+                   for a in self._active)
+
+    def _has_followers(self, leader: BatchRequest) -> bool:
+        """Whether a waiting request is held for ``leader``'s prefill (see ``_follows_a_prefill``).
+
+        Only then is the prompt stored before the request finishes: storing it early
+        for nobody would hold its suffix twice (stored and private) while it decodes.
+        """
+        probe = HOLD_PROBE_TOKENS
+        with self._cv:
+            return any(w.namespace == leader.namespace and len(w.prompt) >= w.cached + probe
+                       and w.prompt[w.cached : w.cached + probe] == leader.prompt[w.cached : w.cached + probe]
+                       for w in self._waiting)
+
+    def _refresh_lease(self, req: BatchRequest) -> None:
+        """Re-match at admission: prefixes stored since ``submit`` (by finished or prefilled requests) count."""
+        lease = self.store.acquire(req.namespace, req.tenant, req.prompt, len(req.prompt) - 1, req.ttl_seconds)
+        if lease.cached_tokens > req.cached:
+            self.store.release(req.lease)
+            req.lease = lease
+            req.stats.cached_tokens = lease.cached_tokens
+        else:
+            self.store.release(lease)
 
     def _run(self, plan: list[tuple[BatchRequest, int]]) -> torch.Tensor:
         """One packed forward; returns logits [K, V] for the requests that sample this step."""
@@ -199,6 +243,8 @@ class BatchEngine:
                 continue
             token = sample_next(logits[k], req.params, req.prompt + req.output, req.generator)
             k += 1
+            if not req.output and self._has_followers(req):  # publish the prompt now, so they hit it
+                self._store_prompt(req)
             req.output.append(token)
             if req.stats.ttft_seconds is None:
                 req.stats.ttft_seconds = self._clock() - req.arrival
@@ -214,6 +260,12 @@ class BatchEngine:
                 self._finish(req, "length", None)
             elif req.cancel is not None and req.cancel.is_set():
                 self._finish(req, "cancelled", None)
+
+    def _store_prompt(self, req: BatchRequest) -> None:
+        try:
+            self.store.insert(req.namespace, req.tenant, req.prompt, req.kv_slicer(), req.ttl_seconds)
+        except Exception as exc:  # noqa: BLE001 - caching is an optimisation; the answer goes on
+            log.warning("could not store a prompt's KV early: %s", exc)
 
     # -- leaving -------------------------------------------------------------------
     def _finish(self, req: BatchRequest, reason: str | None, error: BaseException | None) -> None:

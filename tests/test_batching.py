@@ -204,3 +204,21 @@ def test_reduced_precision_is_batched_and_chained_blocks_attend_as_one():
     rows = [CascadeRow(snaps, PrivateKV(layout, 4), 0, 1) for _ in range(3)]
     cache = CascadeCache(rows, layout.num_layers)
     assert len(cache.groups) == 1 and len(cache.groups[0][1]) == 10  # one call over all 10 blocks
+
+
+def test_followers_wait_for_a_running_prefill_of_their_prefix():
+    """Concurrent cold requests on one prefix: one computes it, the others reuse it."""
+    model = build_tiny("llama-gqa")
+    engine = make_engine(model, block_size=8, prefill_chunk=8, token_budget=16)
+    try:
+        prefix = list(range(10, 74))  # 64 tokens: several prefill steps
+        prompts = [prefix + [100 + i, 101] for i in range(4)]
+        requests = [engine.submit(p, NS, "t", params(3)) for p in prompts]
+        results = [engine.wait(r) for r in requests]
+        cached = sorted(r.stats.cached_tokens for r in results)
+        assert cached[0] == 0 and all(c >= len(prefix) for c in cached[1:]), cached
+        for p, r in zip(prompts, results):
+            assert r.tokens == expected(model, p, 3)
+        check_released(engine)
+    finally:
+        engine.close()
