@@ -1,4 +1,4 @@
-"""The ``prefixcache`` command: ``prefixcache serve`` (the OpenAI-compatible proxy), more subcommands later.
+"""The ``prefixcache`` command: ``serve`` (the OpenAI-compatible proxy) and ``bench`` (the benchmark).
 
 Each subcommand is registered by one ``_add_<name>`` function on the shared subparsers.
 ``serve`` flags are generated from the proxy's ``Settings`` fields, so a flag, its
@@ -32,7 +32,20 @@ def build_parser() -> argparse.ArgumentParser:
                                      "causal LMs.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_serve(commands)
+    _add_bench(commands)
     return parser
+
+
+# -- bench ---------------------------------------------------------------------------
+def _add_bench(commands: argparse._SubParsersAction) -> None:
+    from prefixcache import bench
+
+    parser = commands.add_parser(
+        "bench", help="benchmark prefixcache side by side with plain generate(), manual reuse and generate_batch",
+        description="Run named shared-prefix workloads against several systems in one process; write a markdown "
+                    "table, JSON and a PNG plot.")
+    bench.add_arguments(parser)
+    parser.set_defaults(handler=bench.run)
 
 
 # -- serve ---------------------------------------------------------------------------
