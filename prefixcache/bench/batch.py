@@ -29,7 +29,7 @@ class BatchSystemError(RuntimeError):
 class BatchCall:
     served: list[Served]  # in prompt order
     wall: float  # seconds for the whole call, set-up included
-    reserved_bytes: int  # paged KV pool allocated for the call
+    kv_bytes: int  # peak KV held during the call (generate_batch: the paged pool it allocates)
 
 
 class GenerateBatch:
@@ -45,6 +45,13 @@ class GenerateBatch:
         self.model, self.output_tokens, self.sharing = model, output_tokens, sharing
         self.max_batch_tokens, self.bytes_per_token = max_batch_tokens, bytes_per_token
         self.name = "generate-batch" if sharing else "generate-batch-noshare"
+        self.notes: list[str] = []
+
+    def start(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
 
     def call(self, prompts: list[list[int]]) -> BatchCall:
         pad = self.model.generation_config.pad_token_id

@@ -46,6 +46,7 @@ class Targets:
     no_reuse_overhead: float | None  # median over requests of prefixcache time / generate()'s − 1 (no-reuse)
     no_reuse_overhead_wall: float | None  # total serving time ratio − 1 (noisier)
     vs_generate_batch: float | None  # prefixcache tokens/s / generate-batch's (shared-prefix)
+    batched_vs_generate_batch: float | None  # prefixcache-batched tokens/s / generate-batch's (shared-prefix)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -74,7 +75,7 @@ def _summary(s: SystemRun, base: SystemRun | None, base_sum: Summary | None = No
         peak_kv_bytes=None if forward_only else s.retained_peak + (0 if s.batched else s.inflight_peak),
         match_vs_generate=None, ttft_speedup=None, throughput_vs_generate=None)
     if base is not None and base_sum is not None and not forward_only:
-        same = sum(a.output == b.output for a, b in zip(s.records, base.records))
+        same = sum(a.output == b.output for a, b in zip(s.records, base.records, strict=True))
         summary.match_vs_generate = same / max(1, len(s.records))
         summary.ttft_speedup = base_sum.ttft_mean / summary.ttft_mean
         summary.throughput_vs_generate = summary.tokens_per_s / base_sum.tokens_per_s
@@ -90,7 +91,7 @@ def ideal_hit_rate(run: WorkloadRun) -> float | None:
 
 def targets(dtype: str, runs: list[WorkloadRun]) -> Targets:
     by_name = {r.workload: r for r in runs}
-    t = Targets(dtype, *([None] * 8))
+    t = Targets(dtype, *([None] * 9))
     shared = by_name.get("shared-prefix")
     if shared is not None and "prefixcache" in shared.systems:
         pc = shared.systems["prefixcache"].records
@@ -104,12 +105,16 @@ def targets(dtype: str, runs: list[WorkloadRun]) -> Targets:
             t.limit_ttft = statistics.fmean(limit[r.index] for r in hits)
             t.hit_over_limit = statistics.median(r.ttft / limit[r.index] for r in hits)
             t.hit_over_limit_means = t.hit_ttft / t.limit_ttft
-        if "generate-batch" in shared.systems:
-            gb = shared.systems["generate-batch"]
-            t.vs_generate_batch = gb.wall / shared.systems["prefixcache"].wall  # same token count
+    if shared is not None and "generate-batch" in shared.systems:
+        tput = {s.system: s.tokens_per_s for s in summarize(shared)}
+        if "prefixcache" in tput:
+            t.vs_generate_batch = tput["prefixcache"] / tput["generate-batch"]
+        if "prefixcache-batched" in tput:
+            t.batched_vs_generate_batch = tput["prefixcache-batched"] / tput["generate-batch"]
     unique = by_name.get("no-reuse")
     if unique is not None and {"prefixcache", "generate"} <= set(unique.systems):
         pc, gen = unique.systems["prefixcache"], unique.systems["generate"]
-        t.no_reuse_overhead = statistics.median(a.total / b.total for a, b in zip(pc.records, gen.records)) - 1
+        pairs = zip(pc.records, gen.records, strict=True)  # same requests, run back to back
+        t.no_reuse_overhead = statistics.median(a.total / b.total for a, b in pairs) - 1
         t.no_reuse_overhead_wall = pc.wall / gen.wall - 1
     return t

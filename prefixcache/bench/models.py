@@ -63,7 +63,22 @@ def machine() -> dict[str, object]:
 
     return {"cpu": cpu or platform.processor(), "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "load_average": _load()}
+            "transformers": transformers.__version__, "commit": _commit(), "load_average": _load()}
+
+
+def _commit() -> str | None:
+    """The checkout's commit (``+dirty`` with uncommitted changes); None outside a git checkout."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                              timeout=5)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty else "")
 
 
 def _load() -> list[float] | None:

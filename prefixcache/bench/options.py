@@ -14,9 +14,9 @@ WORKLOADS = ("shared-prefix", "multi-turn", "no-reuse")
 #: Systems run one request at a time, interleaved request by request (same noise for all).
 SEQUENTIAL_SYSTEMS = ("generate", "prefixcache", "manual-reuse", "limit")
 #: Systems that take the whole workload (or one multi-turn round) in one call.
-BATCH_SYSTEMS = ("generate-batch", "generate-batch-noshare")
+BATCH_SYSTEMS = ("prefixcache-batched", "generate-batch", "generate-batch-noshare")
 SYSTEMS = SEQUENTIAL_SYSTEMS + BATCH_SYSTEMS
-DEFAULT_SYSTEMS = ("generate", "prefixcache", "manual-reuse", "limit", "generate-batch")
+DEFAULT_SYSTEMS = ("generate", "prefixcache", "manual-reuse", "limit", "prefixcache-batched", "generate-batch")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -74,8 +74,12 @@ class BenchOptions:
     out: Path = Path("bench-out")
     progress: bool = True
     plot: bool = True
-    #: generate_batch sizing: tokens per forward (its CPU default, 8,192, builds huge masks).
-    cb_max_batch_tokens: int = 1024
+    #: generate_batch: tokens per forward. Its default (8,192, pool from free RAM) took 75 s
+    #: on 8 requests sharing 1,024 tokens here; 1,024 took 15 s, 256 took 13 s (the best).
+    cb_max_batch_tokens: int = 256
+    threads: int | None = None  # torch intra-op threads; None = torch's default
+    #: prefixcache-batched: clients sending requests concurrently (closed loop).
+    concurrency: int = 4
 
     def spec(self, workload: str) -> SharedPrefixSpec | MultiTurnSpec | NoReuseSpec:
         return {"shared-prefix": self.shared, "multi-turn": self.multi, "no-reuse": self.unique}[workload]
@@ -87,12 +91,12 @@ PRESETS: dict[str, BenchOptions] = {
         preset="small", shared=SharedPrefixSpec(groups=2, prompts=3, system_tokens=96, question_tokens=16),
         multi=MultiTurnSpec(users=2, rounds=3, system_tokens=48, question_tokens=12),
         unique=NoReuseSpec(prompts=4, prompt_tokens=80), output_tokens=8),
-    # The embedded SmolLM2-135M: S=2,048 and Q=128 as the TTFT target is defined; the rest
-    # is sized to keep one float32 run under ~15 minutes on a 2-core CPU.
+    # The embedded SmolLM2-135M in float32 and bfloat16: S=2,048 and Q=128 as the TTFT
+    # target is defined; the rest is sized to keep both runs under ~15 minutes on a 2-core CPU.
     "default": BenchOptions(
         preset="default", shared=SharedPrefixSpec(groups=2, prompts=6, system_tokens=2048, question_tokens=128),
         multi=MultiTurnSpec(users=3, rounds=3, system_tokens=512, question_tokens=64),
-        unique=NoReuseSpec(prompts=8, prompt_tokens=576), output_tokens=16),
+        unique=NoReuseSpec(prompts=8, prompt_tokens=576), output_tokens=16, dtypes=("float32", "bfloat16")),
 }
 
 # flag -> (dataclass path inside BenchOptions, help)
@@ -109,6 +113,7 @@ _SIZE_FLAGS = {
     "unique_tokens": ("unique.prompt_tokens", "no-reuse: tokens per prompt"),
     "output_tokens": ("output_tokens", "tokens generated per request O (EOS ignored)"),
     "cb_max_batch_tokens": ("cb_max_batch_tokens", "generate_batch: max tokens per forward"),
+    "concurrency": ("concurrency", "prefixcache-batched: concurrent clients (closed loop)"),
 }
 
 
@@ -127,6 +132,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, (_, text) in _SIZE_FLAGS.items():
         parser.add_argument("--" + name.replace("_", "-"), dest=name, type=_positive, default=None,
                             help=f"{text} (default: from the preset)")
+    parser.add_argument("--threads", type=_positive, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random token content and order")
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for results.{md,json,png}")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
@@ -145,7 +151,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         opts.workloads = args.workloads
     if args.systems:
         opts.systems = args.systems
-    opts.model, opts.seed, opts.out = args.model, args.seed, args.out
+    opts.model, opts.seed, opts.out, opts.threads = args.model, args.seed, args.out, args.threads
     opts.progress, opts.plot = args.progress, args.plot
     if opts.shared.prompts < 2 and "shared-prefix" in opts.workloads:
         raise argparse.ArgumentTypeError("--prompts must be >= 2 for any reuse to happen")
@@ -160,7 +166,9 @@ def describe(opts: BenchOptions) -> str:
             f"(ideal hit rate {s.ideal_hit_rate:.3f})\n"
             f"  multi-turn:    U={m.users} R={m.rounds} system={m.system_tokens} per-turn={m.question_tokens}\n"
             f"  no-reuse:      N={u.prompts} tokens={u.prompt_tokens}\n"
-            f"  systems: {', '.join(opts.systems)}; workloads: {', '.join(opts.workloads)}")
+            f"  systems: {', '.join(opts.systems)}; workloads: {', '.join(opts.workloads)}\n"
+            f"  generate-batch: max_batch_tokens={opts.cb_max_batch_tokens}, 256-token pages, pool sized to the "
+            f"workload; prefixcache-batched: {opts.concurrency} concurrent clients")
 
 
 def _copy(opts: BenchOptions) -> BenchOptions:

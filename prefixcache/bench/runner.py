@@ -15,11 +15,19 @@ import torch
 
 from prefixcache.bench import models, workloads
 from prefixcache.bench.batch import GenerateBatch
+from prefixcache.bench.concurrent import PrefixCacheBatched
 from prefixcache.bench.options import BATCH_SYSTEMS, BenchOptions
 from prefixcache.bench.systems import SEQUENTIAL, PlainGenerate, PrefixCacheSystem, Served, kv_bytes_per_token
 from prefixcache.bench.workloads import Request, Workload
 
 Progress = Callable[[int], None]
+
+
+#: Token identity with generate() is asserted in float32. In reduced precision a cached
+#: prefix changes the order of roundings, so greedy answers may part after a near-tie;
+#: transformers' own deepcopy reuse parts from generate() the same way. There the
+#: agreement is reported (the `= generate()` column), not asserted.
+STRICT_DTYPE = "float32"
 
 
 class CorrectnessError(RuntimeError):
@@ -43,7 +51,8 @@ class SystemRun:
     wall: float = 0.0  # seconds serving: sum over requests, or over batch calls
     retained_peak: int = 0  # KV bytes kept between requests, max over the run
     inflight_peak: int = 0  # KV bytes of the largest request being served
-    batched: bool = False  # a batch system: retained_peak is its pre-allocated paged pool
+    batched: bool = False  # a batch system: retained_peak is its peak KV during a call
+    notes: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -73,10 +82,12 @@ def run_benchmark(opts: BenchOptions, progress: Progress, clock: Callable[[], fl
     answers differently from plain ``generate()``."""
     start = clock()
     result = BenchResult(opts, [], {}, {}, models.machine())
+    if opts.threads is not None:
+        torch.set_num_threads(opts.threads)
     for dtype in opts.dtypes:
         mut = models.load(opts, dtype)
         built = [workloads.build(name, opts, mut.space) for name in opts.workloads]
-        _warm_up(mut.model)
+        _warm_up(mut.model, max((len(r.new_tokens) for w in built for r in w.requests), default=1))
         bpt = kv_bytes_per_token(mut.model)
         result.models[dtype], result.bytes_per_token[dtype] = mut.label, bpt
         result.runs += [run_workload(opts, mut.model, dtype, w, bpt, progress) for w in built]
@@ -122,7 +133,8 @@ def run_workload(opts: BenchOptions, model: torch.nn.Module, dtype: str, workloa
                     prompts.append(len(prompt))
                     ideal.append(workloads.ideal_cached(prompt, finished))
                     finished.append(histories[name][req.session])
-            _check(workload, req, runs)
+            if dtype == STRICT_DTYPE:
+                _check(workload, req, runs)
     finally:
         for s in seq.values():
             s.finish()
@@ -142,7 +154,8 @@ def _check(workload: Workload, req: Request, runs: dict[str, SystemRun]) -> None
         return
     got, want = runs["prefixcache"].records[-1], runs["generate"].records[-1]
     if got.output != want.output:
-        first = next(i for i, (a, b) in enumerate(zip(got.output, want.output)) if a != b)
+        pairs = zip(got.output, want.output, strict=False)
+        first = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(got.output), len(want.output)))
         raise CorrectnessError(
             f"{workload.name} request {req.index} (session {req.session}, {got.prompt_tokens} prompt tokens, "
             f"{got.cached_tokens} cached): prefixcache output differs from plain generate() at output token {first}:"
@@ -151,31 +164,45 @@ def _check(workload: Workload, req: Request, runs: dict[str, SystemRun]) -> None
 
 def _run_batch(name: str, model: torch.nn.Module, opts: BenchOptions, workload: Workload, bpt: int,
                progress: Progress) -> SystemRun:
-    system = GenerateBatch(model, opts.output_tokens, sharing=name == "generate-batch",
-                           max_batch_tokens=opts.cb_max_batch_tokens, bytes_per_token=bpt)
+    """One call per round (a multi-turn round needs the previous round's answers)."""
+    if name == "prefixcache-batched":
+        system = PrefixCacheBatched(model, opts.output_tokens, opts.concurrency)
+    else:
+        system = GenerateBatch(model, opts.output_tokens, sharing=name == "generate-batch",
+                               max_batch_tokens=opts.cb_max_batch_tokens, bytes_per_token=bpt)
     run = SystemRun(name, batched=True)
     history: dict[str, list[int]] = {}
     by_index: dict[int, Record] = {}
-    for batch in workload.rounds():
-        prompts = [history.get(r.session, []) + list(r.new_tokens) for r in batch]
-        call = system.call(prompts)
-        run.wall += call.wall
-        run.retained_peak = max(run.retained_peak, call.reserved_bytes)
-        for req, prompt, served in zip(batch, prompts, call.served):
-            history[req.session] = prompt + list(served.output)
-            by_index[req.index] = Record(req.index, len(prompt), served.output, served.ttft, served.total, None)
-            run.inflight_peak = max(run.inflight_peak, (len(prompt) + opts.output_tokens) * bpt)
-        progress(len(batch))
+    system.start()
+    try:
+        for batch in workload.rounds():
+            prompts = [history.get(r.session, []) + list(r.new_tokens) for r in batch]
+            call = system.call(prompts)
+            run.wall += call.wall
+            run.retained_peak = max(run.retained_peak, call.kv_bytes)
+            for req, prompt, served in zip(batch, prompts, call.served, strict=True):
+                history[req.session] = prompt + list(served.output)
+                by_index[req.index] = Record(req.index, len(prompt), served.output, served.ttft, served.total,
+                                             served.cached_tokens)
+                run.inflight_peak = max(run.inflight_peak, (len(prompt) + opts.output_tokens) * bpt)
+            progress(len(batch))
+    finally:
+        system.finish()
     run.records = [by_index[i] for i in sorted(by_index)]
+    run.notes = list(system.notes)
     return run
 
 
-def _warm_up(model: torch.nn.Module) -> None:
-    """One untimed call per code path, so first-call costs land on no system."""
-    ids = torch.arange(2, 34, dtype=torch.long, device=next(model.parameters()).device).unsqueeze(0)
-    PlainGenerate(model, 2).serve(Request(0, "w", (), None), ids[0].tolist())
+def _warm_up(model: torch.nn.Module, longest: int) -> None:
+    """Untimed calls so first-call costs land on no system: each sequential code path once
+    on a short prompt, then plain generate() on a prompt as long as the longest one
+    (large-shape first-time costs showed up as a 5x slower first request otherwise)."""
+    device = next(model.parameters()).device
+    short = torch.arange(2, 34, dtype=torch.long, device=device).tolist()
     pc = PrefixCacheSystem(model, 2)
     pc.start(Workload("warm-up", (), {}))
-    pc.serve(Request(0, "w", (), None), ids[0].tolist())
-    pc.serve(Request(0, "w", (), None), ids[0].tolist())
+    for _ in range(2):  # a miss, then a hit
+        pc.serve(Request(0, "w", (), None), short)
     pc.finish()
+    long = (torch.arange(longest, dtype=torch.long) % 30 + 2).tolist()
+    PlainGenerate(model, 4).serve(Request(0, "w", (), None), long)

@@ -114,12 +114,15 @@ class PlainGenerate(_Sequential):
 
 
 class PrefixCacheSystem(_Sequential):
-    """The prefixcache SDK: ``PrefixCache(model).generate(...)``, default config without TTL."""
+    """The prefixcache SDK's drop-in: ``PrefixCache(model).generate(...)``, default config
+    without TTL. ``batching=False``: generate() never uses the batch loop, and this way the
+    model's attention implementation stays as the other systems see it."""
 
     name = "prefixcache"
 
     def start(self, workload: Workload) -> None:
-        self.cache = PrefixCache(self.model, None, CacheConfig(ttl_seconds=None), start_sweeper=False)
+        self.cache = PrefixCache(self.model, None, CacheConfig(ttl_seconds=None), start_sweeper=False,
+                                 batching=False)
 
     def serve(self, request: Request, prompt: list[int]) -> Served:
         ids, timer = self._ids(prompt), FirstTokenTimer(self.clock)
