@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria
 
 from prefixcache.kv_cache import KVLayout, UnsupportedModelError, WorkingCache, probe_layout
 from prefixcache.store import KVStore
@@ -57,6 +57,16 @@ class CallStats:
         if self.cached_tokens == 0:
             return "miss"
         return "hit" if self.cached_tokens >= self.prompt_tokens - 1 else "partial"
+
+
+class CancelCriteria(StoppingCriteria):
+    """Stops ``generate()`` once ``event.is_set()`` (a client went away, or a stop string was seen)."""
+
+    def __init__(self, event: threading.Event):
+        self.event = event
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
 class _FirstTokenClock(LogitsProcessor):

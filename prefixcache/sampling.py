@@ -1,16 +1,15 @@
 """Next-token choice for the batching engine, and the plain-engine fallback call."""
 from __future__ import annotations
 
-import threading
 
 import torch
 from transformers import (
-    LogitsProcessorList, StoppingCriteria, StoppingCriteriaList, TemperatureLogitsWarper, TopKLogitsWarper,
+    LogitsProcessorList, StoppingCriteriaList, TemperatureLogitsWarper, TopKLogitsWarper,
     TopPLogitsWarper,
 )
 from transformers.generation.streamers import BaseStreamer
 
-from prefixcache.engine import Engine
+from prefixcache.engine import CancelCriteria, Engine
 from prefixcache.scheduler import BatchRequest, SamplingParams
 
 
@@ -28,14 +27,6 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, context: list[int]
     scores = warpers(ids, logits.float().unsqueeze(0))  # [1, V]
     probs = torch.softmax(scores, dim=-1)
     return int(torch.multinomial(probs[0], 1, generator=generator))
-
-
-class _Cancel(StoppingCriteria):
-    def __init__(self, event: threading.Event):
-        self.event = event
-
-    def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
-        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
 class _TokenStream(BaseStreamer):
@@ -66,7 +57,7 @@ def fallback_generate(engine: Engine, req: BatchRequest) -> None:
     if p.seed is not None:
         kwargs["seed"] = p.seed
     if req.cancel is not None:
-        kwargs["stopping_criteria"] = StoppingCriteriaList([_Cancel(req.cancel)])
+        kwargs["stopping_criteria"] = StoppingCriteriaList([CancelCriteria(req.cancel)])
     if req.on_token is not None:
         kwargs["streamer"] = _TokenStream(req.on_token)
     ids = torch.tensor([req.prompt], device=next(engine.model.parameters()).device)

@@ -9,17 +9,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from prefixcache.canonicalize import Canonicalizer, check_text
-from prefixcache.config import CacheConfig
 from prefixcache.batching import BatchConfig, BatchEngine
-from prefixcache.engine import CallStats, Engine
+from prefixcache.config import CacheConfig
+from prefixcache.engine import CallStats, CancelCriteria, Engine
 from prefixcache.errors import CapacityError, ContextLengthExceededError, InvalidRequestError
 from prefixcache.hashing import BlockHasher, HashFn, xxh3_64
-from prefixcache.scheduler import SamplingParams
 from prefixcache.loading import model_fingerprint
+from prefixcache.scheduler import SamplingParams
 from prefixcache.store import EvictHook, KVStore
 
 DEFAULT_TENANT = "default"
@@ -53,16 +53,6 @@ class WarmResult:
     cached_tokens: int  # already cached before warming
     stored_tokens: int
     pinned: bool
-
-
-class _Cancel(StoppingCriteria):
-    """Stops generation once ``event`` is set (a client went away)."""
-
-    def __init__(self, event: threading.Event):
-        self.event = event
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
-        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
 class _Halt:
@@ -277,7 +267,7 @@ class PrefixCache:
         gen = dict(kwargs, max_new_tokens=max_new_tokens, **sampling)
         criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
         if cancel is not None:
-            criteria.append(_Cancel(cancel))
+            criteria.append(CancelCriteria(cancel))
         gen["stopping_criteria"] = criteria
         if stops:
             gen.update(stop_strings=stops, tokenizer=self.tokenizer)
