@@ -53,6 +53,45 @@ def benchmark(model, prefix_len: int = 2048, batch: int = 8, new_tokens: int = 1
         engine.close()
 
 
+def concurrent_vs_serial(model, clients: int = 16, prefix_len: int = 2048, question: int = 128,
+                         new_tokens: int = 16, block_size: int = 64) -> dict[str, float]:
+    """``clients`` requests on one stored prefix: batched (all submitted at once) vs one at a time.
+
+    Reports peak KV held by the batching engine (store + private buffers, in tokens) against
+    the ideal ``prefix + clients * (question + new_tokens)``, and output tokens/s of both paths.
+    """
+    from prefixcache.engine import Engine
+
+    store = KVStore(CacheConfig(block_size=block_size, max_bytes=8 << 30), BlockHasher(0), time.monotonic)
+    serial = Engine(model, store, time.monotonic)
+    engine = BatchEngine(model, store, time.monotonic, BatchConfig(max_batch=clients), fallback=serial)
+    try:
+        per_token = engine.layout.bytes_per_token
+        prefix = [200 + (13 * i) % 20000 for i in range(prefix_len)]
+        engine.generate(prefix, ("bench",), "bench", SamplingParams(max_new_tokens=1))
+        prompts = [prefix + [300 + (11 * i + j) % 9000 for j in range(question)] for i in range(clients)]
+        params = SamplingParams(max_new_tokens=new_tokens)
+        peak = [engine.kv_bytes()]
+        t0 = time.perf_counter()
+        reqs = [engine.submit(p, ("bench",), "bench", params, on_token=lambda _t: peak.append(engine.kv_bytes()))
+                for p in prompts]
+        outs = [engine.wait(r) for r in reqs]
+        batched_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for p in prompts:  # the one-at-a-time engine on the same (now partly stored) prefix
+            serial.generate(torch.tensor([p]), ("bench",), "bench", None,
+                            {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}, None, False)
+        serial_s = time.perf_counter() - t0
+        produced = sum(len(o.tokens) for o in outs)
+        ideal = prefix_len + clients * (question + new_tokens)
+        return {"peak_kv_tokens": max(peak) / per_token, "ideal_kv_tokens": ideal,
+                "peak_over_ideal": max(peak) / per_token / ideal,
+                "batched_tok_s": produced / batched_s, "serial_tok_s": clients * new_tokens / serial_s,
+                "batched_over_serial": (produced / batched_s) / (clients * new_tokens / serial_s)}
+    finally:
+        engine.close()
+
+
 def main() -> None:
     from prefixcache import load_default_model
 
