@@ -206,10 +206,7 @@ class Serving:
             emit("started", len(ids))
         kwargs = dict(job.options, tenant=job.tenant, max_new_tokens=max_new, cancel=cancel,
                       on_text=None if emit is None else (lambda text: emit("text", text)))
-        if chat:
-            result = cache.chat(job.messages, tools=job.tools, **kwargs)
-        else:
-            result = cache.complete(job.prompt, **kwargs)
+        result = cache.answer(ids, **kwargs)  # the ids encoded above: no second encoding
         self.metrics.observe(job.endpoint, job.tenant, result.stats)
         return result
 
