@@ -261,8 +261,8 @@ class QueueInfo(BaseModel):
 class CacheStats(BaseModel):
     """Hit counters of one tenant (or all, for admin) and memory figures.
 
-    Store-wide figures (entries, pinned bytes, evictions) are shown to admin only: for a
-    tenant they would reveal other tenants' traffic.
+    Entries, pinned bytes and evictions are the caller's own; other tenants' bytes and the
+    queue are shown to admin only: for a tenant they would reveal other tenants' traffic.
     """
 
     object: Literal["cache.stats"] = "cache.stats"

@@ -72,10 +72,9 @@ class KVStore:
         self._lock = threading.RLock()
         self.bytes = 0
         self.tenant_bytes: Counter[str] = Counter()
-        self.evictions: Counter[str] = Counter({r: 0 for r in REASONS})
-        self.reclaimed_bytes: Counter[str] = Counter({r: 0 for r in REASONS})
-        # Per tenant: {tenant: Counter({"lru": n, ..., "lru_bytes": b, ...})}
-        self._tenant_evictions: dict[str, Counter[str]] = {}
+        # Keyed by (tenant, reason); store-wide figures are sums over tenants.
+        self._eviction_counts: Counter[tuple[str, str]] = Counter()
+        self._reclaimed_counts: Counter[tuple[str, str]] = Counter()
         self._leaves: set[Node] = set()
 
     # -- read path -----------------------------------------------------------------
@@ -97,10 +96,9 @@ class KVStore:
     def release(self, lease: Lease) -> None:
         """Drop a lease's refcounts; nodes flushed or expired meanwhile are freed now."""
         with self._lock:
-            if lease.released or lease.root is None:
-                lease.released = True
+            already, lease.released = lease.released, True
+            if already or lease.root is None:
                 return
-            lease.released = True
             for step in lease.steps:
                 step.node.refcount -= 1
             lease.root.refcount -= 1
@@ -221,10 +219,10 @@ class KVStore:
         """Whether ``need`` more bytes could be stored for ``tenant`` now, evicting only what may go."""
         with self._lock:
             cfg = self.config
-            reclaimable = sum(n.nbytes for n in self.trie.iter_nodes() if n.refcount == 0 and n.pins == 0)
+            free = [n for n in self.trie.iter_nodes() if n.refcount == 0 and n.pins == 0]
+            reclaimable = sum(n.nbytes for n in free)
             if cfg.tenant_quota_bytes is not None:
-                own = sum(n.nbytes for n in self.trie.iter_nodes()
-                          if n.tenant == tenant and n.refcount == 0 and n.pins == 0)
+                own = sum(n.nbytes for n in free if n.tenant == tenant)
                 if self.tenant_bytes[tenant] - own + need > cfg.tenant_quota_bytes:
                     return False
             return self.bytes - reclaimable + need <= cfg.max_bytes
@@ -288,23 +286,22 @@ class KVStore:
         if parent is not None and not parent.is_root and parent.num_children == 0:
             self._leaves.add(parent)
         if reason is not None:
-            self.evictions[reason] += 1
-            self.reclaimed_bytes[reason] += node.nbytes
-            per = self._tenant_evictions.setdefault(node.tenant, Counter())
-            per[reason] += 1
-            per[reason + "_bytes"] += node.nbytes
+            self._eviction_counts[node.tenant, reason] += 1
+            self._reclaimed_counts[node.tenant, reason] += node.nbytes
         node.kv = None
+
+    @property
+    def evictions(self) -> dict[str, int]:
+        """Blocks evicted so far, by reason, over all tenants."""
+        with self._lock:
+            return _by_reason(self._eviction_counts, None)
 
     def snapshot_stats(self, tenant: str | None = None) -> dict[str, Any]:
         """Memory figures for one tenant's entries, or (None) the whole store."""
         with self._lock:
             nodes = [n for n in self.trie.iter_nodes() if tenant is None or n.tenant == tenant]
-            if tenant is None:
-                evictions, reclaimed = dict(self.evictions), dict(self.reclaimed_bytes)
-            else:
-                per = self._tenant_evictions.get(tenant, Counter())
-                evictions = {r: per[r] for r in REASONS}
-                reclaimed = {r: per[r + "_bytes"] for r in REASONS}
+            evictions = _by_reason(self._eviction_counts, tenant)
+            reclaimed = _by_reason(self._reclaimed_counts, tenant)
             return {
                 "bytes": self.bytes if tenant is None else self.tenant_bytes[tenant],
                 "budget_bytes": self.config.max_bytes,
@@ -351,6 +348,11 @@ class KVStore:
             assert total == self.bytes, f"accounted {self.bytes} != live {total}"
             assert all(per_tenant[t] == b for t, b in self.tenant_bytes.items()), "tenant bytes drift"
             assert self.bytes <= self.config.max_bytes, "over budget"
+
+def _by_reason(counts: Counter[tuple[str, str]], tenant: str | None) -> dict[str, int]:
+    """Sum (tenant, reason) counts per reason, for one tenant or (None) all."""
+    return {r: sum(n for (t, reason), n in counts.items() if reason == r and tenant in (None, t)) for r in REASONS}
+
 
 def _evicted(node: Node, reason: str) -> EvictedSnapshot:
     chain, cur = [], node
