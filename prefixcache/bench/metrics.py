@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from prefixcache.bench.runner import SystemRun, WorkloadRun
+from prefixcache.bench.runner import Record, SystemRun, WorkloadRun
 
 #: Targets from the issue (reported, never asserted): one definition each.
 TARGET_HIT_OVER_LIMIT = 1.10  # hit TTFT ≤ 1.10 × the bare suffix forward
@@ -60,8 +60,9 @@ def summarize(run: WorkloadRun) -> list[Summary]:
 
 def _summary(s: SystemRun, base: SystemRun | None, base_sum: Summary | None = None) -> Summary:
     ttft = np.array([r.ttft for r in s.records])
-    out = sum(len(r.output) for r in s.records)
-    decodes = [(r.total - r.ttft) / (len(r.output) - 1) for r in s.records if len(r.output) > 1]
+    counts = [generated(r) for r in s.records]
+    out = sum(counts)
+    decodes = [(r.total - r.ttft) / (n - 1) for r, n in zip(s.records, counts, strict=True) if n > 1]
     forward_only = out == 0  # the physical limit: no decode, no throughput
     cached = [r.cached_tokens for r in s.records]
     hit = None if None in cached else sum(cached) / max(1, sum(r.prompt_tokens for r in s.records))
@@ -72,7 +73,8 @@ def _summary(s: SystemRun, base: SystemRun | None, base_sum: Summary | None = No
         tokens_per_s=None if forward_only else out / s.wall, requests_per_s=None if forward_only else len(
             s.records) / s.wall,
         hit_rate=None if forward_only else hit,
-        peak_kv_bytes=None if forward_only else s.retained_peak + (0 if s.batched else s.inflight_peak),
+        peak_kv_bytes=None if forward_only or s.retained_peak is None else s.retained_peak + (
+            0 if s.batched else s.inflight_peak),
         match_vs_generate=None, ttft_speedup=None, throughput_vs_generate=None)
     if base is not None and base_sum is not None and not forward_only:
         same = sum(a.output == b.output for a, b in zip(s.records, base.records, strict=True))
@@ -82,6 +84,11 @@ def _summary(s: SystemRun, base: SystemRun | None, base_sum: Summary | None = No
     elif base_sum is not None:
         summary.ttft_speedup = base_sum.ttft_mean / summary.ttft_mean
     return summary
+
+
+def generated(record: Record) -> int:
+    """Output tokens of one request: the server's count over HTTP, else the ids returned."""
+    return record.completion_tokens if record.completion_tokens is not None else len(record.output)
 
 
 def ideal_hit_rate(run: WorkloadRun) -> float | None:

@@ -15,7 +15,9 @@ WORKLOADS = ("shared-prefix", "multi-turn", "no-reuse")
 SEQUENTIAL_SYSTEMS = ("generate", "prefixcache", "manual-reuse", "limit")
 #: Systems that take the whole workload (or one multi-turn round) in one call.
 BATCH_SYSTEMS = ("prefixcache-batched", "generate-batch", "generate-batch-noshare")
-SYSTEMS = SEQUENTIAL_SYSTEMS + BATCH_SYSTEMS
+#: Opt-in: each starts its server as a subprocess and is fed over HTTP by the same client pool.
+HTTP_SYSTEMS = ("http-prefixcache", "http-transformers-serve")
+SYSTEMS = SEQUENTIAL_SYSTEMS + BATCH_SYSTEMS + HTTP_SYSTEMS
 DEFAULT_SYSTEMS = ("generate", "prefixcache", "manual-reuse", "limit", "prefixcache-batched", "generate-batch")
 DTYPES = ("float32", "bfloat16")
 
@@ -78,7 +80,7 @@ class BenchOptions:
     #: on 8 requests sharing 1,024 tokens here; 1,024 took 15 s, 256 took 13 s (the best).
     cb_max_batch_tokens: int = 256
     threads: int | None = None  # torch intra-op threads; None = torch's default
-    #: prefixcache-batched: clients sending requests concurrently (closed loop).
+    #: prefixcache-batched and the HTTP systems: clients sending requests concurrently (closed loop).
     concurrency: int = 4
 
     def spec(self, workload: str) -> SharedPrefixSpec | MultiTurnSpec | NoReuseSpec:
@@ -113,7 +115,7 @@ _SIZE_FLAGS = {
     "unique_tokens": ("unique.prompt_tokens", "no-reuse: tokens per prompt"),
     "output_tokens": ("output_tokens", "tokens generated per request O (EOS ignored)"),
     "cb_max_batch_tokens": ("cb_max_batch_tokens", "generate_batch: max tokens per forward"),
-    "concurrency": ("concurrency", "prefixcache-batched: concurrent clients (closed loop)"),
+    "concurrency": ("concurrency", "prefixcache-batched and http-*: concurrent clients (closed loop)"),
 }
 
 
@@ -168,7 +170,7 @@ def describe(opts: BenchOptions) -> str:
             f"  no-reuse:      N={u.prompts} tokens={u.prompt_tokens}\n"
             f"  systems: {', '.join(opts.systems)}; workloads: {', '.join(opts.workloads)}\n"
             f"  generate-batch: max_batch_tokens={opts.cb_max_batch_tokens}, 256-token pages, pool sized to the "
-            f"workload; prefixcache-batched: {opts.concurrency} concurrent clients")
+            f"workload; prefixcache-batched and http-*: {opts.concurrency} concurrent clients")
 
 
 def _copy(opts: BenchOptions) -> BenchOptions:

@@ -21,6 +21,7 @@ def markdown(result: runner.BenchResult) -> str:
              f"run took {result.elapsed:.0f} s",
              *[f"- model ({d}): {label}; KV {result.bytes_per_token[d] / 1024:.1f} KB/token"
                for d, label in result.models.items()],
+             *[f"- {note}" for note in result.notes],
              "", "```", describe(opts), "```", ""]
     for run in result.runs:
         lines += _workload_table(run)
@@ -33,7 +34,11 @@ def markdown(result: runner.BenchResult) -> str:
               "generate-batch gets each round's requests in one call and its TTFT counts from that call "
               f"(all requests queue at once); prefixcache-batched is fed by {result.options.concurrency} concurrent "
               "clients, closed loop, TTFT from each request's submission. `limit` = bare forward of the question "
-              "against the already-cached system prompt: no decode.", "",
+              "against the already-cached system prompt: no decode. `http-*` = the same model served by a subprocess "
+              "(`prefixcache serve` with one worker per client; `transformers serve --continuous-batching`), fed by "
+              f"{result.options.concurrency} concurrent streaming clients over /v1/completions: TTFT from sending the "
+              "request to the first chunk with text, tokens as the server counts them, `= generate()` on the "
+              "streamed text re-encoded (the servers return no ids); req/s and tok/s over wall time per round.", "",
               f"Token identity of prefixcache with generate() is asserted in {runner.STRICT_DTYPE} (the run fails "
               "otherwise). In reduced precision a cached prefix changes the order of roundings, so greedy answers "
               "may part after a near-tie (transformers' own deepcopy reuse parts the same way); there it is "
@@ -87,9 +92,10 @@ def to_json(result: runner.BenchResult) -> dict:
         runs.append({"workload": run.workload, "dtype": run.dtype, "formula_hit_rate": run.formula_hit_rate,
                      "ideal_hit_rate": metrics.ideal_hit_rate(run),
                      "summaries": [s.as_dict() for s in metrics.summarize(run)],
-                     "records": {name: [dataclasses.asdict(r) for r in s.records] for name, s in run.systems.items()}})
+                     "records": {name: [dataclasses.asdict(r) for r in s.records] for name, s in run.systems.items()},
+                     "notes": {name: s.notes for name, s in run.systems.items() if s.notes}})
     return {"options": opts, "machine": result.machine, "load_after": result.load_after, "elapsed": result.elapsed,
-            "models": result.models, "kv_bytes_per_token": result.bytes_per_token, "runs": runs,
+            "notes": result.notes, "models": result.models, "kv_bytes_per_token": result.bytes_per_token, "runs": runs,
             "targets": [t.as_dict() for t in _targets(result)]}
 
 

@@ -2,7 +2,8 @@
 
 Sequential systems are interleaved request by request, in an order that rotates per
 request, so background noise lands on all of them alike. Batch systems then take the
-workload round by round. After each request, prefixcache's output must equal plain
+workload round by round, and the HTTP systems (a server subprocess each, fed by a
+pool of streaming clients) the same way. After each request, prefixcache's output must equal plain
 ``generate()``'s token for token (same greedy workload); otherwise the run stops.
 """
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch
 from prefixcache.bench import models, workloads
 from prefixcache.bench.batch import GenerateBatch
 from prefixcache.bench.concurrent import PrefixCacheBatched
-from prefixcache.bench.options import BATCH_SYSTEMS, BenchOptions
+from prefixcache.bench.http import HttpHarness, HttpServed
+from prefixcache.bench.options import BATCH_SYSTEMS, HTTP_SYSTEMS, BenchOptions
 from prefixcache.bench.systems import SEQUENTIAL, PlainGenerate, PrefixCacheSystem, Served, kv_bytes_per_token
 from prefixcache.bench.workloads import Request, Workload
 
@@ -42,6 +44,7 @@ class Record:
     ttft: float
     total: float
     cached_tokens: int | None
+    completion_tokens: int | None = None  # HTTP: the server's count (output = the streamed text re-encoded)
 
 
 @dataclass(slots=True)
@@ -49,7 +52,7 @@ class SystemRun:
     name: str
     records: list[Record] = field(default_factory=list)
     wall: float = 0.0  # seconds serving: sum over requests, or over batch calls
-    retained_peak: int = 0  # KV bytes kept between requests, max over the run
+    retained_peak: int | None = 0  # KV bytes kept between requests, max over the run; None: unknown
     inflight_peak: int = 0  # KV bytes of the largest request being served
     batched: bool = False  # a batch system: retained_peak is its peak KV during a call
     notes: list[str] = field(default_factory=list)
@@ -74,6 +77,7 @@ class BenchResult:
     machine: dict[str, object]
     load_after: list[float] | None = None
     elapsed: float = 0.0
+    notes: list[str] = field(default_factory=list)  # run-wide (e.g. how HTTP prompts were drawn)
 
 
 def run_benchmark(opts: BenchOptions, progress: Progress, clock: Callable[[], float] = time.perf_counter,
@@ -86,11 +90,20 @@ def run_benchmark(opts: BenchOptions, progress: Progress, clock: Callable[[], fl
         torch.set_num_threads(opts.threads)
     for dtype in opts.dtypes:
         mut = models.load(opts, dtype)
-        built = [workloads.build(name, opts, mut.space) for name in opts.workloads]
-        _warm_up(mut.model, max((len(r.new_tokens) for w in built for r in w.requests), default=1))
-        bpt = kv_bytes_per_token(mut.model)
-        result.models[dtype], result.bytes_per_token[dtype] = mut.label, bpt
-        result.runs += [run_workload(opts, mut.model, dtype, w, bpt, progress) for w in built]
+        harness = HttpHarness(opts, mut.model, dtype) if set(opts.systems) & set(HTTP_SYSTEMS) else None
+        try:
+            space = mut.space if harness is None else harness.text_space(mut.space)
+            built = [workloads.build(name, opts, space) for name in opts.workloads]
+            if harness is not None:
+                harness.plan(built)
+            _warm_up(mut.model, max((len(r.new_tokens) for w in built for r in w.requests), default=1))
+            bpt = kv_bytes_per_token(mut.model)
+            result.models[dtype], result.bytes_per_token[dtype] = mut.label, bpt
+            result.runs += [run_workload(opts, mut.model, dtype, w, bpt, progress, harness) for w in built]
+        finally:
+            if harness is not None:
+                harness.close()
+                result.notes += [f"{dtype}: {n}" for n in harness.notes]
         del mut
     result.load_after = models.machine()["load_average"]
     result.elapsed = clock() - start
@@ -102,12 +115,13 @@ def total_steps(opts: BenchOptions) -> int:
     per_dtype = 0
     for name in opts.workloads:
         seq = [n for n in opts.systems if n in SEQUENTIAL and (n != "limit" or name == "shared-prefix")]
-        per_dtype += opts.spec(name).requests * (len(seq) + sum(n in BATCH_SYSTEMS for n in opts.systems))
+        rounds = sum(n in BATCH_SYSTEMS or n in HTTP_SYSTEMS for n in opts.systems)
+        per_dtype += opts.spec(name).requests * (len(seq) + rounds)
     return per_dtype * len(opts.dtypes)
 
 
 def run_workload(opts: BenchOptions, model: torch.nn.Module, dtype: str, workload: Workload, bpt: int,
-                 progress: Progress) -> WorkloadRun:
+                 progress: Progress, harness: HttpHarness | None = None) -> WorkloadRun:
     seq = {n: SEQUENTIAL[n](model, opts.output_tokens) for n in opts.systems if n in SEQUENTIAL}
     seq = {n: s for n, s in seq.items() if s.applies(workload)}
     runs = {n: SystemRun(n) for n in seq}
@@ -138,8 +152,8 @@ def run_workload(opts: BenchOptions, model: torch.nn.Module, dtype: str, workloa
     finally:
         for s in seq.values():
             s.finish()
-    for name in (n for n in opts.systems if n in BATCH_SYSTEMS):
-        runs[name] = _run_batch(name, model, opts, workload, bpt, progress)
+    for name in (n for n in opts.systems if n in BATCH_SYSTEMS or n in HTTP_SYSTEMS):
+        runs[name] = _run_batch(name, model, opts, workload, bpt, progress, harness)
     return WorkloadRun(workload.name, dtype, runs, prompts, ideal, workload.formula_hit_rate)
 
 
@@ -163,9 +177,11 @@ def _check(workload: Workload, req: Request, runs: dict[str, SystemRun]) -> None
 
 
 def _run_batch(name: str, model: torch.nn.Module, opts: BenchOptions, workload: Workload, bpt: int,
-               progress: Progress) -> SystemRun:
+               progress: Progress, harness: HttpHarness | None = None) -> SystemRun:
     """One call per round (a multi-turn round needs the previous round's answers)."""
-    if name == "prefixcache-batched":
+    if name in HTTP_SYSTEMS:
+        system = harness.system(name)
+    elif name == "prefixcache-batched":
         system = PrefixCacheBatched(model, opts.output_tokens, opts.concurrency)
     else:
         system = GenerateBatch(model, opts.output_tokens, sharing=name == "generate-batch",
@@ -179,11 +195,13 @@ def _run_batch(name: str, model: torch.nn.Module, opts: BenchOptions, workload: 
             prompts = [history.get(r.session, []) + list(r.new_tokens) for r in batch]
             call = system.call(prompts)
             run.wall += call.wall
-            run.retained_peak = max(run.retained_peak, call.kv_bytes)
+            run.retained_peak = None if call.kv_bytes is None else max(run.retained_peak or 0, call.kv_bytes)
             for req, prompt, served in zip(batch, prompts, call.served, strict=True):
                 history[req.session] = prompt + list(served.output)
-                by_index[req.index] = Record(req.index, len(prompt), served.output, served.ttft, served.total,
-                                             served.cached_tokens)
+                http = isinstance(served, HttpServed)
+                by_index[req.index] = Record(req.index, served.prompt_tokens if http else len(prompt), served.output,
+                                             served.ttft, served.total, served.cached_tokens,
+                                             served.completion_tokens if http else None)
                 run.inflight_peak = max(run.inflight_peak, (len(prompt) + opts.output_tokens) * bpt)
             progress(len(batch))
     finally:
