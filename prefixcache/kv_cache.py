@@ -17,6 +17,7 @@ from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kw
 
 from prefixcache.cascade import Shared, cascade_attention
 from prefixcache.errors import PrefixCacheError
+from prefixcache.store import coalesce
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ class WorkingCache(DynamicCache):
     def __init__(self, layout: KVLayout, segments: Sequence[tuple[torch.Tensor, int]], capacity: int):
         """``segments``: snapshot tensors ``[L, 2, H, n, D]`` and how many leading tokens of each to use."""
         self.layout = layout
+        segments = coalesce(segments)
         self.prefix_len = sum(used for _, used in segments)
         cap = max(capacity, self.prefix_len + 1)
         self._buf = torch.empty((layout.num_layers, 2, layout.num_kv_heads, cap, layout.head_dim),
@@ -236,7 +238,7 @@ class CascadeCache(Cache):
         groups: dict[tuple[int, ...], list[tuple[torch.Tensor, int]]] = {}
         for snap, used, members in members_of.values():
             groups.setdefault(tuple(members), []).append((snap, used))
-        self.groups = list(groups.items())
+        self.groups = [(members, coalesce(segments)) for members, segments in groups.items()]
         self.calls = 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):

@@ -76,6 +76,11 @@ class KVStore:
         self._eviction_counts: Counter[tuple[str, str]] = Counter()
         self._reclaimed_counts: Counter[tuple[str, str]] = Counter()
         self._leaves: set[Node] = set()
+        # Run tensors (see ``_grow``): storage key -> live nodes viewing it. A run whose
+        # nodes were partly freed is *dirty* until ``_compact`` re-homes the survivors,
+        # so held bytes always equal accounted bytes between operations.
+        self._runs: dict[int, set[Node]] = {}
+        self._dirty: set[int] = set()
 
     # -- read path -----------------------------------------------------------------
     def acquire(self, namespace: tuple[str, ...], tenant: str, tokens: Sequence[int], limit: int,
@@ -108,6 +113,7 @@ class KVStore:
                 if node.alive and node.refcount == 0 and node.num_children == 0 and not _usable(node, now):
                     self._free(node, "flush" if node.doomed else "ttl")
             self.trie.drop_root_if_empty(lease.root)
+            self._compact()
 
     # -- write path ----------------------------------------------------------------
     def insert(self, namespace: tuple[str, ...], tenant: str, tokens: Sequence[int], slice_kv: KVSlicer,
@@ -137,32 +143,55 @@ class KVStore:
                 for node in path:
                     node.pins += 1
             self.trie.drop_root_if_empty(root)
+            self._compact()
             return InsertResult(pos, new_bytes, complete)
 
     def _grow(self, root: Node, tokens: Sequence[int], slice_kv: KVSlicer, tenant: str,
               held: list[Node], now: float) -> tuple[int, int]:
-        """Walk existing blocks and add missing ones; returns (new bytes, tokens covered)."""
-        bs, new_bytes, pos, attach = self.config.block_size, 0, 0, root
+        """Walk existing blocks, then add the missing tail; returns (new bytes, tokens covered).
+
+        New blocks always form the tail of the path (a new node has no children yet), so
+        their KV is sliced once into one *run* tensor and each block holds a view of it:
+        consecutive blocks of a run are adjacent in memory and read as one (``coalesce``).
+        """
+        bs, pos, attach = self.config.block_size, 0, root
         while pos < len(tokens):
             chunk = tuple(tokens[pos : pos + bs])
             node = self._covering_child(attach, chunk, now)
             if node is None:
-                kv = slice_kv(pos, pos + len(chunk))
-                nbytes = _tensor_bytes(kv)
-                if not self._make_room(nbytes, tenant):
-                    break
-                self._drop_superseded(attach, chunk)
-                node = self.trie.add_child(attach, chunk)
-                node.kv, node.nbytes = kv, nbytes
-                self._account(node, +1)
-                new_bytes += nbytes
+                break
             node.refcount += 1
             held.append(node)
             pos += len(chunk)
             if len(chunk) < bs or len(node.tokens) < bs:
-                break
+                return 0, pos
             attach = node
-        return new_bytes, pos
+        if pos >= len(tokens):
+            return 0, pos
+        run, first = slice_kv(pos, len(tokens)), pos
+        per_token = run[:, :, :, :1].numel() * run.element_size()
+        added: list[Node] = []
+        while pos < len(tokens):
+            chunk = tuple(tokens[pos : pos + bs])
+            nbytes = len(chunk) * per_token
+            if not self._make_room(nbytes, tenant):
+                break
+            self._drop_superseded(attach, chunk)
+            node = self.trie.add_child(attach, chunk)
+            node.kv, node.nbytes = run[:, :, :, pos - first : pos - first + len(chunk)], nbytes
+            self._account(node, +1)
+            node.refcount += 1
+            held.append(node)
+            added.append(node)
+            pos += len(chunk)
+            attach = node
+        if added and pos < len(tokens):  # cut short: keep only the bytes of the blocks stored
+            run = run[:, :, :, : pos - first].clone()
+            for node in added:
+                node.kv = run[:, :, :, node.start - first : node.end - first]
+        if added:
+            self._runs[_storage_key(run)] = set(added)
+        return sum(n.nbytes for n in added), pos
 
     def _covering_child(self, parent: Node, chunk: tuple[int, ...], now: float) -> Node | None:
         """An existing usable block holding ``chunk`` (a partial chunk may sit inside a longer block)."""
@@ -238,7 +267,9 @@ class KVStore:
     def sweep(self) -> int:
         """Free every expired prefix nobody is reading. Returns bytes freed."""
         with self._lock:
-            return self._expire(self._clock())
+            freed = self._expire(self._clock())
+            self._compact()
+            return freed
 
     def flush(self, tenant: str | None = None) -> int:
         """Drop every prefix (of one tenant, or all). Prefixes in use die on release."""
@@ -254,6 +285,7 @@ class KVStore:
                     self._free(node, "flush")
             for root in list(self.trie.roots()):
                 self.trie.drop_root_if_empty(root)
+            self._compact()
             return freed
 
     # -- bookkeeping ---------------------------------------------------------------
@@ -288,7 +320,43 @@ class KVStore:
         if reason is not None:
             self._eviction_counts[node.tenant, reason] += 1
             self._reclaimed_counts[node.tenant, reason] += node.nbytes
+        key = _storage_key(node.kv)
+        run = self._runs.get(key)
+        if run is not None:
+            run.discard(node)
+            if run:
+                self._dirty.add(key)
+            else:
+                del self._runs[key]
+                self._dirty.discard(key)
         node.kv = None
+
+    def _compact(self) -> None:
+        """Re-home the surviving blocks of partly freed runs into exact-size tensors.
+
+        A run's blocks are a path, freed deepest first, so survivors are contiguous; each
+        contiguous group is cloned once and its nodes repointed (same values: a snapshot's
+        content never changes). Readers still holding the old views keep them valid until
+        they drop them.
+        """
+        while self._dirty:
+            nodes = sorted(self._runs.pop(self._dirty.pop(), ()), key=lambda n: n.start)
+            groups: list[list[Node]] = []
+            for node in nodes:
+                if groups and _follows(groups[-1][-1].kv, node.kv):
+                    groups[-1].append(node)
+                else:
+                    groups.append([node])
+            for group in groups:
+                head = group[0].kv
+                total = sum(n.kv.shape[3] for n in group)
+                span = head.as_strided((*head.shape[:3], total, head.shape[4]), head.stride(),
+                                       head.storage_offset()).clone()
+                at = 0
+                for node in group:
+                    n = node.kv.shape[3]
+                    node.kv, at = span[:, :, :, at : at + n], at + n
+                self._runs[_storage_key(span)] = set(group)
 
     @property
     def evictions(self) -> dict[str, int]:
@@ -339,12 +407,19 @@ class KVStore:
                 assert 0 < len(node.tokens) <= bs and node.tenant == parent.tenant
                 assert node.num_children == sum(1 for _ in node.children())
                 assert parent.is_root or parent.expires_at >= node.expires_at or parent.doomed
-                assert node.nbytes == _tensor_bytes(node.kv) == node.kv.numel() * node.kv.element_size()
+                assert node.nbytes == node.kv.numel() * node.kv.element_size()
+                assert node in self._runs.get(_storage_key(node.kv), ()), "snapshot outside its run"
                 assert node.kv.shape[-2] == len(node.tokens)
                 assert (node in self._leaves) == (node.num_children == 0)
                 total += node.nbytes
                 per_tenant[node.tenant] += node.nbytes
             assert len(self._leaves) == sum(1 for n in nodes if n.num_children == 0)
+            assert not self._dirty, "partly freed run not compacted"
+            # Exact memory: every run tensor is covered by the live blocks viewing it.
+            for key, run in self._runs.items():
+                assert run and all(n.alive for n in run)
+                storage = next(iter(run)).kv.untyped_storage()
+                assert sum(n.nbytes for n in run) == storage.nbytes(), "run holds bytes no block accounts for"
             assert total == self.bytes, f"accounted {self.bytes} != live {total}"
             assert all(per_tenant[t] == b for t, b in self.tenant_bytes.items()), "tenant bytes drift"
             assert self.bytes <= self.config.max_bytes, "over budget"
@@ -361,12 +436,39 @@ def _evicted(node: Node, reason: str) -> EvictedSnapshot:
         cur = cur.parent
     tokens = tuple(t for block in reversed(chain) for t in block)
     namespace = cur.namespace if cur is not None else ()
-    return EvictedSnapshot(namespace, node.tenant, tokens, node.start, node.kv, reason)
+    kv = node.kv
+    if kv.untyped_storage().nbytes() != node.nbytes:  # a view of a run: hand over its own bytes only
+        kv = kv.clone()
+    return EvictedSnapshot(namespace, node.tenant, tokens, node.start, kv, reason)
 
 
 def _usable(node: Node, now: float) -> bool:
     return node.alive and not node.doomed and not is_expired(node, now)
 
 
-def _tensor_bytes(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes()
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def coalesce(segments: Sequence[tuple[torch.Tensor, int]]) -> list[tuple[torch.Tensor, int]]:
+    """Merge consecutive ``(snapshot, tokens used)`` segments that are adjacent views of one run.
+
+    The result reads the same tokens in the same order with fewer, longer views (no copy).
+    """
+    out: list[tuple[torch.Tensor, int]] = []
+    for snap, used in segments:
+        if out:
+            prev, prev_used = out[-1]
+            if prev_used == prev.shape[3] and _follows(prev, snap):
+                merged = prev.as_strided((*prev.shape[:3], prev_used + used, prev.shape[4]), prev.stride(),
+                                         prev.storage_offset())
+                out[-1] = (merged, prev_used + used)
+                continue
+        out.append((snap, used))
+    return out
+
+
+def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``b`` ([L, 2, H, n, D]) starts in memory right where ``a`` ends, as views of one tensor."""
+    return (_storage_key(a) == _storage_key(b) and a.stride() == b.stride()
+            and b.storage_offset() == a.storage_offset() + a.shape[3] * a.stride(3))

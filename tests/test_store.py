@@ -224,3 +224,73 @@ def test_offload_hook_sees_every_dropped_snapshot(clock):
     clock.advance(1)
     insert(store, "a", seq(3, 2 * B))
     store.check_integrity()
+
+
+def storage_bytes(store) -> int:
+    """Bytes of the distinct tensors the store's snapshots live in (what it really holds)."""
+    held = {n.kv.untyped_storage().data_ptr(): n.kv.untyped_storage().nbytes() for n in store.trie.iter_nodes()}
+    return sum(held.values())
+
+
+def test_blocks_of_one_insert_share_one_run_and_read_as_one_view(clock):
+    from prefixcache.store import coalesce
+
+    store = make_store(clock)
+    tokens = seq(1, 3 * B + 2)
+    insert(store, "a", tokens)
+    lease = lookup(store, "a", tokens)
+    assert len(lease.steps) == 4 and len({s.node.kv.untyped_storage().data_ptr() for s in lease.steps}) == 1
+    merged = coalesce([(s.node.kv, s.used) for s in lease.steps])
+    assert len(merged) == 1 and merged[0][1] == len(tokens)
+    assert merged[0][0][0, 0, 0, :, 0].tolist() == [kv_value(tokens, i) for i in range(len(tokens))]
+    store.release(lease)
+    # A second insert extends the path with its own run: two views, in order, values intact.
+    longer = tokens[: 3 * B] + seq(2, 2 * B)
+    insert(store, "a", longer)
+    lease = lookup(store, "a", longer)
+    merged = coalesce([(s.node.kv, s.used) for s in lease.steps])
+    assert [used for _, used in merged] == [3 * B, 2 * B]
+    assert [v for kv, used in merged for v in kv[0, 0, 0, :used, 0].tolist()] == \
+        [kv_value(longer, i) for i in range(len(longer))]
+    store.release(lease)
+    assert storage_bytes(store) == store.bytes
+    store.check_integrity()
+
+
+def test_partly_evicted_run_is_compacted_to_exact_bytes(clock):
+    store = make_store(clock, blocks_budget=4)
+    system, tail = seq(1, 2 * B), seq(2, 2 * B)
+    insert(store, "a", system + tail)  # one run of 4 blocks
+    lease = lookup(store, "a", system)  # a reader holding the first two blocks
+    before = lease_values(lease)
+    old_view = lease.steps[0].node.kv
+    clock.advance(1)
+    insert(store, "a", seq(3, 2 * B))  # evicts the run's two tail blocks, not the leased ones
+    assert store.evictions["lru"] == 2
+    assert storage_bytes(store) == store.bytes == 4 * BLOCK  # the run's freed half is really gone
+    assert lease_values(lease) == before  # repointed to a copy with the same values
+    assert old_view[0, 0, 0, :, 0].tolist() == before[:B]  # and the reader's old view still reads right
+    store.release(lease)
+    assert cached(store, "a", system + tail) == 2 * B
+    store.check_integrity()
+
+
+def test_insert_cut_short_by_the_budget_keeps_only_the_stored_bytes(clock):
+    store = make_store(clock, blocks_budget=2)
+    tokens = seq(1, 4 * B)
+    res = insert(store, "a", tokens)
+    assert not res.complete and res.stored_tokens == 2 * B
+    assert storage_bytes(store) == store.bytes == 2 * BLOCK
+    assert lease_values(lookup(store, "a", tokens)) == [kv_value(tokens, i) for i in range(2 * B)]
+    store.check_integrity()
+
+
+def test_offload_hook_gets_a_snapshot_of_its_own_size(clock):
+    seen = []
+    store = make_store(clock, blocks_budget=3)
+    store._on_evict = seen.append
+    insert(store, "a", seq(1, 3 * B))
+    clock.advance(1)
+    insert(store, "a", seq(2, B))
+    assert len(seen) == 1 and seen[0].kv.untyped_storage().nbytes() == BLOCK
+    store.check_integrity()
