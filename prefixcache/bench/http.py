@@ -5,7 +5,8 @@ each sends its next request when its previous answer is complete. Neither server
 token-id prompts, so a prompt goes as the text its ids decode to, drawn from tokens
 whose text re-encodes to the same ids (checked per request). TTFT runs from sending the
 request to the first chunk with non-empty text; the answer's ids are its streamed text
-re-encoded (neither server returns ids), and its token count is the server's
+re-encoded (neither server returns ids; agreement with generate() is judged on the text,
+as a byte-level BPE can re-encode the same text differently), and its token count is the server's
 ``usage.completion_tokens``. Greedy, ``max_tokens`` = O; ``transformers serve`` ignores
 EOS through a per-request ``generation_config`` (eos_token_id -1), prefixcache's proxy
 has no such option and stops at the model's EOS (counts are reported as generated).
@@ -37,6 +38,7 @@ _WORD = re.compile(r"^ [A-Za-z]+$")
 class HttpServed(Served):
     prompt_tokens: int = 0  # as the server counted them (usage.prompt_tokens)
     completion_tokens: int = 0  # as the server counted them (usage.completion_tokens)
+    text: str = ""  # the streamed answer
 
 
 class HttpHarness:
@@ -49,6 +51,10 @@ class HttpHarness:
         self.notes: list[str] = list(self.folder.notes)
         self.blocks = 1
         self._servers: dict[str, servers.Server] = {}
+
+    def decode(self, ids: tuple[int, ...]) -> str:
+        """An answer's text as the servers stream it (special tokens skipped)."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def text_space(self, space: TokenSpace) -> TokenSpace:
         """``space`` minus tokens whose text is not a space and letters re-encoding to themselves:
@@ -141,7 +147,10 @@ class HttpSystem:
         rng = random.Random(0)
         prompt = [rng.choice(space) for _ in range(16)]
         text = self.harness.tokenizer.decode(prompt, clean_up_tokenization_spaces=False)
-        asyncio.run(self._pool([(text, None)], 2))
+        try:
+            asyncio.run(self._pool([(text, None)], 2))
+        except (httpx.HTTPError, servers.ServerError) as exc:
+            raise servers.ServerError(f"{self.name} warm-up: {exc}{self.server.tail()}") from exc
 
     def call(self, prompts: list[list[int]]) -> BatchCall:
         texts = [(self._text(p), p) for p in prompts]
@@ -214,7 +223,7 @@ class HttpSystem:
             self._short += usage["completion_tokens"] < max_tokens
             self._recounted += usage["prompt_tokens"] != len(prompt)
         return HttpServed(output, (first if first is not None else t1) - t0, t1 - t0, cached,
-                          usage["prompt_tokens"], usage["completion_tokens"])
+                          usage["prompt_tokens"], usage["completion_tokens"], answer)
 
     @staticmethod
     def _check(resp: httpx.Response) -> httpx.Response:

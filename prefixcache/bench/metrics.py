@@ -77,13 +77,18 @@ def _summary(s: SystemRun, base: SystemRun | None, base_sum: Summary | None = No
             0 if s.batched else s.inflight_peak),
         match_vs_generate=None, ttft_speedup=None, throughput_vs_generate=None)
     if base is not None and base_sum is not None and not forward_only:
-        same = sum(a.output == b.output for a, b in zip(s.records, base.records, strict=True))
+        same = sum(_same(a, b) for a, b in zip(s.records, base.records, strict=True))
         summary.match_vs_generate = same / max(1, len(s.records))
         summary.ttft_speedup = base_sum.ttft_mean / summary.ttft_mean
         summary.throughput_vs_generate = summary.tokens_per_s / base_sum.tokens_per_s
     elif base_sum is not None:
         summary.ttft_speedup = base_sum.ttft_mean / summary.ttft_mean
     return summary
+
+
+def _same(a: Record, b: Record) -> bool:
+    """Same answer: as text when both carry it (HTTP answers come as text), else token for token."""
+    return a.text == b.text if a.text is not None and b.text is not None else a.output == b.output
 
 
 def generated(record: Record) -> int:

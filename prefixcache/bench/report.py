@@ -37,8 +37,8 @@ def markdown(result: runner.BenchResult) -> str:
               "against the already-cached system prompt: no decode. `http-*` = the same model served by a subprocess "
               "(`prefixcache serve` with one worker per client; `transformers serve --continuous-batching`), fed by "
               f"{result.options.concurrency} concurrent streaming clients over /v1/completions: TTFT from sending the "
-              "request to the first chunk with text, tokens as the server counts them, `= generate()` on the "
-              "streamed text re-encoded (the servers return no ids); req/s and tok/s over wall time per round.", "",
+              "request to the first chunk with text, tokens as the server counts them, `= generate()` compares the "
+              "streamed text with generate()'s answer decoded (the servers return no ids); req/s and tok/s over wall time per round.", "",
               f"Token identity of prefixcache with generate() is asserted in {runner.STRICT_DTYPE} (the run fails "
               "otherwise). In reduced precision a cached prefix changes the order of roundings, so greedy answers "
               "may part after a near-tie (transformers' own deepcopy reuse parts the same way); there it is "

@@ -19,7 +19,13 @@ from prefixcache.bench.batch import GenerateBatch
 from prefixcache.bench.concurrent import PrefixCacheBatched
 from prefixcache.bench.http import HttpHarness, HttpServed
 from prefixcache.bench.options import BATCH_SYSTEMS, HTTP_SYSTEMS, BenchOptions
-from prefixcache.bench.systems import SEQUENTIAL, PlainGenerate, PrefixCacheSystem, Served, kv_bytes_per_token
+from prefixcache.bench.systems import (
+    SEQUENTIAL,
+    PlainGenerate,
+    PrefixCacheSystem,
+    Served,
+    kv_bytes_per_token,
+)
 from prefixcache.bench.workloads import Request, Workload
 
 Progress = Callable[[int], None]
@@ -45,6 +51,7 @@ class Record:
     total: float
     cached_tokens: int | None
     completion_tokens: int | None = None  # HTTP: the server's count (output = the streamed text re-encoded)
+    text: str | None = None  # HTTP: the streamed answer; generate(): its output decoded, to compare with it
 
 
 @dataclass(slots=True)
@@ -154,6 +161,9 @@ def run_workload(opts: BenchOptions, model: torch.nn.Module, dtype: str, workloa
             s.finish()
     for name in (n for n in opts.systems if n in BATCH_SYSTEMS or n in HTTP_SYSTEMS):
         runs[name] = _run_batch(name, model, opts, workload, bpt, progress, harness)
+    if harness is not None and "generate" in runs:  # HTTP answers are compared as text (ids do not round-trip)
+        for rec in runs["generate"].records:
+            rec.text = harness.decode(rec.output)
     return WorkloadRun(workload.name, dtype, runs, prompts, ideal, workload.formula_hit_rate)
 
 
@@ -201,7 +211,8 @@ def _run_batch(name: str, model: torch.nn.Module, opts: BenchOptions, workload: 
                 http = isinstance(served, HttpServed)
                 by_index[req.index] = Record(req.index, served.prompt_tokens if http else len(prompt), served.output,
                                              served.ttft, served.total, served.cached_tokens,
-                                             served.completion_tokens if http else None)
+                                             served.completion_tokens if http else None,
+                                             served.text if http else None)
                 run.inflight_peak = max(run.inflight_peak, (len(prompt) + opts.output_tokens) * bpt)
             progress(len(batch))
     finally:

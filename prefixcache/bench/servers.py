@@ -70,9 +70,9 @@ def _save_in_memory(model: torch.nn.Module) -> ModelFolder:
         data = json.loads(path.read_text())
         data["eos_token_id"] = None
         path.write_text(json.dumps(data, indent=1))
-    return ModelFolder(str(folder), tokenizer, ["in-memory model saved to a temporary folder with a word-level "
-                                                "tokenizer (token i = ' x' + two letters) and no EOS id"],
-                       temporary=tmp)
+    note = ("in-memory model saved to a temporary folder with a word-level tokenizer (token i = ' x' + two "
+            "letters) and no EOS id")
+    return ModelFolder(str(folder), tokenizer, [note], temporary=tmp)
 
 
 def word_tokenizer(vocab: int):
@@ -124,7 +124,7 @@ class Server:
         if threads is not None:
             self.env["OMP_NUM_THREADS"] = str(threads)
         self.proc: subprocess.Popen | None = None
-        self._log = tempfile.TemporaryFile(mode="w+b")
+        self._log = tempfile.TemporaryFile(mode="w+b")  # noqa: SIM115 - the server's output, closed by stop()
         self.port = 0
 
     @property

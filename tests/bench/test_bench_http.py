@@ -34,7 +34,7 @@ def http_run(tmp_path_factory) -> tuple[dict, str, float]:
 
 def test_both_servers_run_end_to_end_with_sane_figures(http_run):
     data, md, seconds = http_run
-    assert seconds < 60
+    assert seconds < 60, seconds
     o = data["options"]["output_tokens"]
     for wrun in data["runs"]:
         rows = {s["system"]: s for s in wrun["summaries"]}
@@ -49,10 +49,11 @@ def test_both_servers_run_end_to_end_with_sane_figures(http_run):
             assert row["tokens_per_s"] > 0 and row["requests_per_s"] > 0 and row["tpot"] > 0
             assert row["ttft_p50"] <= row["ttft_p99"] + 1e-12
             # float32, same weights, greedy: the streamed answers are generate()'s, token for token.
-            assert row["match_vs_generate"] == 1.0, (wrun["workload"], name)
+            texts = [(r["text"], g["text"]) for r, g in zip(records, wrun["records"]["generate"], strict=True)]
+            assert row["match_vs_generate"] == 1.0, (wrun["workload"], name, texts)
             assert row["ttft_speedup"] > 0 and row["throughput_vs_generate"] > 0
             gen = wrun["records"]["generate"]
-            assert [r["prompt_tokens"] for r in records] == [r["prompt_tokens"] for r in gen]
+            assert [r["prompt_tokens"] for r in records] == [r["prompt_tokens"] for r in gen], name
         ours, theirs = rows["http-prefixcache"], rows["http-transformers-serve"]
         assert ours["hit_rate"] > 0 and ours["peak_kv_bytes"] > 0
         assert theirs["hit_rate"] is None and theirs["peak_kv_bytes"] is None  # the server reports neither
@@ -60,11 +61,14 @@ def test_both_servers_run_end_to_end_with_sane_figures(http_run):
     assert "peak KV n/a" in md
 
 
-def test_the_proxy_hit_rate_is_the_in_process_one(http_run):
+def test_the_proxy_hit_rate_is_bounded_by_the_achievable_one(http_run):
     data, _, _ = http_run
     shared = next(r for r in data["runs"] if r["workload"] == "shared-prefix")
     rows = {s["system"]: s for s in shared["summaries"]}
-    assert rows["http-prefixcache"]["hit_rate"] == pytest.approx(rows["prefixcache"]["hit_rate"])
+    # Concurrent clients: a request sent before its group's prefix was stored misses.
+    assert 0 < rows["http-prefixcache"]["hit_rate"] <= shared["ideal_hit_rate"] + 1e-9
+    records = shared["records"]["http-prefixcache"]
+    assert all(0 <= r["cached_tokens"] < r["prompt_tokens"] for r in records)
 
 
 def test_http_systems_are_opt_in_and_selectable():
