@@ -4,7 +4,7 @@ A background loop runs ``schedule() → run() → postprocess()``: one packed fo
 step for every active request (decodes feed 1 token, prefills a chunk). Requests join
 between steps and leave when done; on leaving, their prompt + answer KV is inserted
 into the store and their prefix lease released (also on error or cancel). Stored
-prefix snapshots are read in place; each request's own KV lives in a ``PrivateKV``.
+prefix snapshots are read in place; each request's own KV lives in a slot of a ``PrivatePool``.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import torch
 
 from prefixcache.engine import CallStats, Engine
 from prefixcache.kv_cache import (
-    CASCADE_KWARG, CascadeCache, CascadeRow, KVLayout, PrivateKV, UnsupportedModelError, check_cascade,
-    enable_cascade_attention, probe_layout,
+    CASCADE_KWARG, CascadeCache, CascadeRow, KVLayout, UnsupportedModelError, check_cascade,
+    enable_cascade_attention, private_pool, probe_layout,
 )
 from prefixcache.sampling import fallback_generate, sample_next
 from prefixcache.scheduler import BatchRequest, SamplingParams, admission_order, plan_step
@@ -37,6 +37,7 @@ class BatchConfig:
     token_budget: int = 256  # packed tokens per forward (decodes first, then prefill chunks)
     prefill_chunk: int = 128  # most prompt tokens one request feeds per step
     private_chunk: int = 32  # private KV grows by this many tokens at a time
+    pool_max_tokens: int = 512  # requests that may hold more private tokens get a pool of their own
     max_wait_seconds: float = 2.0  # a request waiting longer is admitted first
     max_private_tokens: int = 1 << 16  # admission budget: private KV tokens reserved by active requests
 
@@ -73,6 +74,7 @@ class BatchEngine:
                 model.set_attn_implementation(previous)
                 raise
             self.layout = layout
+            self._pool = private_pool(layout, self.config.private_chunk)
         except UnsupportedModelError as exc:
             self.fallback_reason = str(exc)
             log.warning("batching disabled, serving through the plain engine: %s", exc)
@@ -118,8 +120,9 @@ class BatchEngine:
     def kv_bytes(self) -> int:
         """Bytes of KV held: store snapshots plus every active request's private buffer."""
         with self._cv:
-            private = sum(r.private.nbytes for r in self._active if r.private is not None)
-        return self.store.bytes + private
+            held = [r.private for r in self._active]  # read once: the loop may clear it meanwhile
+        pools = {id(p.pool): p.pool for p in held if p is not None}
+        return self.store.bytes + sum(pool.nbytes for pool in pools.values())
 
     def close(self) -> None:
         with self._cv:
@@ -166,7 +169,10 @@ class BatchEngine:
             if self._active and reserved + req.private_need > cfg.max_private_tokens:
                 break  # keep order: the head of the queue is never overtaken for memory
             self._waiting.remove(req)
-            req.private = PrivateKV(self.layout, cfg.private_chunk)
+            # Short requests share the pool (decoded together); a long one must not pad every slot.
+            pool = (self._pool if req.private_need <= cfg.pool_max_tokens
+                    else private_pool(self.layout, cfg.private_chunk))
+            req.private = pool.acquire()
             if req.params.seed is not None:
                 req.generator = torch.Generator(device=self.layout.device).manual_seed(req.params.seed)
             reserved += req.private_need
@@ -234,9 +240,10 @@ class BatchEngine:
         return out.logits[0]  # [K, V]
 
     def _postprocess(self, plan: list[tuple[BatchRequest, int]], logits: torch.Tensor) -> None:
+        for req, n in plan:  # all first: a request leaving below may repack the pool to these lengths
+            req.private.length += n
         k = 0
         for req, n in plan:
-            req.private.length += n
             if req.prefilling:
                 if req.cancel is not None and req.cancel.is_set():
                     self._finish(req, "cancelled", None)
@@ -288,7 +295,11 @@ class BatchEngine:
             req.finish_reason, req.error = reason, error
             req.stats.completion_tokens = len(req.output)
             req.stats.total_seconds = self._clock() - req.arrival
-            req.private = None  # free the private KV now
+            if req.private is not None:  # free its slot now; keep it only for a request about to reuse it
+                with self._cv:
+                    reuse = bool(self._waiting) and not self._closed
+                req.private.release(trim=not reuse)
+            req.private = None
             req.done.set()
 
     # -- fallback ------------------------------------------------------------------

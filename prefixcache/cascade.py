@@ -6,7 +6,9 @@ Pure torch, no ``transformers``. Queries of all active requests are *packed*: re
 - ``Shared`` segments (a stored prefix block, read in place, never written): every
   query row of every member sees every key, so one attention call serves all members.
 - one private ``(k, v)`` per request (``[Hkv, m_i, D]``) whose last ``end - start``
-  keys are the request's own queries, so it is causal there (bottom-right aligned).
+  keys are the request's own queries, so it is causal there (bottom-right aligned);
+  or, for requests decoding one token, a ``PrivateBatch``: their private KV as slots of
+  one padded tensor, attended in one call with a length mask.
 
 Softmax over a union of key sets is the log-sum-exp weighted mix of the softmaxes over
 the parts, so the result equals attention over the concatenation (to fp rounding).
@@ -30,10 +32,22 @@ class Shared:
     members: tuple[int, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class PrivateBatch:
+    """One-token queries of several requests over their private KV, held as slots of one tensor."""
+
+    keys: torch.Tensor  # [S, Hkv, C, D]: member i's keys are keys[slots[i], :, :lengths[i]]
+    values: torch.Tensor  # [S, Hkv, C, D]
+    rows: tuple[int, ...]  # packed query row of each member
+    slots: tuple[int, ...]
+    lengths: tuple[int, ...]  # private keys each member sees (its own new one included)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
            mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with its log-sum-exp. q: [1, H, R, D], k/v: [1, H, n, D], mask: additive [R, n].
 
+    Also batched: q [B, H, R, D] with k/v [B, H, n, D] and a mask broadcastable to [B, H, R, n].
     Returns out [1, H, R, D] (q's dtype) and lse [1, H, R] (float32).
     """
     if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -66,10 +80,12 @@ def merge(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
 
 
 def cascade_attention(q: torch.Tensor, spans: Sequence[tuple[int, int]], shared: Sequence[Shared],
-                      private: Sequence[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
-    """Packed cascade attention. q: [Hq, T, D]; private[i]: ([Hkv, m_i, D], [Hkv, m_i, D]). Returns [Hq, T, D]."""
+                      private: Sequence[tuple[torch.Tensor, torch.Tensor] | None], scale: float,
+                      batches: Sequence[PrivateBatch] = ()) -> torch.Tensor:
+    """Packed cascade attention. q: [Hq, T, D]; private[i]: ([Hkv, m_i, D], [Hkv, m_i, D]), or None
+    for a request whose row is in one of ``batches``. Returns [Hq, T, D]."""
     hq, total, dim = q.shape
-    hkv = private[0][0].shape[0]
+    hkv = next((p[0].shape[0] for p in private if p is not None), None) or batches[0].keys.shape[1]
     g = hq // hkv
     qg = q.reshape(hkv, g, total, dim)  # [Hkv, g, T, D]
     outs, lses = [], []
@@ -89,7 +105,15 @@ def cascade_attention(q: torch.Tensor, spans: Sequence[tuple[int, int]], shared:
         lses.append(l_full)
     o_priv = q.new_empty((hkv, g, total, dim))
     l_priv = torch.empty((hkv, g, total), dtype=torch.float32, device=q.device)
-    for (start, end), (k, v) in zip(spans, private):
+    for batch in batches:
+        o, lse = _attend_batch(qg, batch, scale)
+        rows = torch.tensor(batch.rows, device=q.device)
+        o_priv.index_copy_(2, rows, o)
+        l_priv.index_copy_(2, rows, lse)
+    for (start, end), kv in zip(spans, private):
+        if kv is None:
+            continue
+        k, v = kv
         r = end - start
         mask = None if r == 1 else causal_tail_mask(r, k.shape[1], g, q.dtype, q.device)
         sel = qg[:, :, start:end].reshape(1, hkv, g * r, dim)
@@ -100,6 +124,31 @@ def cascade_attention(q: torch.Tensor, spans: Sequence[tuple[int, int]], shared:
         return o_priv.reshape(hq, total, dim)
     merged = merge(torch.stack([*outs, o_priv]), torch.stack([*lses, l_priv]))
     return merged.to(q.dtype).reshape(hq, total, dim)
+
+
+def _attend_batch(qg: torch.Tensor, batch: PrivateBatch, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Members' one-token queries (rows of qg [Hkv, g, T, D]) over their slots: one call, masked to
+    each member's length; slots not in ``batch`` get a dummy key and are dropped. Returns
+    out [Hkv, g, n, D] and lse [Hkv, g, n]."""
+    slots_n, hkv, keys, dim = batch.keys.shape
+    device = qg.device
+    rows = torch.tensor(batch.rows, device=device)
+    q = qg.index_select(2, rows).permute(2, 0, 1, 3)  # [n, Hkv, g, D]
+    identity = batch.slots == tuple(range(slots_n))
+    slots = None if identity else torch.tensor(batch.slots, device=device)
+    if identity:
+        qs, lengths = q, torch.tensor(batch.lengths, device=device)
+    else:
+        qs = q.new_zeros((slots_n, *q.shape[1:]))
+        qs.index_copy_(0, slots, q)
+        lengths = torch.ones(slots_n, dtype=torch.long, device=device)
+        lengths[slots] = torch.tensor(batch.lengths, device=device)
+    visible = torch.arange(keys, device=device).unsqueeze(0) < lengths.unsqueeze(1)  # [S, C]
+    mask = torch.zeros(visible.shape, dtype=qg.dtype, device=device).masked_fill(~visible, float("-inf"))
+    o, lse = attend(qs, batch.keys, batch.values, scale, mask.view(slots_n, 1, 1, keys))  # [S, Hkv, g, D]
+    if slots is not None:
+        o, lse = o.index_select(0, slots), lse.index_select(0, slots)
+    return o.permute(1, 2, 0, 3), lse.permute(1, 2, 0)
 
 
 def _member_rows(members: Sequence[int], spans: Sequence[tuple[int, int]], total: int,

@@ -17,6 +17,7 @@ from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kw
 
 from prefixcache.cascade import Shared, cascade_attention
 from prefixcache.errors import PrefixCacheError
+from prefixcache.private_kv import PrivateKV, PrivatePool
 from prefixcache.store import coalesce
 
 log = logging.getLogger(__name__)
@@ -162,44 +163,6 @@ class WorkingCache(DynamicCache):
 CASCADE_KWARG = "prefixcache_cascade"  # forward kwarg carrying the CascadeCache to attention
 
 
-class PrivateKV:
-    """One request's own KV ``[L, 2, H, capacity, D]``; capacity grows by whole chunks, never per token."""
-
-    def __init__(self, layout: KVLayout, chunk: int):
-        self.layout, self.chunk, self.length = layout, chunk, 0
-        self._buf = self._alloc(0)
-
-    def _alloc(self, tokens: int) -> torch.Tensor:
-        lay = self.layout
-        return torch.empty((lay.num_layers, 2, lay.num_kv_heads, tokens, lay.head_dim), dtype=lay.dtype,
-                           device=lay.device)
-
-    def reserve(self, end: int) -> None:
-        """Make room for ``end`` tokens (rounded up to a chunk); one copy per growth."""
-        cap = self._buf.shape[3]
-        if end > cap:
-            grown = self._alloc(-(-end // self.chunk) * self.chunk)
-            grown[:, :, :, : self.length].copy_(self._buf[:, :, :, : self.length])
-            self._buf = grown
-
-    def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        # keys/values: [H, n, D] at private positions [start, start + n)
-        n = keys.shape[1]
-        self._buf[layer, 0, :, start : start + n].copy_(keys)
-        self._buf[layer, 1, :, start : start + n].copy_(values)
-
-    def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._buf[layer, 0, :, :end], self._buf[layer, 1, :, :end]  # [H, end, D] each, no copy
-
-    def window(self, start: int, end: int) -> torch.Tensor:
-        """A view ``[L, 2, H, end-start, D]`` of private tokens [start, end) (clone before publishing)."""
-        return self._buf[:, :, :, start:end]
-
-    @property
-    def nbytes(self) -> int:
-        return self._buf.untyped_storage().nbytes()
-
-
 @dataclass(frozen=True, slots=True)
 class CascadeRow:
     """One request's part of a packed forward: prefix snapshots read in place, private KV written."""
@@ -208,6 +171,11 @@ class CascadeRow:
     private: PrivateKV
     start: int  # private tokens held before this forward
     count: int  # new tokens (packed rows) in this forward
+
+
+def private_pool(layout: KVLayout, chunk: int) -> PrivatePool:
+    """An empty pool of private KV shaped for ``layout`` (capacity grows by ``chunk`` tokens)."""
+    return PrivatePool(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype, layout.device, chunk)
 
 
 class _CascadeLayer(DynamicLayer):
@@ -241,17 +209,34 @@ class CascadeCache(Cache):
         self.groups = [(members, coalesce(segments)) for members, segments in groups.items()]
         self.calls = 0
 
+        # Requests decoding one token are served per pool: one write and one attention call.
+        pools: dict[int, tuple[PrivatePool, list[PrivateKV], list[int]]] = {}
+        for row, (s, e) in zip(self.rows, self.spans):
+            if row.count == 1 and row.start == row.private.length:
+                entry = pools.setdefault(id(row.private.pool), (row.private.pool, [], []))
+                entry[1].append(row.private)
+                entry[2].append(s)
+        self.pools = list(pools.values())
+        self.batched = {id(kv) for _, members, _ in self.pools for kv in members}
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         # key_states: [1, H, T, D] packed; each request's rows go to its private KV
+        for pool, members, rows in self.pools:
+            index = torch.tensor(rows, device=key_states.device)
+            pool.write_tokens(layer_idx, members, key_states[0].index_select(1, index).transpose(0, 1),
+                              value_states[0].index_select(1, index).transpose(0, 1))
         for row, (s, e) in zip(self.rows, self.spans):
-            row.private.write(layer_idx, row.start, key_states[0, :, s:e], value_states[0, :, s:e])
+            if id(row.private) not in self.batched:
+                row.private.write(layer_idx, row.start, key_states[0, :, s:e], value_states[0, :, s:e])
         return key_states, value_states
 
     def attend(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
         """query: [1, Hq, T, D] → attention output [1, T, Hq, D] (the layout attention functions return)."""
         shared = [Shared(*_layer_kv(segments, layer), members) for members, segments in self.groups]
-        private = [row.private.view(layer, row.start + row.count) for row in self.rows]
-        out = cascade_attention(query[0], self.spans, shared, private, scale)  # [Hq, T, D]
+        private = [None if id(row.private) in self.batched else row.private.view(layer, row.start + row.count)
+                   for row in self.rows]
+        batches = [pool.decode_batch(layer, members, rows) for pool, members, rows in self.pools]
+        out = cascade_attention(query[0], self.spans, shared, private, scale, batches)  # [Hq, T, D]
         self.calls += 1
         return out.transpose(0, 1).unsqueeze(0)
 
@@ -315,8 +300,9 @@ def check_cascade(model: torch.nn.Module, layout: KVLayout) -> None:
         model(input_ids=torch.tensor([prefix], device=device), past_key_values=probe, use_cache=True)
     snap = torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in probe.layers])  # [L, 2, H, 6, D]
     rows = []
+    pool = private_pool(layout, 4)
     for suffix in suffixes:
-        private = PrivateKV(layout, 4)
+        private = pool.acquire()
         private.reserve(len(suffix))
         rows.append(CascadeRow([(snap, len(prefix))], private, 0, len(suffix)))
     cache = CascadeCache(rows, layout.num_layers)

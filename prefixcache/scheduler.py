@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from prefixcache.engine import CallStats
-from prefixcache.kv_cache import PrivateKV
+from prefixcache.private_kv import PrivateKV
 from prefixcache.store import Lease
 
 

@@ -198,10 +198,11 @@ def test_reduced_precision_is_batched_and_chained_blocks_attend_as_one():
         assert all(r.stats.cached_tokens == len(prefix) for r in results)
     finally:
         engine.close()
-    from prefixcache.kv_cache import CascadeCache, CascadeRow, PrivateKV, probe_layout
+    from prefixcache.kv_cache import CascadeCache, CascadeRow, private_pool, probe_layout
     layout = probe_layout(build_tiny("llama-gqa"))
     snaps = [(torch.zeros(layout.num_layers, 2, layout.num_kv_heads, 4, layout.head_dim), 4) for _ in range(10)]
-    rows = [CascadeRow(snaps, PrivateKV(layout, 4), 0, 1) for _ in range(3)]
+    pool = private_pool(layout, 4)
+    rows = [CascadeRow(snaps, pool.acquire(), 0, 1) for _ in range(3)]
     cache = CascadeCache(rows, layout.num_layers)
     assert len(cache.groups) == 1 and len(cache.groups[0][1]) == 10  # one call over all 10 blocks
 

@@ -61,3 +61,50 @@ def test_shared_segments_are_not_written():
     cascade_attention(torch.randn(4, 3, 8), [(0, 1), (1, 3)], [Shared(k, v, (0, 1))],
                       [(torch.randn(2, 1, 8), torch.randn(2, 1, 8)), (torch.randn(2, 4, 8), torch.randn(2, 4, 8))], 0.3)
     assert torch.equal(k, before[0]) and torch.equal(v, before[1])
+
+
+@pytest.mark.parametrize("slots", [(0, 1, 2, 3), (3, 0, 2), (1,)])
+def test_private_batch_of_single_token_queries_matches_plain_attention(slots):
+    """Decode rows read their private KV as slots of one padded tensor (some slots idle, stale
+    data past each length) and mix with a prefix and with a per-request private row."""
+    from prefixcache.cascade import PrivateBatch
+
+    torch.manual_seed(len(slots))
+    hq, hkv, d, cap = 6, 2, 8, 16
+    keys, values = torch.randn(4, hkv, cap, d) * 50, torch.randn(4, hkv, cap, d)  # stale junk beyond lengths
+    lengths = (5, 16, 1, 9)[: len(slots)]
+    prefix = Shared(torch.randn(hkv, 12, d), torch.randn(hkv, 12, d), tuple(range(len(slots) + 1)))
+    spans = [(i, i + 1) for i in range(len(slots))] + [(len(slots), len(slots) + 3)]  # last: a 3-token prefill
+    own = (torch.randn(hkv, 7, d), torch.randn(hkv, 7, d))
+    q = torch.randn(hq, len(slots) + 3, d)
+    batch = PrivateBatch(keys[:, :, : max(lengths)], values[:, :, : max(lengths)], tuple(range(len(slots))),
+                         slots, lengths)
+    out = cascade_attention(q, spans, [prefix], [None] * len(slots) + [own], 0.3, [batch])
+    for i, (slot, n) in enumerate(zip(slots, lengths)):
+        ref = reference(q[:, i : i + 1], torch.cat([prefix.keys, keys[slot, :, :n]], 1),
+                        torch.cat([prefix.values, values[slot, :, :n]], 1), 0.3)
+        torch.testing.assert_close(out[:, i : i + 1], ref, rtol=1e-5, atol=1e-5)
+    s, e = spans[-1]
+    ref = reference(q[:, s:e], torch.cat([prefix.keys, own[0]], 1), torch.cat([prefix.values, own[1]], 1), 0.3)
+    torch.testing.assert_close(out[:, s:e], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_private_pool_slots_grow_repack_and_free():
+    from prefixcache.private_kv import PrivatePool
+
+    pool = PrivatePool(2, 1, 2, torch.float32, torch.device("cpu"), chunk=4)
+    a, b, c = pool.acquire(), pool.acquire(), pool.acquire()
+    for kv, base in ((a, 1.0), (b, 2.0), (c, 3.0)):
+        kv.reserve(6)
+        for layer in range(2):
+            kv.write(layer, 0, torch.full((1, 6, 2), base + layer), torch.full((1, 6, 2), -base))
+        kv.length = 6
+    assert pool.slab.shape == (2, 2, 3, 1, 8, 2) and pool.nbytes == 2 * 2 * 3 * 8 * 2 * 4
+    b.release(trim=False)  # kept for reuse
+    assert pool.slab.shape[2] == 3 and pool.acquire().slot == 1
+    pool.owners[1].release()  # trimmed: live slots repacked, values intact
+    a.release()
+    assert pool.slab.shape == (2, 2, 1, 1, 8, 2) and c.slot == 0
+    assert c.view(1, 6)[0].unique().tolist() == [4.0] and c.window(0, 6)[0, 1].unique().tolist() == [-3.0]
+    c.release()
+    assert pool.nbytes == 0 and pool.owners == []

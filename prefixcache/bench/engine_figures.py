@@ -1,0 +1,142 @@
+"""Figures of the batching engine on its own (issue 6): decode step time, KV held, throughput.
+
+Run: ``python -m prefixcache.bench.engine_figures [--dtype bfloat16] [--new-tokens 128]``
+(loads the embedded default model; prints one JSON object).
+
+- ``step``: median seconds per decode step with N requests on one stored prefix vs 1.
+- ``concurrent``: C requests on one stored prefix, all submitted at once to the batching
+  engine vs served one at a time by the plain engine. Each path has its own store holding
+  only the prefix, so neither reuses the other's questions. Reports output tokens/s of
+  both and the peak KV the batching engine held (store + private pools) against the
+  ideal ``prefix + C·(question + new tokens)``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from prefixcache.batching import BatchConfig, BatchEngine
+from prefixcache.config import CacheConfig
+from prefixcache.engine import Engine
+from prefixcache.hashing import BlockHasher
+from prefixcache.scheduler import SamplingParams
+from prefixcache.store import KVStore
+
+NS = ("bench",)
+
+
+def _store(block_size: int) -> KVStore:
+    return KVStore(CacheConfig(block_size=block_size, max_bytes=16 << 30, ttl_seconds=None), BlockHasher(0),
+                   time.monotonic)
+
+
+def _prefix(length: int, vocab: int) -> list[int]:
+    return [(200 + 13 * i) % vocab for i in range(length)]
+
+
+def _question(i: int, length: int, vocab: int) -> list[int]:
+    return [(300 + 11 * i + 7 * j) % vocab for j in range(length)]
+
+
+def _vocab(model) -> int:
+    return model.config.get_text_config(decoder=True).vocab_size
+
+
+def decode_step_seconds(engine: BatchEngine, prefix: list[int], batch: int, new_tokens: int,
+                        question: int = 16) -> float:
+    """Median seconds per decode step with ``batch`` requests on ``prefix`` (already stored)."""
+    stamps: list[float] = []
+    reqs = []
+    for i in range(batch):
+        on_token = (lambda _t: stamps.append(time.perf_counter())) if i == 0 else None
+        reqs.append(engine.submit(prefix + _question(i, question, _vocab(engine.model)), NS, "bench",
+                                  SamplingParams(max_new_tokens=new_tokens), on_token=on_token))
+    for r in reqs:
+        engine.wait(r)
+    return statistics.median(b - a for a, b in zip(stamps[2:], stamps[3:]))  # past the prefill steps
+
+
+def step_times(model, prefix_len: int = 2048, batch: int = 8, new_tokens: int = 16,
+               block_size: int = 64) -> dict[str, float]:
+    """Decode step time for ``batch`` requests vs 1 on a shared stored prefix (each measured twice, best kept)."""
+    engine = BatchEngine(model, _store(block_size), time.monotonic,
+                         BatchConfig(max_batch=batch, token_budget=512, prefill_chunk=256))
+    try:
+        if engine.fallback_reason is not None:
+            raise RuntimeError(f"model not served by the batching engine: {engine.fallback_reason}")
+        prefix = _prefix(prefix_len, _vocab(model))
+        engine.generate(prefix, NS, "bench", SamplingParams(max_new_tokens=1))
+        single = min(decode_step_seconds(engine, prefix, 1, new_tokens) for _ in range(2))
+        many = min(decode_step_seconds(engine, prefix, batch, new_tokens) for _ in range(2))
+        return {"single_step_s": single, f"batch{batch}_step_s": many, "ratio": many / single}
+    finally:
+        engine.close()
+
+
+def concurrent_vs_serial(model, clients: int = 16, prefix_len: int = 2048, question: int = 128,
+                         new_tokens: int = 16, block_size: int = 64) -> dict[str, float]:
+    """``clients`` requests on one stored prefix: batched (all at once) vs the one-at-a-time engine."""
+    prefix = _prefix(prefix_len, _vocab(model))
+    prompts = [prefix + _question(i, question, _vocab(model)) for i in range(clients)]
+    engine = BatchEngine(model, _store(block_size), time.monotonic, BatchConfig(max_batch=clients))
+    try:
+        if engine.fallback_reason is not None:
+            raise RuntimeError(f"model not served by the batching engine: {engine.fallback_reason}")
+        per_token = engine.layout.bytes_per_token
+        engine.generate(prefix, NS, "bench", SamplingParams(max_new_tokens=1))
+        peak = [engine.kv_bytes()]
+        params = SamplingParams(max_new_tokens=new_tokens)
+        t0 = time.perf_counter()
+        reqs = [engine.submit(p, NS, "bench", params, on_token=lambda _t: peak.append(engine.kv_bytes()))
+                for p in prompts]
+        outs = [engine.wait(r) for r in reqs]
+        batched_s = time.perf_counter() - t0
+        ttfts = sorted(o.stats.ttft_seconds for o in outs)
+    finally:
+        engine.close()
+    serial = Engine(model, _store(block_size), time.monotonic)
+    serial.generate(torch.tensor([prefix]), NS, "bench", None, {"max_new_tokens": 1}, None, False)
+    t0 = time.perf_counter()
+    for p in prompts:
+        serial.generate(torch.tensor([p]), NS, "bench", None,
+                        {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}, None, False)
+    serial_s = time.perf_counter() - t0
+    produced = sum(len(o.tokens) for o in outs)
+    ideal = prefix_len + clients * (question + new_tokens)
+    batched, one_at_a_time = produced / batched_s, clients * new_tokens / serial_s
+    return {"peak_kv_tokens": max(peak) / per_token, "ideal_kv_tokens": ideal,
+            "peak_over_ideal": max(peak) / per_token / ideal, "batched_s": batched_s, "serial_s": serial_s,
+            "batched_tok_s": batched, "serial_tok_s": one_at_a_time, "batched_over_serial": batched / one_at_a_time,
+            "ttft_p50_s": ttfts[len(ttfts) // 2], "ttft_max_s": ttfts[-1]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    from prefixcache.loading import load_default_model
+
+    parser = argparse.ArgumentParser(prog="python -m prefixcache.bench.engine_figures", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--prefix", type=int, default=2048, help="shared prefix tokens")
+    parser.add_argument("--batch", type=int, default=8, help="requests decoding together (step figure)")
+    parser.add_argument("--clients", type=int, default=16, help="concurrent requests (throughput figure)")
+    parser.add_argument("--question", type=int, default=128, help="tokens after the prefix per request")
+    parser.add_argument("--new-tokens", type=int, default=16, help="tokens generated per request")
+    parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--only", choices=("step", "concurrent"), default=None)
+    args = parser.parse_args(argv)
+    model, _ = load_default_model(dtype=getattr(torch, args.dtype))
+    out: dict[str, object] = {"dtype": args.dtype, "threads": torch.get_num_threads()}
+    if args.only in (None, "step"):
+        out["step"] = step_times(model, args.prefix, args.batch, 16, args.block_size)
+    if args.only in (None, "concurrent"):
+        out["concurrent"] = concurrent_vs_serial(model, args.clients, args.prefix, args.question, args.new_tokens,
+                                                 args.block_size)
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

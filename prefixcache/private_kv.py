@@ -1,0 +1,120 @@
+"""Private KV of batched requests: the tokens each request computes itself (suffix and answer).
+
+Pure torch, no ``transformers``. Requests share one ``PrivatePool``: a tensor
+``[L, 2, S, H, C, D]`` with one *slot* per request, so the decode attention of every
+request in the pool is one padded call per layer (``cascade.PrivateBatch``) and their new
+keys are written with one indexed copy. Capacity ``C`` grows by whole chunks when a slot
+needs more, never per token; a leaving request's slot is reused by the next one admitted,
+or the live slots are repacked into an exact-size tensor when nobody is waiting; an empty
+pool holds nothing. A request whose private tokens
+could exceed ``BatchConfig.pool_max_tokens`` gets a pool of its own, so one long prompt
+never pads every other slot to its length.
+"""
+from __future__ import annotations
+
+import torch
+
+from prefixcache.cascade import PrivateBatch
+
+
+class PrivatePool:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, chunk: int):
+        self._shape = (num_layers, num_kv_heads, head_dim)
+        self.dtype, self.device, self.chunk = dtype, device, chunk
+        self.owners: list[PrivateKV | None] = []
+        self.slab = self._alloc(0, 0)
+
+    def _alloc(self, slots: int, capacity: int) -> torch.Tensor:
+        layers, heads, dim = self._shape
+        # Zeros, not empty: masked-out keys still enter q·k, and garbage may be inf/NaN.
+        return torch.zeros((layers, 2, slots, heads, capacity, dim), dtype=self.dtype, device=self.device)
+
+    @property
+    def capacity(self) -> int:
+        return self.slab.shape[4]
+
+    @property
+    def nbytes(self) -> int:
+        return self.slab.numel() * self.slab.element_size()
+
+    def acquire(self) -> PrivateKV:
+        """A new request's empty private KV: a free slot, else one more slot."""
+        slot = next((i for i, owner in enumerate(self.owners) if owner is None), None)
+        if slot is None:
+            slot = len(self.owners)
+            self._resize(slot + 1, self.capacity)
+        kv = PrivateKV(self, slot)
+        self.owners[slot] = kv
+        return kv
+
+    def release(self, kv: PrivateKV, trim: bool = True) -> None:
+        """Free ``kv``'s slot. With ``trim`` (nobody waiting to reuse it) repack the live slots
+        into an exact-size tensor, so the bytes held are only what live requests use."""
+        if kv.slot < 0 or self.owners[kv.slot] is not kv:
+            return
+        self.owners[kv.slot], kv.slot = None, -1
+        live = [o for o in self.owners if o is not None]
+        if not live:
+            self.owners, self.slab = [], self._alloc(0, 0)
+        elif trim:
+            self._resize(len(live), self._round(max(o.length for o in live)))
+
+    def reserve(self, end: int) -> None:
+        """Make room for ``end`` tokens in every slot (rounded up to a chunk); one copy per growth."""
+        if end > self.capacity:
+            self._resize(len(self.owners), self._round(end))
+
+    def _round(self, tokens: int) -> int:
+        return -(-tokens // self.chunk) * self.chunk
+
+    def _resize(self, slots: int, capacity: int) -> None:
+        """Reallocate as ``[.., slots, .., capacity, ..]``, live requests packed into the first slots."""
+        grown = self._alloc(slots, capacity)
+        owners: list[PrivateKV | None] = [None] * slots
+        for new_slot, kv in enumerate(o for o in self.owners if o is not None):
+            grown[:, :, new_slot, :, : kv.length].copy_(self.slab[:, :, kv.slot, :, : kv.length])
+            kv.slot, owners[new_slot] = new_slot, kv
+        self.slab, self.owners = grown, owners
+
+    def write_tokens(self, layer: int, members: list[PrivateKV], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """One new token per member: keys/values ``[n, H, D]`` go to each member's next position."""
+        slots = torch.tensor([kv.slot for kv in members], device=self.device)
+        positions = torch.tensor([kv.length for kv in members], device=self.device)
+        self.slab[layer, 0][slots, :, positions] = keys
+        self.slab[layer, 1][slots, :, positions] = values
+
+    def decode_batch(self, layer: int, members: list[PrivateKV], rows: list[int]) -> PrivateBatch:
+        """Attention inputs for members decoding one token each (their new key already written)."""
+        lengths = tuple(kv.length + 1 for kv in members)
+        end = max(lengths)
+        return PrivateBatch(self.slab[layer, 0, :, :, :end], self.slab[layer, 1, :, :, :end], tuple(rows),
+                            tuple(kv.slot for kv in members), lengths)
+
+
+class PrivateKV:
+    """One request's slot in a ``PrivatePool``; ``length`` = private tokens held."""
+
+    def __init__(self, pool: PrivatePool, slot: int):
+        self.pool, self.slot, self.length = pool, slot, 0
+
+    def reserve(self, end: int) -> None:
+        self.pool.reserve(end)
+
+    def write(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        # keys/values: [H, n, D] at private positions [start, start + n)
+        n = keys.shape[1]
+        slab = self.pool.slab
+        slab[layer, 0, self.slot, :, start : start + n].copy_(keys)
+        slab[layer, 1, self.slot, :, start : start + n].copy_(values)
+
+    def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        slab = self.pool.slab
+        return slab[layer, 0, self.slot, :, :end], slab[layer, 1, self.slot, :, :end]  # [H, end, D], no copy
+
+    def window(self, start: int, end: int) -> torch.Tensor:
+        """A view ``[L, 2, H, end-start, D]`` of private tokens [start, end) (clone before publishing)."""
+        return self.pool.slab[:, :, self.slot, :, start:end]
+
+    def release(self, trim: bool = True) -> None:
+        self.pool.release(self, trim)

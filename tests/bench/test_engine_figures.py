@@ -1,0 +1,21 @@
+"""The batching engine's own figures (python -m prefixcache.bench.engine_figures) on a tiny model."""
+from __future__ import annotations
+
+from prefixcache.bench.engine_figures import concurrent_vs_serial, step_times
+from tests.conftest import build_tiny
+
+
+def test_step_times_on_a_tiny_model():
+    got = step_times(build_tiny("llama-gqa"), prefix_len=64, batch=4, new_tokens=6, block_size=16)
+    assert got["single_step_s"] > 0 and got["batch4_step_s"] > 0
+    assert got["ratio"] == got["batch4_step_s"] / got["single_step_s"]
+
+
+def test_concurrent_vs_serial_on_a_tiny_model():
+    # question + new tokens = one private chunk (32), so the pool's granularity adds nothing here
+    got = concurrent_vs_serial(build_tiny("llama-gqa"), clients=4, prefix_len=64, question=24, new_tokens=8,
+                               block_size=16)
+    assert got["ideal_kv_tokens"] == 64 + 4 * (24 + 8)
+    assert got["peak_kv_tokens"] >= 64 + 4 * 24  # at least the prefix and every question were held at once
+    assert got["peak_over_ideal"] <= 1.1
+    assert got["batched_tok_s"] > 0 and got["serial_tok_s"] > 0 and 0 < got["ttft_p50_s"] <= got["ttft_max_s"]
