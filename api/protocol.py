@@ -121,6 +121,8 @@ class SamplingParams(BaseModel):
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
         None, description="Token id (as a string) -> bias added to its logit.")
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1, description="Same seed, same sample.")
+    ignore_eos: bool | None = Field(None, description="Extension (as in vLLM): go on past the end-of-sequence "
+                                    "token until max_tokens (benchmarks).")
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: Text | None = Field(None, description="End-user id, for the caller's records. Never selects a "

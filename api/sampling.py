@@ -1,7 +1,7 @@
 """OpenAI request -> one ``Job`` for the engine: every sampling parameter honoured or refused.
 
-Honoured: max_tokens / max_completion_tokens, temperature, top_p, top_k (extension),
-stop, seed, presence_penalty, frequency_penalty, logit_bias, echo, tools (rendered by
+Honoured: max_tokens / max_completion_tokens, temperature, top_p, top_k and ignore_eos
+(extensions, as in vLLM), stop, seed, presence_penalty, frequency_penalty, logit_bias, echo, tools (rendered by
 the chat template; tool calls come back as text), tool_choice "none" (tools hidden).
 Refused with a 400 naming the parameter, here: logprobs, suffix, response_format
 other than text, max_tokens over the server's limit; by the schema (``protocol``):
@@ -127,7 +127,8 @@ def _options(req: SamplingParams, settings: Settings, vocab_size: int) -> dict[s
     if temperature < GREEDY_BELOW:  # logits / 1e-300 overflow to inf and sampling fails; the limit is argmax anyway
         temperature = 0.0
     options: dict[str, Any] = {"temperature": temperature, "top_p": req.top_p, "top_k": req.top_k or None,
-                               "seed": req.seed, "stop": [s for s in stops if s] or None}
+                               "seed": req.seed, "stop": [s for s in stops if s] or None,
+                               "ignore_eos": bool(req.ignore_eos)}
     bias = _logit_bias(req.logit_bias, vocab_size)
     if bias or req.presence_penalty or req.frequency_penalty:
         options["logits_processor"] = [OpenAIPenalties(req.presence_penalty or 0.0, req.frequency_penalty or 0.0, bias)]

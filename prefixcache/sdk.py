@@ -229,7 +229,8 @@ class PrefixCache:
         Options: ``tenant``, ``max_new_tokens`` (default 256), ``temperature`` (0 or
         unset = greedy), ``top_p``, ``top_k``, ``do_sample``, ``seed``, ``stop`` (list of
         strings, excluded from the text), ``on_text`` (callback for text deltas),
-        ``cancel`` (threading.Event), ``ttl_seconds``, and any other ``generate()`` kwarg.
+        ``cancel`` (threading.Event), ``ttl_seconds``, ``ignore_eos`` (go on past the
+        end-of-sequence token until ``max_new_tokens``), and any other ``generate()`` kwarg.
         """
         if not isinstance(prompt, str):
             raise InvalidRequestError("prompt must be a string", param="prompt")
@@ -245,7 +246,7 @@ class PrefixCache:
                 temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                 do_sample: bool | None = None, seed: int | None = None, stop: Sequence[str] | str | None = None,
                 on_text: Callable[[str], None] | None = None, cancel: threading.Event | None = None,
-                ttl_seconds: float | None = None, **kwargs: Any) -> GenerationResult:
+                ttl_seconds: float | None = None, ignore_eos: bool = False, **kwargs: Any) -> GenerationResult:
         """Answer already-encoded prompt ids (from ``encode_chat``/``encode_text``); options as ``complete``."""
         if not prompt:
             raise InvalidRequestError("the prompt encodes to zero tokens", param="prompt")
@@ -262,9 +263,13 @@ class PrefixCache:
             check_text(s, "stop")
         sampling = _sampling(temperature, top_p, top_k, do_sample)
         tenant, ttl = self._tenant(tenant), self._ttl(ttl_seconds)
+        eos = frozenset() if ignore_eos else frozenset(_as_set(self.model.generation_config.eos_token_id))
         if self.batcher is not None and not kwargs:
-            return self._answer_batched(prompt, tenant, max_new_tokens, sampling, seed, stops, on_text, cancel, ttl)
+            return self._answer_batched(prompt, tenant, max_new_tokens, sampling, seed, stops, on_text, cancel, ttl,
+                                        eos)
         gen = dict(kwargs, max_new_tokens=max_new_tokens, **sampling)
+        if ignore_eos:
+            gen["eos_token_id"] = None  # generate() then stops only at max_new_tokens
         criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
         if cancel is not None:
             criteria.append(CancelCriteria(cancel))
@@ -279,17 +284,15 @@ class PrefixCache:
         ids = torch.tensor([prompt], device=next(self.model.parameters()).device)
         out, stats = self._run(ids, tenant, None, gen, ttl)
         new = out[0, len(prompt):].tolist()
-        eos = _as_set(self.model.generation_config.eos_token_id)
         reason = "stop" if new and new[-1] in eos else "length"
         return self._result(prompt, new, reason, stops, cancel, stats)
 
     def _answer_batched(self, prompt: list[int], tenant: str, max_new_tokens: int, sampling: dict[str, Any],
                         seed: int | None, stops: list[str], on_text: Callable[[str], None] | None,
-                        cancel: threading.Event | None, ttl: float | None) -> GenerationResult:
+                        cancel: threading.Event | None, ttl: float | None, eos: frozenset[int]) -> GenerationResult:
         params = SamplingParams(
             max_new_tokens=max_new_tokens, temperature=sampling.get("temperature", 1.0) if sampling["do_sample"] else None,
-            top_p=sampling.get("top_p"), top_k=sampling.get("top_k"), seed=seed,
-            eos_token_ids=frozenset(_as_set(self.model.generation_config.eos_token_id)))
+            top_p=sampling.get("top_p"), top_k=sampling.get("top_k"), seed=seed, eos_token_ids=eos)
         stream = _TextStream(self.tokenizer, on_text or (lambda _t: None), stops)
         stream.put(torch.tensor(prompt))  # the stream skips the prompt, as with generate()
         halt = _Halt(cancel, stream)

@@ -163,3 +163,20 @@ def test_answer_takes_encoded_ids_and_stats_are_per_tenant(chat_llama, tokenizer
     one, all_ = cache.stats("t1"), cache.stats()
     assert 0 < one["entries"] < all_["entries"] and one["bytes"] < all_["bytes"]
     assert one["tenant_bytes"] == {"t1": one["bytes"]} and one["leased_entries"] == 0
+
+
+@pytest.mark.parametrize("path", ["batched", "plain"])
+def test_ignore_eos_generates_up_to_max_new_tokens(chat_llama, tokenizer, path):
+    import copy
+
+    model = copy.deepcopy(chat_llama)
+    ids = PrefixCache(model, tokenizer, start_sweeper=False).encode_text("count to ten")
+    want = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(ids):].tolist()
+    model.generation_config.eos_token_id = want[0]  # the first greedy token now ends the answer
+    cache = PrefixCache(model, tokenizer, start_sweeper=False)
+    extra = {} if path == "batched" else {"repetition_penalty": 1.0}  # any generate() kwarg: the plain engine
+    stopped = cache.answer(ids, max_new_tokens=6, **extra)
+    assert list(stopped.token_ids) == want[:1] and stopped.finish_reason == "stop"
+    full = cache.answer(ids, max_new_tokens=6, ignore_eos=True, **extra)
+    assert list(full.token_ids) == want and full.finish_reason == "length"

@@ -9,6 +9,7 @@ Run: ``python -m prefixcache.bench.engine_figures [--dtype bfloat16] [--new-toke
   only the prefix, so neither reuses the other's questions. Reports output tokens/s of
   both and the peak KV the batching engine held (store + private pools) against the
   ideal ``prefix + C·(question + new tokens)``.
+- ``latency``: TTFT of a short request alone and while a long uncached prompt prefills.
 """
 from __future__ import annotations
 
@@ -114,6 +115,32 @@ def concurrent_vs_serial(model, clients: int = 16, prefix_len: int = 2048, quest
             "ttft_p50_s": ttfts[len(ttfts) // 2], "ttft_max_s": ttfts[-1]}
 
 
+def short_behind_long(model, long_tokens: int = 3072, prefix_len: int = 2048, question: int = 16,
+                      new_tokens: int = 8, block_size: int = 64) -> dict[str, float]:
+    """TTFT of a short request on a stored prefix, alone and while a long uncached prompt prefills.
+
+    Chunked prefill must let the short one in between the long one's chunks, so its TTFT
+    should stay near its own cost, far below the long prefill.
+    """
+    vocab = _vocab(model)
+    prefix = _prefix(prefix_len, vocab)
+    short = prefix + _question(1, question, vocab)
+    long = [(5 + 17 * i) % vocab for i in range(long_tokens)]
+    engine = BatchEngine(model, _store(block_size), time.monotonic, BatchConfig())
+    try:
+        engine.generate(prefix, NS, "bench", SamplingParams(max_new_tokens=1))
+        alone = engine.generate(short, NS, "bench", SamplingParams(max_new_tokens=new_tokens)).stats.ttft_seconds
+        engine.store.flush()
+        engine.generate(prefix, NS, "bench", SamplingParams(max_new_tokens=1))
+        big = engine.submit(long, NS, "bench", SamplingParams(max_new_tokens=1))
+        time.sleep(0.5)  # the long prompt is some chunks in
+        during = engine.generate(short, NS, "bench", SamplingParams(max_new_tokens=new_tokens)).stats.ttft_seconds
+        long_ttft = engine.wait(big).stats.ttft_seconds
+    finally:
+        engine.close()
+    return {"short_alone_ttft_s": alone, "short_during_long_prefill_ttft_s": during, "long_prefill_ttft_s": long_ttft}
+
+
 def main(argv: list[str] | None = None) -> None:
     from prefixcache.loading import load_default_model
 
@@ -126,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--question", type=int, default=128, help="tokens after the prefix per request")
     parser.add_argument("--new-tokens", type=int, default=16, help="tokens generated per request")
     parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--only", choices=("step", "concurrent"), default=None)
+    parser.add_argument("--only", choices=("step", "concurrent", "latency"), default=None)
     args = parser.parse_args(argv)
     model, _ = load_default_model(dtype=getattr(torch, args.dtype))
     out: dict[str, object] = {"dtype": args.dtype, "threads": torch.get_num_threads()}
@@ -135,6 +162,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.only in (None, "concurrent"):
         out["concurrent"] = concurrent_vs_serial(model, args.clients, args.prefix, args.question, args.new_tokens,
                                                  args.block_size)
+    if args.only in (None, "latency"):
+        out["latency"] = short_behind_long(model, prefix_len=args.prefix, block_size=args.block_size)
     print(json.dumps(out, indent=1))
 
 

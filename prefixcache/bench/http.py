@@ -7,9 +7,9 @@ whose text re-encodes to the same ids (checked per request). TTFT runs from send
 request to the first chunk with non-empty text; the answer's ids are its streamed text
 re-encoded (neither server returns ids; agreement with generate() is judged on the text,
 as a byte-level BPE can re-encode the same text differently), and its token count is the server's
-``usage.completion_tokens``. Greedy, ``max_tokens`` = O; ``transformers serve`` ignores
-EOS through a per-request ``generation_config`` (eos_token_id -1), prefixcache's proxy
-has no such option and stops at the model's EOS (counts are reported as generated).
+``usage.completion_tokens``. Greedy, ``max_tokens`` = O, EOS ignored by both: the proxy
+through ``ignore_eos`` (the vLLM extension), ``transformers serve`` through a per-request
+``generation_config`` (eos_token_id -1). Answers that still end early are counted in a note.
 """
 from __future__ import annotations
 
@@ -130,8 +130,7 @@ class HttpSystem:
 
     def finish(self) -> None:
         if self._short:
-            self.notes.append(f"{self._short} answers stopped before max_tokens (EOS): "
-                              + ("the proxy has no ignore_eos option" if self.ours else "unexpected"))
+            self.notes.append(f"{self._short} answers stopped before max_tokens despite EOS being ignored")
         if self._recounted:
             self.notes.append(f"{self._recounted} prompts counted differently by the server (usage.prompt_tokens)")
         self.notes.append("peak KV = the cache's stored bytes from /v1/cache/stats after each round (in-flight KV "
@@ -190,6 +189,7 @@ class HttpSystem:
                 "stream": True}
         if self.ours:
             body["stream_options"] = {"include_usage": True}  # usage.prompt_tokens_details.cached_tokens
+            body["ignore_eos"] = True
         else:  # per-request GenerationConfig: greedy, EOS disabled (-1)
             body["generation_config"] = json.dumps({"max_new_tokens": max_tokens, "do_sample": False,
                                                     "eos_token_id": -1})

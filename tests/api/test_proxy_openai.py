@@ -120,6 +120,12 @@ def test_sampling_parameters_are_honoured(server, tokenizer):
     # stop: the text ends before the stop string, finish_reason "stop".
     stopped = client.completions.create(temperature=0, logit_bias={str(token): 100}, stop=["ship ship"], **kwargs)
     assert stopped.choices[0].text == " " and stopped.choices[0].finish_reason == "stop"
+    # ignore_eos (vLLM's extension): the end-of-sequence token no longer ends the answer.
+    eos = {str(tokenizer.eos_token_id): 100}
+    ended = client.completions.create(temperature=0, logit_bias=eos, **kwargs).choices[0]
+    assert ended.finish_reason == "stop" and ended.text == ""
+    full = client.completions.create(temperature=0, logit_bias=eos, extra_body={"ignore_eos": True}, **kwargs)
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 8
     # max_completion_tokens is max_tokens' newer name.
     short = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                            max_completion_tokens=3, temperature=0)

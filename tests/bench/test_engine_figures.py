@@ -1,7 +1,7 @@
 """The batching engine's own figures (python -m prefixcache.bench.engine_figures) on a tiny model."""
 from __future__ import annotations
 
-from prefixcache.bench.engine_figures import concurrent_vs_serial, step_times
+from prefixcache.bench.engine_figures import concurrent_vs_serial, short_behind_long, step_times
 from tests.conftest import build_tiny
 
 
@@ -19,3 +19,10 @@ def test_concurrent_vs_serial_on_a_tiny_model():
     assert got["peak_kv_tokens"] >= 64 + 4 * 24  # at least the prefix and every question were held at once
     assert got["peak_over_ideal"] <= 1.1
     assert got["batched_tok_s"] > 0 and got["serial_tok_s"] > 0 and 0 < got["ttft_p50_s"] <= got["ttft_max_s"]
+
+
+def test_short_behind_long_on_a_tiny_model():
+    got = short_behind_long(build_tiny("llama-gqa"), long_tokens=600, prefix_len=64, question=8, new_tokens=2,
+                            block_size=16)
+    assert got["short_alone_ttft_s"] > 0 and got["short_during_long_prefill_ttft_s"] > 0
+    assert got["long_prefill_ttft_s"] > 0
