@@ -63,8 +63,9 @@ class Settings(BaseSettings):
     block_size: int = Field(_cache_default("block_size"), ge=1, le=4096, description="Tokens per hash block.")
 
     # -- scheduling ----------------------------------------------------------------
-    workers: int = Field(1, ge=1, le=64, description="Threads running model calls. The engine runs one "
-                         "generation at a time; a second thread overlaps tokenization with it.")
+    workers: int = Field(16, ge=1, le=64, description="Requests served at once, one thread each: their "
+                         "decodes share each forward of the batching engine (up to its batch of 16). A model "
+                         "the batching engine cannot serve runs one generation at a time.")
     max_queue: int = Field(64, ge=0, description="Requests that may wait beyond those running; more get 429 "
                            "with Retry-After.")
     request_timeout_seconds: float = Field(300.0, gt=0, description="Queue wait + generation limit; then 504 "
