@@ -175,30 +175,24 @@ class Serving:
 
     async def _wait(self, fut: asyncio.Future[T], cancel: threading.Event,
                     disconnected: Callable[[], Awaitable[None]] | None) -> T:
-        watcher = asyncio.ensure_future(disconnected()) if disconnected is not None else None
         try:
-            done, _ = await asyncio.wait([fut] if watcher is None else [fut, watcher],
-                                         timeout=self.settings.request_timeout_seconds,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            outcome = await _race(fut, disconnected, self.settings.request_timeout_seconds)
         except asyncio.CancelledError:
             cancel.set()
             raise
-        finally:
-            if watcher is not None:
-                watcher.cancel()
-        if fut in done:
+        if outcome == "done":
             return _unwrap(fut)
         cancel.set()
-        if watcher is not None and watcher in done:
+        if outcome == "disconnected":
             raise ClientClosedError("the client closed the connection; the generation was cancelled")
         raise RequestTimeoutError(f"the request did not finish within {self.settings.request_timeout_seconds:g} s "
                                   "and was cancelled")
 
     def _execute(self, job: Job, cancel: threading.Event, emit: Emit | None) -> GenerationResult:
         """Worker thread: encode, check the context, generate, record metrics."""
-        cache, chat = self.cache, job.endpoint == "chat"
+        cache = self.cache
         try:
-            ids = cache.encode_chat(job.messages, job.tools) if chat else cache.encode_text(job.prompt)
+            ids = cache.encode_chat(job.messages, job.tools) if job.endpoint == "chat" else cache.encode_text(job.prompt)
         except UnicodeError as exc:  # protocol validation should have caught it; never a 500
             raise InvalidRequestError(f"the text cannot be encoded: {exc}") from exc
         max_new = job.max_new_tokens(len(ids), cache.max_context, self.settings.default_max_tokens)
@@ -255,20 +249,33 @@ class TextStream:
             raise RequestTimeoutError("the request did not finish in time and was cancelled") from None
 
 
-async def _unless_disconnected(aw: Awaitable[T], disconnected: Callable[[], Awaitable[None]] | None) -> T:
-    """Await ``aw``; if ``disconnected`` resolves first, cancel it and raise ``ClientClosedError``."""
-    task = asyncio.ensure_future(aw)
+async def _race(task: asyncio.Future, disconnected: Callable[[], Awaitable[None]] | None,
+                timeout: float | None) -> str:
+    """Wait for ``task`` or the client's disconnect, whichever comes first, within ``timeout``.
+
+    Returns "done", "disconnected" or "timeout"; the disconnect watcher never outlives the call.
+    """
     watcher = asyncio.ensure_future(disconnected()) if disconnected is not None else None
     try:
-        done, _ = await asyncio.wait([task] if watcher is None else [task, watcher],
+        done, _ = await asyncio.wait([task] if watcher is None else [task, watcher], timeout=timeout,
                                      return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        task.cancel()
-        raise
     finally:
         if watcher is not None:
             watcher.cancel()
     if task in done:
+        return "done"
+    return "disconnected" if watcher is not None and watcher in done else "timeout"
+
+
+async def _unless_disconnected(aw: Awaitable[T], disconnected: Callable[[], Awaitable[None]] | None) -> T:
+    """Await ``aw``; if ``disconnected`` resolves first, cancel it and raise ``ClientClosedError``."""
+    task = asyncio.ensure_future(aw)
+    try:
+        outcome = await _race(task, disconnected, None)
+    except BaseException:
+        task.cancel()
+        raise
+    if outcome == "done":
         return task.result()
     task.cancel()
     raise ClientClosedError("the client closed the connection before the stream started")
