@@ -36,11 +36,26 @@ class Shared:
 class PrivateBatch:
     """One-token queries of several requests over their private KV, held as slots of one tensor."""
 
-    keys: torch.Tensor  # [S, Hkv, C, D]: member i's keys are keys[slots[i], :, :lengths[i]]
+    keys: torch.Tensor  # [S, Hkv, C, D]: member i's keys are keys[slots[i], :, :length_i]
     values: torch.Tensor  # [S, Hkv, C, D]
-    rows: tuple[int, ...]  # packed query row of each member
-    slots: tuple[int, ...]
-    lengths: tuple[int, ...]  # private keys each member sees (its own new one included)
+    rows: torch.Tensor  # long [n]: packed query row of each member
+    slots: torch.Tensor | None  # long [n]: each member's slot; None when the members are slots 0..S-1 in order
+    mask: torch.Tensor  # additive [S, 1, 1, C]: member i sees its first length_i keys, an idle slot key 0
+
+    @classmethod
+    def build(cls, keys: torch.Tensor, values: torch.Tensor, rows: Sequence[int], slots: Sequence[int],
+              lengths: Sequence[int]) -> PrivateBatch:
+        """Index tensors and mask from plain lists (layer-independent: build once per step)."""
+        slots_n, _, capacity, _ = keys.shape
+        device = keys.device
+        identity = tuple(slots) == tuple(range(slots_n))
+        slot_t = torch.tensor(list(slots), dtype=torch.long, device=device)
+        seen = torch.ones(slots_n, dtype=torch.long, device=device)  # idle slots: a dummy key, dropped later
+        seen[slot_t] = torch.tensor(list(lengths), dtype=torch.long, device=device)
+        visible = torch.arange(capacity, device=device).unsqueeze(0) < seen.unsqueeze(1)  # [S, C]
+        mask = torch.zeros(visible.shape, dtype=keys.dtype, device=device).masked_fill(~visible, float("-inf"))
+        return cls(keys, values, torch.tensor(list(rows), dtype=torch.long, device=device),
+                   None if identity else slot_t, mask.view(slots_n, 1, 1, capacity))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -107,9 +122,8 @@ def cascade_attention(q: torch.Tensor, spans: Sequence[tuple[int, int]], shared:
     l_priv = torch.empty((hkv, g, total), dtype=torch.float32, device=q.device)
     for batch in batches:
         o, lse = _attend_batch(qg, batch, scale)
-        rows = torch.tensor(batch.rows, device=q.device)
-        o_priv.index_copy_(2, rows, o)
-        l_priv.index_copy_(2, rows, lse)
+        o_priv.index_copy_(2, batch.rows, o)
+        l_priv.index_copy_(2, batch.rows, lse)
     for (start, end), kv in zip(spans, private):
         if kv is None:
             continue
@@ -130,24 +144,15 @@ def _attend_batch(qg: torch.Tensor, batch: PrivateBatch, scale: float) -> tuple[
     """Members' one-token queries (rows of qg [Hkv, g, T, D]) over their slots: one call, masked to
     each member's length; slots not in ``batch`` get a dummy key and are dropped. Returns
     out [Hkv, g, n, D] and lse [Hkv, g, n]."""
-    slots_n, hkv, keys, dim = batch.keys.shape
-    device = qg.device
-    rows = torch.tensor(batch.rows, device=device)
-    q = qg.index_select(2, rows).permute(2, 0, 1, 3)  # [n, Hkv, g, D]
-    identity = batch.slots == tuple(range(slots_n))
-    slots = None if identity else torch.tensor(batch.slots, device=device)
-    if identity:
-        qs, lengths = q, torch.tensor(batch.lengths, device=device)
+    q = qg.index_select(2, batch.rows).permute(2, 0, 1, 3)  # [n, Hkv, g, D]
+    if batch.slots is None:
+        qs = q
     else:
-        qs = q.new_zeros((slots_n, *q.shape[1:]))
-        qs.index_copy_(0, slots, q)
-        lengths = torch.ones(slots_n, dtype=torch.long, device=device)
-        lengths[slots] = torch.tensor(batch.lengths, device=device)
-    visible = torch.arange(keys, device=device).unsqueeze(0) < lengths.unsqueeze(1)  # [S, C]
-    mask = torch.zeros(visible.shape, dtype=qg.dtype, device=device).masked_fill(~visible, float("-inf"))
-    o, lse = attend(qs, batch.keys, batch.values, scale, mask.view(slots_n, 1, 1, keys))  # [S, Hkv, g, D]
-    if slots is not None:
-        o, lse = o.index_select(0, slots), lse.index_select(0, slots)
+        qs = q.new_zeros((batch.keys.shape[0], *q.shape[1:]))
+        qs.index_copy_(0, batch.slots, q)
+    o, lse = attend(qs, batch.keys, batch.values, scale, batch.mask)  # [S, Hkv, g, D], [S, Hkv, g]
+    if batch.slots is not None:
+        o, lse = o.index_select(0, batch.slots), lse.index_select(0, batch.slots)
     return o.permute(1, 2, 0, 3), lse.permute(1, 2, 0)
 
 

@@ -216,15 +216,13 @@ class CascadeCache(Cache):
                 entry = pools.setdefault(id(row.private.pool), (row.private.pool, [], []))
                 entry[1].append(row.private)
                 entry[2].append(s)
-        self.pools = list(pools.values())
-        self.batched = {id(kv) for _, members, _ in self.pools for kv in members}
+        self.decoding = [pool.decode_group(members, rows) for pool, members, rows in pools.values()]
+        self.batched = {id(kv) for _, members, _ in pools.values() for kv in members}
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         # key_states: [1, H, T, D] packed; each request's rows go to its private KV
-        for pool, members, rows in self.pools:
-            index = torch.tensor(rows, device=key_states.device)
-            pool.write_tokens(layer_idx, members, key_states[0].index_select(1, index).transpose(0, 1),
-                              value_states[0].index_select(1, index).transpose(0, 1))
+        for group in self.decoding:
+            group.write(layer_idx, key_states[0], value_states[0])
         for row, (s, e) in zip(self.rows, self.spans):
             if id(row.private) not in self.batched:
                 row.private.write(layer_idx, row.start, key_states[0, :, s:e], value_states[0, :, s:e])
@@ -235,7 +233,7 @@ class CascadeCache(Cache):
         shared = [Shared(*_layer_kv(segments, layer), members) for members, segments in self.groups]
         private = [None if id(row.private) in self.batched else row.private.view(layer, row.start + row.count)
                    for row in self.rows]
-        batches = [pool.decode_batch(layer, members, rows) for pool, members, rows in self.pools]
+        batches = [group.batch(layer) for group in self.decoding]
         out = cascade_attention(query[0], self.spans, shared, private, scale, batches)  # [Hq, T, D]
         self.calls += 1
         return out.transpose(0, 1).unsqueeze(0)

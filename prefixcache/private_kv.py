@@ -12,6 +12,8 @@ never pads every other slot to its length.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 
 from prefixcache.cascade import PrivateBatch
@@ -77,19 +79,38 @@ class PrivatePool:
             kv.slot, owners[new_slot] = new_slot, kv
         self.slab, self.owners = grown, owners
 
-    def write_tokens(self, layer: int, members: list[PrivateKV], keys: torch.Tensor, values: torch.Tensor) -> None:
-        """One new token per member: keys/values ``[n, H, D]`` go to each member's next position."""
-        slots = torch.tensor([kv.slot for kv in members], device=self.device)
-        positions = torch.tensor([kv.length for kv in members], device=self.device)
-        self.slab[layer, 0][slots, :, positions] = keys
-        self.slab[layer, 1][slots, :, positions] = values
+    def decode_group(self, members: list[PrivateKV], rows: list[int]) -> DecodeGroup:
+        """The members decoding one token each in the next forward (``rows``: their packed query rows).
 
-    def decode_batch(self, layer: int, members: list[PrivateKV], rows: list[int]) -> PrivateBatch:
-        """Attention inputs for members decoding one token each (their new key already written)."""
-        lengths = tuple(kv.length + 1 for kv in members)
+        Its indices and mask do not depend on the layer, so they are built here, once per step.
+        """
+        lengths = [kv.length + 1 for kv in members]  # their new key included
         end = max(lengths)
-        return PrivateBatch(self.slab[layer, 0, :, :, :end], self.slab[layer, 1, :, :, :end], tuple(rows),
-                            tuple(kv.slot for kv in members), lengths)
+        slots = [kv.slot for kv in members]
+        template = PrivateBatch.build(self.slab[0, 0, :, :, :end], self.slab[0, 1, :, :, :end], rows, slots, lengths)
+        positions = torch.tensor([kv.length for kv in members], dtype=torch.long, device=self.device)
+        return DecodeGroup(self, template, torch.tensor(slots, dtype=torch.long, device=self.device), positions, end)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeGroup:
+    """One pool's decoding members in one forward: a write and an attention call per layer."""
+
+    pool: PrivatePool
+    template: PrivateBatch  # index tensors and mask (the layer-0 views are replaced per layer)
+    slots: torch.Tensor  # long [n]
+    positions: torch.Tensor  # long [n]: where each member's new token goes
+    end: int  # keys read per slot
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store the members' new keys/values, taken from packed ``[H, T, D]`` at their rows."""
+        slab, rows = self.pool.slab, self.template.rows
+        slab[layer, 0][self.slots, :, self.positions] = keys.index_select(1, rows).transpose(0, 1)
+        slab[layer, 1][self.slots, :, self.positions] = values.index_select(1, rows).transpose(0, 1)
+
+    def batch(self, layer: int) -> PrivateBatch:
+        slab = self.pool.slab
+        return replace(self.template, keys=slab[layer, 0, :, :, : self.end], values=slab[layer, 1, :, :, : self.end])
 
 
 class PrivateKV:

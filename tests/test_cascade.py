@@ -77,8 +77,8 @@ def test_private_batch_of_single_token_queries_matches_plain_attention(slots):
     spans = [(i, i + 1) for i in range(len(slots))] + [(len(slots), len(slots) + 3)]  # last: a 3-token prefill
     own = (torch.randn(hkv, 7, d), torch.randn(hkv, 7, d))
     q = torch.randn(hq, len(slots) + 3, d)
-    batch = PrivateBatch(keys[:, :, : max(lengths)], values[:, :, : max(lengths)], tuple(range(len(slots))),
-                         slots, lengths)
+    batch = PrivateBatch.build(keys[:, :, : max(lengths)], values[:, :, : max(lengths)], range(len(slots)),
+                               slots, lengths)
     out = cascade_attention(q, spans, [prefix], [None] * len(slots) + [own], 0.3, [batch])
     for i, (slot, n) in enumerate(zip(slots, lengths)):
         ref = reference(q[:, i : i + 1], torch.cat([prefix.keys, keys[slot, :, :n]], 1),
