@@ -41,6 +41,7 @@ class PrivateBatch:
     rows: torch.Tensor  # long [n]: packed query row of each member
     slots: torch.Tensor | None  # long [n]: each member's slot; None when the members are slots 0..S-1 in order
     mask: torch.Tensor  # additive [S, 1, 1, C]: member i sees its first length_i keys, an idle slot key 0
+    in_order: bool = False  # rows are 0..n-1: member i is packed row i (a step of decodes only)
 
     @classmethod
     def build(cls, keys: torch.Tensor, values: torch.Tensor, rows: Sequence[int], slots: Sequence[int],
@@ -54,8 +55,9 @@ class PrivateBatch:
         seen[slot_t] = torch.tensor(list(lengths), dtype=torch.long, device=device)
         visible = torch.arange(capacity, device=device).unsqueeze(0) < seen.unsqueeze(1)  # [S, C]
         mask = torch.zeros(visible.shape, dtype=keys.dtype, device=device).masked_fill(~visible, float("-inf"))
-        return cls(keys, values, torch.tensor(list(rows), dtype=torch.long, device=device),
-                   None if identity else slot_t, mask.view(slots_n, 1, 1, capacity))
+        rows_t = torch.tensor(list(rows), dtype=torch.long, device=device)
+        return cls(keys, values, rows_t, None if identity else slot_t, mask.view(slots_n, 1, 1, capacity),
+                   tuple(rows) == tuple(range(len(rows))))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -87,39 +89,69 @@ def causal_tail_mask(rows: int, keys: int, groups: int, dtype: torch.dtype, devi
     return mask.repeat(groups, 1)
 
 
-def merge(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
-    """Exact merge of partial attentions. outs: [S, ..., R, D], lses: [S, ..., R] (-inf = part absent)."""
-    total = torch.logsumexp(lses, dim=0)  # [..., R]
-    weights = torch.exp(lses - total.unsqueeze(0)).unsqueeze(-1)  # [S, ..., R, 1]
-    return (outs.float() * weights).sum(dim=0)
+def merge_two(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+    """Exact merge of two partial attentions over disjoint key sets (float32 result).
+
+    Softmax over the union weighs part a by exp(lse_a) / (exp(lse_a) + exp(lse_b)) =
+    sigmoid(lse_a - lse_b). o: [..., R, D], lse: [..., R] (float32); part b must be
+    present (finite lse) on every row. The union's lse is ``torch.logaddexp(lse_a, lse_b)``.
+    """
+    weight_a = torch.sigmoid(lse_a - lse_b).unsqueeze(-1)
+    return torch.lerp(o_b.float(), o_a.float(), weight_a)
 
 
 def cascade_attention(q: torch.Tensor, spans: Sequence[tuple[int, int]], shared: Sequence[Shared],
                       private: Sequence[tuple[torch.Tensor, torch.Tensor] | None], scale: float,
                       batches: Sequence[PrivateBatch] = ()) -> torch.Tensor:
     """Packed cascade attention. q: [Hq, T, D]; private[i]: ([Hkv, m_i, D], [Hkv, m_i, D]), or None
-    for a request whose row is in one of ``batches``. Returns [Hq, T, D]."""
+    for a request whose row is in one of ``batches``. Returns [Hq, T, D].
+
+    Segments with the same ``members`` share one selection of query rows and one scatter
+    (a chain of stored runs read by one request costs one call per run, no copies)."""
     hq, total, dim = q.shape
     hkv = next((p[0].shape[0] for p in private if p is not None), None) or batches[0].keys.shape[1]
     g = hq // hkv
     qg = q.reshape(hkv, g, total, dim)  # [Hkv, g, T, D]
-    outs, lses = [], []
+    acc, acc_lse = _attend_private(qg, spans, private, scale, batches)  # present on every row
+    by_members: dict[tuple[int, ...], list[Shared]] = {}
     for seg in shared:
-        rows = _member_rows(seg.members, spans, total, q.device)
+        by_members.setdefault(tuple(seg.members), []).append(seg)
+    acc = acc.float()
+    for n, (members, segs) in enumerate(by_members.items()):
+        rows = _member_rows(members, spans, total, q.device)
         sel = qg if rows is None else qg.index_select(2, rows)
         r = sel.shape[2]
-        o, lse = attend(sel.reshape(1, hkv, g * r, dim), seg.keys.unsqueeze(0), seg.values.unsqueeze(0), scale)
+        flat = sel.reshape(1, hkv, g * r, dim)
+        o_part = lse_part = None
+        for seg in segs:
+            o, lse = attend(flat, seg.keys.unsqueeze(0), seg.values.unsqueeze(0), scale)
+            o, lse = o.view(hkv, g, r, dim), lse.view(hkv, g, r)
+            if o_part is None:
+                o_part, lse_part = o, lse
+            else:
+                o_part, lse_part = merge_two(o, lse, o_part, lse_part), torch.logaddexp(lse, lse_part)
+        last = n + 1 == len(by_members)
         if rows is None:
-            o_full, l_full = o.view(hkv, g, r, dim), lse.view(hkv, g, r)
+            acc = merge_two(o_part, lse_part, acc, acc_lse)
+            acc_lse = acc_lse if last else torch.logaddexp(lse_part, acc_lse)
         else:
-            o_full = q.new_zeros((hkv, g, total, dim))
-            l_full = torch.full((hkv, g, total), float("-inf"), dtype=torch.float32, device=q.device)
-            o_full.index_copy_(2, rows, o.view(hkv, g, r, dim))
-            l_full.index_copy_(2, rows, lse.view(hkv, g, r))
-        outs.append(o_full)
-        lses.append(l_full)
-    o_priv = q.new_empty((hkv, g, total, dim))
-    l_priv = torch.empty((hkv, g, total), dtype=torch.float32, device=q.device)
+            here = acc_lse.index_select(2, rows)
+            acc.index_copy_(2, rows, merge_two(o_part, lse_part, acc.index_select(2, rows), here))
+            if not last:
+                acc_lse.index_copy_(2, rows, torch.logaddexp(lse_part, here))
+    return acc.to(q.dtype).reshape(hq, total, dim)
+
+
+def _attend_private(qg: torch.Tensor, spans: Sequence[tuple[int, int]],
+                    private: Sequence[tuple[torch.Tensor, torch.Tensor] | None], scale: float,
+                    batches: Sequence[PrivateBatch]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row over its request's private KV (which holds at least the row's own key):
+    out [Hkv, g, T, D] and lse [Hkv, g, T] (float32)."""
+    hkv, g, total, dim = qg.shape
+    if len(batches) == 1 and batches[0].in_order and batches[0].rows.shape[0] == total:
+        return _attend_batch(qg, batches[0], scale)  # a step of decodes only: every row, in order
+    o_priv = qg.new_empty((hkv, g, total, dim))
+    l_priv = torch.empty((hkv, g, total), dtype=torch.float32, device=qg.device)
     for batch in batches:
         o, lse = _attend_batch(qg, batch, scale)
         o_priv.index_copy_(2, batch.rows, o)
@@ -129,22 +161,20 @@ def cascade_attention(q: torch.Tensor, spans: Sequence[tuple[int, int]], shared:
             continue
         k, v = kv
         r = end - start
-        mask = None if r == 1 else causal_tail_mask(r, k.shape[1], g, q.dtype, q.device)
+        mask = None if r == 1 else causal_tail_mask(r, k.shape[1], g, qg.dtype, qg.device)
         sel = qg[:, :, start:end].reshape(1, hkv, g * r, dim)
         o, lse = attend(sel, k.unsqueeze(0), v.unsqueeze(0), scale, mask)
         o_priv[:, :, start:end] = o.view(hkv, g, r, dim)
         l_priv[:, :, start:end] = lse.view(hkv, g, r)
-    if not outs:
-        return o_priv.reshape(hq, total, dim)
-    merged = merge(torch.stack([*outs, o_priv]), torch.stack([*lses, l_priv]))
-    return merged.to(q.dtype).reshape(hq, total, dim)
+    return o_priv, l_priv
 
 
 def _attend_batch(qg: torch.Tensor, batch: PrivateBatch, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Members' one-token queries (rows of qg [Hkv, g, T, D]) over their slots: one call, masked to
     each member's length; slots not in ``batch`` get a dummy key and are dropped. Returns
     out [Hkv, g, n, D] and lse [Hkv, g, n]."""
-    q = qg.index_select(2, batch.rows).permute(2, 0, 1, 3)  # [n, Hkv, g, D]
+    rows = qg if batch.in_order and batch.rows.shape[0] == qg.shape[2] else qg.index_select(2, batch.rows)
+    q = rows.permute(2, 0, 1, 3)  # [n, Hkv, g, D]
     if batch.slots is None:
         qs = q
     else:

@@ -196,9 +196,9 @@ class CascadeCache(Cache):
         for row in self.rows:
             self.spans.append((pos, pos + row.count))
             pos += row.count
-        # Segments read by exactly the same requests are attended as one key set: attention
-        # is order-free over keys (positions are already in them), so a chain of prefix blocks
-        # costs one call per layer instead of one per block.
+        # Segments read by exactly the same requests form a group: attention is order-free
+        # over keys (positions are already in them), so a group's blocks are coalesced into
+        # runs (blocks stored by one insert are one tensor) and cost one call per run and layer.
         members_of: dict[tuple[int, int], tuple[torch.Tensor, int, list[int]]] = {}
         for i, row in enumerate(self.rows):
             for snap, used in row.segments:
@@ -230,23 +230,16 @@ class CascadeCache(Cache):
 
     def attend(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
         """query: [1, Hq, T, D] → attention output [1, T, Hq, D] (the layout attention functions return)."""
-        shared = [Shared(*_layer_kv(segments, layer), members) for members, segments in self.groups]
+        # One call per stored run (a view, never a copy): copying a chain of runs into one key
+        # set per layer per step costs more than the extra calls and merges.
+        shared = [Shared(snap[layer, 0, :, :used], snap[layer, 1, :, :used], members)
+                  for members, segments in self.groups for snap, used in segments]
         private = [None if id(row.private) in self.batched else row.private.view(layer, row.start + row.count)
                    for row in self.rows]
         batches = [group.batch(layer) for group in self.decoding]
         out = cascade_attention(query[0], self.spans, shared, private, scale, batches)  # [Hq, T, D]
         self.calls += 1
         return out.transpose(0, 1).unsqueeze(0)
-
-
-def _layer_kv(segments: Sequence[tuple[torch.Tensor, int]], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's keys and values [H, n, D] over ``segments``: a view for one, a transient concat for more."""
-    if len(segments) == 1:
-        snap, used = segments[0]
-        return snap[layer, 0, :, :used], snap[layer, 1, :, :used]
-    keys = torch.cat([snap[layer, 0, :, :used] for snap, used in segments], dim=1)
-    values = torch.cat([snap[layer, 1, :, :used] for snap, used in segments], dim=1)
-    return keys, values
 
 
 def _cascade_forward(module, query, key, value, attention_mask, *args, delegate=None, **kwargs):

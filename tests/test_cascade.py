@@ -39,6 +39,10 @@ def test_packed_ragged_queries_and_partial_membership():
     seg_a = Shared(torch.randn(hkv, 20, d), torch.randn(hkv, 20, d), (0, 1, 2))
     seg_b = Shared(torch.randn(hkv, 9, d), torch.randn(hkv, 9, d), (0, 2))
     seg_c = Shared(torch.randn(hkv, 4, d), torch.randn(hkv, 4, d), (1,))
+    # Chains of stored runs: more segments with the same members, not next to their siblings.
+    seg_b2 = Shared(torch.randn(hkv, 6, d), torch.randn(hkv, 6, d), (0, 2))
+    seg_c2 = Shared(torch.randn(hkv, 11, d), torch.randn(hkv, 11, d), (1,))
+    segments = [seg_a, seg_b, seg_c, seg_b2, seg_c2]
     queries = [3, 1, 7, 2]  # request 3 has no shared prefix
     spans, pos = [], 0
     for r in queries:
@@ -46,9 +50,9 @@ def test_packed_ragged_queries_and_partial_membership():
         pos += r
     private = [(torch.randn(hkv, r + extra, d), torch.randn(hkv, r + extra, d)) for r, extra in zip(queries, (0, 5, 2, 9))]
     q = torch.randn(hq, pos, d)
-    out = cascade_attention(q, spans, [seg_a, seg_b, seg_c], private, scale=0.25)
+    out = cascade_attention(q, spans, segments, private, scale=0.25)
     for i, ((s, e), (k, v)) in enumerate(zip(spans, private)):
-        segs = [sg for sg in (seg_a, seg_b, seg_c) if i in sg.members]
+        segs = [sg for sg in segments if i in sg.members]
         keys = torch.cat([*(sg.keys for sg in segs), k], 1)
         values = torch.cat([*(sg.values for sg in segs), v], 1)
         torch.testing.assert_close(out[:, s:e], reference(q[:, s:e], keys, values, 0.25), rtol=1e-5, atol=1e-5)
@@ -87,6 +91,46 @@ def test_private_batch_of_single_token_queries_matches_plain_attention(slots):
     s, e = spans[-1]
     ref = reference(q[:, s:e], torch.cat([prefix.keys, own[0]], 1), torch.cat([prefix.values, own[1]], 1), 0.3)
     torch.testing.assert_close(out[:, s:e], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_decode_only_step_reads_every_row_from_one_batch(dtype, tol):
+    """A step of decodes only (every packed row in one batch, in order): the batch output is
+    used as is, then folded with a prefix shared by all and one shared by a subset."""
+    from prefixcache.cascade import PrivateBatch
+
+    torch.manual_seed(11)
+    hq, hkv, d, n = 6, 2, 8, 4
+    keys, values = torch.randn(n, hkv, 10, d, dtype=dtype), torch.randn(n, hkv, 10, d, dtype=dtype)
+    lengths = (3, 10, 1, 6)
+    common = Shared(torch.randn(hkv, 12, d, dtype=dtype), torch.randn(hkv, 12, d, dtype=dtype), (0, 1, 2, 3))
+    some = Shared(torch.randn(hkv, 5, d, dtype=dtype), torch.randn(hkv, 5, d, dtype=dtype), (1, 3))
+    q = torch.randn(hq, n, d, dtype=dtype)
+    batch = PrivateBatch.build(keys, values, range(n), range(n), lengths)
+    assert batch.in_order and batch.slots is None
+    out = cascade_attention(q, [(i, i + 1) for i in range(n)], [common, some], [None] * n, 0.3, [batch])
+    assert out.dtype == dtype
+    for i, m in enumerate(lengths):
+        segs = [sg for sg in (common, some) if i in sg.members]
+        ks = torch.cat([*(sg.keys for sg in segs), keys[i, :, :m]], 1).float()
+        vs = torch.cat([*(sg.values for sg in segs), values[i, :, :m]], 1).float()
+        ref = reference(q[:, i : i + 1].float(), ks, vs, 0.3)
+        torch.testing.assert_close(out[:, i : i + 1].float(), ref, rtol=tol, atol=tol)
+
+
+def test_merge_two_equals_softmax_over_the_union():
+    from prefixcache.cascade import attend, merge_two
+
+    torch.manual_seed(5)
+    q = torch.randn(1, 2, 3, 8)
+    ka, va, kb, vb = torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    oa, la = attend(q, ka, va, 0.5)
+    ob, lb = attend(q, kb, vb, 0.5)
+    whole, lw = attend(q, torch.cat([ka, kb], 2), torch.cat([va, vb], 2), 0.5)
+    torch.testing.assert_close(merge_two(oa, la, ob, lb), whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.logaddexp(la, lb), lw, rtol=1e-5, atol=1e-5)
+    absent = torch.full_like(la, float("-inf"))  # part a on no row: part b unchanged, never NaN
+    torch.testing.assert_close(merge_two(torch.zeros_like(oa), absent, ob, lb), ob)
 
 
 def test_private_pool_slots_grow_repack_and_free():
