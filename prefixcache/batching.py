@@ -22,7 +22,7 @@ from prefixcache.kv_cache import (
 )
 from prefixcache.sampling import fallback_generate, sample_next
 from prefixcache.scheduler import BatchRequest, SamplingParams, admission_order, plan_step
-from prefixcache.store import KVStore
+from prefixcache.store import KVStore, coalesce
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,10 @@ class BatchConfig:
     pool_max_tokens: int = 512  # requests that may hold more private tokens get a pool of their own
     max_wait_seconds: float = 2.0  # a request waiting longer is admitted first
     max_private_tokens: int = 1 << 16  # admission budget: private KV tokens reserved by active requests
+    #: Most cached tokens a request copies into its private KV at admission: the tail of
+    #: its prefix no other request reads (its own conversation), so a chain of stored runs
+    #: costs one private read per layer instead of one call per run. The copy is counted.
+    fold_max_tokens: int = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,20 +167,51 @@ class BatchEngine:
                 self._waiting.remove(req)
                 self._finish(req, "cancelled", None)
                 continue
-            if self._follows_a_prefill(req):
-                continue  # its prefix is being computed right now: wait for it to be stored
-            self._refresh_lease(req)
-            if self._active and reserved + req.private_need > cfg.max_private_tokens:
-                break  # keep order: the head of the queue is never overtaken for memory
-            self._waiting.remove(req)
-            # Short requests share the pool (decoded together); a long one must not pad every slot.
-            pool = (self._pool if req.private_need <= cfg.pool_max_tokens
-                    else private_pool(self.layout, cfg.private_chunk))
-            req.private = pool.acquire()
-            if req.params.seed is not None:
-                req.generator = torch.Generator(device=self.layout.device).manual_seed(req.params.seed)
+            try:
+                if self._follows_a_prefill(req):
+                    continue  # its prefix is being computed right now: wait for it to be stored
+                self._refresh_lease(req)
+                req.read_steps = self._read_in_place(req)
+                if self._active and reserved + req.private_need > cfg.max_private_tokens:
+                    break  # keep order: the head of the queue is never overtaken for memory
+                self._waiting.remove(req)
+                # Short requests share the pool (decoded together); a long one must not pad every slot.
+                pool = (self._pool if req.private_need <= cfg.pool_max_tokens
+                        else private_pool(self.layout, cfg.private_chunk))
+                req.private = pool.acquire()
+                for snap, used in coalesce(req.copied):
+                    req.private.load(snap[:, :, :, :used])
+                if req.params.seed is not None:
+                    req.generator = torch.Generator(device=self.layout.device).manual_seed(req.params.seed)
+            except Exception as exc:  # noqa: BLE001 - fail this request only; the loop keeps serving
+                log.exception("could not admit a request")
+                if req in self._waiting:
+                    self._waiting.remove(req)
+                self._finish(req, None, exc)
+                continue
             reserved += req.private_need
             self._active.append(req)
+
+    def _read_in_place(self, req: BatchRequest) -> int | None:
+        """How many of ``req``'s cached steps to read in place each step (None: all).
+
+        The tail after them is copied into its private KV once: the longest run of final
+        steps that no other active or waiting request holds, up to ``fold_max_tokens``,
+        when that saves calls (it is all of its own steps, or spans more than one stored run).
+        """
+        steps = [] if req.lease is None else req.lease.steps
+        others = {id(st.node) for r in (*self._active, *self._waiting) if r is not req and r.lease is not None
+                  for st in r.lease.steps}
+        k, tail = len(steps), 0
+        while k > 0 and id(steps[k - 1].node) not in others and tail + steps[k - 1].used <= self.config.fold_max_tokens:
+            k -= 1
+            tail += steps[k].used
+        if tail == 0:
+            return None
+        whole = k == 0 or id(steps[k - 1].node) in others
+        if not whole and len(coalesce([(st.node.kv, st.used) for st in steps[k:]])) < 2:
+            return None
+        return k
 
     def _follows_a_prefill(self, req: BatchRequest) -> bool:
         """Whether an active request is still prefilling the tokens right after ``req``'s cached prefix.

@@ -129,6 +129,13 @@ class PrivateKV:
         slab[layer, 0, self.slot, :, start : start + n].copy_(keys)
         slab[layer, 1, self.slot, :, start : start + n].copy_(values)
 
+    def load(self, kv: torch.Tensor) -> None:
+        """Append tokens computed elsewhere: ``kv`` [L, 2, H, n, D] (e.g. a stored snapshot's tail)."""
+        n = kv.shape[3]
+        self.reserve(self.length + n)
+        self.pool.slab[:, :, self.slot, :, self.length : self.length + n].copy_(kv)
+        self.length += n
+
     def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         slab = self.pool.slab
         return slab[layer, 0, self.slot, :, :end], slab[layer, 1, self.slot, :, :end]  # [H, end, D], no copy

@@ -51,15 +51,25 @@ class BatchRequest:
     error: BaseException | None = None
     stats: CallStats = field(default_factory=CallStats)
     done: threading.Event = field(default_factory=threading.Event)
+    #: Lease steps read in place at every step; the cached tokens after them were copied
+    #: into the private KV at admission (None: every step is read in place).
+    read_steps: int | None = None
 
     @property
     def cached(self) -> int:
         return 0 if self.lease is None else self.lease.cached_tokens
 
     @property
+    def base(self) -> int:
+        """Tokens read in place from stored snapshots; the private KV holds the tokens from here on."""
+        if self.lease is None or self.read_steps is None:
+            return self.cached
+        return sum(s.used for s in self.lease.steps[: self.read_steps])
+
+    @property
     def held(self) -> int:
         """Tokens whose KV exists (prefix snapshots + private)."""
-        return self.cached + (0 if self.private is None else self.private.length)
+        return self.base + (0 if self.private is None else self.private.length)
 
     @property
     def prefilling(self) -> bool:
@@ -67,7 +77,17 @@ class BatchRequest:
 
     @property
     def segments(self) -> list[tuple[torch.Tensor, int]]:
-        return [] if self.lease is None else [(s.node.kv, s.used) for s in self.lease.steps]
+        """Snapshots read in place: (tensor [L, 2, H, n, D], tokens used), in order."""
+        if self.lease is None:
+            return []
+        return [(s.node.kv, s.used) for s in self.lease.steps[: self.read_steps]]
+
+    @property
+    def copied(self) -> list[tuple[torch.Tensor, int]]:
+        """Cached snapshots after ``read_steps``: copied into the private KV at admission."""
+        if self.lease is None or self.read_steps is None:
+            return []
+        return [(s.node.kv, s.used) for s in self.lease.steps[self.read_steps :]]
 
     @property
     def group(self) -> int:
@@ -81,7 +101,7 @@ class BatchRequest:
         for snap, used in self.segments:
             pieces.append((pos, pos + used, lambda a, b, s=snap: s[:, :, :, a:b]))
             pos += used
-        pieces.append((pos, self.held, self.private.window))
+        pieces.append((pos, self.held, self.private.window))  # pos == base
 
         def slice_kv(start: int, end: int) -> torch.Tensor:
             parts = [fn(max(start, lo) - lo, min(end, hi) - lo) for lo, hi, fn in pieces if start < hi and end > lo]
@@ -90,8 +110,8 @@ class BatchRequest:
 
     @property
     def private_need(self) -> int:
-        """Private tokens this request may hold at most (suffix + answer)."""
-        return len(self.prompt) - self.cached + self.params.max_new_tokens
+        """Private tokens this request may hold at most (copied cached tail + suffix + answer)."""
+        return len(self.prompt) - self.base + self.params.max_new_tokens
 
 
 def admission_order(waiting: Sequence[BatchRequest], now: float, max_wait: float) -> list[BatchRequest]:

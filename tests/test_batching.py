@@ -223,3 +223,56 @@ def test_followers_wait_for_a_running_prefill_of_their_prefix():
         check_released(engine)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("fold_max", [0, 1024])
+def test_own_history_is_copied_into_private_system_prompt_read_in_place(fold_max):
+    """Concurrent conversations on one system prompt: each one's own history (several stored
+    runs, read by nobody else) is copied into its private KV once; answers stay exact."""
+    model, ref = build_tiny("llama-gqa"), build_tiny("llama-gqa")
+    engine = make_engine(model, block_size=8, max_batch=4, fold_max_tokens=fold_max)
+    try:
+        system = list(range(10, 50))  # 40 tokens = 5 blocks
+        history = [list(system) for _ in range(3)]
+        for turn in range(2):  # one insert per turn: each history is a chain of runs
+            for u, h in enumerate(history):
+                h += [60 + 10 * u + turn, 61 + 10 * u, 62 + turn]
+                h += engine.generate(h, NS, "t", SamplingParams(max_new_tokens=5)).tokens
+        prompts = [h + [90 + u, 91] for u, h in enumerate(history)]
+        reqs = [engine.submit(p, NS, "t", params(6)) for p in prompts]
+        for req, prompt in zip(reqs, prompts):
+            got = engine.wait(req, timeout=60)
+            assert got.tokens == expected(ref, prompt, 6)
+            assert got.stats.cached_tokens == len(prompt) - 3  # all but the new question's last block
+            if fold_max:
+                assert req.base == len(system) and len(req.copied) >= 2  # own turns copied, system shared
+                assert sum(used for _, used in req.copied) == req.cached - len(system)
+            else:
+                assert req.read_steps is None and req.base == req.cached
+        check_released(engine)
+    finally:
+        engine.close()
+
+
+def test_a_failure_while_admitting_fails_that_request_only():
+    """An error while admitting (here: choosing what to copy) reaches that caller; the loop lives on."""
+    model = build_tiny("llama-gqa")
+    engine = make_engine(model)
+    try:
+        real = engine._read_in_place
+        broken = {"left": 1}
+
+        def fail_once(req):
+            if broken["left"]:
+                broken["left"] -= 1
+                raise RuntimeError("admission broke")
+            return real(req)
+        engine._read_in_place = fail_once
+        first = engine.submit([5, 6, 7, 8], NS, "t", SamplingParams(max_new_tokens=2))
+        with pytest.raises(RuntimeError, match="admission broke"):
+            engine.wait(first, timeout=30)  # a dead loop would time out instead
+        got = engine.wait(engine.submit([5, 6, 7, 9], NS, "t", SamplingParams(max_new_tokens=2)), timeout=30)
+        assert got.tokens == expected(model, [5, 6, 7, 9], 2)
+        check_released(engine)
+    finally:
+        engine.close()

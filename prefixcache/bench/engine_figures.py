@@ -10,6 +10,8 @@ Run: ``python -m prefixcache.bench.engine_figures [--dtype bfloat16] [--new-toke
   both and the peak KV the batching engine held (store + private pools) against the
   ideal ``prefix + C·(question + new tokens)``.
 - ``latency``: TTFT of a short request alone and while a long uncached prompt prefills.
+- ``turns``: decode step of 3 conversations on one system prompt, each with stored turns
+  of its own, with and without copying each one's own history into its private KV.
 """
 from __future__ import annotations
 
@@ -141,6 +143,51 @@ def short_behind_long(model, long_tokens: int = 3072, prefix_len: int = 2048, qu
     return {"short_alone_ttft_s": alone, "short_during_long_prefill_ttft_s": during, "long_prefill_ttft_s": long_ttft}
 
 
+def conversation_steps(model, users: int = 3, turns: int = 3, system_len: int = 2048, question: int = 128,
+                       answer: int = 32, new_tokens: int = 24, block_size: int = 64) -> dict[str, float]:
+    """Decode step of ``users`` conversations on one system prompt, each with ``turns`` stored
+    turns of its own (one insert per turn: a chain of runs), the next turn sent at once.
+
+    Measured with the own-history copy at admission (``fold_max_tokens``, default) and
+    without it (every stored run read in place each step), and for one conversation alone.
+    """
+    vocab = _vocab(model)
+    system = _prefix(system_len, vocab)
+    out: dict[str, float] = {}
+    fold_default = BatchConfig().fold_max_tokens
+    for label, fold, count in (("folded", fold_default, users), ("in_place", 0, users), ("alone", fold_default, 1)):
+        engine = BatchEngine(model, _store(block_size), time.monotonic, BatchConfig(fold_max_tokens=fold))
+        try:
+            engine.generate(system, NS, "bench", SamplingParams(max_new_tokens=1))
+            history = [list(system) for _ in range(count)]
+            for turn in range(turns):
+                for u, h in enumerate(history):
+                    h += _question(100 * u + turn, question, vocab)
+                    h += engine.generate(h, NS, "bench", SamplingParams(max_new_tokens=answer)).tokens
+            prompts = [h + _question(100 * u + turns, question, vocab) for u, h in enumerate(history)]
+            out[f"{label}_step_s"] = _step_seconds(engine, prompts, new_tokens)
+        finally:
+            engine.close()
+    out["in_place_over_folded"] = out["in_place_step_s"] / out["folded_step_s"]
+    out["folded_over_alone"] = out["folded_step_s"] / out["alone_step_s"]
+    return out
+
+
+def _step_seconds(engine: BatchEngine, prompts: list[list[int]], new_tokens: int) -> float:
+    """Median seconds per decode step once every prompt is decoding (after the last first token)."""
+    stamps: list[float] = []
+    reqs = [engine.submit(p, NS, "bench", SamplingParams(max_new_tokens=new_tokens),
+                          on_token=(lambda _t: stamps.append(time.monotonic())) if i == 0 else None)
+            for i, p in enumerate(prompts)]
+    results = [engine.wait(r) for r in reqs]
+    last_first = max(r.stats.ttft_seconds for r in results)
+    start = reqs[0].arrival + last_first  # the engine's clock is time.monotonic: every request is decoding
+    steady = [t for t in stamps if t > start]
+    if len(steady) < 2:
+        raise ValueError(f"only {len(steady)} decode steps with every request running: raise new_tokens")
+    return statistics.median(b - a for a, b in zip(steady, steady[1:]))
+
+
 def main(argv: list[str] | None = None) -> None:
     from prefixcache.loading import load_default_model
 
@@ -153,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--question", type=int, default=128, help="tokens after the prefix per request")
     parser.add_argument("--new-tokens", type=int, default=16, help="tokens generated per request")
     parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--only", choices=("step", "concurrent", "latency"), default=None)
+    parser.add_argument("--only", choices=("step", "concurrent", "latency", "turns"), default=None)
     args = parser.parse_args(argv)
     model, _ = load_default_model(dtype=getattr(torch, args.dtype))
     out: dict[str, object] = {"dtype": args.dtype, "threads": torch.get_num_threads()}
@@ -164,6 +211,9 @@ def main(argv: list[str] | None = None) -> None:
                                                  args.block_size)
     if args.only in (None, "latency"):
         out["latency"] = short_behind_long(model, prefix_len=args.prefix, block_size=args.block_size)
+    if args.only in (None, "turns"):
+        out["turns"] = conversation_steps(model, system_len=args.prefix, question=args.question,
+                                          block_size=args.block_size)
     print(json.dumps(out, indent=1))
 
 

@@ -1,7 +1,9 @@
 """The batching engine's own figures (python -m prefixcache.bench.engine_figures) on a tiny model."""
 from __future__ import annotations
 
-from prefixcache.bench.engine_figures import concurrent_vs_serial, short_behind_long, step_times
+from prefixcache.bench.engine_figures import (
+    concurrent_vs_serial, conversation_steps, short_behind_long, step_times,
+)
 from tests.conftest import build_tiny
 
 
@@ -26,3 +28,10 @@ def test_short_behind_long_on_a_tiny_model():
                             block_size=16)
     assert got["short_alone_ttft_s"] > 0 and got["short_during_long_prefill_ttft_s"] > 0
     assert got["long_prefill_ttft_s"] > 0
+
+
+def test_conversation_steps_on_a_tiny_model():
+    got = conversation_steps(build_tiny("llama-gqa"), users=2, turns=2, system_len=48, question=8, answer=4,
+                             new_tokens=6, block_size=8)
+    assert got["folded_step_s"] > 0 and got["in_place_step_s"] > 0 and got["alone_step_s"] > 0
+    assert got["in_place_over_folded"] == got["in_place_step_s"] / got["folded_step_s"]
