@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from prefixcache.config import check_int, check_positive
 from prefixcache.engine import CallStats, Engine
 from prefixcache.kv_cache import (
     CASCADE_KWARG, CascadeCache, CascadeRow, KVLayout, UnsupportedModelError, check_cascade,
@@ -44,6 +45,13 @@ class BatchConfig:
     #: its prefix no other request reads (its own conversation), so a chain of stored runs
     #: costs one private read per layer instead of one call per run. The copy is counted.
     fold_max_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "token_budget", "prefill_chunk", "private_chunk", "max_private_tokens"):
+            check_int(name, getattr(self, name), 1, None)
+        check_int("pool_max_tokens", self.pool_max_tokens, 0, None)
+        check_int("fold_max_tokens", self.fold_max_tokens, 0, None)
+        check_positive("max_wait_seconds", self.max_wait_seconds)
 
 
 @dataclass(frozen=True, slots=True)

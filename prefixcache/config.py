@@ -41,28 +41,28 @@ class CacheConfig:
     namespace_extra: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        _int_in("max_bytes", self.max_bytes, 0, None)
-        _int_in("block_size", self.block_size, 1, 4096)
+        check_int("max_bytes", self.max_bytes, 0, None)
+        check_int("block_size", self.block_size, 1, 4096)
         if self.ttl_seconds is not None:
-            _float_positive("ttl_seconds", self.ttl_seconds)
+            check_positive("ttl_seconds", self.ttl_seconds)
         if self.tenant_quota_bytes is not None:
-            _int_in("tenant_quota_bytes", self.tenant_quota_bytes, 0, None)
-        _float_positive("sweep_interval_seconds", self.sweep_interval_seconds)
+            check_int("tenant_quota_bytes", self.tenant_quota_bytes, 0, None)
+        check_positive("sweep_interval_seconds", self.sweep_interval_seconds)
         if self.unicode_normalization is not None and self.unicode_normalization not in UNICODE_FORMS:
             raise ConfigError("unicode_normalization", self.unicode_normalization, f"None or one of {UNICODE_FORMS}")
         if self.hash_seed is not None:
-            _int_in("hash_seed", self.hash_seed, 0, 2**64 - 1)
+            check_int("hash_seed", self.hash_seed, 0, 2**64 - 1)
         if not all(isinstance(s, str) for s in self.namespace_extra):
             raise ConfigError("namespace_extra", self.namespace_extra, "a tuple of strings")
 
 
-def _int_in(name: str, value: object, lo: int, hi: int | None) -> None:
+def check_int(name: str, value: object, lo: int, hi: int | None) -> None:
     ok = isinstance(value, int) and not isinstance(value, bool) and value >= lo and (hi is None or value <= hi)
     if not ok:
         raise ConfigError(name, value, f"an integer in [{lo}, {hi if hi is not None else 'inf'}]")
 
 
-def _float_positive(name: str, value: object) -> None:
+def check_positive(name: str, value: object) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 and math.isfinite(value)
     if not ok:
         raise ConfigError(name, value, "a finite number > 0")

@@ -276,3 +276,13 @@ def test_a_failure_while_admitting_fails_that_request_only():
         check_released(engine)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("field,value", [("max_batch", 0), ("token_budget", -1), ("prefill_chunk", 0),
+                                         ("private_chunk", 1.5), ("pool_max_tokens", -1), ("fold_max_tokens", -5),
+                                         ("max_private_tokens", 0), ("max_wait_seconds", 0), ("max_batch", True)])
+def test_batch_config_rejects_out_of_range_values(field, value):
+    from prefixcache.errors import ConfigError
+    with pytest.raises(ConfigError, match=field):
+        BatchConfig(**{field: value})
+    BatchConfig(fold_max_tokens=0, pool_max_tokens=0)  # both 0 are meaningful: never copy / always own pool
