@@ -59,6 +59,10 @@ class PrivateBatch:
         return cls(keys, values, rows_t, None if identity else slot_t, mask.view(slots_n, 1, 1, capacity),
                    tuple(rows) == tuple(range(len(rows))))
 
+    def covers(self, total: int) -> bool:
+        """Whether the members are all ``total`` packed rows, in order (a step of decodes only)."""
+        return self.in_order and self.rows.shape[0] == total
+
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
            mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,7 +152,7 @@ def _attend_private(qg: torch.Tensor, spans: Sequence[tuple[int, int]],
     """Every row over its request's private KV (which holds at least the row's own key):
     out [Hkv, g, T, D] and lse [Hkv, g, T] (float32)."""
     hkv, g, total, dim = qg.shape
-    if len(batches) == 1 and batches[0].in_order and batches[0].rows.shape[0] == total:
+    if len(batches) == 1 and batches[0].covers(total):
         return _attend_batch(qg, batches[0], scale)  # a step of decodes only: every row, in order
     o_priv = qg.new_empty((hkv, g, total, dim))
     l_priv = torch.empty((hkv, g, total), dtype=torch.float32, device=qg.device)
@@ -173,7 +177,7 @@ def _attend_batch(qg: torch.Tensor, batch: PrivateBatch, scale: float) -> tuple[
     """Members' one-token queries (rows of qg [Hkv, g, T, D]) over their slots: one call, masked to
     each member's length; slots not in ``batch`` get a dummy key and are dropped. Returns
     out [Hkv, g, n, D] and lse [Hkv, g, n]."""
-    rows = qg if batch.in_order and batch.rows.shape[0] == qg.shape[2] else qg.index_select(2, batch.rows)
+    rows = qg if batch.covers(qg.shape[2]) else qg.index_select(2, batch.rows)
     q = rows.permute(2, 0, 1, 3)  # [n, Hkv, g, D]
     if batch.slots is None:
         qs = q
