@@ -49,18 +49,26 @@ def _vocab(model) -> int:
     return model.config.get_text_config(decoder=True).vocab_size
 
 
+def steady_step_seconds(engine: BatchEngine, prompts: list[list[int]], new_tokens: int) -> float:
+    """Median seconds per decode step once every prompt is decoding (after the last first token)."""
+    stamps: list[float] = []
+    reqs = [engine.submit(p, NS, "bench", SamplingParams(max_new_tokens=new_tokens),
+                          on_token=(lambda _t: stamps.append(time.monotonic())) if i == 0 else None)
+            for i, p in enumerate(prompts)]
+    results = [engine.wait(r) for r in reqs]
+    last_first = max(r.stats.ttft_seconds for r in results)
+    start = reqs[0].arrival + last_first  # the engine's clock is time.monotonic: every request is decoding
+    steady = [t for t in stamps if t > start]
+    if len(steady) < 2:
+        raise ValueError(f"only {len(steady)} decode steps with every request running: raise new_tokens")
+    return statistics.median(b - a for a, b in zip(steady, steady[1:]))
+
+
 def decode_step_seconds(engine: BatchEngine, prefix: list[int], batch: int, new_tokens: int,
                         question: int = 16) -> float:
     """Median seconds per decode step with ``batch`` requests on ``prefix`` (already stored)."""
-    stamps: list[float] = []
-    reqs = []
-    for i in range(batch):
-        on_token = (lambda _t: stamps.append(time.perf_counter())) if i == 0 else None
-        reqs.append(engine.submit(prefix + _question(i, question, _vocab(engine.model)), NS, "bench",
-                                  SamplingParams(max_new_tokens=new_tokens), on_token=on_token))
-    for r in reqs:
-        engine.wait(r)
-    return statistics.median(b - a for a, b in zip(stamps[2:], stamps[3:]))  # past the prefill steps
+    vocab = _vocab(engine.model)
+    return steady_step_seconds(engine, [prefix + _question(i, question, vocab) for i in range(batch)], new_tokens)
 
 
 def step_times(model, prefix_len: int = 2048, batch: int = 8, new_tokens: int = 16,
@@ -165,27 +173,12 @@ def conversation_steps(model, users: int = 3, turns: int = 3, system_len: int = 
                     h += _question(100 * u + turn, question, vocab)
                     h += engine.generate(h, NS, "bench", SamplingParams(max_new_tokens=answer)).tokens
             prompts = [h + _question(100 * u + turns, question, vocab) for u, h in enumerate(history)]
-            out[f"{label}_step_s"] = _step_seconds(engine, prompts, new_tokens)
+            out[f"{label}_step_s"] = steady_step_seconds(engine, prompts, new_tokens)
         finally:
             engine.close()
     out["in_place_over_folded"] = out["in_place_step_s"] / out["folded_step_s"]
     out["folded_over_alone"] = out["folded_step_s"] / out["alone_step_s"]
     return out
-
-
-def _step_seconds(engine: BatchEngine, prompts: list[list[int]], new_tokens: int) -> float:
-    """Median seconds per decode step once every prompt is decoding (after the last first token)."""
-    stamps: list[float] = []
-    reqs = [engine.submit(p, NS, "bench", SamplingParams(max_new_tokens=new_tokens),
-                          on_token=(lambda _t: stamps.append(time.monotonic())) if i == 0 else None)
-            for i, p in enumerate(prompts)]
-    results = [engine.wait(r) for r in reqs]
-    last_first = max(r.stats.ttft_seconds for r in results)
-    start = reqs[0].arrival + last_first  # the engine's clock is time.monotonic: every request is decoding
-    steady = [t for t in stamps if t > start]
-    if len(steady) < 2:
-        raise ValueError(f"only {len(steady)} decode steps with every request running: raise new_tokens")
-    return statistics.median(b - a for a, b in zip(steady, steady[1:]))
 
 
 def main(argv: list[str] | None = None) -> None:
