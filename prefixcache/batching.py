@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import logging
 import threading
+from contextlib import nullcontext
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from prefixcache.config import check_int, check_positive
+from prefixcache.errors import ConfigError
 from prefixcache.engine import CallStats, Engine
 from prefixcache.kv_cache import (
     CASCADE_KWARG, CascadeCache, CascadeRow, KVLayout, UnsupportedModelError, check_cascade,
     enable_cascade_attention, private_pool, probe_layout,
 )
+from prefixcache.packed_linear import PackedLinears
 from prefixcache.sampling import fallback_generate, sample_next
 from prefixcache.scheduler import BatchRequest, SamplingParams, admission_order, plan_step
 from prefixcache.store import KVStore, coalesce
@@ -45,6 +48,10 @@ class BatchConfig:
     #: its prefix no other request reads (its own conversation), so a chain of stored runs
     #: costs one private read per layer instead of one call per run. The copy is counted.
     fold_max_tokens: int = 1024
+    #: On CPU in fp32, keep an MKL-packed copy of every linear weight for ``max_batch`` rows
+    #: (memory: about one more copy of those weights) so a step of 2..max_batch requests
+    #: does not repack each weight on every call. Ignored where it cannot serve (logged).
+    pack_weights: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "token_budget", "prefill_chunk", "private_chunk", "max_private_tokens"):
@@ -52,6 +59,8 @@ class BatchConfig:
         check_int("pool_max_tokens", self.pool_max_tokens, 0, None)
         check_int("fold_max_tokens", self.fold_max_tokens, 0, None)
         check_positive("max_wait_seconds", self.max_wait_seconds)
+        if not isinstance(self.pack_weights, bool):
+            raise ConfigError("pack_weights", self.pack_weights, "True or False")
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +85,7 @@ class BatchEngine:
         self.fallback = fallback
         self.layout: KVLayout | None = None
         self.fallback_reason: str | None = None
+        self.packed: PackedLinears | None = None  # MKL-packed linear weights (CPU fp32), if any
         try:
             layout = probe_layout(model)
             previous = model.config._attn_implementation
@@ -87,6 +97,10 @@ class BatchEngine:
                 raise
             self.layout = layout
             self._pool = private_pool(layout, self.config.private_chunk)
+            if self.config.pack_weights:
+                self.packed, reason = PackedLinears.build(model, self.config.max_batch)
+                if reason is not None:
+                    log.info("linear weights not packed: %s", reason)
         except UnsupportedModelError as exc:
             self.fallback_reason = str(exc)
             log.warning("batching disabled, serving through the plain engine: %s", exc)
@@ -272,7 +286,7 @@ class BatchEngine:
                 keep.append(at - 1)
         cache = CascadeCache(rows, self.layout.num_layers)
         device = self.layout.device
-        with torch.no_grad():
+        with torch.no_grad(), (self.packed.installed() if self.packed is not None else nullcontext()):
             out = self.model(input_ids=torch.tensor([ids], device=device),  # [1, T] packed
                              position_ids=torch.tensor([pos], device=device), past_key_values=cache,
                              use_cache=True, logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),

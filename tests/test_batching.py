@@ -58,6 +58,8 @@ def test_parity_join_leave_and_two_prefixes(arch):
             assert got.fallback_reason is None
             assert got.tokens == expected(ref, prompt, new), prompt
         assert [r.stats.cached_tokens for r in reqs[:4]] == [50, 50, 50, 37]
+        if engine.packed is not None:  # fp32 on CPU with MKL: steps of 2..6 rows used packed weights
+            assert engine.packed.calls > 0
         check_released(engine)
     finally:
         engine.close()
@@ -190,7 +192,7 @@ def test_reduced_precision_is_batched_and_chained_blocks_attend_as_one():
     store = KVStore(CacheConfig(block_size=4), BlockHasher(0), FakeClock())
     engine = BatchEngine(model, store, FakeClock(), BatchConfig())
     try:
-        assert engine.fallback_reason is None
+        assert engine.fallback_reason is None and engine.packed is None  # packing is fp32 only
         prefix = list(range(10, 50))  # 10 blocks of 4
         engine.generate(prefix, ("t",), "t", SamplingParams(max_new_tokens=1))
         requests = [engine.submit(prefix + [60 + i], ("t",), "t", SamplingParams(max_new_tokens=2)) for i in range(3)]
@@ -280,7 +282,8 @@ def test_a_failure_while_admitting_fails_that_request_only():
 
 @pytest.mark.parametrize("field,value", [("max_batch", 0), ("token_budget", -1), ("prefill_chunk", 0),
                                          ("private_chunk", 1.5), ("pool_max_tokens", -1), ("fold_max_tokens", -5),
-                                         ("max_private_tokens", 0), ("max_wait_seconds", 0), ("max_batch", True)])
+                                         ("max_private_tokens", 0), ("max_wait_seconds", 0), ("max_batch", True),
+                                         ("pack_weights", "yes")])
 def test_batch_config_rejects_out_of_range_values(field, value):
     from prefixcache.errors import ConfigError
     with pytest.raises(ConfigError, match=field):
