@@ -50,14 +50,17 @@ class BatchConfig:
     fold_max_tokens: int = 1024
     #: On CPU in fp32, keep an MKL-packed copy of every linear weight for ``max_batch`` rows
     #: (memory: about one more copy of those weights) so a step of 2..max_batch requests
-    #: does not repack each weight on every call. Ignored where it cannot serve (logged).
+    #: does not repack each weight on every call. Ignored where it cannot serve (logged),
+    #: and when those weights take more than ``pack_max_bytes``.
     pack_weights: bool = True
+    pack_max_bytes: int = 2 << 30
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "token_budget", "prefill_chunk", "private_chunk", "max_private_tokens"):
             check_int(name, getattr(self, name), 1, None)
         check_int("pool_max_tokens", self.pool_max_tokens, 0, None)
         check_int("fold_max_tokens", self.fold_max_tokens, 0, None)
+        check_int("pack_max_bytes", self.pack_max_bytes, 0, None)
         check_positive("max_wait_seconds", self.max_wait_seconds)
         if not isinstance(self.pack_weights, bool):
             raise ConfigError("pack_weights", self.pack_weights, "True or False")
@@ -98,7 +101,7 @@ class BatchEngine:
             self.layout = layout
             self._pool = private_pool(layout, self.config.private_chunk)
             if self.config.pack_weights:
-                self.packed, reason = PackedLinears.build(model, self.config.max_batch)
+                self.packed, reason = PackedLinears.build(model, self.config.max_batch, self.config.pack_max_bytes)
                 if reason is not None:
                     log.info("linear weights not packed: %s", reason)
         except UnsupportedModelError as exc:

@@ -70,8 +70,12 @@ class PackedLinears:
         self.packs = 0  # weights packed (initially and after a change)
 
     @classmethod
-    def build(cls, model: torch.nn.Module, rows: int) -> tuple[PackedLinears | None, str | None]:
-        """Packed linears for ``model``, or (None, reason) where they cannot serve it."""
+    def build(cls, model: torch.nn.Module, rows: int,
+              max_bytes: int | None = None) -> tuple[PackedLinears | None, str | None]:
+        """Packed linears for ``model``, or (None, reason) where they cannot serve it.
+
+        ``max_bytes`` bounds the weights packed (the copy costs about as much again).
+        """
         ops = _ops()
         if ops is None:
             return None, "this torch build has no MKL packed-linear ops"
@@ -88,6 +92,9 @@ class PackedLinears:
             return None, reason
         if rows < 2:
             return None, f"packing for {rows} row(s) saves nothing"
+        total = sum(m.weight.nbytes for m in modules)
+        if max_bytes is not None and total > max_bytes:
+            return None, f"the linear weights take {total} bytes, more than the {max_bytes} allowed for a packed copy"
         packed = cls(modules, rows, ops)
         for e in packed._entries:  # now, not in the first request's step
             packed._refresh(e)

@@ -283,7 +283,7 @@ def test_a_failure_while_admitting_fails_that_request_only():
 @pytest.mark.parametrize("field,value", [("max_batch", 0), ("token_budget", -1), ("prefill_chunk", 0),
                                          ("private_chunk", 1.5), ("pool_max_tokens", -1), ("fold_max_tokens", -5),
                                          ("max_private_tokens", 0), ("max_wait_seconds", 0), ("max_batch", True),
-                                         ("pack_weights", "yes")])
+                                         ("pack_weights", "yes"), ("pack_max_bytes", -1)])
 def test_batch_config_rejects_out_of_range_values(field, value):
     from prefixcache.errors import ConfigError
     with pytest.raises(ConfigError, match=field):

@@ -102,3 +102,6 @@ def test_build_says_why_it_cannot_serve():
     assert "bfloat16" in PackedLinears.build(layers().to(torch.bfloat16), 8)[1]
     assert "no torch.nn.Linear" in PackedLinears.build(torch.nn.Sequential(torch.nn.ReLU()), 8)[1]
     assert "1 row" in PackedLinears.build(layers(), 1)[1]
+    weights = sum(m.weight.nbytes for m in layers())
+    assert "more than" in PackedLinears.build(layers(), 8, max_bytes=weights - 1)[1]
+    assert PackedLinears.build(layers(), 8, max_bytes=weights)[0] is not None
