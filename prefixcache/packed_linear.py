@@ -88,6 +88,8 @@ class PackedLinears:
             return None, f"packed weights serve fp32 on CPU, not {weight.dtype} on {weight.device.type}"
         if any(m.weight.device != weight.device or m.weight.dtype != weight.dtype for m in modules):
             return None, "the linear layers mix devices or dtypes"
+        if any(t.is_inference() for m in modules for t in (m.weight, m.bias) if t is not None):
+            return None, "inference-mode weights have no version counter, so a change could not be detected"
         reason = _probe(ops)
         if reason is not None:
             return None, reason
@@ -116,7 +118,10 @@ class PackedLinears:
                 d = e.module.__dict__
                 if "forward" in d:  # someone else's wrapper (or another engine's step): leave it
                     continue
-                self._refresh(e)
+                try:
+                    self._refresh(e)
+                except RuntimeError:  # e.g. a weight swapped for an inference tensor: no version to check
+                    continue
                 d["forward"] = e.forward
                 mine.append(e)
             yield
@@ -144,21 +149,23 @@ class PackedLinears:
         fewest = max(2, (rows_packed + 1) // 2)
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            features = x.shape[-1]
+            shape = x.shape
+            features = shape[-1]
             rows = x.numel() // features if features else 0
             if (rows < fewest or rows > rows_packed or torch.is_grad_enabled() or x.dtype != torch.float32
                     or x.device.type != "cpu" or threading.get_ident() != self._owner):
                 return own_forward(module, x)
+            self.calls += 1
             flat = x.reshape(rows, features)
-            if rows < rows_packed:
+            if rows == rows_packed:
+                y = linear(flat, packed, weight, bias, rows_packed)
+            else:
                 pad = self._pads.get(features)
                 if pad is None:
                     pad = self._pads[features] = torch.zeros(rows_packed, features)
                 pad[:rows].copy_(flat)
-                flat = pad
-            self.calls += 1
-            y = linear(flat, packed, weight, bias, rows_packed)  # exactly the packed row count
-            return y[:rows].view(*x.shape[:-1], out_features)
+                y = linear(pad, packed, weight, bias, rows_packed)[:rows]  # exactly the packed row count
+            return y.view(shape[:-1] + (out_features,))
 
         return forward
 

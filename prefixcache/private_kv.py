@@ -88,8 +88,16 @@ class PrivatePool:
         end = max(lengths)
         slots = [kv.slot for kv in members]
         template = PrivateBatch.build(self.slab[0, 0, :, :, :end], self.slab[0, 1, :, :, :end], rows, slots, lengths)
-        positions = torch.tensor([kv.length for kv in members], dtype=torch.long, device=self.device)
-        return DecodeGroup(self, template, torch.tensor(slots, dtype=torch.long, device=self.device), positions, end)
+        # Where the new keys and values go in one layer's [2, S, H, C, D] viewed as rows of D:
+        # keys of member i, head h at ((s_i·H + h)·C + p_i), values one S·H·C further; ordered
+        # (k/v, head, member) like the source the write assembles.
+        _, _, n_slots, heads, capacity, _ = self.slab.shape
+        slot_t = torch.tensor(slots, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor([kv.length for kv in members], dtype=torch.long, device=self.device)
+        head_t = torch.arange(heads, dtype=torch.long, device=self.device).unsqueeze(1)  # [H, 1]
+        keys_at = ((slot_t * heads + head_t) * capacity + pos_t).reshape(-1)  # [H·n]
+        targets = torch.cat([keys_at, keys_at + n_slots * heads * capacity])
+        return DecodeGroup(self, template, targets, self.slab.shape, end)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,15 +106,20 @@ class DecodeGroup:
 
     pool: PrivatePool
     template: PrivateBatch  # index tensors and mask (the layer-0 views are replaced per layer)
-    slots: torch.Tensor  # long [n]
-    positions: torch.Tensor  # long [n]: where each member's new token goes
+    targets: torch.Tensor  # long [2·H·n]: rows of a layer's slab viewed as [2·S·H·C, D]
+    shape: torch.Size  # the slab's shape the targets were computed for
     end: int  # keys read per slot
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store the members' new keys/values, taken from packed ``[H, T, D]`` at their rows."""
-        slab, rows = self.pool.slab, self.template.rows
-        slab[layer, 0][self.slots, :, self.positions] = keys.index_select(1, rows).transpose(0, 1)
-        slab[layer, 1][self.slots, :, self.positions] = values.index_select(1, rows).transpose(0, 1)
+        """Store the members' new keys/values, taken from packed ``[H, T, D]`` at their rows: one indexed copy."""
+        slab = self.pool.slab
+        if slab.shape != self.shape:
+            raise RuntimeError("the private pool was resized during a step")
+        batch = self.template
+        if not batch.covers(keys.shape[1]):
+            keys, values = keys.index_select(1, batch.rows), values.index_select(1, batch.rows)
+        source = torch.cat([keys.reshape(-1, keys.shape[-1]), values.reshape(-1, values.shape[-1])])
+        slab[layer].view(-1, slab.shape[-1]).index_copy_(0, self.targets, source)
 
     def batch(self, layer: int) -> PrivateBatch:
         slab = self.pool.slab

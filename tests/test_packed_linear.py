@@ -77,6 +77,11 @@ def test_weights_changed_in_place_or_replaced_are_packed_again():
     assert packed.packs == 3 + 2
     torch.testing.assert_close(after, reference(mods, x), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(after, before)
+    with torch.inference_mode():
+        mods[0].weight = torch.nn.Parameter(torch.randn(24, 40), requires_grad=False)  # no version counter
+    with torch.no_grad(), packed.installed():
+        assert "forward" not in mods[0].__dict__  # served by its own forward, not by a stale pack
+        torch.testing.assert_close(run(mods, x), reference(mods, x), rtol=1e-5, atol=1e-5)
 
 
 def test_other_threads_and_autograd_use_the_modules_own_forward():
@@ -102,6 +107,9 @@ def test_build_says_why_it_cannot_serve():
     assert "bfloat16" in PackedLinears.build(layers().to(torch.bfloat16), 8)[1]
     assert "no torch.nn.Linear" in PackedLinears.build(torch.nn.Sequential(torch.nn.ReLU()), 8)[1]
     assert "1 row" in PackedLinears.build(layers(), 1)[1]
+    with torch.inference_mode():
+        made_in_inference_mode = torch.nn.Linear(4, 4)
+    assert "version counter" in PackedLinears.build(made_in_inference_mode, 4)[1]
     weights = sum(m.weight.nbytes for m in layers())
     assert "more than" in PackedLinears.build(layers(), 8, max_bytes=weights - 1)[1]
     assert PackedLinears.build(layers(), 8, max_bytes=weights)[0] is not None
