@@ -156,15 +156,13 @@ class PackedLinears:
                     or x.device.type != "cpu" or threading.get_ident() != self._owner):
                 return own_forward(module, x)
             self.calls += 1
-            flat = x.reshape(rows, features)
-            if rows == rows_packed:
-                y = linear(flat, packed, weight, bias, rows_packed)
-            else:
-                pad = self._pads.get(features)
-                if pad is None:
-                    pad = self._pads[features] = torch.zeros(rows_packed, features)
-                pad[:rows].copy_(flat)
-                y = linear(pad, packed, weight, bias, rows_packed)[:rows]  # exactly the packed row count
+            if rows == rows_packed:  # the op takes [..., features] and keeps the leading dims
+                return linear(x, packed, weight, bias, rows_packed)
+            pad = self._pads.get(features)
+            if pad is None:
+                pad = self._pads[features] = torch.zeros(rows_packed, features)
+            pad[:rows].copy_(x.reshape(rows, features))
+            y = linear(pad, packed, weight, bias, rows_packed)[:rows]  # exactly the packed row count
             return y.view(shape[:-1] + (out_features,))
 
         return forward

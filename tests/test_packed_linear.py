@@ -31,7 +31,7 @@ def reference(mods, x):
     return x
 
 
-@pytest.mark.parametrize("shape", [(1, 40), (3, 40), (4, 40), (5, 40), (8, 40), (9, 40), (3, 3, 40), (1, 6, 40)])
+@pytest.mark.parametrize("shape", [(1, 40), (3, 40), (4, 40), (5, 40), (8, 40), (9, 40), (3, 3, 40), (1, 6, 40), (2, 4, 40)])
 def test_products_match_linear_for_every_row_count(shape):
     mods = layers()
     packed, reason = PackedLinears.build(mods, 8)
