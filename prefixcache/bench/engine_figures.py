@@ -12,6 +12,8 @@ Run: ``python -m prefixcache.bench.engine_figures [--dtype bfloat16] [--new-toke
 - ``latency``: TTFT of a short request alone and while a long uncached prompt prefills.
 - ``turns``: decode step of 3 conversations on one system prompt, each with stored turns
   of its own, with and without copying each one's own history into its private KV.
+- ``packing`` (only with ``--only packing``): the decode step of N requests with and
+  without MKL-packed linear weights, switched every other step in one engine, vs 1 request.
 """
 from __future__ import annotations
 
@@ -87,6 +89,53 @@ def step_times(model, prefix_len: int = 2048, batch: int = 8, new_tokens: int = 
         single, many = min(r[0] for r in runs), min(r[1] for r in runs)
         return {"single_step_s": single, f"batch{batch}_step_s": many, "ratio": many / single,
                 "packed_weights": engine.packed is not None}
+    finally:
+        engine.close()
+
+
+def packing_ab(model, prefix_len: int = 2048, batch: int = 8, new_tokens: int = 24, rounds: int = 4,
+               block_size: int = 64) -> dict[str, float]:
+    """Decode step of ``batch`` requests with and without packed weights, interleaved, vs 1 request.
+
+    One engine; in each of ``rounds`` a single request decodes alone, then ``batch`` requests
+    decode together while packing is switched on and off after every step (from request 0's
+    token callback, which runs between steps), so a drift of the machine's speed hits both
+    arms alike. Medians of the steps once every request of a run is decoding.
+    """
+    engine = BatchEngine(model, _store(block_size), time.monotonic,
+                         BatchConfig(max_batch=batch, token_budget=512, prefill_chunk=256))
+    try:
+        if engine.packed is None:
+            raise RuntimeError("no packed weights to compare (not CPU fp32, or MKL's ops missing)")
+        packed, vocab = engine.packed, _vocab(model)
+        prefix = _prefix(prefix_len, vocab)
+        engine.generate(prefix, NS, "bench", SamplingParams(max_new_tokens=1))
+        single: list[float] = []
+        arms: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(rounds):
+            single.append(decode_step_seconds(engine, prefix, 1, new_tokens))
+            stamps: list[tuple[float, bool]] = []
+
+            def toggle(_token: int) -> None:  # the interval from this stamp to the next is the next step
+                now = time.monotonic()
+                engine.packed = None if engine.packed is not None else packed
+                stamps.append((now, engine.packed is not None))
+
+            params = SamplingParams(max_new_tokens=new_tokens)
+            reqs = [engine.submit(prefix + _question(i, 16, vocab), NS, "bench", params,
+                                  on_token=toggle if i == 0 else None) for i in range(batch)]
+            results = [engine.wait(r) for r in reqs]
+            engine.packed = packed
+            start = reqs[0].arrival + max(r.stats.ttft_seconds for r in results)
+            steady = [(t, arm) for t, arm in stamps if t > start]
+            for (a, arm), (b, _) in zip(steady, steady[1:]):
+                arms[arm].append(b - a)
+        one = statistics.median(single)
+        with_packing, without = statistics.median(arms[True]), statistics.median(arms[False])
+        return {"single_step_s": one, f"batch{batch}_packed_step_s": with_packing,
+                f"batch{batch}_unpacked_step_s": without, "packed_ratio": with_packing / one,
+                "unpacked_ratio": without / one, "steps_per_arm": min(len(arms[True]), len(arms[False])),
+                "packed_calls": packed.calls}
     finally:
         engine.close()
 
@@ -197,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--question", type=int, default=128, help="tokens after the prefix per request")
     parser.add_argument("--new-tokens", type=int, default=16, help="tokens generated per request")
     parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--only", choices=("step", "concurrent", "latency", "turns"), default=None)
+    parser.add_argument("--only", choices=("step", "concurrent", "latency", "turns", "packing"), default=None)
     parser.add_argument("--no-pack-weights", dest="pack_weights", action="store_false",
                         help="step and concurrent figures without MKL-packed linear weights (the before)")
     args = parser.parse_args(argv)
@@ -205,6 +254,8 @@ def main(argv: list[str] | None = None) -> None:
     out: dict[str, object] = {"dtype": args.dtype, "threads": torch.get_num_threads()}
     if args.only in (None, "step"):
         out["step"] = step_times(model, args.prefix, args.batch, 16, args.block_size, args.pack_weights)
+    if args.only == "packing":  # not in the default set: one more engine start-up and 4 rounds
+        out["packing"] = packing_ab(model, args.prefix, args.batch, block_size=args.block_size)
     if args.only in (None, "concurrent"):
         out["concurrent"] = concurrent_vs_serial(model, args.clients, args.prefix, args.question, args.new_tokens,
                                                  args.block_size, args.pack_weights)

@@ -1,8 +1,10 @@
 """The batching engine's own figures (python -m prefixcache.bench.engine_figures) on a tiny model."""
 from __future__ import annotations
 
+import pytest
+
 from prefixcache.bench.engine_figures import (
-    concurrent_vs_serial, conversation_steps, short_behind_long, step_times,
+    concurrent_vs_serial, conversation_steps, packing_ab, short_behind_long, step_times,
 )
 from tests.conftest import build_tiny
 
@@ -35,3 +37,14 @@ def test_conversation_steps_on_a_tiny_model():
                              new_tokens=6, block_size=8)
     assert got["folded_step_s"] > 0 and got["in_place_step_s"] > 0 and got["alone_step_s"] > 0
     assert got["in_place_over_folded"] == got["in_place_step_s"] / got["folded_step_s"]
+
+
+def test_packing_ab_on_a_tiny_model():
+    model = build_tiny("llama-gqa")
+    from prefixcache.packed_linear import PackedLinears
+    if PackedLinears.build(model, 4)[0] is None:
+        pytest.skip("this torch build has no MKL packed linear")
+    got = packing_ab(model, prefix_len=64, batch=4, new_tokens=10, rounds=2, block_size=16)
+    assert got["steps_per_arm"] >= 4 and got["packed_calls"] > 0  # both arms measured, alternately
+    assert got["packed_ratio"] == got["batch4_packed_step_s"] / got["single_step_s"]
+    assert got["batch4_unpacked_step_s"] > 0
