@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from contextlib import nullcontext
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from prefixcache.config import check_int, check_positive
-from prefixcache.errors import ConfigError
 from prefixcache.engine import CallStats, Engine
+from prefixcache.errors import ConfigError
 from prefixcache.kv_cache import (
     CASCADE_KWARG, CascadeCache, CascadeRow, KVLayout, UnsupportedModelError, check_cascade,
     enable_cascade_attention, private_pool, probe_layout,
@@ -49,9 +49,9 @@ class BatchConfig:
     #: costs one private read per layer instead of one call per run. The copy is counted.
     fold_max_tokens: int = 1024
     #: On CPU in fp32, keep an MKL-packed copy of every linear weight for ``max_batch`` rows
-    #: (memory: about one more copy of those weights) so a step of 2..max_batch requests
-    #: does not repack each weight on every call. Ignored where it cannot serve (logged),
-    #: and when those weights take more than ``pack_max_bytes``.
+    #: (memory: about one more copy of those weights) so a step of max_batch/2..max_batch
+    #: requests does not repack each weight on every call. Ignored where it cannot serve
+    #: (logged), and when those weights take more than ``pack_max_bytes``.
     pack_weights: bool = True
     pack_max_bytes: int = 2 << 30
 
