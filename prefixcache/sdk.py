@@ -366,6 +366,9 @@ class PrefixCache:
             "token_hit_rate": c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
         }
         out.update(mem)
+        if tenant is None:  # not KV and not a tenant's: the batching engine's packed linear weights
+            packed = self.batcher.packed if self.batcher is not None else None
+            out["packed_weight_bytes"] = packed.weight_bytes if packed is not None else 0
         return out
 
     def flush(self, tenant: str | None = None) -> int:

@@ -1,7 +1,9 @@
 """/metrics (Prometheus), /v1/cache/stats, prewarm and flush: shapes, gating, and numbers that move."""
 from __future__ import annotations
 
+import torch
 from fastapi.testclient import TestClient
+from prefixcache.packed_linear import PackedLinears
 from prefixcache_api import create_app, metrics
 from prometheus_client.parser import text_string_to_metric_families
 from proxy_support import ADMIN, ALPHA, BETA, MODEL, auth, make_cache, settings
@@ -60,6 +62,9 @@ def test_metrics_parse_name_every_defined_metric_and_move(server):
     assert total(after, "prefixcache_cache_entries") > 0
     assert 0 < total(after, "prefixcache_hit_ratio", basis="tokens") <= 1
     assert total(after, "prefixcache_queue_depth") == 0
+    packed = server.cache.batcher.packed  # tiny fp32 model on CPU: packed where MKL's ops exist
+    assert (packed is None) == (PackedLinears.build(torch.nn.Linear(4, 4), 4)[0] is None)
+    assert total(after, "prefixcache_packed_weight_bytes") == (packed.weight_bytes if packed is not None else 0)
 
 
 def _raw(server) -> str:
