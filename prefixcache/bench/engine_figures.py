@@ -21,6 +21,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -51,19 +52,33 @@ def _vocab(model) -> int:
     return model.config.get_text_config(decoder=True).vocab_size
 
 
-def steady_step_seconds(engine: BatchEngine, prompts: list[list[int]], new_tokens: int) -> float:
-    """Median seconds per decode step once every prompt is decoding (after the last first token)."""
-    stamps: list[float] = []
-    reqs = [engine.submit(p, NS, "bench", SamplingParams(max_new_tokens=new_tokens),
-                          on_token=(lambda _t: stamps.append(time.monotonic())) if i == 0 else None)
-            for i, p in enumerate(prompts)]
+def steady_steps(engine: BatchEngine, prompts: list[list[int]], new_tokens: int,
+                 between_steps: Callable[[], object] | None = None) -> list[tuple[float, object]]:
+    """Seconds of each decode step once every prompt is decoding (after the last first token).
+
+    ``between_steps`` runs after each step, in the engine's loop (from prompt 0's token
+    callback); what it returns labels the step that follows. Returns (seconds, label) pairs.
+    """
+    stamps: list[tuple[float, object]] = []
+
+    def stamp(_token: int) -> None:
+        now = time.monotonic()
+        stamps.append((now, between_steps() if between_steps is not None else None))
+
+    params = SamplingParams(max_new_tokens=new_tokens)
+    reqs = [engine.submit(p, NS, "bench", params, on_token=stamp if i == 0 else None) for i, p in enumerate(prompts)]
     results = [engine.wait(r) for r in reqs]
     last_first = max(r.stats.ttft_seconds for r in results)
     start = reqs[0].arrival + last_first  # the engine's clock is time.monotonic: every request is decoding
-    steady = [t for t in stamps if t > start]
+    steady = [(t, label) for t, label in stamps if t > start]
     if len(steady) < 2:
         raise ValueError(f"only {len(steady)} decode steps with every request running: raise new_tokens")
-    return statistics.median(b - a for a, b in zip(steady, steady[1:]))
+    return [(b - a, label) for (a, label), (b, _) in zip(steady, steady[1:])]
+
+
+def steady_step_seconds(engine: BatchEngine, prompts: list[list[int]], new_tokens: int) -> float:
+    """Median seconds per decode step once every prompt is decoding (after the last first token)."""
+    return statistics.median(seconds for seconds, _ in steady_steps(engine, prompts, new_tokens))
 
 
 def decode_step_seconds(engine: BatchEngine, prefix: list[int], batch: int, new_tokens: int,
@@ -110,26 +125,21 @@ def packing_ab(model, prefix_len: int = 2048, batch: int = 8, new_tokens: int = 
         packed, vocab = engine.packed, _vocab(model)
         prefix = _prefix(prefix_len, vocab)
         engine.generate(prefix, NS, "bench", SamplingParams(max_new_tokens=1))
+        prompts = [prefix + _question(i, 16, vocab) for i in range(batch)]
+
+        def switch() -> bool:  # after each step: the next one runs with the other arm
+            engine.packed = None if engine.packed is not None else packed
+            return engine.packed is not None
+
         single: list[float] = []
         arms: dict[bool, list[float]] = {True: [], False: []}
         for _ in range(rounds):
             single.append(decode_step_seconds(engine, prefix, 1, new_tokens))
-            stamps: list[tuple[float, bool]] = []
-
-            def toggle(_token: int) -> None:  # the interval from this stamp to the next is the next step
-                now = time.monotonic()
-                engine.packed = None if engine.packed is not None else packed
-                stamps.append((now, engine.packed is not None))
-
-            params = SamplingParams(max_new_tokens=new_tokens)
-            reqs = [engine.submit(prefix + _question(i, 16, vocab), NS, "bench", params,
-                                  on_token=toggle if i == 0 else None) for i in range(batch)]
-            results = [engine.wait(r) for r in reqs]
-            engine.packed = packed
-            start = reqs[0].arrival + max(r.stats.ttft_seconds for r in results)
-            steady = [(t, arm) for t, arm in stamps if t > start]
-            for (a, arm), (b, _) in zip(steady, steady[1:]):
-                arms[arm].append(b - a)
+            try:
+                for seconds, arm in steady_steps(engine, prompts, new_tokens, switch):
+                    arms[arm].append(seconds)
+            finally:
+                engine.packed = packed
         one = statistics.median(single)
         with_packing, without = statistics.median(arms[True]), statistics.median(arms[False])
         return {"single_step_s": one, f"batch{batch}_packed_step_s": with_packing,
