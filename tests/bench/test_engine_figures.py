@@ -6,6 +6,7 @@ import pytest
 from prefixcache.bench.engine_figures import (
     concurrent_vs_serial, conversation_steps, packing_ab, short_behind_long, step_times,
 )
+from prefixcache.packed_linear import PackedLinears
 from tests.conftest import build_tiny
 
 
@@ -41,7 +42,6 @@ def test_conversation_steps_on_a_tiny_model():
 
 def test_packing_ab_on_a_tiny_model():
     model = build_tiny("llama-gqa")
-    from prefixcache.packed_linear import PackedLinears
     if PackedLinears.build(model, 4)[0] is None:
         pytest.skip("this torch build has no MKL packed linear")
     got = packing_ab(model, prefix_len=64, batch=4, new_tokens=10, rounds=2, block_size=16)
