@@ -289,7 +289,11 @@ class BatchEngine:
                 keep.append(at - 1)
         cache = CascadeCache(rows, self.layout.num_layers)
         device = self.layout.device
-        with torch.no_grad(), (self.packed.installed() if self.packed is not None else nullcontext()):
+        # Inference mode skips autograd bookkeeping on every op of the step (measured ~5 % of a
+        # 16-request decode step). Everything that outlives the step is a normal tensor: the
+        # private KV slab is written in place (allowed), the logits are cloned out below; packed
+        # weights are refreshed before it is entered.
+        with (self.packed.installed() if self.packed is not None else nullcontext()), torch.inference_mode():
             out = self.model(input_ids=torch.tensor([ids], device=device),  # [1, T] packed
                              position_ids=torch.tensor([pos], device=device), past_key_values=cache,
                              use_cache=True, logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
@@ -297,18 +301,23 @@ class BatchEngine:
         if cache.calls != self.layout.num_layers:
             raise UnsupportedModelError(f"cascade attention ran in {cache.calls} of {self.layout.num_layers} layers")
         self.steps += 1
-        return out.logits[0]  # [K, V]
+        return out.logits[0].clone()  # [K, V], a normal tensor for the samplers
 
     def _postprocess(self, plan: list[tuple[BatchRequest, int]], logits: torch.Tensor) -> None:
         for req, n in plan:  # all first: a request leaving below may repack the pool to these lengths
             req.private.length += n
+        # Greedy rows: one argmax over the step's logits (first maximum, as ``torch.argmax``), not one per request.
+        best = logits.argmax(dim=-1).tolist() if any(r.params.greedy and not r.prefilling for r, _ in plan) else None
         k = 0
         for req, n in plan:
             if req.prefilling:
                 if req.cancel is not None and req.cancel.is_set():
                     self._finish(req, "cancelled", None)
                 continue
-            token = sample_next(logits[k], req.params, req.prompt + req.output, req.generator)
+            if req.params.greedy:
+                token = best[k]
+            else:
+                token = sample_next(logits[k], req.params, req.prompt + req.output, req.generator)
             k += 1
             if not req.output and self._has_followers(req):  # publish the prompt now, so they hit it
                 self._store_prompt(req)

@@ -160,7 +160,8 @@ class PackedLinears:
                 return linear(x, packed, weight, bias, rows_packed)
             pad = self._pads.get(features)
             if pad is None:
-                pad = self._pads[features] = torch.zeros(rows_packed, features)
+                with torch.inference_mode(False):  # a normal tensor: reused in and out of inference mode
+                    pad = self._pads[features] = torch.zeros(rows_packed, features)
             pad[:rows].copy_(x.reshape(rows, features))
             y = linear(pad, packed, weight, bias, rows_packed)[:rows]  # exactly the packed row count
             return y.view(shape[:-1] + (out_features,))

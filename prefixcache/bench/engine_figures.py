@@ -8,7 +8,8 @@ Run: ``python -m prefixcache.bench.engine_figures [--dtype bfloat16] [--new-toke
   engine vs served one at a time by the plain engine. Each path has its own store holding
   only the prefix, so neither reuses the other's questions. Reports output tokens/s of
   both and the peak KV the batching engine held (store + private pools) against the
-  ideal ``prefix + C·(question + new tokens)``.
+  ideal ``prefix + C·(question + new tokens)``. With ``--rounds N`` the two runs alternate
+  N times and each round's ratio is reported (this VM's speed drifts over minutes).
 - ``latency``: TTFT of a short request alone and while a long uncached prompt prefills.
 - ``turns``: decode step of 3 conversations on one system prompt, each with stored turns
   of its own, with and without copying each one's own history into its private KV.
@@ -151,12 +152,40 @@ def packing_ab(model, prefix_len: int = 2048, batch: int = 8, new_tokens: int = 
 
 
 def concurrent_vs_serial(model, clients: int = 16, prefix_len: int = 2048, question: int = 128,
-                         new_tokens: int = 16, block_size: int = 64, pack_weights: bool = True) -> dict[str, float]:
-    """``clients`` requests on one stored prefix: batched (all at once) vs the one-at-a-time engine."""
+                         new_tokens: int = 16, block_size: int = 64, pack_weights: bool = True,
+                         rounds: int = 1) -> dict[str, object]:
+    """``clients`` requests on one stored prefix: batched (all at once) vs the one-at-a-time engine.
+
+    Each round runs the batched path and then the serial one back to back, each with a fresh
+    store holding only the prefix (neither reuses the other's questions); a round's ratio
+    compares two runs minutes apart, not runs the machine's speed drift separates. Reported:
+    every round, and the medians over rounds.
+    """
     prefix = _prefix(prefix_len, _vocab(model))
     prompts = [prefix + _question(i, question, _vocab(model)) for i in range(clients)]
+    per_round = []
+    for _ in range(rounds):
+        batched = _batched_run(model, prefix, prompts, new_tokens, block_size, pack_weights)
+        serial_s = _serial_seconds(model, prefix, prompts, new_tokens, block_size)
+        batched["serial_s"] = serial_s
+        batched["serial_tok_s"] = clients * new_tokens / serial_s
+        batched["batched_over_serial"] = batched["batched_tok_s"] / batched["serial_tok_s"]
+        per_round.append(batched)
+    ideal = prefix_len + clients * (question + new_tokens)
+    peak = max(r.pop("peak_kv_tokens") for r in per_round)
+    out: dict[str, object] = {"peak_kv_tokens": peak, "ideal_kv_tokens": ideal, "peak_over_ideal": peak / ideal}
+    for key in ("batched_s", "serial_s", "batched_tok_s", "serial_tok_s", "batched_over_serial", "ttft_p50_s",
+                "ttft_max_s"):
+        out[key] = statistics.median(r[key] for r in per_round)
+    if rounds > 1:
+        out["rounds"] = per_round
+    return out
+
+
+def _batched_run(model, prefix: list[int], prompts: list[list[int]], new_tokens: int, block_size: int,
+                 pack_weights: bool) -> dict[str, float]:
     engine = BatchEngine(model, _store(block_size), time.monotonic,
-                         BatchConfig(max_batch=clients, pack_weights=pack_weights))
+                         BatchConfig(max_batch=len(prompts), pack_weights=pack_weights))
     try:
         if engine.fallback_reason is not None:
             raise RuntimeError(f"model not served by the batching engine: {engine.fallback_reason}")
@@ -168,24 +197,22 @@ def concurrent_vs_serial(model, clients: int = 16, prefix_len: int = 2048, quest
         reqs = [engine.submit(p, NS, "bench", params, on_token=lambda _t: peak.append(engine.kv_bytes()))
                 for p in prompts]
         outs = [engine.wait(r) for r in reqs]
-        batched_s = time.perf_counter() - t0
-        ttfts = sorted(o.stats.ttft_seconds for o in outs)
+        seconds = time.perf_counter() - t0
     finally:
         engine.close()
+    ttfts = sorted(o.stats.ttft_seconds for o in outs)
+    return {"batched_s": seconds, "batched_tok_s": sum(len(o.tokens) for o in outs) / seconds,
+            "peak_kv_tokens": max(peak) / per_token, "ttft_p50_s": ttfts[len(ttfts) // 2], "ttft_max_s": ttfts[-1]}
+
+
+def _serial_seconds(model, prefix: list[int], prompts: list[list[int]], new_tokens: int, block_size: int) -> float:
     serial = Engine(model, _store(block_size), time.monotonic)
     serial.generate(torch.tensor([prefix]), NS, "bench", None, {"max_new_tokens": 1}, None, False)
     t0 = time.perf_counter()
     for p in prompts:
         serial.generate(torch.tensor([p]), NS, "bench", None,
                         {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}, None, False)
-    serial_s = time.perf_counter() - t0
-    produced = sum(len(o.tokens) for o in outs)
-    ideal = prefix_len + clients * (question + new_tokens)
-    batched, one_at_a_time = produced / batched_s, clients * new_tokens / serial_s
-    return {"peak_kv_tokens": max(peak) / per_token, "ideal_kv_tokens": ideal,
-            "peak_over_ideal": max(peak) / per_token / ideal, "batched_s": batched_s, "serial_s": serial_s,
-            "batched_tok_s": batched, "serial_tok_s": one_at_a_time, "batched_over_serial": batched / one_at_a_time,
-            "ttft_p50_s": ttfts[len(ttfts) // 2], "ttft_max_s": ttfts[-1]}
+    return time.perf_counter() - t0
 
 
 def short_behind_long(model, long_tokens: int = 3072, prefix_len: int = 2048, question: int = 16,
@@ -256,10 +283,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--question", type=int, default=128, help="tokens after the prefix per request")
     parser.add_argument("--new-tokens", type=int, default=16, help="tokens generated per request")
     parser.add_argument("--block-size", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="concurrent figure: batched-then-serial rounds (medians reported, and each round)")
     parser.add_argument("--only", choices=("step", "concurrent", "latency", "turns", "packing"), default=None)
     parser.add_argument("--no-pack-weights", dest="pack_weights", action="store_false",
                         help="step and concurrent figures without MKL-packed linear weights (the before)")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     model, _ = load_default_model(dtype=getattr(torch, args.dtype))
     out: dict[str, object] = {"dtype": args.dtype, "threads": torch.get_num_threads()}
     if args.only in (None, "step"):
@@ -268,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
         out["packing"] = packing_ab(model, args.prefix, args.batch, block_size=args.block_size)
     if args.only in (None, "concurrent"):
         out["concurrent"] = concurrent_vs_serial(model, args.clients, args.prefix, args.question, args.new_tokens,
-                                                 args.block_size, args.pack_weights)
+                                                 args.block_size, args.pack_weights, args.rounds)
     if args.only in (None, "latency"):
         out["latency"] = short_behind_long(model, prefix_len=args.prefix, block_size=args.block_size)
     if args.only in (None, "turns"):

@@ -1,6 +1,8 @@
 """The batching engine's own figures (python -m prefixcache.bench.engine_figures) on a tiny model."""
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from prefixcache.bench.engine_figures import (
@@ -19,11 +21,18 @@ def test_step_times_on_a_tiny_model():
 def test_concurrent_vs_serial_on_a_tiny_model():
     # question + new tokens = one private chunk (32), so the pool's granularity adds nothing here
     got = concurrent_vs_serial(build_tiny("llama-gqa"), clients=4, prefix_len=64, question=24, new_tokens=8,
-                               block_size=16)
+                               block_size=16, rounds=2)
     assert got["ideal_kv_tokens"] == 64 + 4 * (24 + 8)
     assert got["peak_kv_tokens"] >= 64 + 4 * 24  # at least the prefix and every question were held at once
     assert got["peak_over_ideal"] <= 1.1
     assert got["batched_tok_s"] > 0 and got["serial_tok_s"] > 0 and 0 < got["ttft_p50_s"] <= got["ttft_max_s"]
+    rounds = got["rounds"]
+    assert len(rounds) == 2  # each round: its own batched and serial run, and their ratio
+    for r in rounds:
+        assert r["batched_over_serial"] == r["batched_tok_s"] / r["serial_tok_s"] and r["serial_s"] > 0
+    assert got["batched_over_serial"] == statistics.median(r["batched_over_serial"] for r in rounds)
+    assert "rounds" not in concurrent_vs_serial(build_tiny("llama-gqa"), clients=2, prefix_len=32, question=8,
+                                                new_tokens=2, block_size=16)
 
 
 def test_short_behind_long_on_a_tiny_model():
