@@ -106,35 +106,53 @@ def merge_two(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: 
 
 def cascade_attention(q: torch.Tensor, spans: Sequence[tuple[int, int]], shared: Sequence[Shared],
                       private: Sequence[tuple[torch.Tensor, torch.Tensor] | None], scale: float,
-                      batches: Sequence[PrivateBatch] = ()) -> torch.Tensor:
+                      batches: Sequence[PrivateBatch] = (),
+                      masks: dict[tuple[int, int], torch.Tensor] | None = None) -> torch.Tensor:
     """Packed cascade attention. q: [Hq, T, D]; private[i]: ([Hkv, m_i, D], [Hkv, m_i, D]), or None
     for a request whose row is in one of ``batches``. Returns [Hq, T, D].
 
     Segments with the same ``members`` share one selection of query rows and one scatter
-    (a chain of stored runs read by one request costs one call per run, no copies)."""
+    (a chain of stored runs read by one request costs one call per run, no copies).
+    ``masks``: see ``attend_groups``."""
+    by_members: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for seg in shared:
+        by_members.setdefault(tuple(seg.members), []).append((seg.keys, seg.values))
+    total = q.shape[1]
+    groups = [(member_rows(members, spans, total, q.device), kv) for members, kv in by_members.items()]
+    own = [(start, end, kv[0], kv[1]) for (start, end), kv in zip(spans, private) if kv is not None]
+    return attend_groups(q, groups, own, scale, batches, {} if masks is None else masks)
+
+
+def attend_groups(q: torch.Tensor, groups: Sequence[tuple[torch.Tensor | None, Sequence[tuple[torch.Tensor,
+                  torch.Tensor]]]], own: Sequence[tuple[int, int, torch.Tensor, torch.Tensor]], scale: float,
+                  batches: Sequence[PrivateBatch], masks: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
+    """The work of ``cascade_attention`` once its layer-independent parts are planned (per forward).
+
+    ``groups``: (packed query rows of the members, None for all rows; their shared (k, v) runs
+    [Hkv, n, D]); ``own``: (start, end, k, v) of each request attending to its private KV
+    alone; ``batches``: the one-token rows served per pool. Every row is in ``own`` or a
+    batch. ``masks``: causal masks by (rows, keys), kept by the caller across the layers of one
+    forward (same dtype, device and heads), so a prefill chunk's mask is built once.
+    """
     hq, total, dim = q.shape
-    hkv = next((p[0].shape[0] for p in private if p is not None), None) or batches[0].keys.shape[1]
+    hkv = batches[0].keys.shape[1] if batches else own[0][2].shape[0]
     g = hq // hkv
     qg = q.reshape(hkv, g, total, dim)  # [Hkv, g, T, D]
-    acc, acc_lse = _attend_private(qg, spans, private, scale, batches)  # present on every row
-    by_members: dict[tuple[int, ...], list[Shared]] = {}
-    for seg in shared:
-        by_members.setdefault(tuple(seg.members), []).append(seg)
+    acc, acc_lse = _attend_private(qg, own, scale, batches, masks)  # present on every row
     acc = acc.float()
-    for n, (members, segs) in enumerate(by_members.items()):
-        rows = _member_rows(members, spans, total, q.device)
+    for n, (rows, segs) in enumerate(groups):
         sel = qg if rows is None else qg.index_select(2, rows)
         r = sel.shape[2]
         flat = sel.reshape(1, hkv, g * r, dim)
         o_part = lse_part = None
-        for seg in segs:
-            o, lse = attend(flat, seg.keys.unsqueeze(0), seg.values.unsqueeze(0), scale)
+        for keys, values in segs:
+            o, lse = attend(flat, keys.unsqueeze(0), values.unsqueeze(0), scale)
             o, lse = o.view(hkv, g, r, dim), lse.view(hkv, g, r)
             if o_part is None:
                 o_part, lse_part = o, lse
             else:
                 o_part, lse_part = merge_two(o, lse, o_part, lse_part), torch.logaddexp(lse, lse_part)
-        last = n + 1 == len(by_members)
+        last = n + 1 == len(groups)
         if rows is None:
             acc = merge_two(o_part, lse_part, acc, acc_lse)
             acc_lse = acc_lse if last else torch.logaddexp(lse_part, acc_lse)
@@ -146,13 +164,13 @@ def cascade_attention(q: torch.Tensor, spans: Sequence[tuple[int, int]], shared:
     return acc.to(q.dtype).reshape(hq, total, dim)
 
 
-def _attend_private(qg: torch.Tensor, spans: Sequence[tuple[int, int]],
-                    private: Sequence[tuple[torch.Tensor, torch.Tensor] | None], scale: float,
-                    batches: Sequence[PrivateBatch]) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend_private(qg: torch.Tensor, own: Sequence[tuple[int, int, torch.Tensor, torch.Tensor]], scale: float,
+                    batches: Sequence[PrivateBatch],
+                    masks: dict[tuple[int, int], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Every row over its request's private KV (which holds at least the row's own key):
     out [Hkv, g, T, D] and lse [Hkv, g, T] (float32)."""
     hkv, g, total, dim = qg.shape
-    if len(batches) == 1 and batches[0].covers(total):
+    if not own and len(batches) == 1 and batches[0].covers(total):
         return _attend_batch(qg, batches[0], scale)  # a step of decodes only: every row, in order
     o_priv = qg.new_empty((hkv, g, total, dim))
     l_priv = torch.empty((hkv, g, total), dtype=torch.float32, device=qg.device)
@@ -160,12 +178,13 @@ def _attend_private(qg: torch.Tensor, spans: Sequence[tuple[int, int]],
         o, lse = _attend_batch(qg, batch, scale)
         o_priv.index_copy_(2, batch.rows, o)
         l_priv.index_copy_(2, batch.rows, lse)
-    for (start, end), kv in zip(spans, private):
-        if kv is None:
-            continue
-        k, v = kv
+    for start, end, k, v in own:
         r = end - start
-        mask = None if r == 1 else causal_tail_mask(r, k.shape[1], g, qg.dtype, qg.device)
+        mask = None
+        if r > 1:
+            mask = masks.get((r, k.shape[1]))
+            if mask is None:
+                mask = masks[(r, k.shape[1])] = causal_tail_mask(r, k.shape[1], g, qg.dtype, qg.device)
         sel = qg[:, :, start:end].reshape(1, hkv, g * r, dim)
         o, lse = attend(sel, k.unsqueeze(0), v.unsqueeze(0), scale, mask)
         o_priv[:, :, start:end] = o.view(hkv, g, r, dim)
@@ -190,8 +209,8 @@ def _attend_batch(qg: torch.Tensor, batch: PrivateBatch, scale: float) -> tuple[
     return o.permute(1, 2, 0, 3), lse.permute(1, 2, 0)
 
 
-def _member_rows(members: Sequence[int], spans: Sequence[tuple[int, int]], total: int,
-                 device: torch.device) -> torch.Tensor | None:
+def member_rows(members: Sequence[int], spans: Sequence[tuple[int, int]], total: int,
+                device: torch.device) -> torch.Tensor | None:
     """Packed query rows of ``members``; None when they are all rows."""
     covered = sum(spans[i][1] - spans[i][0] for i in members)
     if covered == total:

@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
 
-from prefixcache.cascade import Shared, cascade_attention
+from prefixcache.cascade import attend_groups, member_rows
 from prefixcache.errors import PrefixCacheError
 from prefixcache.private_kv import PrivateKV, PrivatePool
 from prefixcache.store import coalesce
@@ -218,26 +218,32 @@ class CascadeCache(Cache):
                 entry[2].append(s)
         self.decoding = [pool.decode_group(members, rows) for pool, members, rows in pools.values()]
         self.batched = {id(kv) for _, members, _ in pools.values() for kv in members}
+        self.own = [(s, e, row) for row, (s, e) in zip(self.rows, self.spans) if id(row.private) not in self.batched]
+        self.masks: dict[tuple[int, int], torch.Tensor] = {}  # causal masks of prefill chunks, for every layer
+        self._plan: list | None = None  # per group: query rows, its runs' keys/values [L, H, n, D] (first attend)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         # key_states: [1, H, T, D] packed; each request's rows go to its private KV
         for group in self.decoding:
             group.write(layer_idx, key_states[0], value_states[0])
-        for row, (s, e) in zip(self.rows, self.spans):
-            if id(row.private) not in self.batched:
-                row.private.write(layer_idx, row.start, key_states[0, :, s:e], value_states[0, :, s:e])
+        for s, e, row in self.own:
+            row.private.write(layer_idx, row.start, key_states[0, :, s:e], value_states[0, :, s:e])
         return key_states, value_states
 
     def attend(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
         """query: [1, Hq, T, D] → attention output [1, T, Hq, D] (the layout attention functions return)."""
         # One call per stored run (a view, never a copy): copying a chain of runs into one key
-        # set per layer per step costs more than the extra calls and merges.
-        shared = [Shared(snap[layer, 0, :, :used], snap[layer, 1, :, :used], members)
-                  for members, segments in self.groups for snap, used in segments]
-        private = [None if id(row.private) in self.batched else row.private.view(layer, row.start + row.count)
-                   for row in self.rows]
+        # set per layer per step costs more than the extra calls and merges. What does not
+        # depend on the layer (query rows of each group, the runs' views) is planned once.
+        if self._plan is None:
+            total = query.shape[2]
+            self._plan = [(member_rows(members, self.spans, total, query.device),
+                           [(snap[:, 0, :, :used], snap[:, 1, :, :used]) for snap, used in segments])
+                          for members, segments in self.groups]
+        groups = [(rows, [(keys[layer], values[layer]) for keys, values in runs]) for rows, runs in self._plan]
+        own = [(s, e, *row.private.view(layer, row.start + row.count)) for s, e, row in self.own]
         batches = [group.batch(layer) for group in self.decoding]
-        out = cascade_attention(query[0], self.spans, shared, private, scale, batches)  # [Hq, T, D]
+        out = attend_groups(query[0], groups, own, scale, batches, self.masks)  # [Hq, T, D]
         self.calls += 1
         return out.transpose(0, 1).unsqueeze(0)
 

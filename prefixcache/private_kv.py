@@ -12,7 +12,7 @@ never pads every other slot to its length.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -122,8 +122,8 @@ class DecodeGroup:
         slab[layer].view(-1, slab.shape[-1]).index_copy_(0, self.targets, source)
 
     def batch(self, layer: int) -> PrivateBatch:
-        slab = self.pool.slab
-        return replace(self.template, keys=slab[layer, 0, :, :, : self.end], values=slab[layer, 1, :, :, : self.end])
+        t, kv = self.template, self.pool.slab[layer, :, :, :, : self.end]
+        return PrivateBatch(kv[0], kv[1], t.rows, t.slots, t.mask, t.in_order)
 
 
 class PrivateKV:
