@@ -182,6 +182,13 @@ def test_next_turn_hits_prompt_and_answer():
         assert got.stats.cached_tokens == len(first) + len(answer) - 1
         assert got.tokens == expected(ref, second, 5)
         check_released(engine)
+        # Steps run under inference mode; what they publish must not be inference tensors
+        # (those cannot be edited in place or used by autograd outside it).
+        lease = engine.store.acquire(NS, "t", second, len(second), None)
+        try:
+            assert lease.steps and not any(st.node.kv.is_inference() for st in lease.steps)
+        finally:
+            engine.store.release(lease)
     finally:
         engine.close()
 
