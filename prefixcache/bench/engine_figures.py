@@ -27,8 +27,9 @@ from collections.abc import Callable
 import torch
 
 from prefixcache.batching import BatchConfig, BatchEngine
-from prefixcache.config import CacheConfig
+from prefixcache.config import CacheConfig, check_int
 from prefixcache.engine import Engine
+from prefixcache.errors import ConfigError
 from prefixcache.hashing import BlockHasher
 from prefixcache.scheduler import SamplingParams
 from prefixcache.store import KVStore
@@ -161,6 +162,7 @@ def concurrent_vs_serial(model, clients: int = 16, prefix_len: int = 2048, quest
     compares two runs minutes apart, not runs the machine's speed drift separates. Reported:
     every round, and the medians over rounds.
     """
+    check_int("rounds", rounds, 1, None)
     prefix = _prefix(prefix_len, _vocab(model))
     prompts = [prefix + _question(i, question, _vocab(model)) for i in range(clients)]
     per_round = []
@@ -172,7 +174,7 @@ def concurrent_vs_serial(model, clients: int = 16, prefix_len: int = 2048, quest
         batched["batched_over_serial"] = batched["batched_tok_s"] / batched["serial_tok_s"]
         per_round.append(batched)
     ideal = prefix_len + clients * (question + new_tokens)
-    peak = max(r.pop("peak_kv_tokens") for r in per_round)
+    peak = max(r["peak_kv_tokens"] for r in per_round)
     out: dict[str, object] = {"peak_kv_tokens": peak, "ideal_kv_tokens": ideal, "peak_over_ideal": peak / ideal}
     for key in ("batched_s", "serial_s", "batched_tok_s", "serial_tok_s", "batched_over_serial", "ttft_p50_s",
                 "ttft_max_s"):
@@ -289,8 +291,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-pack-weights", dest="pack_weights", action="store_false",
                         help="step and concurrent figures without MKL-packed linear weights (the before)")
     args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
+    try:
+        check_int("rounds", args.rounds, 1, None)
+    except ConfigError as exc:
+        parser.error(str(exc))
     model, _ = load_default_model(dtype=getattr(torch, args.dtype))
     out: dict[str, object] = {"dtype": args.dtype, "threads": torch.get_num_threads()}
     if args.only in (None, "step"):

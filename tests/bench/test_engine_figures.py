@@ -8,6 +8,7 @@ import pytest
 from prefixcache.bench.engine_figures import (
     concurrent_vs_serial, conversation_steps, packing_ab, short_behind_long, step_times,
 )
+from prefixcache.errors import ConfigError
 from prefixcache.packed_linear import PackedLinears
 from tests.conftest import build_tiny
 
@@ -31,8 +32,11 @@ def test_concurrent_vs_serial_on_a_tiny_model():
     for r in rounds:
         assert r["batched_over_serial"] == r["batched_tok_s"] / r["serial_tok_s"] and r["serial_s"] > 0
     assert got["batched_over_serial"] == statistics.median(r["batched_over_serial"] for r in rounds)
+    assert got["peak_kv_tokens"] == max(r["peak_kv_tokens"] for r in rounds)
     assert "rounds" not in concurrent_vs_serial(build_tiny("llama-gqa"), clients=2, prefix_len=32, question=8,
                                                 new_tokens=2, block_size=16)
+    with pytest.raises(ConfigError, match="rounds"):
+        concurrent_vs_serial(build_tiny("llama-gqa"), clients=2, prefix_len=32, question=8, rounds=0)
 
 
 def test_short_behind_long_on_a_tiny_model():
