@@ -193,9 +193,12 @@ class BatchEngine:
                 self._finish(req, "cancelled", None)
                 continue
             try:
+                # Re-match first: a request sent before its prefix was stored must not wait for
+                # prefills of tokens already stored since (a burst on a new system prompt would
+                # otherwise admit its followers one per step, each held by the previous one's question).
+                self._refresh_lease(req)
                 if self._follows_a_prefill(req):
                     continue  # its prefix is being computed right now: wait for it to be stored
-                self._refresh_lease(req)
                 req.read_steps = self._read_in_place(req)
                 if self._active and reserved + req.private_need > cfg.max_private_tokens:
                     break  # keep order: the head of the queue is never overtaken for memory

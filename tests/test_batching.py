@@ -234,6 +234,31 @@ def test_followers_wait_for_a_running_prefill_of_their_prefix():
         engine.close()
 
 
+def test_followers_of_a_stored_prefix_prefill_together():
+    """Once the leader has stored the shared prefix, every follower is admitted in the same step:
+    none waits for another follower's question (they share the prefix, not the tokens after it)."""
+    model = build_tiny("llama-gqa")
+    engine = make_engine(model, block_size=8, prefill_chunk=8, token_budget=32)
+    first_step: dict[int, int] = {}
+    try:
+        prefix = list(range(10, 74))  # 64 tokens: several prefill steps for the leader
+        prompts = [prefix + [100 + i, 101, 102] for i in range(4)]
+        requests = [engine.submit(p, NS, "t", params(3),
+                                  on_token=lambda _t, i=i: first_step.setdefault(i, engine.steps))
+                    for i, p in enumerate(prompts)]
+        results = [engine.wait(r) for r in requests]
+        leader = min(range(4), key=lambda i: results[i].stats.cached_tokens)
+        followers = [i for i in range(4) if i != leader]
+        assert all(results[i].stats.cached_tokens >= len(prefix) for i in followers)
+        assert len({first_step[i] for i in followers}) == 1, first_step  # one step, not one per follower
+        assert first_step[followers[0]] == first_step[leader] + 1
+        for p, r in zip(prompts, results):
+            assert r.tokens == expected(model, p, 3)
+        check_released(engine)
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("fold_max", [0, 1024])
 def test_own_history_is_copied_into_private_system_prompt_read_in_place(fold_max):
     """Concurrent conversations on one system prompt: each one's own history (several stored
