@@ -41,7 +41,9 @@ class BatchConfig:
     token_budget: int = 256  # packed tokens per forward (decodes first, then prefill chunks)
     prefill_chunk: int = 128  # most prompt tokens one request feeds per step
     private_chunk: int = 32  # private KV grows by this many tokens at a time
-    pool_max_tokens: int = 512  # requests that may hold more private tokens get a pool of their own
+    #: Requests that may hold more private tokens get a pool of their own. The shared pool's slots
+    #: are sized at admission for the most any of its requests may hold (so at most this many).
+    pool_max_tokens: int = 512
     max_wait_seconds: float = 2.0  # a request waiting longer is admitted first
     max_private_tokens: int = 1 << 16  # admission budget: private KV tokens reserved by active requests
     #: Most cached tokens a request copies into its private KV at admission: the tail of
@@ -99,7 +101,7 @@ class BatchEngine:
                 model.set_attn_implementation(previous)
                 raise
             self.layout = layout
-            self._pool = private_pool(layout, self.config.private_chunk)
+            self._pool = private_pool(layout, self.config.private_chunk, plan_ahead=True)
             if self.config.pack_weights:
                 self.packed, reason = PackedLinears.build(model, self.config.max_batch, self.config.pack_max_bytes)
                 if reason is not None:
@@ -185,6 +187,7 @@ class BatchEngine:
         """Move waiting requests into the batch, cache-aware, within the batch and memory budgets."""
         cfg = self.config
         reserved = sum(r.private_need for r in self._active)
+        joining: list[BatchRequest] = []  # active from now on (others' admission sees them); KV given below
         for req in admission_order(self._waiting, self._clock(), cfg.max_wait_seconds):
             if len(self._active) >= cfg.max_batch:
                 break
@@ -203,22 +206,46 @@ class BatchEngine:
                 if self._active and reserved + req.private_need > cfg.max_private_tokens:
                     break  # keep order: the head of the queue is never overtaken for memory
                 self._waiting.remove(req)
-                # Short requests share the pool (decoded together); a long one must not pad every slot.
-                pool = (self._pool if req.private_need <= cfg.pool_max_tokens
-                        else private_pool(self.layout, cfg.private_chunk))
-                req.private = pool.acquire()
+            except Exception as exc:  # noqa: BLE001 - fail this request only; the loop keeps serving
+                self._fail_admission(req, exc)
+                continue
+            reserved += req.private_need
+            self._active.append(req)
+            joining.append(req)
+        self._join(joining)
+
+    def _join(self, joining: list[BatchRequest]) -> None:
+        """Give just admitted (active) requests their private KV; one that cannot have it fails.
+
+        Short requests share the pool (decoded together; it grows once for all of them); a long
+        one gets a pool of its own, so it does not pad every slot.
+        """
+        cfg = self.config
+        short = [r for r in joining if r.private_need <= cfg.pool_max_tokens]
+        try:
+            shared = dict(zip(map(id, short), self._pool.acquire_all([r.private_need for r in short])))
+        except Exception as exc:  # noqa: BLE001 - fail these requests only
+            for req in short:
+                self._fail_admission(req, exc)
+            joining, shared = [r for r in joining if r not in short], {}
+        for req in joining:
+            try:
+                if id(req) in shared:
+                    req.private = shared[id(req)]
+                else:
+                    req.private = private_pool(self.layout, cfg.private_chunk).acquire(req.private_need)
                 for snap, used in coalesce(req.copied):
                     req.private.load(snap[:, :, :, :used])
                 if req.params.seed is not None:
                     req.generator = torch.Generator(device=self.layout.device).manual_seed(req.params.seed)
             except Exception as exc:  # noqa: BLE001 - fail this request only; the loop keeps serving
-                log.exception("could not admit a request")
-                if req in self._waiting:
-                    self._waiting.remove(req)
-                self._finish(req, None, exc)
-                continue
-            reserved += req.private_need
-            self._active.append(req)
+                self._fail_admission(req, exc)
+
+    def _fail_admission(self, req: BatchRequest, exc: Exception) -> None:
+        log.exception("could not admit a request", exc_info=exc)
+        if req in self._waiting:
+            self._waiting.remove(req)
+        self._finish(req, None, exc)
 
     def _read_in_place(self, req: BatchRequest) -> int | None:
         """How many of ``req``'s cached steps to read in place each step (None: all).

@@ -173,9 +173,10 @@ class CascadeRow:
     count: int  # new tokens (packed rows) in this forward
 
 
-def private_pool(layout: KVLayout, chunk: int) -> PrivatePool:
-    """An empty pool of private KV shaped for ``layout`` (capacity grows by ``chunk`` tokens)."""
-    return PrivatePool(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype, layout.device, chunk)
+def private_pool(layout: KVLayout, chunk: int, plan_ahead: bool = False) -> PrivatePool:
+    """An empty pool of private KV shaped for ``layout`` (capacity grows by ``chunk`` tokens; see ``PrivatePool``)."""
+    return PrivatePool(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype, layout.device, chunk,
+                       plan_ahead)
 
 
 class _CascadeLayer(DynamicLayer):

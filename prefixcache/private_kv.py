@@ -4,14 +4,18 @@ Pure torch, no ``transformers``. Requests share one ``PrivatePool``: a tensor
 ``[L, 2, S, H, C, D]`` with one *slot* per request, so the decode attention of every
 request in the pool is one padded call per layer (``cascade.PrivateBatch``) and their new
 keys are written with one indexed copy. Capacity ``C`` grows by whole chunks when a slot
-needs more, never per token; a leaving request's slot is reused by the next one admitted,
-or the live slots are repacked into an exact-size tensor when nobody is waiting; an empty
+needs more, never per token; a pool that plans ahead (the shared one) grows at once to the
+most any live request may hold (its ``need``: suffix + max new tokens), so a burst costs one
+reallocation, not one per chunk. Requests admitted together get their slots in one
+reallocation. A leaving request's slot is reused by the next one admitted, or the live slots
+are repacked into an exact-size tensor when nobody is waiting; an empty
 pool holds nothing. A request whose private tokens
 could exceed ``BatchConfig.pool_max_tokens`` gets a pool of its own, so one long prompt
 never pads every other slot to its length.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,9 +25,10 @@ from prefixcache.cascade import PrivateBatch
 
 class PrivatePool:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, chunk: int):
+                 device: torch.device, chunk: int, plan_ahead: bool = False):
         self._shape = (num_layers, num_kv_heads, head_dim)
         self.dtype, self.device, self.chunk = dtype, device, chunk
+        self.plan_ahead = plan_ahead  # size capacity for the live requests' needs, not their lengths
         self.owners: list[PrivateKV | None] = []
         self.slab = self._alloc(0, 0)
 
@@ -40,15 +45,24 @@ class PrivatePool:
     def nbytes(self) -> int:
         return self.slab.numel() * self.slab.element_size()
 
-    def acquire(self) -> PrivateKV:
-        """A new request's empty private KV: a free slot, else one more slot."""
-        slot = next((i for i, owner in enumerate(self.owners) if owner is None), None)
-        if slot is None:
-            slot = len(self.owners)
-            self._resize(slot + 1, self.capacity)
-        kv = PrivateKV(self, slot)
-        self.owners[slot] = kv
-        return kv
+    def acquire(self, need: int = 0) -> PrivateKV:
+        """A new request's empty private KV (``need``: the most tokens it may hold): a free slot, else one more."""
+        return self.acquire_all([need])[0]
+
+    def acquire_all(self, needs: list[int]) -> list[PrivateKV]:
+        """Empty private KVs for requests joining together: free slots first, then at most one reallocation."""
+        free = [i for i, owner in enumerate(self.owners) if owner is None]
+        slots = len(self.owners) + max(0, len(needs) - len(free))
+        capacity = max(self.capacity, self._planned(needs))
+        if slots != len(self.owners) or capacity != self.capacity:
+            self._resize(slots, capacity)
+            free = [i for i, owner in enumerate(self.owners) if owner is None]
+        joined = []
+        for slot, need in zip(free, needs):
+            kv = PrivateKV(self, slot, need)
+            self.owners[slot] = kv
+            joined.append(kv)
+        return joined
 
     def release(self, kv: PrivateKV, trim: bool = True) -> None:
         """Free ``kv``'s slot. With ``trim`` (nobody waiting to reuse it) repack the live slots
@@ -60,12 +74,18 @@ class PrivatePool:
         if not live:
             self.owners, self.slab = [], self._alloc(0, 0)
         elif trim:
-            self._resize(len(live), self._round(max(o.length for o in live)))
+            self._resize(len(live), max(self._round(max(o.length for o in live)), self._planned()))
 
     def reserve(self, end: int) -> None:
         """Make room for ``end`` tokens in every slot (rounded up to a chunk); one copy per growth."""
         if end > self.capacity:
-            self._resize(len(self.owners), self._round(end))
+            self._resize(len(self.owners), max(self._round(end), self._planned()))
+
+    def _planned(self, joining: Sequence[int] = ()) -> int:
+        """Capacity for the most any live (or ``joining``) request may hold; 0 unless planning ahead."""
+        if not self.plan_ahead:
+            return 0
+        return self._round(max([o.need for o in self.owners if o is not None] + list(joining), default=0))
 
     def _round(self, tokens: int) -> int:
         return -(-tokens // self.chunk) * self.chunk
@@ -127,10 +147,10 @@ class DecodeGroup:
 
 
 class PrivateKV:
-    """One request's slot in a ``PrivatePool``; ``length`` = private tokens held."""
+    """One request's slot in a ``PrivatePool``; ``length`` = private tokens held, ``need`` = the most it may hold."""
 
-    def __init__(self, pool: PrivatePool, slot: int):
-        self.pool, self.slot, self.length = pool, slot, 0
+    def __init__(self, pool: PrivatePool, slot: int, need: int = 0):
+        self.pool, self.slot, self.length, self.need = pool, slot, 0, need
 
     def reserve(self, end: int) -> None:
         self.pool.reserve(end)

@@ -152,3 +152,26 @@ def test_private_pool_slots_grow_repack_and_free():
     assert c.view(1, 6)[0].unique().tolist() == [4.0] and c.window(0, 6)[0, 1].unique().tolist() == [-3.0]
     c.release()
     assert pool.nbytes == 0 and pool.owners == []
+
+
+def test_private_pool_planning_ahead_reallocates_once_per_burst():
+    """Requests joining together get their slots in one reallocation, sized for the most any may hold."""
+    from prefixcache.private_kv import PrivatePool
+
+    pool = PrivatePool(2, 1, 2, torch.float32, torch.device("cpu"), chunk=4, plan_ahead=True)
+    a, b, c = pool.acquire_all([5, 9, 3])
+    slab = pool.slab
+    assert slab.shape == (2, 2, 3, 1, 12, 2) and [kv.slot for kv in (a, b, c)] == [0, 1, 2]
+    for kv in (a, b, c):
+        kv.reserve(9)  # within the plan: no reallocation while they grow
+        kv.write(0, 0, torch.full((1, 9, 2), float(kv.slot + 1)), torch.zeros(1, 9, 2))
+        kv.length = 9 if kv is b else 3
+    assert pool.slab is slab
+    b.release()  # the rest need at most 5 tokens: trimmed to 8 (two chunks), values kept
+    assert pool.slab.shape == (2, 2, 2, 1, 8, 2) and (a.slot, c.slot) == (0, 1)
+    assert a.view(0, 3)[0].unique().tolist() == [1.0] and c.view(0, 3)[0].unique().tolist() == [3.0]
+    d, = pool.acquire_all([16])  # one more slot and a bigger plan: again one reallocation
+    assert pool.slab.shape == (2, 2, 3, 1, 16, 2) and d.slot == 2 and d.need == 16
+    plain = PrivatePool(2, 1, 2, torch.float32, torch.device("cpu"), chunk=4)
+    e, = plain.acquire_all([16])
+    assert plain.capacity == 0 and e.need == 16  # not planning ahead: capacity follows lengths
