@@ -38,7 +38,10 @@ HOLD_PROBE_TOKENS = 16
 @dataclass(frozen=True, slots=True)
 class BatchConfig:
     max_batch: int = 16  # active requests per step
-    token_budget: int = 256  # packed tokens per forward (decodes first, then prefill chunks)
+    #: Packed tokens per forward: decodes first, then prefill chunks (each request at most
+    #: ``prefill_chunk``). 512 lets 4 questions of a burst prefill per step: 16 requests on a
+    #: 2,048-token prefix finished in 0.70-0.92x the time of 256 (4 interleaved pairs, fp32 CPU).
+    token_budget: int = 512
     prefill_chunk: int = 128  # most prompt tokens one request feeds per step
     private_chunk: int = 32  # private KV grows by this many tokens at a time
     #: Requests that may hold more private tokens get a pool of their own. The shared pool's slots
