@@ -8,8 +8,10 @@ Run: ``python -m prefixcache.bench.engine_figures [--dtype bfloat16] [--new-toke
   engine vs served one at a time by the plain engine. Each path has its own store holding
   only the prefix, so neither reuses the other's questions. Reports output tokens/s of
   both and the peak KV the batching engine held (store + private pools) against the
-  ideal ``prefix + C·(question + new tokens)``. With ``--rounds N`` the two runs alternate
-  N times and each round's ratio is reported (this VM's speed drifts over minutes).
+  ideal ``prefix + C·(question + new tokens)``. The serial requests are served half before
+  and half after the batched run, so a steady drift of the machine's speed weighs on both
+  alike (this VM's drifts over minutes). With ``--rounds N`` this is repeated N times and
+  each round's ratio is reported.
 - ``latency``: TTFT of a short request alone and while a long uncached prompt prefills.
 - ``turns``: decode step of 3 conversations on one system prompt, each with stored turns
   of its own, with and without copying each one's own history into its private KV.
@@ -157,18 +159,25 @@ def concurrent_vs_serial(model, clients: int = 16, prefix_len: int = 2048, quest
                          rounds: int = 1) -> dict[str, object]:
     """``clients`` requests on one stored prefix: batched (all at once) vs the one-at-a-time engine.
 
-    Each round runs the batched path and then the serial one back to back, each with a fresh
-    store holding only the prefix (neither reuses the other's questions); a round's ratio
-    compares two runs minutes apart, not runs the machine's speed drift separates. Reported:
-    every round, and the medians over rounds.
+    Each round serves the first half of the requests one at a time, then all of them
+    batched, then the second half one at a time (one serial engine and store for both
+    halves; the batched path has its own store; each store starts with only the prefix, so
+    neither reuses the other's questions). The serial halves bracket the batched run, so a
+    steady drift of the machine's speed cancels out of the ratio. Reported: every round
+    (with each half's seconds), and the medians over rounds.
     """
     check_int("rounds", rounds, 1, None)
     prefix = _prefix(prefix_len, _vocab(model))
     prompts = [prefix + _question(i, question, _vocab(model)) for i in range(clients)]
     per_round = []
+    half = len(prompts) // 2
     for _ in range(rounds):
+        serial = _serial_engine(model, prefix, block_size)
+        before = _serial_seconds(serial, prompts[:half], new_tokens)
         batched = _batched_run(model, prefix, prompts, new_tokens, block_size, pack_weights)
-        serial_s = _serial_seconds(model, prefix, prompts, new_tokens, block_size)
+        after = _serial_seconds(serial, prompts[half:], new_tokens)
+        serial_s = before + after
+        batched["serial_halves_s"] = [before, after]
         batched["serial_s"] = serial_s
         batched["serial_tok_s"] = clients * new_tokens / serial_s
         batched["batched_over_serial"] = batched["batched_tok_s"] / batched["serial_tok_s"]
@@ -207,9 +216,14 @@ def _batched_run(model, prefix: list[int], prompts: list[list[int]], new_tokens:
             "peak_kv_tokens": max(peak) / per_token, "ttft_p50_s": ttfts[len(ttfts) // 2], "ttft_max_s": ttfts[-1]}
 
 
-def _serial_seconds(model, prefix: list[int], prompts: list[list[int]], new_tokens: int, block_size: int) -> float:
+def _serial_engine(model, prefix: list[int], block_size: int) -> Engine:
+    """The one-at-a-time engine with a store holding only ``prefix`` (its code paths warm)."""
     serial = Engine(model, _store(block_size), time.monotonic)
     serial.generate(torch.tensor([prefix]), NS, "bench", None, {"max_new_tokens": 1}, None, False)
+    return serial
+
+
+def _serial_seconds(serial: Engine, prompts: list[list[int]], new_tokens: int) -> float:
     t0 = time.perf_counter()
     for p in prompts:
         serial.generate(torch.tensor([p]), NS, "bench", None,

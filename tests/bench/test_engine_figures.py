@@ -31,6 +31,8 @@ def test_concurrent_vs_serial_on_a_tiny_model():
     assert len(rounds) == 2  # each round: its own batched and serial run, and their ratio
     for r in rounds:
         assert r["batched_over_serial"] == r["batched_tok_s"] / r["serial_tok_s"] and r["serial_s"] > 0
+        before, after = r["serial_halves_s"]  # serial halves bracket the batched run
+        assert before > 0 and after > 0 and r["serial_s"] == before + after
     assert got["batched_over_serial"] == statistics.median(r["batched_over_serial"] for r in rounds)
     assert got["peak_kv_tokens"] == max(r["peak_kv_tokens"] for r in rounds)
     assert "rounds" not in concurrent_vs_serial(build_tiny("llama-gqa"), clients=2, prefix_len=32, question=8,
