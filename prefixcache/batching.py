@@ -255,7 +255,10 @@ class BatchEngine:
 
         The tail after them is copied into its private KV once: the longest run of final
         steps that no other active or waiting request holds, up to ``fold_max_tokens``,
-        when that saves calls (it is all of its own steps, or spans more than one stored run).
+        when that saves calls (it spans more than one stored run, or is the one run of its own
+        history after a prefix others read). A whole prefix that is one run is read in place:
+        nobody else may read it yet, but requests arriving next (a burst's followers) will,
+        and a copy would pad every slot of the shared pool to its length while it runs.
         """
         steps = [] if req.lease is None else req.lease.steps
         others = {id(st.node) for r in (*self._active, *self._waiting) if r is not req and r.lease is not None
@@ -266,8 +269,8 @@ class BatchEngine:
             tail += steps[k].used
         if tail == 0:
             return None
-        whole = k == 0 or id(steps[k - 1].node) in others
-        if not whole and len(coalesce([(st.node.kv, st.used) for st in steps[k:]])) < 2:
+        after_shared = k > 0 and id(steps[k - 1].node) in others
+        if not after_shared and len(coalesce([(st.node.kv, st.used) for st in steps[k:]])) < 2:
             return None
         return k
 

@@ -115,6 +115,37 @@ def test_memory_is_prefix_once_plus_private_per_request():
         engine.close()
 
 
+def test_a_lone_first_request_reads_the_prefix_in_place_so_followers_do_not_pay_for_it():
+    """The first request of a burst, admitted while nobody else holds the stored prefix, does
+    not copy it into its private KV (every slot of the shared pool would be padded to it)."""
+    model = build_tiny("llama-gqa")
+    p_len, n_req, q_len, out_len = 256, 6, 16, 16
+    engine = make_engine(model, block_size=16, max_batch=n_req, private_chunk=8)
+    try:
+        prefix = [2 + (i * 7) % 300 for i in range(p_len)]
+        engine.generate(prefix, NS, "t", SamplingParams(max_new_tokens=1))  # one stored run of P tokens
+        held: list[int] = []
+        started = threading.Event()
+
+        def record(_t):
+            held.append(engine.kv_bytes())
+            started.set()
+        first = engine.submit(prefix + [10] * q_len, NS, "t", SamplingParams(max_new_tokens=out_len), on_token=record)
+        assert started.wait(30)  # admitted and decoding alone
+        rest = [engine.submit(prefix + [11 + i] * q_len, NS, "t", SamplingParams(max_new_tokens=out_len),
+                              on_token=record) for i in range(n_req - 1)]
+        for r in [first, *rest]:
+            engine.wait(r, timeout=60)
+        read_steps, base = first.read_steps, first.base
+        assert read_steps is None and base == p_len, (read_steps, base)  # read in place, not copied
+        per_token = engine.layout.bytes_per_token
+        ideal = (p_len + n_req * (q_len + out_len)) * per_token
+        assert max(held) <= 1.1 * ideal, (max(held) / per_token, ideal / per_token)
+        check_released(engine)
+    finally:
+        engine.close()
+
+
 def test_cancel_callback_error_and_sampling():
     model = build_tiny("qwen2")
     engine = make_engine(model)
