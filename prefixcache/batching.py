@@ -43,6 +43,9 @@ class BatchConfig:
     #: 2,048-token prefix finished in 0.70-0.92x the time of 256 (4 interleaved pairs, fp32 CPU).
     token_budget: int = 512
     prefill_chunk: int = 128  # most prompt tokens one request feeds per step
+    #: ... in a step that makes nobody's token (no decode, no prompt ending in it): e.g. a lone
+    #: cold prompt. An arrival waits at most one such step. Set to ``prefill_chunk`` to disable.
+    idle_prefill_chunk: int = 512
     private_chunk: int = 32  # private KV grows by this many tokens at a time
     #: Requests that may hold more private tokens get a pool of their own. The shared pool's slots
     #: are sized at admission for the most any of its requests may hold (so at most this many).
@@ -61,7 +64,8 @@ class BatchConfig:
     pack_max_bytes: int = 2 << 30
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "token_budget", "prefill_chunk", "private_chunk", "max_private_tokens"):
+        for name in ("max_batch", "token_budget", "prefill_chunk", "idle_prefill_chunk", "private_chunk",
+                     "max_private_tokens"):
             check_int(name, getattr(self, name), 1, None)
         check_int("pool_max_tokens", self.pool_max_tokens, 0, None)
         check_int("fold_max_tokens", self.fold_max_tokens, 0, None)
@@ -174,7 +178,14 @@ class BatchEngine:
                 if self._closed:
                     break
                 self._admit()
-                plan = plan_step(self._active, self.config.token_budget, self.config.prefill_chunk)
+                try:
+                    plan = plan_step(self._active, self.config.token_budget, self.config.prefill_chunk,
+                                     self.config.idle_prefill_chunk)
+                except Exception as exc:  # noqa: BLE001 - a dead loop would leave every caller waiting
+                    log.exception("planning a step failed")
+                    for req in list(self._active):
+                        self._finish(req, None, exc)
+                    continue
             try:
                 if plan:
                     self._postprocess(plan, self._run(plan))
@@ -237,6 +248,9 @@ class BatchEngine:
                     req.private = shared[id(req)]
                 else:
                     req.private = private_pool(self.layout, cfg.private_chunk).acquire(req.private_need)
+                    # Its whole prompt at once: a long prefill would otherwise regrow (and copy) the
+                    # pool at every chunk. The answer still grows it by chunks (max_new_tokens may be large).
+                    req.private.reserve(len(req.prompt) - req.base)
                 for snap, used in coalesce(req.copied):
                     req.private.load(snap[:, :, :, :used])
                 if req.params.seed is not None:

@@ -201,6 +201,74 @@ def test_plan_step_keeps_decodes_running_during_long_prefill():
     assert plan == [(decoding, 1), (prefilling, 63)]
 
 
+def _prompt(tokens, arrival, held=0):
+    r = _req((0, arrival))
+    r.prompt = [1] * tokens
+    r.private = type("P", (), {"length": held})()
+    return r
+
+
+def test_plan_step_feeds_bigger_chunks_only_when_nobody_waits_on_the_step():
+    lone = _prompt(2000, 0.0)
+    assert plan_step([lone], token_budget=512, prefill_chunk=128, idle_chunk=512) == [(lone, 512)]
+    assert plan_step([lone], token_budget=512, prefill_chunk=128) == [(lone, 128)]  # no idle chunk given
+    assert plan_step([], token_budget=512, prefill_chunk=128, idle_chunk=512) == []
+    other = _prompt(900, 1.0)  # two long prompts part-way: the budget is split, neither waits for the other
+    assert plan_step([lone, other], token_budget=512, prefill_chunk=128, idle_chunk=512) == [(lone, 256), (other, 256)]
+    ending = _prompt(100, 2.0)  # ends within its chunk: its first token waits on this step's length
+    assert plan_step([lone, ending], 512, 128, 512) == [(lone, 128), (ending, 100)]
+    decoding = _prompt(50, 3.0, held=50)  # a decode in the step: chunks stay small
+    assert plan_step([lone, decoding], 512, 128, 512) == [(decoding, 1), (lone, 128)]
+    nearly = _prompt(2000, 0.0, held=1900)  # the last 100 tokens: its own first token, small chunk
+    assert plan_step([nearly], 512, 128, 512) == [(nearly, 100)]
+
+
+def test_a_failure_while_planning_fails_the_active_requests_and_the_loop_lives_on(monkeypatch):
+    model = build_tiny("llama-gqa")
+    engine = make_engine(model)
+    try:
+        import prefixcache.batching as batching
+        real, broken = batching.plan_step, {"left": 1}
+
+        def fail_once(*args):
+            if broken["left"]:
+                broken["left"] -= 1
+                raise RuntimeError("planning broke")
+            return real(*args)
+        monkeypatch.setattr(batching, "plan_step", fail_once)
+        with pytest.raises(RuntimeError, match="planning broke"):
+            engine.wait(engine.submit([5, 6, 7, 8], NS, "t", SamplingParams(max_new_tokens=2)), timeout=30)
+        got = engine.wait(engine.submit([5, 6, 7, 9], NS, "t", SamplingParams(max_new_tokens=2)), timeout=30)
+        assert got.tokens == expected(model, [5, 6, 7, 9], 2)
+        check_released(engine)
+    finally:
+        engine.close()
+
+
+def test_a_long_prompt_gets_its_own_pool_sized_for_the_prompt_at_once(monkeypatch):
+    """A prompt too long for the shared pool prefills in several chunks into a pool of its own:
+    one allocation for the whole prompt (not one copy per chunk); only the answer grows it."""
+    from prefixcache.private_kv import PrivatePool
+    model = build_tiny("llama-gqa")
+    engine = make_engine(model, prefill_chunk=8, idle_prefill_chunk=8, private_chunk=4, pool_max_tokens=16)
+    sizes = []
+    real = PrivatePool._resize
+
+    def resize(pool, slots, capacity):
+        if pool is not engine._pool:
+            sizes.append(capacity)
+        real(pool, slots, capacity)
+    monkeypatch.setattr(PrivatePool, "_resize", resize)
+    try:
+        prompt = list(range(10, 74))  # 64 tokens: 8 prefill steps
+        got = engine.generate(prompt, NS, "t", SamplingParams(max_new_tokens=3))
+        assert got.tokens == expected(model, prompt, 3)
+        assert sizes == [0, 64, 68], sizes  # its (empty) slot, the whole prompt, one chunk for the answer
+        check_released(engine)
+    finally:
+        engine.close()
+
+
 def test_next_turn_hits_prompt_and_answer():
     """Inserted KV (prefix snapshot + private, straddling blocks) serves the next turn exactly."""
     model, ref = build_tiny("gpt2"), build_tiny("gpt2")
@@ -344,6 +412,7 @@ def test_a_failure_while_admitting_fails_that_request_only():
 
 
 @pytest.mark.parametrize("field,value", [("max_batch", 0), ("token_budget", -1), ("prefill_chunk", 0),
+                                         ("idle_prefill_chunk", 0),
                                          ("private_chunk", 1.5), ("pool_max_tokens", -1), ("fold_max_tokens", -5),
                                          ("max_private_tokens", 0), ("max_wait_seconds", 0), ("max_batch", True),
                                          ("pack_weights", "yes"), ("pack_max_bytes", -1)])
