@@ -43,8 +43,9 @@ class BatchConfig:
     #: 2,048-token prefix finished in 0.70-0.92x the time of 256 (4 interleaved pairs, fp32 CPU).
     token_budget: int = 512
     prefill_chunk: int = 128  # most prompt tokens one request feeds per step
-    #: ... in a step that makes nobody's token (no decode, no prompt ending in it): e.g. a lone
-    #: cold prompt. An arrival waits at most one such step. Set to ``prefill_chunk`` to disable.
+    #: Most prompt tokens one request feeds in a step that makes nobody's token (no decode, no
+    #: prompt ending in it), e.g. a lone cold prompt: 512 prefilled one 2,176 tokens ~1.4x faster
+    #: than 128. A request arriving meanwhile waits at most one such step. ``prefill_chunk`` disables.
     idle_prefill_chunk: int = 512
     private_chunk: int = 32  # private KV grows by this many tokens at a time
     #: Requests that may hold more private tokens get a pool of their own. The shared pool's slots

@@ -140,7 +140,7 @@ def run_workload(opts: BenchOptions, model: torch.nn.Module, dtype: str, workloa
     for s in seq.values():
         s.start(workload)
     try:
-        for req in workload.requests:
+        for req in workload.requests if seq else ():  # none: only batch/HTTP systems were chosen
             names = list(seq)
             k = req.index % len(names)
             for name in names[k:] + names[:k]:

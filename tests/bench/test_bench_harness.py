@@ -86,3 +86,10 @@ def test_module_entry_point_runs_standalone():
     proc = subprocess.run([sys.executable, "-m", "prefixcache.bench", "--help"], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0 and "--preset" in proc.stdout and "--dtype" in proc.stdout
+
+
+def test_batch_systems_alone_run_without_a_sequential_one(tmp_path):
+    """Only the batched system chosen: no per-request loop to run, still a table (it divided by zero)."""
+    assert _run("--preset", "small", "--workloads", "shared-prefix", "--systems", "prefixcache-batched",
+                "--no-plot", "--out", str(tmp_path)) == 0
+    assert ("shared-prefix", "prefixcache-batched") in _summaries(tmp_path)
