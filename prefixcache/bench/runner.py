@@ -1,9 +1,12 @@
 """Runs every workload against every system in one process and checks the answers agree.
 
 Sequential systems are interleaved request by request, in an order that rotates per
-request, so background noise lands on all of them alike. Batch systems then take the
-workload round by round, and the HTTP systems (a server subprocess each, fed by a
-pool of streaming clients) the same way. After each request, prefixcache's output must equal plain
+request, so background noise lands on all of them alike. They serve the first half of
+a workload's requests, then the batch systems take the whole workload round by round,
+then the HTTP systems (a server subprocess each, fed by a pool of streaming clients) the
+same way, and then the sequential systems serve the second half: the halves bracket the
+batch runs, so a steady drift of the machine's speed over the minutes of a run weighs on
+the ratios between them alike. After each request, prefixcache's output must equal plain
 ``generate()``'s token for token (same greedy workload); otherwise the run stops.
 """
 from __future__ import annotations
@@ -137,10 +140,13 @@ def run_workload(opts: BenchOptions, model: torch.nn.Module, dtype: str, workloa
     ideal: list[int] = []
     histories: dict[str, dict[str, list[int]]] = {n: {} for n in seq}
     finished: list[list[int]] = []  # the reference's prompt + answer sequences so far
+    half = len(workload.requests) // 2
     for s in seq.values():
         s.start(workload)
     try:
-        for req in workload.requests if seq else ():  # none: only batch/HTTP systems were chosen
+        for i, req in enumerate(workload.requests if seq else ()):  # none: only batch/HTTP systems were chosen
+            if i == half:  # the batch runs, bracketed by the two halves (see the module's docstring)
+                _run_batches(runs, model, opts, workload, bpt, progress, harness)
             names = list(seq)
             k = req.index % len(names)
             for name in names[k:] + names[:k]:
@@ -159,8 +165,9 @@ def run_workload(opts: BenchOptions, model: torch.nn.Module, dtype: str, workloa
     finally:
         for s in seq.values():
             s.finish()
-    for name in (n for n in opts.systems if n in BATCH_SYSTEMS or n in HTTP_SYSTEMS):
-        runs[name] = _run_batch(name, model, opts, workload, bpt, progress, harness)
+    if not seq or not workload.requests:
+        _run_batches(runs, model, opts, workload, bpt, progress, harness)
+    runs = {n: runs[n] for n in [*seq, *(n for n in runs if n not in seq)]}  # sequential first, as reported
     if harness is not None and "generate" in runs:  # HTTP answers are compared as text (ids do not round-trip)
         for rec in runs["generate"].records:
             rec.text = harness.decode(rec.output)
@@ -184,6 +191,12 @@ def _check(workload: Workload, req: Request, runs: dict[str, SystemRun]) -> None
             f"{workload.name} request {req.index} (session {req.session}, {got.prompt_tokens} prompt tokens, "
             f"{got.cached_tokens} cached): prefixcache output differs from plain generate() at output token {first}:"
             f"\n  prefixcache: {list(got.output)}\n  generate():  {list(want.output)}")
+
+
+def _run_batches(runs: dict[str, SystemRun], model: torch.nn.Module, opts: BenchOptions, workload: Workload,
+                 bpt: int, progress: Progress, harness: HttpHarness | None) -> None:
+    for name in (n for n in opts.systems if n in BATCH_SYSTEMS or n in HTTP_SYSTEMS):
+        runs[name] = _run_batch(name, model, opts, workload, bpt, progress, harness)
 
 
 def _run_batch(name: str, model: torch.nn.Module, opts: BenchOptions, workload: Workload, bpt: int,

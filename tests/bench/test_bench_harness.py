@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from prefixcache.bench import add_arguments, run
+from prefixcache.bench.concurrent import PrefixCacheBatched
 from prefixcache.bench.systems import PrefixCacheSystem, Served
 
 
@@ -93,3 +94,29 @@ def test_batch_systems_alone_run_without_a_sequential_one(tmp_path):
     assert _run("--preset", "small", "--workloads", "shared-prefix", "--systems", "prefixcache-batched",
                 "--no-plot", "--out", str(tmp_path)) == 0
     assert ("shared-prefix", "prefixcache-batched") in _summaries(tmp_path)
+
+
+def test_the_sequential_halves_bracket_the_batch_run(monkeypatch, tmp_path):
+    """Serial first half, then the batch system, then the serial second half: a drift of the
+    machine's speed during the run weighs on both sides of the batched/serial ratio alike."""
+    events: list[str] = []
+    serve, call = PrefixCacheSystem.serve, PrefixCacheBatched.call
+
+    def logged_serve(self, request, prompt):
+        if request.session != "w":  # not the harness's warm-up calls
+            events.append(f"serial {request.index}")
+        return serve(self, request, prompt)
+
+    def logged_call(self, prompts):
+        events.append(f"batch {len(prompts)}")
+        return call(self, prompts)
+
+    monkeypatch.setattr(PrefixCacheSystem, "serve", logged_serve)
+    monkeypatch.setattr(PrefixCacheBatched, "call", logged_call)
+    assert _run("--preset", "small", "--workloads", "shared-prefix", "--systems", "prefixcache,prefixcache-batched",
+                "--no-plot", "--out", str(tmp_path)) == 0
+    serial = [e for e in events if e.startswith("serial")]
+    n = len(serial)
+    assert n >= 2 and events == [*serial[: n // 2], f"batch {n}", *serial[n // 2:]]
+    assert serial == [f"serial {i}" for i in range(n)]
+    assert list(_summaries(tmp_path)) == [("shared-prefix", "prefixcache"), ("shared-prefix", "prefixcache-batched")]
