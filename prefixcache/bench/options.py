@@ -82,6 +82,10 @@ class BenchOptions:
     threads: int | None = None  # torch intra-op threads; None = torch's default
     #: prefixcache-batched and the HTTP systems: clients sending requests concurrently (closed loop).
     concurrency: int = 4
+    #: Requests served untimed by each system before its timed run: the first ones that open a
+    #: session, as SGLang's bench_serving warms up on its first request without flushing the
+    #: cache after. 0 (the default): every system starts cold.
+    warmup_requests: int = 0
 
     def spec(self, workload: str) -> SharedPrefixSpec | MultiTurnSpec | NoReuseSpec:
         return {"shared-prefix": self.shared, "multi-turn": self.multi, "no-reuse": self.unique}[workload]
@@ -136,6 +140,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, (_, text) in _SIZE_FLAGS.items():
         parser.add_argument("--" + name.replace("_", "-"), dest=name, type=_positive, default=None,
                             help=f"{text} (default: from the preset)")
+    parser.add_argument("--warmup-requests", type=_non_negative, default=0,
+                        help="requests each system serves untimed before its timed run, caches kept "
+                             "(SGLang bench_serving's warm-up; default 0: cold)")
     parser.add_argument("--threads", type=_positive, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random token content and order")
     parser.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for results.{md,json,png}")
@@ -157,6 +164,7 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
         opts.systems = args.systems
     opts.model, opts.seed, opts.out, opts.threads = args.model, args.seed, args.out, args.threads
     opts.progress, opts.plot = args.progress, args.plot
+    opts.warmup_requests = getattr(args, "warmup_requests", 0)
     if opts.shared.prompts < 2 and "shared-prefix" in opts.workloads:
         raise argparse.ArgumentTypeError("--prompts must be >= 2 for any reuse to happen")
     return opts
@@ -172,7 +180,9 @@ def describe(opts: BenchOptions) -> str:
             f"  no-reuse:      N={u.prompts} tokens={u.prompt_tokens}\n"
             f"  systems: {', '.join(opts.systems)}; workloads: {', '.join(opts.workloads)}\n"
             f"  generate-batch: max_batch_tokens={opts.cb_max_batch_tokens}, 256-token pages, pool sized to the "
-            f"workload; prefixcache-batched and http-*: {opts.concurrency} concurrent clients")
+            f"workload; prefixcache-batched and http-*: {opts.concurrency} concurrent clients"
+            + (f"\n  warm-up: each system serves the first {opts.warmup_requests} session-opening request(s) untimed "
+               f"before its timed run, caches kept" if opts.warmup_requests else ""))
 
 
 def _copy(opts: BenchOptions) -> BenchOptions:
@@ -191,6 +201,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text}")
     return value
 
 

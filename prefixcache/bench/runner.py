@@ -6,7 +6,9 @@ a workload's requests, then the batch systems take the whole workload round by r
 then the HTTP systems (a server subprocess each, fed by a pool of streaming clients) the
 same way, and then the sequential systems serve the second half: the halves bracket the
 batch runs, so a steady drift of the machine's speed over the minutes of a run weighs on
-the ratios between them alike. After each request, prefixcache's output must equal plain
+the ratios between them alike. With ``--warmup-requests N`` each system first serves the
+first N session-opening requests untimed (SGLang's bench_serving warms up this way and keeps
+its cache). After each request, prefixcache's output must equal plain
 ``generate()``'s token for token (same greedy workload); otherwise the run stops.
 """
 from __future__ import annotations
@@ -139,10 +141,14 @@ def run_workload(opts: BenchOptions, model: torch.nn.Module, dtype: str, workloa
     prompts: list[int] = []
     ideal: list[int] = []
     histories: dict[str, dict[str, list[int]]] = {n: {} for n in seq}
-    finished: list[list[int]] = []  # the reference's prompt + answer sequences so far
+    warm = warmup_requests(workload, opts.warmup_requests)
+    # the reference's prompt + answer sequences so far (warm-up prompts count: a cache may hold them)
+    finished: list[list[int]] = [list(r.new_tokens) for r in warm]
     half = len(workload.requests) // 2
     for s in seq.values():
         s.start(workload)
+        for r in warm:  # untimed, unrecorded
+            s.serve(r, list(r.new_tokens))
     try:
         for i, req in enumerate(workload.requests if seq else ()):  # none: only batch/HTTP systems were chosen
             if i == half:  # the batch runs, bracketed by the two halves (see the module's docstring)
@@ -172,6 +178,12 @@ def run_workload(opts: BenchOptions, model: torch.nn.Module, dtype: str, workloa
         for rec in runs["generate"].records:
             rec.text = harness.decode(rec.output)
     return WorkloadRun(workload.name, dtype, runs, prompts, ideal, workload.formula_hit_rate)
+
+
+def warmup_requests(workload: Workload, n: int) -> list[Request]:
+    """The first ``n`` requests that open a session (their prompt is their own tokens): what a
+    system serves untimed before its timed run with ``--warmup-requests n``."""
+    return [r for r in workload.requests if r.round == 0][:n]
 
 
 def _record(run: SystemRun, req: Request, prompt: list[int], served: Served, inflight: int) -> None:
@@ -214,6 +226,9 @@ def _run_batch(name: str, model: torch.nn.Module, opts: BenchOptions, workload: 
     by_index: dict[int, Record] = {}
     system.start()
     try:
+        warm = warmup_requests(workload, opts.warmup_requests)
+        if warm:
+            system.call([list(r.new_tokens) for r in warm])  # untimed, unrecorded
         for batch in workload.rounds():
             prompts = [history.get(r.session, []) + list(r.new_tokens) for r in batch]
             call = system.call(prompts)

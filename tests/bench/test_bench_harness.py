@@ -120,3 +120,30 @@ def test_the_sequential_halves_bracket_the_batch_run(monkeypatch, tmp_path):
     assert n >= 2 and events == [*serial[: n // 2], f"batch {n}", *serial[n // 2:]]
     assert serial == [f"serial {i}" for i in range(n)]
     assert list(_summaries(tmp_path)) == [("shared-prefix", "prefixcache"), ("shared-prefix", "prefixcache-batched")]
+
+
+def test_warmup_requests_serve_untimed_and_leave_the_caches_warm(tmp_path):
+    """--warmup-requests 1 (SGLang bench_serving's convention): each system serves the first request
+    untimed first, so the timed run's first request already hits its system prompt; nothing of the
+    warm-up is recorded, and the ideal hit rate counts the warm-up prompt as cacheable."""
+    assert _run("--preset", "small", "--workloads", "shared-prefix", "--systems", "generate,prefixcache,"
+                "prefixcache-batched", "--warmup-requests", "1", "--no-plot", "--out", str(tmp_path)) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    run = data["runs"][0]
+    assert data["options"]["warmup_requests"] == 1 and "warm-up" in (tmp_path / "results.md").read_text()
+    for name in ("prefixcache", "prefixcache-batched"):
+        records = run["records"][name]
+        assert [r["index"] for r in records] == list(range(len(records)))  # the warm-up is not among them
+        assert records[0]["cached_tokens"] > 0, name  # request 0 was the warm-up's prompt: a full hit
+    assert run["records"]["generate"][0]["cached_tokens"] == 0
+    s = _summaries(tmp_path)
+    assert s[("shared-prefix", "prefixcache")]["hit_rate"] == pytest.approx(run["ideal_hit_rate"])
+    assert run["ideal_hit_rate"] > run["formula_hit_rate"]  # the warm prompt's group starts warm
+
+
+def test_warmup_requests_must_not_be_negative():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--warmup-requests", "-1"])
+    assert parser.parse_args([]).warmup_requests == 0
