@@ -102,13 +102,16 @@ def test_stats_scope_tenant_view_and_admin_view(server):
         assert 0 < mine["hit_rate"] <= 1 and mine["cached_tokens"] > 0
         # A tenant sees its own entries and evictions; other tenants' bytes and the queue are admin only.
         assert mine["entries"] > 0 and set(mine["evictions"]) == {"lru", "ttl", "quota", "flush"}
-        assert mine["tenant_bytes"] is None and mine["queue"] is None
+        assert mine["tenant_bytes"] is None and mine["queue"] is None and mine["packed_weight_bytes"] is None
         theirs = beta.get("/v1/cache/stats").json()
         assert theirs["bytes"] == 0 and theirs["entries"] == 0
         everyone = admin.get("/v1/cache/stats").json()
         assert everyone["tenant"] is None and everyone["entries"] > 0
         assert set(everyone["evictions"]) == {"lru", "ttl", "quota", "flush"}
         assert everyone["queue"] == {"running": 0, "waiting": 0, "capacity": 66}
+        packed = server.cache.batcher.packed  # not KV: the batching engine's packed weights, process-wide
+        assert everyone["packed_weight_bytes"] == (packed.weight_bytes if packed is not None else 0)
+        assert admin.get("/v1/cache/stats", params={"tenant": "alpha"}).json()["packed_weight_bytes"] is None
         assert admin.get("/v1/cache/stats", params={"tenant": "alpha"}).json()["bytes"] == mine["bytes"]
 
 
