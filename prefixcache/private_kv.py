@@ -6,7 +6,8 @@ request in the pool is one padded call per layer (``cascade.PrivateBatch``) and 
 keys are written with one indexed copy. Capacity ``C`` grows by whole chunks when a slot
 needs more, never per token; a pool that plans ahead (the shared one) grows at once to the
 most any live request may hold (its ``need``: suffix + max new tokens), so a burst costs one
-reallocation, not one per chunk. Requests admitted together get their slots in one
+reallocation, not one per chunk; any other pool grows by at least an eighth of its capacity
+(capped at its requests' needs). Requests admitted together get their slots in one
 reallocation. A leaving request's slot is reused by the next one admitted, or the live slots
 are repacked into an exact-size tensor when nobody is waiting; an empty
 pool holds nothing. A request whose private tokens
@@ -77,9 +78,18 @@ class PrivatePool:
             self._resize(len(live), max(self._round(max(o.length for o in live)), self._planned()))
 
     def reserve(self, end: int) -> None:
-        """Make room for ``end`` tokens in every slot (rounded up to a chunk); one copy per growth."""
+        """Make room for ``end`` tokens in every slot (rounded up to a chunk); one copy per growth.
+
+        A pool that plans ahead grows at once to its live requests' needs. Any other (a long
+        prompt's own pool) grows by at least an eighth of its capacity, capped at the most its
+        requests may hold: a long answer after a long prompt costs a few copies of the prompt's
+        KV, not one per chunk, for at most an eighth more bytes held."""
         if end > self.capacity:
-            self._resize(len(self.owners), max(self._round(end), self._planned()))
+            target = max(self._round(end), self._planned())
+            if not self.plan_ahead:
+                most = self._round(max((o.need for o in self.owners if o is not None), default=0))
+                target = max(target, min(self._round(self.capacity + self.capacity // 8), most))
+            self._resize(len(self.owners), target)
 
     def _planned(self, joining: Sequence[int] = ()) -> int:
         """Capacity for the most any live (or ``joining``) request may hold; 0 unless planning ahead."""

@@ -245,13 +245,10 @@ def test_a_failure_while_planning_fails_the_active_requests_and_the_loop_lives_o
         engine.close()
 
 
-def test_a_long_prompt_gets_its_own_pool_sized_for_the_prompt_at_once(monkeypatch):
-    """A prompt too long for the shared pool prefills in several chunks into a pool of its own:
-    one allocation for the whole prompt (not one copy per chunk); only the answer grows it."""
+def _own_pool_sizes(monkeypatch, engine: BatchEngine) -> list[int]:
+    """Capacities every pool but the engine's shared one is (re)allocated with, in order."""
     from prefixcache.private_kv import PrivatePool
-    model = build_tiny("llama-gqa")
-    engine = make_engine(model, prefill_chunk=8, idle_prefill_chunk=8, private_chunk=4, pool_max_tokens=16)
-    sizes = []
+    sizes: list[int] = []
     real = PrivatePool._resize
 
     def resize(pool, slots, capacity):
@@ -259,11 +256,38 @@ def test_a_long_prompt_gets_its_own_pool_sized_for_the_prompt_at_once(monkeypatc
             sizes.append(capacity)
         real(pool, slots, capacity)
     monkeypatch.setattr(PrivatePool, "_resize", resize)
+    return sizes
+
+
+def test_a_long_prompt_gets_its_own_pool_sized_for_the_prompt_at_once(monkeypatch):
+    """A prompt too long for the shared pool prefills in several chunks into a pool of its own:
+    one allocation for the whole prompt (not one copy per chunk); only the answer grows it."""
+    model = build_tiny("llama-gqa")
+    engine = make_engine(model, prefill_chunk=8, idle_prefill_chunk=8, private_chunk=4, pool_max_tokens=16)
+    sizes = _own_pool_sizes(monkeypatch, engine)
     try:
         prompt = list(range(10, 74))  # 64 tokens: 8 prefill steps
         got = engine.generate(prompt, NS, "t", SamplingParams(max_new_tokens=3))
         assert got.tokens == expected(model, prompt, 3)
         assert sizes == [0, 64, 68], sizes  # its (empty) slot, the whole prompt, one chunk for the answer
+        check_released(engine)
+    finally:
+        engine.close()
+
+
+def test_a_long_prompt_own_pool_grows_by_an_eighth_for_its_answer_capped_at_its_need(monkeypatch):
+    """Each growth of an own pool copies the whole prompt's KV: it grows by >= 1/8 of its capacity
+    (rounded to chunks), never past what its request may hold, not by one chunk at a time."""
+    model = build_tiny("llama-gqa")
+    engine = make_engine(model, prefill_chunk=8, idle_prefill_chunk=64, private_chunk=4, pool_max_tokens=16)
+    sizes = _own_pool_sizes(monkeypatch, engine)
+    try:
+        prompt = list(range(10, 74))  # 64 tokens; the answer's 40 tokens need 64 + 40 = 104 at most
+        got = engine.generate(prompt, NS, "t", SamplingParams(max_new_tokens=40))
+        assert got.tokens == expected(model, prompt, 40)
+        # 64 + 8 = 72, 72 + 9 -> 84, 84 + 10 -> 96 (chunks of 4), then capped at the need, 104; by
+        # chunks it was 68, 72, ..., 104: 10 growths
+        assert sizes == [0, 64, 72, 84, 96, 104], sizes
         check_released(engine)
     finally:
         engine.close()
