@@ -147,9 +147,10 @@ def run_workload(opts: BenchOptions, model: torch.nn.Module, dtype: str, workloa
     half = len(workload.requests) // 2
     for s in seq.values():
         s.start(workload)
-        for r in warm:  # untimed, unrecorded
-            s.serve(r, list(r.new_tokens))
     try:
+        for s in seq.values():
+            for r in warm:  # untimed, unrecorded
+                s.serve(r, list(r.new_tokens))
         for i, req in enumerate(workload.requests if seq else ()):  # none: only batch/HTTP systems were chosen
             if i == half:  # the batch runs, bracketed by the two halves (see the module's docstring)
                 _run_batches(runs, model, opts, workload, bpt, progress, harness)
