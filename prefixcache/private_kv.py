@@ -87,14 +87,15 @@ class PrivatePool:
         if end > self.capacity:
             target = max(self._round(end), self._planned())
             if not self.plan_ahead:
-                most = self._round(max((o.need for o in self.owners if o is not None), default=0))
-                target = max(target, min(self._round(self.capacity + self.capacity // 8), most))
+                target = max(target, min(self._round(self.capacity + self.capacity // 8), self._most_needed()))
             self._resize(len(self.owners), target)
 
     def _planned(self, joining: Sequence[int] = ()) -> int:
         """Capacity for the most any live (or ``joining``) request may hold; 0 unless planning ahead."""
-        if not self.plan_ahead:
-            return 0
+        return self._most_needed(joining) if self.plan_ahead else 0
+
+    def _most_needed(self, joining: Sequence[int] = ()) -> int:
+        """The most any live (or ``joining``) request may hold, rounded up to a chunk."""
         return self._round(max([o.need for o in self.owners if o is not None] + list(joining), default=0))
 
     def _round(self, tokens: int) -> int:

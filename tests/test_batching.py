@@ -197,7 +197,7 @@ def test_plan_step_keeps_decodes_running_during_long_prefill():
     prefilling = _req((0, 1.0))
     prefilling.prompt = [1] * 1000
     prefilling.private = type("P", (), {"length": 0})()
-    plan = plan_step([decoding, prefilling], token_budget=64, prefill_chunk=512)
+    plan = plan_step([decoding, prefilling], token_budget=64, prefill_chunk=512, idle_chunk=512)
     assert plan == [(decoding, 1), (prefilling, 63)]
 
 
@@ -211,7 +211,7 @@ def _prompt(tokens, arrival, held=0):
 def test_plan_step_feeds_bigger_chunks_only_when_nobody_waits_on_the_step():
     lone = _prompt(2000, 0.0)
     assert plan_step([lone], token_budget=512, prefill_chunk=128, idle_chunk=512) == [(lone, 512)]
-    assert plan_step([lone], token_budget=512, prefill_chunk=128) == [(lone, 128)]  # no idle chunk given
+    assert plan_step([lone], token_budget=512, prefill_chunk=128, idle_chunk=128) == [(lone, 128)]  # disabled
     assert plan_step([], token_budget=512, prefill_chunk=128, idle_chunk=512) == []
     other = _prompt(900, 1.0)  # two long prompts part-way: the budget is split, neither waits for the other
     assert plan_step([lone, other], token_budget=512, prefill_chunk=128, idle_chunk=512) == [(lone, 256), (other, 256)]

@@ -144,37 +144,43 @@ def run_workload(opts: BenchOptions, model: torch.nn.Module, dtype: str, workloa
     warm = warmup_requests(workload, opts.warmup_requests)
     # the reference's prompt + answer sequences so far (warm-up prompts count: a cache may hold them)
     finished: list[list[int]] = [list(r.new_tokens) for r in warm]
-    half = len(workload.requests) // 2
+    requests = workload.requests if seq else ()  # none: only batch/HTTP systems were chosen
+    half = len(requests) // 2
+
+    def serve_sequential(req: Request) -> None:
+        names = list(seq)
+        k = req.index % len(names)
+        for name in names[k:] + names[:k]:
+            prompt = histories[name].get(req.session, []) + list(req.new_tokens)
+            served = seq[name].serve(req, prompt)
+            histories[name][req.session] = prompt + list(served.output)
+            _record(runs[name], req, prompt, served, (len(prompt) + opts.output_tokens) * bpt)
+            runs[name].retained_peak = max(runs[name].retained_peak, seq[name].retained_bytes())
+            progress(1)
+            if name == reference:
+                prompts.append(len(prompt))
+                ideal.append(workloads.ideal_cached(prompt, finished))
+                finished.append(histories[name][req.session])
+        if dtype == STRICT_DTYPE:
+            _check(workload, req, runs)
+
     for s in seq.values():
         s.start(workload)
     try:
         for s in seq.values():
             for r in warm:  # untimed, unrecorded
                 s.serve(r, list(r.new_tokens))
-        for i, req in enumerate(workload.requests if seq else ()):  # none: only batch/HTTP systems were chosen
-            if i == half:  # the batch runs, bracketed by the two halves (see the module's docstring)
-                _run_batches(runs, model, opts, workload, bpt, progress, harness)
-            names = list(seq)
-            k = req.index % len(names)
-            for name in names[k:] + names[:k]:
-                prompt = histories[name].get(req.session, []) + list(req.new_tokens)
-                served = seq[name].serve(req, prompt)
-                histories[name][req.session] = prompt + list(served.output)
-                _record(runs[name], req, prompt, served, (len(prompt) + opts.output_tokens) * bpt)
-                runs[name].retained_peak = max(runs[name].retained_peak, seq[name].retained_bytes())
-                progress(1)
-                if name == reference:
-                    prompts.append(len(prompt))
-                    ideal.append(workloads.ideal_cached(prompt, finished))
-                    finished.append(histories[name][req.session])
-            if dtype == STRICT_DTYPE:
-                _check(workload, req, runs)
+        for req in requests[:half]:
+            serve_sequential(req)
+        # The batch runs, bracketed by the two halves (see the module's docstring). They add
+        # their runs after the sequential ones, the order the report shows.
+        for name in (n for n in opts.systems if n in BATCH_SYSTEMS or n in HTTP_SYSTEMS):
+            runs[name] = _run_batch(name, model, opts, workload, bpt, progress, harness)
+        for req in requests[half:]:
+            serve_sequential(req)
     finally:
         for s in seq.values():
             s.finish()
-    if not seq or not workload.requests:
-        _run_batches(runs, model, opts, workload, bpt, progress, harness)
-    runs = {n: runs[n] for n in [*seq, *(n for n in runs if n not in seq)]}  # sequential first, as reported
     if harness is not None and "generate" in runs:  # HTTP answers are compared as text (ids do not round-trip)
         for rec in runs["generate"].records:
             rec.text = harness.decode(rec.output)
@@ -204,12 +210,6 @@ def _check(workload: Workload, req: Request, runs: dict[str, SystemRun]) -> None
             f"{workload.name} request {req.index} (session {req.session}, {got.prompt_tokens} prompt tokens, "
             f"{got.cached_tokens} cached): prefixcache output differs from plain generate() at output token {first}:"
             f"\n  prefixcache: {list(got.output)}\n  generate():  {list(want.output)}")
-
-
-def _run_batches(runs: dict[str, SystemRun], model: torch.nn.Module, opts: BenchOptions, workload: Workload,
-                 bpt: int, progress: Progress, harness: HttpHarness | None) -> None:
-    for name in (n for n in opts.systems if n in BATCH_SYSTEMS or n in HTTP_SYSTEMS):
-        runs[name] = _run_batch(name, model, opts, workload, bpt, progress, harness)
 
 
 def _run_batch(name: str, model: torch.nn.Module, opts: BenchOptions, workload: Workload, bpt: int,
