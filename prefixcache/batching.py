@@ -23,6 +23,7 @@ from prefixcache.kv_cache import (
     CASCADE_KWARG, CascadeCache, CascadeRow, KVLayout, UnsupportedModelError, check_cascade,
     enable_cascade_attention, private_pool, probe_layout,
 )
+from prefixcache.llama_forward import FusedLlama
 from prefixcache.packed_linear import PackedLinears
 from prefixcache.sampling import fallback_generate, sample_next
 from prefixcache.scheduler import BatchRequest, SamplingParams, admission_order, plan_step
@@ -59,8 +60,9 @@ class BatchConfig:
     fold_max_tokens: int = 1024
     #: On CPU in fp32, keep an MKL-packed copy of every linear weight for ``max_batch`` rows
     #: (memory: about one more copy of those weights) so a step of max_batch/2..max_batch
-    #: requests does not repack each weight on every call. Ignored where it cannot serve
-    #: (logged), and when those weights take more than ``pack_max_bytes``.
+    #: requests does not repack each weight on every call. For transformers' Llama models the
+    #: step then runs ``FusedLlama`` (q/k/v and gate/up packed as one product each). Ignored
+    #: where it cannot serve (logged), and when those weights take more than ``pack_max_bytes``.
     pack_weights: bool = True
     pack_max_bytes: int = 2 << 30
 
@@ -99,6 +101,8 @@ class BatchEngine:
         self.layout: KVLayout | None = None
         self.fallback_reason: str | None = None
         self.packed: PackedLinears | None = None  # MKL-packed linear weights (CPU fp32), if any
+        self.fused: FusedLlama | None = None  # the packed fused forward (Llama, CPU fp32), if any
+        self.fused_steps = 0  # steps it ran
         try:
             layout = probe_layout(model)
             previous = model.config._attn_implementation
@@ -111,9 +115,7 @@ class BatchEngine:
             self.layout = layout
             self._pool = private_pool(layout, self.config.private_chunk, plan_ahead=True)
             if self.config.pack_weights:
-                self.packed, reason = PackedLinears.build(model, self.config.max_batch, self.config.pack_max_bytes)
-                if reason is not None:
-                    log.info("linear weights not packed: %s", reason)
+                self._pack_weights(model, layout)
         except UnsupportedModelError as exc:
             self.fallback_reason = str(exc)
             log.warning("batching disabled, serving through the plain engine: %s", exc)
@@ -125,6 +127,22 @@ class BatchEngine:
         self._thread = threading.Thread(target=self._loop, name="prefixcache-batching", daemon=True)
         if self.layout is not None:
             self._thread.start()
+
+    def _pack_weights(self, model: torch.nn.Module, layout: KVLayout) -> None:
+        """The fused forward where it serves and agrees with the model's own, else packed modules."""
+        rows, limit = self.config.max_batch, self.config.pack_max_bytes
+        fused, reason = FusedLlama.build(model, rows, limit)
+        if fused is not None:
+            try:
+                check_cascade(model, layout, fused, rows=max(4, rows))  # a step of ``rows`` rows: packed products
+                self.fused = fused
+                return
+            except UnsupportedModelError as exc:
+                reason = f"it differs from the model's own forward: {exc}"
+        log.info("fused forward not used: %s", reason)
+        self.packed, reason = PackedLinears.build(model, rows, limit)
+        if reason is not None:
+            log.info("linear weights not packed: %s", reason)
 
     # -- public --------------------------------------------------------------------
     def generate(self, prompt: Sequence[int], namespace: tuple[str, ...], tenant: str, params: SamplingParams,
@@ -155,6 +173,12 @@ class BatchEngine:
         if req.error is not None:
             raise req.error
         return BatchResult(list(req.output), req.finish_reason or "length", req.stats, req.fallback_reason)
+
+    @property
+    def packed_weight_bytes(self) -> int:
+        """Bytes of the linear weights that have an MKL-packed copy (0 without one; not KV)."""
+        packed = self.fused if self.fused is not None else self.packed
+        return packed.weight_bytes if packed is not None else 0
 
     def kv_bytes(self) -> int:
         """Bytes of KV held: store snapshots plus every active request's private buffer."""
@@ -340,19 +364,25 @@ class BatchEngine:
                 keep.append(at - 1)
         cache = CascadeCache(rows, self.layout.num_layers)
         device = self.layout.device
+        ids_t, pos_t = torch.tensor(ids, device=device), torch.tensor(pos, device=device)  # [T] packed
+        keep_t = torch.tensor(keep, dtype=torch.long, device=device)
         # Inference mode skips autograd bookkeeping on every op of the step (measured ~5 % of a
         # 16-request decode step). Everything that outlives the step is a normal tensor: the
         # private KV slab is written in place (allowed), the logits are cloned out below; packed
-        # weights are refreshed before it is entered.
-        with (self.packed.installed() if self.packed is not None else nullcontext()), torch.inference_mode():
-            out = self.model(input_ids=torch.tensor([ids], device=device),  # [1, T] packed
-                             position_ids=torch.tensor([pos], device=device), past_key_values=cache,
-                             use_cache=True, logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
-                             **{CASCADE_KWARG: cache})
+        # weights are refreshed before it is entered (``ready`` for the fused forward).
+        if self.fused is not None and self.fused.ready():
+            with torch.inference_mode():
+                logits = self.fused(ids_t, pos_t, cache, keep_t)
+            self.fused_steps += 1
+        else:
+            with (self.packed.installed() if self.packed is not None else nullcontext()), torch.inference_mode():
+                logits = self.model(input_ids=ids_t.unsqueeze(0), position_ids=pos_t.unsqueeze(0),
+                                    past_key_values=cache, use_cache=True, logits_to_keep=keep_t,
+                                    **{CASCADE_KWARG: cache}).logits[0]
         if cache.calls != self.layout.num_layers:
             raise UnsupportedModelError(f"cascade attention ran in {cache.calls} of {self.layout.num_layers} layers")
         self.steps += 1
-        return out.logits[0].clone()  # [K, V], a normal tensor for the samplers
+        return logits.clone()  # [K, V], a normal tensor for the samplers
 
     def _postprocess(self, plan: list[tuple[BatchRequest, int]], logits: torch.Tensor) -> None:
         for req, n in plan:  # all first: a request leaving below may repack the pool to these lengths

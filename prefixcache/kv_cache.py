@@ -8,7 +8,7 @@ snapshots are never written. Published snapshots are slices cloned out of it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -285,14 +285,20 @@ def enable_cascade_attention(model: torch.nn.Module) -> None:
         raise UnsupportedModelError(f"{type(model).__name__} cannot switch its attention implementation")
 
 
-def check_cascade(model: torch.nn.Module, layout: KVLayout) -> None:
+def check_cascade(model: torch.nn.Module, layout: KVLayout,
+                  forward: Callable[[torch.Tensor, torch.Tensor, CascadeCache, torch.Tensor], torch.Tensor] | None
+                  = None, rows: int = 4) -> None:
     """Compare one packed cascade forward with a plain forward on a few tokens; raise if they differ.
 
     Catches architectures whose attention does not route through the registered
     function (or differs in some way we do not model), so they fall back instead of being wrong.
+    ``forward(input_ids [T], position_ids [T], cache, keep [K]) -> logits [K, V]`` is checked
+    instead of the model's own forward when given (a fused forward of the batching engine).
+    ``rows``: packed rows of the checked step (at least 4); beyond 4 they are one-token requests
+    decoding together, so a forward whose products depend on the row count is checked at that count.
     """
     device = layout.device
-    prefix, suffixes = list(range(1, 7)), [[7, 8, 9], [10]]
+    prefix, suffixes = list(range(1, 7)), [[7, 8, 9], [10]] + [[11 + i] for i in range(max(0, rows - 4))]
     probe = DynamicCache()
     with torch.no_grad():
         model(input_ids=torch.tensor([prefix], device=device), past_key_values=probe, use_cache=True)
@@ -306,9 +312,13 @@ def check_cascade(model: torch.nn.Module, layout: KVLayout) -> None:
     cache = CascadeCache(rows, layout.num_layers)
     ids = [t for s in suffixes for t in s]
     pos = [len(prefix) + i for s in suffixes for i in range(len(s))]
+    ids_t, pos_t = torch.tensor(ids, device=device), torch.tensor(pos, device=device)
     with torch.no_grad():
-        got = model(input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([pos], device=device),
-                    past_key_values=cache, use_cache=True, **{CASCADE_KWARG: cache}).logits[0]
+        if forward is not None:
+            got = forward(ids_t, pos_t, cache, torch.arange(len(ids), device=device))
+        else:
+            got = model(input_ids=ids_t.unsqueeze(0), position_ids=pos_t.unsqueeze(0), past_key_values=cache,
+                        use_cache=True, **{CASCADE_KWARG: cache}).logits[0]
         want = torch.cat([model(input_ids=torch.tensor([prefix + s], device=device)).logits[0, len(prefix):]
                           for s in suffixes]).float()
     if cache.calls != layout.num_layers:

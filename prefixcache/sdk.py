@@ -367,8 +367,7 @@ class PrefixCache:
         }
         out.update(mem)
         if tenant is None:  # not KV and not a tenant's: the batching engine's packed linear weights
-            packed = self.batcher.packed if self.batcher is not None else None
-            out["packed_weight_bytes"] = packed.weight_bytes if packed is not None else 0
+            out["packed_weight_bytes"] = self.batcher.packed_weight_bytes if self.batcher is not None else 0
         return out
 
     def flush(self, tenant: str | None = None) -> int:

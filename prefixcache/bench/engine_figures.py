@@ -15,8 +15,9 @@ Run: ``python -m prefixcache.bench.engine_figures [--dtype bfloat16] [--new-toke
 - ``latency``: TTFT of a short request alone and while a long uncached prompt prefills.
 - ``turns``: decode step of 3 conversations on one system prompt, each with stored turns
   of its own, with and without copying each one's own history into its private KV.
-- ``packing`` (only with ``--only packing``): the decode step of N requests with and
-  without MKL-packed linear weights, switched every other step in one engine, vs 1 request.
+- ``packing`` (only with ``--only packing``): the decode step of N requests with the fused
+  forward (Llama), the model's forward with MKL-packed linear weights, and without them,
+  switched every step in one engine, vs 1 request.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from prefixcache.config import CacheConfig, check_int
 from prefixcache.engine import Engine
 from prefixcache.errors import ConfigError
 from prefixcache.hashing import BlockHasher
+from prefixcache.packed_linear import PackedLinears
 from prefixcache.scheduler import SamplingParams
 from prefixcache.store import KVStore
 
@@ -113,43 +115,50 @@ def step_times(model, prefix_len: int = 2048, batch: int = 8, new_tokens: int = 
 
 
 def packing_ab(model, prefix_len: int = 2048, batch: int = 8, new_tokens: int = 24, rounds: int = 4,
-               block_size: int = 64) -> dict[str, float]:
-    """Decode step of ``batch`` requests with and without packed weights, interleaved, vs 1 request.
+               block_size: int = 64) -> dict[str, object]:
+    """Decode step of ``batch`` requests with each way of computing the linear layers, interleaved, vs 1 request.
 
-    One engine; in each of ``rounds`` a single request decodes alone, then ``batch`` requests
-    decode together while packing is switched on and off after every step (from request 0's
-    token callback, which runs between steps), so a drift of the machine's speed hits both
-    arms alike. Medians of the steps once every request of a run is decoding.
+    Arms: ``fused`` (the fused forward, Llama models only), ``packed`` (the model's own forward
+    with MKL-packed modules), ``unpacked`` (its own forward as is). One engine; in each of
+    ``rounds`` a single request decodes alone, then ``batch`` requests decode together while
+    the arm changes after every step (from request 0's token callback, which runs between
+    steps), so a drift of the machine's speed hits every arm alike. Medians of the steps once
+    every request of a run is decoding.
     """
     engine = BatchEngine(model, _store(block_size), time.monotonic,
                          BatchConfig(max_batch=batch, token_budget=512, prefill_chunk=256))
     try:
-        if engine.packed is None:
-            raise RuntimeError("no packed weights to compare (not CPU fp32, or MKL's ops missing)")
-        packed, vocab = engine.packed, _vocab(model)
+        packed, reason = PackedLinears.build(model, batch, engine.config.pack_max_bytes)
+        if packed is None:
+            raise RuntimeError(f"no packed weights to compare: {reason}")
+        fused, vocab = engine.fused, _vocab(model)
+        arms = ([("fused", fused, None)] if fused is not None else []) + [("packed", None, packed),
+                                                                            ("unpacked", None, None)]
         prefix = _prefix(prefix_len, vocab)
         engine.generate(prefix, NS, "bench", SamplingParams(max_new_tokens=1))
         prompts = [prefix + _question(i, 16, vocab) for i in range(batch)]
+        turn = [0]
 
-        def switch() -> bool:  # after each step: the next one runs with the other arm
-            engine.packed = None if engine.packed is not None else packed
-            return engine.packed is not None
+        def switch() -> str:  # after each step: the next one runs with the next arm
+            turn[0] = (turn[0] + 1) % len(arms)
+            name, engine.fused, engine.packed = arms[turn[0]]
+            return name
 
         single: list[float] = []
-        arms: dict[bool, list[float]] = {True: [], False: []}
+        seconds: dict[str, list[float]] = {name: [] for name, _, _ in arms}
         for _ in range(rounds):
+            turn[0] = 0
+            _, engine.fused, engine.packed = arms[0]
             single.append(decode_step_seconds(engine, prefix, 1, new_tokens))
-            try:
-                for seconds, arm in steady_steps(engine, prompts, new_tokens, switch):
-                    arms[arm].append(seconds)
-            finally:
-                engine.packed = packed
+            for step, name in steady_steps(engine, prompts, new_tokens, switch):
+                seconds[name].append(step)
         one = statistics.median(single)
-        with_packing, without = statistics.median(arms[True]), statistics.median(arms[False])
-        return {"single_step_s": one, f"batch{batch}_packed_step_s": with_packing,
-                f"batch{batch}_unpacked_step_s": without, "packed_ratio": with_packing / one,
-                "unpacked_ratio": without / one, "steps_per_arm": min(len(arms[True]), len(arms[False])),
-                "packed_calls": packed.calls}
+        out: dict[str, object] = {"single_step_s": one, "steps_per_arm": min(len(v) for v in seconds.values()),
+                                  "packed_calls": packed.calls, "fused_steps": engine.fused_steps}
+        for name, values in seconds.items():
+            out[f"batch{batch}_{name}_step_s"] = statistics.median(values)
+            out[f"{name}_ratio"] = statistics.median(values) / one
+        return out
     finally:
         engine.close()
 
