@@ -327,17 +327,52 @@ class BatchEngine:
         return any(a.prefilling and a.namespace == req.namespace and a.prompt[start : start + probe] == want
                    for a in self._active)
 
-    def _has_followers(self, leader: BatchRequest) -> bool:
-        """Whether a waiting request is held for ``leader``'s prefill (see ``_follows_a_prefill``).
+    def _followers(self, leader: BatchRequest) -> list[BatchRequest]:
+        """Waiting requests held for ``leader``'s prefill (see ``_follows_a_prefill``).
 
-        Only then is the prompt stored before the request finishes: storing it early
+        Only for them is the prompt stored before the request finishes: storing it early
         for nobody would hold its suffix twice (stored and private) while it decodes.
         """
         probe = HOLD_PROBE_TOKENS
         with self._cv:
-            return any(w.namespace == leader.namespace and len(w.prompt) >= w.cached + probe
-                       and w.prompt[w.cached : w.cached + probe] == leader.prompt[w.cached : w.cached + probe]
-                       for w in self._waiting)
+            return [w for w in self._waiting
+                    if w.namespace == leader.namespace and len(w.prompt) >= w.cached + probe
+                    and w.prompt[w.cached : w.cached + probe] == leader.prompt[w.cached : w.cached + probe]]
+
+    def _rebase(self, req: BatchRequest, followers: Sequence[BatchRequest]) -> None:
+        """After ``req``'s prompt was stored for ``followers``: read the part they share in place.
+
+        Its private KV then holds only the tokens after that part, in the shared pool when they
+        fit, so the leader decodes in one step group with its followers instead of dragging its
+        own copy of their prefix (the snapshot is a clone of the same KV: the answer is unchanged).
+        Anything failing leaves the request as it was.
+        """
+        shared = min(_common_length(req.prompt, w.prompt) for w in followers)
+        if shared <= req.base:
+            return
+        lease = self.store.acquire(req.namespace, req.tenant, req.prompt, shared, req.ttl_seconds)
+        old, base = req.private, req.base
+        if lease.cached_tokens <= base:
+            self.store.release(lease)
+            return
+        private = None
+        try:
+            tail = old.window(lease.cached_tokens - base, req.held - base).clone()
+            need = len(req.prompt) - lease.cached_tokens + req.params.max_new_tokens
+            if need <= self.config.pool_max_tokens:
+                private = self._pool.acquire(need)
+            else:
+                private = private_pool(self.layout, self.config.private_chunk).acquire(need)
+            private.load(tail)
+        except Exception as exc:  # noqa: BLE001 - an optimisation: the request goes on as it was
+            if private is not None:
+                private.release()
+            self.store.release(lease)
+            log.warning("could not read a stored prompt in place: %s", exc)
+            return
+        self.store.release(req.lease)
+        req.lease, req.read_steps, req.private = lease, None, private
+        old.release(trim=old.pool is not self._pool)  # its own pool: freed now
 
     def _refresh_lease(self, req: BatchRequest) -> None:
         """Re-match at admission: prefixes stored since ``submit`` (by finished or prefilled requests) count."""
@@ -400,8 +435,11 @@ class BatchEngine:
             else:
                 token = sample_next(logits[k], req.params, req.prompt + req.output, req.generator)
             k += 1
-            if not req.output and self._has_followers(req):  # publish the prompt now, so they hit it
-                self._store_prompt(req)
+            if not req.output:
+                followers = self._followers(req)
+                if followers:  # publish the prompt now, so they hit it, and read it in place with them
+                    self._store_prompt(req)
+                    self._rebase(req, followers)
             req.output.append(token)
             if req.stats.ttft_seconds is None:
                 req.stats.ttft_seconds = self._clock() - req.arrival
@@ -471,3 +509,13 @@ class BatchEngine:
         except BaseException as exc:  # noqa: BLE001 - handed to the caller by wait()
             req.error = exc
         req.done.set()
+
+
+def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -384,6 +384,36 @@ def test_followers_of_a_stored_prefix_prefill_together():
         engine.close()
 
 
+def test_a_leader_reads_its_stored_prompt_in_place_with_its_followers():
+    """Cold burst: once the leader stores its prompt for its followers, it reads their shared prefix
+    from the store too, and only its question and answer stay private, in the shared pool."""
+    model, ref = build_tiny("llama-gqa"), build_tiny("llama-gqa")
+    engine = make_engine(model, block_size=8, prefill_chunk=8, token_budget=32, pool_max_tokens=16)
+    first: dict[int, tuple[int, int, bool]] = {}
+    requests: list[BatchRequest] = []
+
+    def on_token(i):
+        def record(_token):
+            if i not in first:
+                r = requests[i]
+                first[i] = (r.base, r.private.length, r.private.pool is engine._pool)
+        return record
+
+    try:
+        prefix = list(range(10, 74))  # 64 tokens: more than pool_max_tokens, so the leader starts in its own pool
+        prompts = [prefix + [100 + i, 101, 102] for i in range(4)]
+        for i, p in enumerate(prompts):
+            requests.append(engine.submit(p, NS, "t", params(4), on_token=on_token(i)))
+        results = [engine.wait(r) for r in requests]
+        assert [r.stats.cached_tokens for r in results] == [0, 64, 64, 64]  # request 0 led
+        assert first == {i: (64, 3, True) for i in range(4)}, first  # leader too: 64 read in place, 3 private
+        for p, r in zip(prompts, results):
+            assert r.tokens == expected(ref, p, 4)
+        check_released(engine)
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("fold_max", [0, 1024])
 def test_own_history_is_copied_into_private_system_prompt_read_in_place(fold_max):
     """Concurrent conversations on one system prompt: each one's own history (several stored
