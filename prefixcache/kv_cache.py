@@ -303,13 +303,13 @@ def check_cascade(model: torch.nn.Module, layout: KVLayout,
     with torch.no_grad():
         model(input_ids=torch.tensor([prefix], device=device), past_key_values=probe, use_cache=True)
     snap = torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in probe.layers])  # [L, 2, H, 6, D]
-    rows = []
+    requests = []
     pool = private_pool(layout, 4)
     for suffix in suffixes:
         private = pool.acquire()
         private.reserve(len(suffix))
-        rows.append(CascadeRow([(snap, len(prefix))], private, 0, len(suffix)))
-    cache = CascadeCache(rows, layout.num_layers)
+        requests.append(CascadeRow([(snap, len(prefix))], private, 0, len(suffix)))
+    cache = CascadeCache(requests, layout.num_layers)
     ids = [t for s in suffixes for t in s]
     pos = [len(prefix) + i for s in suffixes for i in range(len(s))]
     ids_t, pos_t = torch.tensor(ids, device=device), torch.tensor(pos, device=device)
