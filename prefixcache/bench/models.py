@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 import subprocess
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +53,25 @@ def _space(model: torch.nn.Module, tokenizer) -> TokenSpace:
     else:
         special = frozenset()
     return TokenSpace(vocab, special)
+
+
+def speed_probe(clock: Callable[[], float] = time.perf_counter, calls: int = 20) -> float:
+    """Milliseconds of one fixed fp32 product (512 × 576 by 576 × 1,536, the default model's MLP
+    shape at a prefill chunk; median of ``calls``): how fast the machine runs right now.
+
+    A shared VM's speed can change by 2-3× for minutes at a time; taken around the timed runs,
+    it shows whether two systems of one run were measured on the same machine speed."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(512, 576, generator=gen), torch.randn(1536, 576, generator=gen)
+    times = []
+    with torch.no_grad():
+        for i in range(calls + 3):
+            t0 = clock()
+            torch.nn.functional.linear(x, w)
+            elapsed = clock() - t0
+            if i >= 3:  # the first calls warm the caches and threads
+                times.append(elapsed)
+    return statistics.median(times) * 1000
 
 
 def machine() -> dict[str, object]:

@@ -62,6 +62,9 @@ def _workload_table(run) -> list[str]:
             "—" if s.match_vs_generate is None else f"{s.match_vs_generate:.0%}",
             _x(s.ttft_speedup), _x(s.throughput_vs_generate)]) + " |")
     extra = [f"- {name}: {note}" for name, s in run.systems.items() for note in s.notes]
+    if run.speed:
+        extra.append("- machine speed (ms of one fixed 512×576 by 576×1,536 fp32 product; lower = faster): "
+                     + " · ".join(f"{moment} {ms:.1f}" for moment, ms in run.speed))
     return [head, "", "; ".join(notes), "", *rows, "", *extra, *([""] if extra else [])]
 
 
@@ -93,7 +96,8 @@ def to_json(result: runner.BenchResult) -> dict:
                      "ideal_hit_rate": metrics.ideal_hit_rate(run),
                      "summaries": [s.as_dict() for s in metrics.summarize(run)],
                      "records": {name: [dataclasses.asdict(r) for r in s.records] for name, s in run.systems.items()},
-                     "notes": {name: s.notes for name, s in run.systems.items() if s.notes}})
+                     "notes": {name: s.notes for name, s in run.systems.items() if s.notes},
+                     "speed_ms": [{"moment": moment, "ms": ms} for moment, ms in run.speed]})
     return {"options": opts, "machine": result.machine, "load_after": result.load_after, "elapsed": result.elapsed,
             "notes": result.notes, "models": result.models, "kv_bytes_per_token": result.bytes_per_token, "runs": runs,
             "targets": [t.as_dict() for t in _targets(result)]}

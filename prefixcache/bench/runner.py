@@ -78,6 +78,8 @@ class WorkloadRun:
     prompt_tokens: list[int]  # per request, as plain generate() saw them
     ideal_cached: list[int]  # per request: the most any token-granular cache could reuse
     formula_hit_rate: float | None
+    #: (moment, ms of ``models.speed_probe``) at the start, around each batch/HTTP run, at the end
+    speed: list[tuple[str, float]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -146,6 +148,7 @@ def run_workload(opts: BenchOptions, model: torch.nn.Module, dtype: str, workloa
     finished: list[list[int]] = [list(r.new_tokens) for r in warm]
     requests = workload.requests if seq else ()  # none: only batch/HTTP systems were chosen
     half = len(requests) // 2
+    speed: list[tuple[str, float]] = []
 
     def serve_sequential(req: Request) -> None:
         names = list(seq)
@@ -170,21 +173,25 @@ def run_workload(opts: BenchOptions, model: torch.nn.Module, dtype: str, workloa
         for s in seq.values():
             for r in warm:  # untimed, unrecorded
                 s.serve(r, list(r.new_tokens))
+        speed.append(("start", models.speed_probe()))
         for req in requests[:half]:
             serve_sequential(req)
         # The batch runs, bracketed by the two halves (see the module's docstring). They add
         # their runs after the sequential ones, the order the report shows.
         for name in (n for n in opts.systems if n in BATCH_SYSTEMS or n in HTTP_SYSTEMS):
+            speed.append((f"before {name}", models.speed_probe()))
             runs[name] = _run_batch(name, model, opts, workload, bpt, progress, harness)
+            speed.append((f"after {name}", models.speed_probe()))
         for req in requests[half:]:
             serve_sequential(req)
+        speed.append(("end", models.speed_probe()))
     finally:
         for s in seq.values():
             s.finish()
     if harness is not None and "generate" in runs:  # HTTP answers are compared as text (ids do not round-trip)
         for rec in runs["generate"].records:
             rec.text = harness.decode(rec.output)
-    return WorkloadRun(workload.name, dtype, runs, prompts, ideal, workload.formula_hit_rate)
+    return WorkloadRun(workload.name, dtype, runs, prompts, ideal, workload.formula_hit_rate, speed)
 
 
 def warmup_requests(workload: Workload, n: int) -> list[Request]:

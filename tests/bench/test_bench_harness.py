@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixcache.bench import add_arguments, run
+from prefixcache.bench import add_arguments, models, run
 from prefixcache.bench.concurrent import PrefixCacheBatched
 from prefixcache.bench.systems import PrefixCacheSystem, Served
 
@@ -120,6 +120,14 @@ def test_the_sequential_halves_bracket_the_batch_run(monkeypatch, tmp_path):
     assert n >= 2 and events == [*serial[: n // 2], f"batch {n}", *serial[n // 2:]]
     assert serial == [f"serial {i}" for i in range(n)]
     assert list(_summaries(tmp_path)) == [("shared-prefix", "prefixcache"), ("shared-prefix", "prefixcache-batched")]
+    speed = json.loads((tmp_path / "results.json").read_text())["runs"][0]["speed_ms"]  # the machine, around each run
+    assert [p["moment"] for p in speed] == ["start", "before prefixcache-batched", "after prefixcache-batched", "end"]
+    assert all(p["ms"] > 0 for p in speed) and "machine speed (ms of one fixed" in (tmp_path / "results.md").read_text()
+
+
+def test_speed_probe_is_the_median_product_time_in_ms():
+    ticks = iter([0.0, 0.010, 1.0, 1.002, 2.0, 2.002, 3.0, 3.002, 4.0, 4.009, 5.0, 5.003])  # 3 warm-up calls, then 3
+    assert models.speed_probe(clock=lambda: next(ticks), calls=3) == pytest.approx(3.0)
 
 
 def test_warmup_requests_serve_untimed_and_leave_the_caches_warm(tmp_path):
