@@ -14,8 +14,9 @@ products and the fused RMSNorm differ, so results agree to fp32 rounding.
 
 How it stays right:
 - It serves only the exact transformers Llama classes (a subclass or another family may
-  compute something else), and no step runs through it while any module of the model has
-  a hook or an instance-level ``forward`` (e.g. accelerate's offloading).
+  compute something else), and no step runs through it while a module it was built from has
+  been replaced (e.g. by an adapter's wrapper) or any module of the model has a hook or an
+  instance-level ``forward`` (e.g. accelerate's offloading).
 - Before each step every packed weight is checked by identity and version counter and packed
   again if it changed; one that cannot be checked sends the step through the model's forward.
 - The engine compares it with the model's own forward before serving (``check_cascade``) and
@@ -114,10 +115,15 @@ class FusedLlama:
         return sum(w.packs for w in self.weights)
 
     def ready(self) -> bool:
-        """Whether the next step may run here: no hooks or instance forwards, every packed weight current."""
+        """Whether the next step may run here: the modules it was built from still make up the model
+        (none replaced, e.g. by an adapter's wrapper), none has a hook or an instance forward, and
+        every packed weight is current."""
         hooks = torch.nn.modules.module
+        modules = list(self.model.modules())
+        if len(modules) != len(self._all_modules) or any(a is not b for a, b in zip(modules, self._all_modules)):
+            return False
         if (hooks._global_forward_hooks or hooks._global_forward_pre_hooks
-                or any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in self._all_modules)):
+                or any(m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__ for m in modules)):
             return False
         try:
             for weight in self.weights:

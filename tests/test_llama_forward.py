@@ -69,6 +69,12 @@ def test_hooks_and_instance_forwards_send_the_step_through_the_model():
     finally:
         handle.remove()
     assert fused.ready()
+    attn = model.model.layers[0].self_attn
+    original = attn.v_proj
+    attn.v_proj = torch.nn.Linear(64, 32, bias=False)  # replaced (an adapter would wrap it): not the packed weights
+    assert not fused.ready()
+    attn.v_proj = original
+    assert fused.ready()
 
 
 def test_build_says_why_it_cannot_serve():
