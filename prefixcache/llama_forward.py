@@ -8,9 +8,10 @@ few fused ops, made that step ~10 % faster than the model's own forward with pac
 
 What it computes: what ``LlamaForCausalLM.forward`` computes for a packed ``CascadeCache``
 step: embeddings; per layer RMSNorm, q/k/v, rotary positions, the new K/V written through
-the cache, cascade attention, output projection and residual, RMSNorm, SiLU-gated MLP and
-residual; the final RMSNorm and the LM head on the rows that sample. Only the grouping of
-products and the fused RMSNorm differ, so results agree to fp32 rounding.
+the cache, cascade attention, output projection and residual, RMSNorm, the gated MLP (the
+model's own activation) and residual; the final RMSNorm and the LM head on the rows that
+sample. Only the grouping of products and the fused RMSNorm differ, so results agree to
+fp32 rounding.
 
 How it stays right:
 - It serves only the exact transformers Llama classes (a subclass or another family may
