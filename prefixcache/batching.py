@@ -25,9 +25,11 @@ from prefixcache.kv_cache import (
 )
 from prefixcache.llama_forward import FusedLlama
 from prefixcache.packed_linear import PackedLinears
+from prefixcache.private_kv import PrivateKV
 from prefixcache.sampling import fallback_generate, sample_next
 from prefixcache.scheduler import BatchRequest, SamplingParams, admission_order, plan_step
 from prefixcache.store import KVStore, coalesce
+from prefixcache.trie import common_prefix
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +136,7 @@ class BatchEngine:
         fused, reason = FusedLlama.build(model, rows, limit)
         if fused is not None:
             try:
-                check_cascade(model, layout, fused, rows=max(4, rows))  # a step of ``rows`` rows: packed products
+                check_cascade(model, layout, fused, rows=rows)  # a step of ``rows`` rows: packed products
                 self.fused = fused
                 return
             except UnsupportedModelError as exc:
@@ -272,7 +274,7 @@ class BatchEngine:
                 if id(req) in shared:
                     req.private = shared[id(req)]
                 else:
-                    req.private = private_pool(self.layout, cfg.private_chunk).acquire(req.private_need)
+                    req.private = self._acquire_private(req.private_need)
                     # Its whole prompt at once: a long prefill would otherwise regrow (and copy) the
                     # pool at every chunk. The answer still grows it by chunks (max_new_tokens may be large).
                     req.private.reserve(len(req.prompt) - req.base)
@@ -282,6 +284,13 @@ class BatchEngine:
                     req.generator = torch.Generator(device=self.layout.device).manual_seed(req.params.seed)
             except Exception as exc:  # noqa: BLE001 - fail this request only; the loop keeps serving
                 self._fail_admission(req, exc)
+
+    def _acquire_private(self, need: int) -> PrivateKV:
+        """Private KV for a request that may hold ``need`` tokens: a slot of the shared pool when they
+        fit ``pool_max_tokens``, else a pool of its own (so it never pads the others' slots)."""
+        if need <= self.config.pool_max_tokens:
+            return self._pool.acquire(need)
+        return private_pool(self.layout, self.config.private_chunk).acquire(need)
 
     def _fail_admission(self, req: BatchRequest, exc: Exception) -> None:
         log.exception("could not admit a request", exc_info=exc)
@@ -347,7 +356,7 @@ class BatchEngine:
         own copy of their prefix (the snapshot is a clone of the same KV: the answer is unchanged).
         Anything failing leaves the request as it was.
         """
-        shared = min(_common_length(req.prompt, w.prompt) for w in followers)
+        shared = min(common_prefix(req.prompt, w.prompt) for w in followers)
         if shared <= req.base:
             return
         lease = self.store.acquire(req.namespace, req.tenant, req.prompt, shared, req.ttl_seconds)
@@ -358,11 +367,7 @@ class BatchEngine:
         private = None
         try:
             tail = old.window(lease.cached_tokens - base, req.held - base).clone()
-            need = len(req.prompt) - lease.cached_tokens + req.params.max_new_tokens
-            if need <= self.config.pool_max_tokens:
-                private = self._pool.acquire(need)
-            else:
-                private = private_pool(self.layout, self.config.private_chunk).acquire(need)
+            private = self._acquire_private(len(req.prompt) - lease.cached_tokens + req.params.max_new_tokens)
             private.load(tail)
         except Exception as exc:  # noqa: BLE001 - an optimisation: the request goes on as it was
             if private is not None:
@@ -510,12 +515,3 @@ class BatchEngine:
             req.error = exc
         req.done.set()
 
-
-def _common_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

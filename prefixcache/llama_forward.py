@@ -73,7 +73,7 @@ class FusedLlama:
     """Packed forward of a ``LlamaForCausalLM`` over a ``CascadeCache`` (see the module docstring)."""
 
     def __init__(self, model, rows: int, ops):
-        self.model, self.rows = model, rows
+        self.model = model
         inner = model.model
         pads: dict[int, torch.Tensor] = {}
         self.layers = [_Layer(layer, rows, ops, pads) for layer in inner.layers]
@@ -83,7 +83,6 @@ class FusedLlama:
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = inner.layers[0].self_attn.head_dim
         self._all_modules = list(model.modules())
-        self.packs_at_build = 0
 
     @classmethod
     def build(cls, model: torch.nn.Module, rows: int,

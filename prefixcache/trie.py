@@ -59,7 +59,8 @@ class Step(NamedTuple):
     used: int
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
@@ -128,7 +129,7 @@ class PrefixTrie:
             want = tokens[pos:limit]
             for cand in node.by_first.get(want[0], ()):
                 if usable(cand):
-                    n = _common_prefix(cand.tokens, want)
+                    n = common_prefix(cand.tokens, want)
                     if n > best_len:
                         best, best_len = cand, n
             if best is not None:
