@@ -514,4 +514,3 @@ class BatchEngine:
         except BaseException as exc:  # noqa: BLE001 - handed to the caller by wait()
             req.error = exc
         req.done.set()
-
