@@ -14,8 +14,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from prefixcache.errors import CapacityError, ConfigError, ContextLengthExceededError, InvalidRequestError
-from prefixcache.kv_cache import UnsupportedModelError
+from prefixcache.errors import (
+    CapacityError,
+    ConfigError,
+    ContextLengthExceededError,
+    InvalidRequestError,
+    UnsupportedModelError,
+)
 
 from .protocol import MESSAGE_ROLES, ErrorDetail, ErrorResponse
 

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from prefixcache.engine import CallStats
+from prefixcache.serving.serial import CallStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

@@ -38,3 +38,7 @@ class ContextLengthExceededError(InvalidRequestError):
 
 class CapacityError(PrefixCacheError, RuntimeError):
     """The cache cannot hold what was asked (for example a pin larger than the budget)."""
+
+
+class UnsupportedModelError(PrefixCacheError, RuntimeError):
+    """The model's cache layout cannot be shared as plain per-layer KV; serve uncached."""

@@ -12,15 +12,15 @@ import torch
 from transformers import GenerationConfig, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from prefixcache.canonicalize import Canonicalizer, check_text
-from prefixcache.batching import BatchConfig, BatchEngine
+from prefixcache.cache.hashing import BlockHasher, HashFn, xxh3_64
+from prefixcache.cache.store import EvictHook, KVStore
 from prefixcache.config import CacheConfig
-from prefixcache.engine import CallStats, CancelCriteria, Engine
 from prefixcache.errors import CapacityError, ContextLengthExceededError, InvalidRequestError
-from prefixcache.hashing import BlockHasher, HashFn, xxh3_64
 from prefixcache.loading import model_fingerprint
-from prefixcache.scheduler import SamplingParams
-from prefixcache.store import EvictHook, KVStore
+from prefixcache.serving.canonicalize import Canonicalizer, check_text
+from prefixcache.serving.engine import BatchConfig, BatchEngine
+from prefixcache.serving.scheduler import SamplingParams
+from prefixcache.serving.serial import CallStats, CancelCriteria, Engine
 
 DEFAULT_TENANT = "default"
 

@@ -13,8 +13,8 @@ import torch
 from prefixcache.bench.batch import BatchCall
 from prefixcache.bench.systems import Served
 from prefixcache.config import CacheConfig
-from prefixcache.scheduler import SamplingParams
 from prefixcache.sdk import DEFAULT_TENANT, PrefixCache
+from prefixcache.serving.scheduler import SamplingParams
 
 
 class PrefixCacheBatched:

@@ -29,14 +29,14 @@ from collections.abc import Callable
 
 import torch
 
-from prefixcache.batching import BatchConfig, BatchEngine
+from prefixcache.cache.hashing import BlockHasher
+from prefixcache.cache.store import KVStore
 from prefixcache.config import CacheConfig, check_int
-from prefixcache.engine import Engine
 from prefixcache.errors import ConfigError
-from prefixcache.hashing import BlockHasher
-from prefixcache.packed_linear import PackedLinears
-from prefixcache.scheduler import SamplingParams
-from prefixcache.store import KVStore
+from prefixcache.model.cpu.packed_linear import PackedLinears
+from prefixcache.serving.engine import BatchConfig, BatchEngine
+from prefixcache.serving.scheduler import SamplingParams
+from prefixcache.serving.serial import Engine
 
 NS = ("bench",)
 

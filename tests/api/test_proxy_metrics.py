@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import torch
 from fastapi.testclient import TestClient
-from prefixcache.packed_linear import PackedLinears
 from prefixcache_api import create_app, metrics
 from prometheus_client.parser import text_string_to_metric_families
 from proxy_support import ADMIN, ALPHA, BETA, MODEL, auth, make_cache, settings
+
+from prefixcache.model.cpu.packed_linear import PackedLinears
 
 SYSTEM = "Policy: refunds within 30 days, exchanges within 60, no questions asked. " * 10
 

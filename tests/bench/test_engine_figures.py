@@ -6,10 +6,14 @@ import statistics
 import pytest
 
 from prefixcache.bench.engine_figures import (
-    concurrent_vs_serial, conversation_steps, packing_ab, short_behind_long, step_times,
+    concurrent_vs_serial,
+    conversation_steps,
+    packing_ab,
+    short_behind_long,
+    step_times,
 )
 from prefixcache.errors import ConfigError
-from prefixcache.packed_linear import PackedLinears
+from prefixcache.model.cpu.packed_linear import PackedLinears
 from tests.conftest import build_tiny
 
 

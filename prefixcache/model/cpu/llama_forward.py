@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from prefixcache.kv_cache import CascadeCache
-from prefixcache.packed_linear import PackedWeight, packing_ops_reason
+from prefixcache.model.cpu.packed_linear import PackedWeight, packing_ops_reason
+from prefixcache.model.hf_cache import CascadeCache
 
 
 class _Layer:

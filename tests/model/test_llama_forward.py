@@ -4,12 +4,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixcache.kv_cache import UnsupportedModelError, check_cascade, probe_layout
-from prefixcache.llama_forward import FusedLlama
-from prefixcache.packed_linear import PackedLinears
-from prefixcache.scheduler import SamplingParams
+from prefixcache.errors import UnsupportedModelError
+from prefixcache.model.cpu.llama_forward import FusedLlama
+from prefixcache.model.cpu.packed_linear import PackedLinears
+from prefixcache.model.hf_cache import check_cascade, probe_layout
+from prefixcache.serving.scheduler import SamplingParams
 from tests.conftest import build_tiny
-from tests.test_batching import NS, expected, make_engine
+from tests.serving.test_batching import NS, expected, make_engine
 
 pytestmark = pytest.mark.skipif(PackedLinears.build(torch.nn.Linear(4, 4), 4)[0] is None,
                                 reason="this torch build has no MKL packed linear")

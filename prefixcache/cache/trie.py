@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from prefixcache.hashing import BlockHasher
+from prefixcache.cache.hashing import BlockHasher
 
 
 @dataclass(slots=True, eq=False)

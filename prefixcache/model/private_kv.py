@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixcache.cascade import PrivateBatch
+from prefixcache.model.cascade import PrivateBatch
 
 
 class PrivatePool:

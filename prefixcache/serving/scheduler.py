@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from prefixcache.engine import CallStats
-from prefixcache.private_kv import PrivateKV
-from prefixcache.store import Lease
+from prefixcache.cache.store import Lease
+from prefixcache.model.private_kv import PrivateKV
+from prefixcache.serving.serial import CallStats
 
 
 @dataclass(frozen=True, slots=True)

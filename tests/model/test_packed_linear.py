@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from prefixcache.packed_linear import PackedLinears
+from prefixcache.model.cpu.packed_linear import PackedLinears
 
 pytestmark = pytest.mark.skipif(PackedLinears.build(torch.nn.Linear(4, 4), 4)[0] is None,
                                 reason="this torch build has no MKL packed linear")

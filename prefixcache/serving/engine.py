@@ -16,20 +16,27 @@ from dataclasses import dataclass
 
 import torch
 
+from prefixcache.cache.runs import coalesce
+from prefixcache.cache.store import KVStore
+from prefixcache.cache.trie import common_prefix
 from prefixcache.config import check_int, check_positive
-from prefixcache.engine import CallStats, Engine
-from prefixcache.errors import ConfigError
-from prefixcache.kv_cache import (
-    CASCADE_KWARG, CascadeCache, CascadeRow, KVLayout, UnsupportedModelError, check_cascade,
-    enable_cascade_attention, private_pool, probe_layout,
+from prefixcache.errors import ConfigError, UnsupportedModelError
+from prefixcache.model.cpu.llama_forward import FusedLlama
+from prefixcache.model.cpu.packed_linear import PackedLinears
+from prefixcache.model.hf_cache import (
+    CASCADE_KWARG,
+    CascadeCache,
+    CascadeRow,
+    check_cascade,
+    enable_cascade_attention,
+    private_pool,
+    probe_layout,
 )
-from prefixcache.llama_forward import FusedLlama
-from prefixcache.packed_linear import PackedLinears
-from prefixcache.private_kv import PrivateKV
-from prefixcache.sampling import fallback_generate, sample_next
-from prefixcache.scheduler import BatchRequest, SamplingParams, admission_order, plan_step
-from prefixcache.store import KVStore, coalesce
-from prefixcache.trie import common_prefix
+from prefixcache.model.layout import KVLayout
+from prefixcache.model.private_kv import PrivateKV
+from prefixcache.serving.sampling import fallback_generate, sample_next
+from prefixcache.serving.scheduler import BatchRequest, SamplingParams, admission_order, plan_step
+from prefixcache.serving.serial import CallStats, Engine
 
 log = logging.getLogger(__name__)
 

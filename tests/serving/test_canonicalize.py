@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixcache.canonicalize import Canonicalizer, template_fingerprint
 from prefixcache.config import CacheConfig
 from prefixcache.errors import ConfigError, InvalidRequestError
+from prefixcache.serving.canonicalize import Canonicalizer, template_fingerprint
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONCAT = "{% for m in messages %}{{ m['content'] }}{% endfor %}"

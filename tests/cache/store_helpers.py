@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 import xxhash
 
+from prefixcache.cache.hashing import BlockHasher
+from prefixcache.cache.store import KVStore
 from prefixcache.config import CacheConfig
-from prefixcache.hashing import BlockHasher
-from prefixcache.store import KVStore
 
 NS = {t: (t, "model", "rev", "float32", "tpl") for t in ("a", "b", "c")}
 BYTES_PER_TOKEN = 2 * 4  # [L=1, 2, H=1, n, D=1] float32

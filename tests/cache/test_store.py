@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.store_helpers import BYTES_PER_TOKEN, insert, kv_value, lease_values, lookup, make_store
+from tests.cache.store_helpers import BYTES_PER_TOKEN, insert, kv_value, lease_values, lookup, make_store
 
 B = 4  # block size used here
 BLOCK = B * BYTES_PER_TOKEN
@@ -233,7 +233,7 @@ def storage_bytes(store) -> int:
 
 
 def test_blocks_of_one_insert_share_one_run_and_read_as_one_view(clock):
-    from prefixcache.store import coalesce
+    from prefixcache.cache.runs import coalesce
 
     store = make_store(clock)
     tokens = seq(1, 3 * B + 2)

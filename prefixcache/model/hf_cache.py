@@ -15,34 +15,13 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
 
-from prefixcache.cascade import attend_groups, member_rows
-from prefixcache.errors import PrefixCacheError
-from prefixcache.private_kv import PrivateKV, PrivatePool
-from prefixcache.store import coalesce
+from prefixcache.cache.runs import coalesce
+from prefixcache.errors import UnsupportedModelError
+from prefixcache.model.cascade import attend_groups, member_rows
+from prefixcache.model.layout import KVLayout
+from prefixcache.model.private_kv import PrivateKV, PrivatePool
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class KVLayout:
-    """Shape of one token's KV across the model; fixed per model."""
-
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
-    device: torch.device
-    #: Longest sequence for which every layer attends to all previous tokens (None = unbounded).
-    full_attention_limit: int | None
-
-    @property
-    def bytes_per_token(self) -> int:
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * elem
-
-
-class UnsupportedModelError(PrefixCacheError, RuntimeError):
-    """The model's cache layout cannot be shared as plain per-layer KV; serve uncached."""
 
 
 def probe_layout(model: torch.nn.Module) -> KVLayout:

@@ -1,16 +1,18 @@
 """Next-token choice for the batching engine, and the plain-engine fallback call."""
 from __future__ import annotations
 
-
 import torch
 from transformers import (
-    LogitsProcessorList, StoppingCriteriaList, TemperatureLogitsWarper, TopKLogitsWarper,
+    LogitsProcessorList,
+    StoppingCriteriaList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
     TopPLogitsWarper,
 )
 from transformers.generation.streamers import BaseStreamer
 
-from prefixcache.engine import CancelCriteria, Engine
-from prefixcache.scheduler import BatchRequest, SamplingParams
+from prefixcache.serving.scheduler import BatchRequest, SamplingParams
+from prefixcache.serving.serial import CancelCriteria, Engine
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, context: list[int],

@@ -12,7 +12,7 @@ import heapq
 import math
 from collections.abc import Callable, Iterable, Iterator
 
-from prefixcache.trie import Node
+from prefixcache.cache.trie import Node
 
 #: Eviction reasons, as reported in stats and metrics.
 REASONS = ("lru", "ttl", "quota", "flush")

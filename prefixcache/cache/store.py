@@ -16,10 +16,12 @@ from typing import Any
 
 import torch
 
+from prefixcache.cache.hashing import BlockHasher
+from prefixcache.cache.policy import REASONS, evictable, expired_bottom_up, expiry, is_expired, lru_order
+from prefixcache.cache.runs import follows, storage_key
+from prefixcache.cache.trie import Node, PrefixTrie, Step
 from prefixcache.config import CacheConfig
-from prefixcache.hashing import BlockHasher
-from prefixcache.policy import REASONS, evictable, expired_bottom_up, expiry, is_expired, lru_order
-from prefixcache.trie import Node, PrefixTrie, Step
+
 
 @dataclass(frozen=True, slots=True)
 class EvictedSnapshot:
@@ -190,7 +192,7 @@ class KVStore:
             for node in added:
                 node.kv = run[:, :, :, node.start - first : node.end - first]
         if added:
-            self._runs[_storage_key(run)] = set(added)
+            self._runs[storage_key(run)] = set(added)
         return sum(n.nbytes for n in added), pos
 
     def _covering_child(self, parent: Node, chunk: tuple[int, ...], now: float) -> Node | None:
@@ -320,7 +322,7 @@ class KVStore:
         if reason is not None:
             self._eviction_counts[node.tenant, reason] += 1
             self._reclaimed_counts[node.tenant, reason] += node.nbytes
-        key = _storage_key(node.kv)
+        key = storage_key(node.kv)
         run = self._runs.get(key)
         if run is not None:
             run.discard(node)
@@ -343,7 +345,7 @@ class KVStore:
             nodes = sorted(self._runs.pop(self._dirty.pop(), ()), key=lambda n: n.start)
             groups: list[list[Node]] = []
             for node in nodes:
-                if groups and _follows(groups[-1][-1].kv, node.kv):
+                if groups and follows(groups[-1][-1].kv, node.kv):
                     groups[-1].append(node)
                 else:
                     groups.append([node])
@@ -356,7 +358,7 @@ class KVStore:
                 for node in group:
                     n = node.kv.shape[3]
                     node.kv, at = span[:, :, :, at : at + n], at + n
-                self._runs[_storage_key(span)] = set(group)
+                self._runs[storage_key(span)] = set(group)
 
     @property
     def evictions(self) -> dict[str, int]:
@@ -408,7 +410,7 @@ class KVStore:
                 assert node.num_children == sum(1 for _ in node.children())
                 assert parent.is_root or parent.expires_at >= node.expires_at or parent.doomed
                 assert node.nbytes == node.kv.numel() * node.kv.element_size()
-                assert node in self._runs.get(_storage_key(node.kv), ()), "snapshot outside its run"
+                assert node in self._runs.get(storage_key(node.kv), ()), "snapshot outside its run"
                 assert node.kv.shape[-2] == len(node.tokens)
                 assert (node in self._leaves) == (node.num_children == 0)
                 total += node.nbytes
@@ -444,31 +446,3 @@ def _evicted(node: Node, reason: str) -> EvictedSnapshot:
 
 def _usable(node: Node, now: float) -> bool:
     return node.alive and not node.doomed and not is_expired(node, now)
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
-def coalesce(segments: Sequence[tuple[torch.Tensor, int]]) -> list[tuple[torch.Tensor, int]]:
-    """Merge consecutive ``(snapshot, tokens used)`` segments that are adjacent views of one run.
-
-    The result reads the same tokens in the same order with fewer, longer views (no copy).
-    """
-    out: list[tuple[torch.Tensor, int]] = []
-    for snap, used in segments:
-        if out:
-            prev, prev_used = out[-1]
-            if prev_used == prev.shape[3] and _follows(prev, snap):
-                merged = prev.as_strided((*prev.shape[:3], prev_used + used, prev.shape[4]), prev.stride(),
-                                         prev.storage_offset())
-                out[-1] = (merged, prev_used + used)
-                continue
-        out.append((snap, used))
-    return out
-
-
-def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``b`` ([L, 2, H, n, D]) starts in memory right where ``a`` ends, as views of one tensor."""
-    return (_storage_key(a) == _storage_key(b) and a.stride() == b.stride()
-            and b.storage_offset() == a.storage_offset() + a.shape[3] * a.stride(3))

@@ -5,8 +5,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from tests.cache.store_helpers import NS, insert, kv_value, lease_values, make_store
 from tests.conftest import FakeClock
-from tests.store_helpers import NS, insert, kv_value, lease_values, make_store
 
 TENANTS = st.sampled_from(["a", "b", "c"])
 # Few distinct tokens and short sequences: prefixes collide and share constantly.

@@ -18,8 +18,10 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria
 
-from prefixcache.kv_cache import KVLayout, UnsupportedModelError, WorkingCache, probe_layout
-from prefixcache.store import KVStore
+from prefixcache.cache.store import KVStore
+from prefixcache.errors import UnsupportedModelError
+from prefixcache.model.hf_cache import WorkingCache, probe_layout
+from prefixcache.model.layout import KVLayout
 
 log = logging.getLogger(__name__)
 

@@ -6,12 +6,12 @@ import threading
 import pytest
 import torch
 
-from prefixcache.batching import BatchConfig, BatchEngine
+from prefixcache.cache.hashing import BlockHasher
+from prefixcache.cache.store import KVStore
 from prefixcache.config import CacheConfig
-from prefixcache.engine import Engine
-from prefixcache.hashing import BlockHasher
-from prefixcache.scheduler import BatchRequest, SamplingParams, admission_order, plan_step
-from prefixcache.store import KVStore
+from prefixcache.serving.engine import BatchConfig, BatchEngine
+from prefixcache.serving.scheduler import BatchRequest, SamplingParams, admission_order, plan_step
+from prefixcache.serving.serial import Engine
 from tests.conftest import ARCHS, EOS, FakeClock, build_tiny
 
 NS = ("t", "model")
@@ -229,7 +229,7 @@ def test_a_failure_while_planning_fails_the_active_requests_and_the_loop_lives_o
     model = build_tiny("llama-gqa")
     engine = make_engine(model)
     try:
-        import prefixcache.batching as batching
+        import prefixcache.serving.engine as batching
         real, broken = batching.plan_step, {"left": 1}
 
         def fail_once(*args):
@@ -249,7 +249,7 @@ def test_a_failure_while_planning_fails_the_active_requests_and_the_loop_lives_o
 
 def _own_pool_sizes(monkeypatch, engine: BatchEngine) -> list[int]:
     """Capacities every pool but the engine's shared one is (re)allocated with, in order."""
-    from prefixcache.private_kv import PrivatePool
+    from prefixcache.model.private_kv import PrivatePool
     sizes: list[int] = []
     real = PrivatePool._resize
 
@@ -332,7 +332,7 @@ def test_reduced_precision_is_batched_and_chained_blocks_attend_as_one():
         assert all(r.stats.cached_tokens == len(prefix) for r in results)
     finally:
         engine.close()
-    from prefixcache.kv_cache import CascadeCache, CascadeRow, private_pool, probe_layout
+    from prefixcache.model.hf_cache import CascadeCache, CascadeRow, private_pool, probe_layout
     layout = probe_layout(build_tiny("llama-gqa"))
     snaps = [(torch.zeros(layout.num_layers, 2, layout.num_kv_heads, 4, layout.head_dim), 4) for _ in range(10)]
     pool = private_pool(layout, 4)

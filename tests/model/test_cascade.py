@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from prefixcache.cascade import Shared, batched_cascade, cascade_attention
+from prefixcache.model.cascade import Shared, batched_cascade, cascade_attention
 
 
 def reference(q, keys, values, scale):
@@ -71,7 +71,7 @@ def test_shared_segments_are_not_written():
 def test_private_batch_of_single_token_queries_matches_plain_attention(slots):
     """Decode rows read their private KV as slots of one padded tensor (some slots idle, stale
     data past each length) and mix with a prefix and with a per-request private row."""
-    from prefixcache.cascade import PrivateBatch
+    from prefixcache.model.cascade import PrivateBatch
 
     torch.manual_seed(len(slots))
     hq, hkv, d, cap = 6, 2, 8, 16
@@ -97,7 +97,7 @@ def test_private_batch_of_single_token_queries_matches_plain_attention(slots):
 def test_decode_only_step_reads_every_row_from_one_batch(dtype, tol):
     """A step of decodes only (every packed row in one batch, in order): the batch output is
     used as is, then folded with a prefix shared by all and one shared by a subset."""
-    from prefixcache.cascade import PrivateBatch
+    from prefixcache.model.cascade import PrivateBatch
 
     torch.manual_seed(11)
     hq, hkv, d, n = 6, 2, 8, 4
@@ -119,7 +119,7 @@ def test_decode_only_step_reads_every_row_from_one_batch(dtype, tol):
 
 
 def test_merge_two_equals_softmax_over_the_union():
-    from prefixcache.cascade import attend, merge_two
+    from prefixcache.model.cascade import attend, merge_two
 
     torch.manual_seed(5)
     q = torch.randn(1, 2, 3, 8)
@@ -134,7 +134,7 @@ def test_merge_two_equals_softmax_over_the_union():
 
 
 def test_private_pool_slots_grow_repack_and_free():
-    from prefixcache.private_kv import PrivatePool
+    from prefixcache.model.private_kv import PrivatePool
 
     pool = PrivatePool(2, 1, 2, torch.float32, torch.device("cpu"), chunk=4)
     a, b, c = pool.acquire(), pool.acquire(), pool.acquire()
@@ -156,7 +156,7 @@ def test_private_pool_slots_grow_repack_and_free():
 
 def test_private_pool_planning_ahead_reallocates_once_per_burst():
     """Requests joining together get their slots in one reallocation, sized for the most any may hold."""
-    from prefixcache.private_kv import PrivatePool
+    from prefixcache.model.private_kv import PrivatePool
 
     pool = PrivatePool(2, 1, 2, torch.float32, torch.device("cpu"), chunk=4, plan_ahead=True)
     a, b, c = pool.acquire_all([5, 9, 3])

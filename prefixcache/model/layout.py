@@ -1,0 +1,24 @@
+"""Shape of a model's per-token KV (what the store and the pools allocate)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """Shape of one token's KV across the model; fixed per model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    #: Longest sequence for which every layer attends to all previous tokens (None = unbounded).
+    full_attention_limit: int | None
+
+    @property
+    def bytes_per_token(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * elem
