@@ -37,13 +37,13 @@ TENANT_BYTES = "prefixcache_cache_tenant_bytes"  # gauge{tenant}
 ENTRIES = "prefixcache_cache_entries"  # gauge
 EVICTIONS = "prefixcache_evictions"  # counter{reason}
 RECLAIMED = "prefixcache_reclaimed_bytes"  # counter{reason}
-PACKED_BYTES = "prefixcache_packed_weight_bytes"  # gauge: linear weights with an MKL-packed copy (CPU fp32)
+EXTRA_WEIGHT_BYTES = "prefixcache_extra_weight_bytes"  # gauge: weights the batching fast path copies (not KV)
 QUEUE_DEPTH = "prefixcache_queue_depth"  # gauge: admitted, waiting for a worker
 RUNNING = "prefixcache_requests_running"  # gauge
 
 COUNTERS = (REQUESTS, ERRORS, PROMPT_TOKENS, CACHED_TOKENS, COMPLETION_TOKENS, EVICTIONS, RECLAIMED)
 HISTOGRAMS = (TTFT, TPOT, LOOKUP, QUEUE_WAIT, DURATION)
-GAUGES = (HIT_RATIO, CACHE_BYTES, BUDGET_BYTES, PINNED_BYTES, TENANT_BYTES, ENTRIES, PACKED_BYTES, QUEUE_DEPTH,
+GAUGES = (HIT_RATIO, CACHE_BYTES, BUDGET_BYTES, PINNED_BYTES, TENANT_BYTES, ENTRIES, EXTRA_WEIGHT_BYTES, QUEUE_DEPTH,
           RUNNING)
 NAMES = COUNTERS + HISTOGRAMS + GAUGES
 
@@ -139,7 +139,7 @@ class _EngineCollector:
             for reason, value in sorted(s[key].items()):
                 family.add_metric([reason], value)
             yield family
-        yield GaugeMetricFamily(PACKED_BYTES, "Bytes of linear weights the batching engine keeps an MKL-packed copy "
-                                "of (the copy costs about as much again; not KV).", value=s["packed_weight_bytes"])
+        yield GaugeMetricFamily(EXTRA_WEIGHT_BYTES, "Bytes of model weights the batching engine's fast path keeps an "
+                                "extra copy of (about as much again is resident; not KV).", value=s["extra_weight_bytes"])
         yield GaugeMetricFamily(QUEUE_DEPTH, "Requests admitted and waiting for a worker.", value=waiting)
         yield GaugeMetricFamily(RUNNING, "Requests running on a worker.", value=running)

@@ -288,8 +288,8 @@ class CacheStats(BaseModel):
     evictions: dict[str, int] | None = None
     reclaimed_bytes: dict[str, int] | None = None
     queue: QueueInfo | None = None
-    #: Admin, all tenants: linear weights the batching engine keeps an MKL-packed copy of (not KV).
-    packed_weight_bytes: int | None = None
+    #: Admin, all tenants: bytes of weights the batching engine's fast path keeps an extra copy of (not KV).
+    extra_weight_bytes: int | None = None
 
 
 class Health(BaseModel):

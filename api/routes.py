@@ -182,7 +182,7 @@ async def cache_stats(who: Caller, srv: Engine, tenant: TenantQuery = None) -> C
     if who.admin:  # other tenants' bytes and the shared queue are not a tenant's business
         running, waiting = srv.queue()
         stats = stats.model_copy(update={
-            "tenant_bytes": s["tenant_bytes"], "packed_weight_bytes": s.get("packed_weight_bytes"),
+            "tenant_bytes": s["tenant_bytes"], "extra_weight_bytes": s.get("extra_weight_bytes"),
             "queue": QueueInfo(running=running, waiting=waiting, capacity=srv.capacity)})
     return stats
 

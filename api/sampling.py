@@ -13,16 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import torch
-from transformers import LogitsProcessor
-
 from prefixcache.errors import ContextLengthExceededError, InvalidRequestError
-from prefixcache.sdk import GREEDY_BELOW
+from prefixcache.serving.sampling import GREEDY_BELOW
 
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingParams
 from .settings import Settings
-
-#: Temperatures below this are served greedily (their limit); sampling at them is numerically unsafe.
 
 
 @dataclass(slots=True)
@@ -55,33 +50,6 @@ class Job:
                 f"the prompt ({prompt_tokens} tokens) leaves no room in the model's context of {max_context} "
                 "tokens", param=param)
         return self.max_tokens if self.max_tokens is not None else min(default, room)
-
-
-class OpenAIPenalties(LogitsProcessor):
-    """presence/frequency penalties and logit_bias, as OpenAI defines them.
-
-    Penalties count generated tokens only; the prompt length is learnt on the first
-    call (the prefill step). One instance serves one request.
-    """
-
-    def __init__(self, presence: float, frequency: float, bias: dict[int, float]):
-        self.presence, self.frequency = presence, frequency
-        self.bias_ids = torch.tensor(list(bias), dtype=torch.long)
-        self.bias_values = torch.tensor(list(bias.values()), dtype=torch.float32)
-        self._prompt_len: int | None = None
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        # input_ids: [B, S]; scores: [B, V]
-        if self._prompt_len is None:
-            self._prompt_len = input_ids.shape[1]
-        scores = scores.clone()
-        if self.bias_ids.numel():
-            scores[:, self.bias_ids.to(scores.device)] += self.bias_values.to(scores.device, scores.dtype)
-        generated = input_ids[:, self._prompt_len :]
-        if generated.numel() and (self.presence or self.frequency):
-            counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
-            scores -= self.frequency * counts + self.presence * (counts > 0).to(scores.dtype)
-        return scores
 
 
 def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_size: int) -> Job:
@@ -129,9 +97,8 @@ def _options(req: SamplingParams, settings: Settings, vocab_size: int) -> dict[s
     options: dict[str, Any] = {"temperature": temperature, "top_p": req.top_p, "top_k": req.top_k or None,
                                "seed": req.seed, "stop": [s for s in stops if s] or None,
                                "ignore_eos": bool(req.ignore_eos)}
-    bias = _logit_bias(req.logit_bias, vocab_size)
-    if bias or req.presence_penalty or req.frequency_penalty:
-        options["logits_processor"] = [OpenAIPenalties(req.presence_penalty or 0.0, req.frequency_penalty or 0.0, bias)]
+    options.update(presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                   logit_bias=_logit_bias(req.logit_bias, vocab_size) or None)
     return options
 
 

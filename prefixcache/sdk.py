@@ -1,6 +1,7 @@
 """The public SDK: ``PrefixCache`` wraps a model's ``generate()`` with prefix reuse."""
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -10,7 +11,6 @@ from typing import Any
 
 import torch
 from transformers import GenerationConfig, StoppingCriteriaList
-from transformers.generation.streamers import BaseStreamer
 
 from prefixcache.cache.hashing import BlockHasher, HashFn, xxh3_64
 from prefixcache.cache.store import EvictHook, KVStore
@@ -19,8 +19,18 @@ from prefixcache.errors import CapacityError, ContextLengthExceededError, Invali
 from prefixcache.loading import model_fingerprint
 from prefixcache.serving.canonicalize import Canonicalizer, check_text
 from prefixcache.serving.engine import BatchConfig, BatchEngine
-from prefixcache.serving.scheduler import SamplingParams
-from prefixcache.serving.serial import CallStats, CancelCriteria, Engine
+from prefixcache.serving.request import CallStats, Request, SamplingParams, finish_reason
+from prefixcache.serving.sampling import (
+    OpenAIPenalties,
+    batch_params,
+    openai_params,
+    penalty_params,
+    stop_string_check,
+)
+from prefixcache.serving.serial import CancelCriteria, Engine
+from prefixcache.serving.text_stream import Halt, TextStream, first_stop
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "default"
 
@@ -55,66 +65,6 @@ class WarmResult:
     pinned: bool
 
 
-class _Halt:
-    """Stops a batched request when the caller cancels or the text reached a stop string."""
-
-    def __init__(self, cancel: threading.Event | None, stream: _TextStream):
-        self._cancel, self._stream = cancel, stream
-
-    def is_set(self) -> bool:
-        return self._stream.stopped or (self._cancel is not None and self._cancel.is_set())
-
-
-class _TextStream(BaseStreamer):
-    """Decodes new tokens incrementally and hands text deltas to ``on_text``.
-
-    Text that could still turn into a stop string is held back, so a client never
-    sees a stop sequence (OpenAI semantics).
-    """
-
-    def __init__(self, tokenizer, on_text: Callable[[str], None], stop: Sequence[str]):
-        self._tok, self._on_text, self._stop = tokenizer, on_text, tuple(stop)
-        self._ids: list[int] = []
-        self._sent = 0
-        self._prompt_seen = False
-        self.stopped = False
-
-    def put(self, value: torch.Tensor) -> None:
-        if not self._prompt_seen:  # generate() first hands over the prompt
-            self._prompt_seen = True
-            return
-        self._ids.extend(value.reshape(-1).tolist())
-        self._emit(final=False)
-
-    def end(self) -> None:
-        self._emit(final=True)
-
-    def _emit(self, final: bool) -> None:
-        if self.stopped:
-            return
-        text = self._tok.decode(self._ids, skip_special_tokens=True)
-        cut = _first_stop(text, self._stop)
-        if cut is not None:
-            text, self.stopped = text[:cut], True
-        elif not final:
-            # Hold back an unfinished multi-byte character and any possible stop-string start.
-            safe = len(text) - 1 if text.endswith("\ufffd") else len(text)
-            for s in self._stop:
-                for k in range(min(len(s) - 1, safe), 0, -1):
-                    if text[:safe].endswith(s[:k]):
-                        safe -= k
-                        break
-            text = text[:safe]
-        if len(text) > self._sent:
-            self._on_text(text[self._sent :])
-            self._sent = len(text)
-
-
-def _first_stop(text: str, stop: Sequence[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
-    return min(hits) if hits else None
-
-
 class PrefixCache:
     """Prefix-cached generation around a Hugging Face causal LM.
 
@@ -138,12 +88,12 @@ class PrefixCache:
             unicode_normalization=self.config.unicode_normalization)
         self.store = KVStore(self.config, BlockHasher(self.config.hash_seed, hash_fn), clock, on_evict)
         self.engine = Engine(self.model, self.store, clock)
-        # chat()/complete() go through continuous batching with cascade attention over shared
-        # prefixes; generate() keeps the drop-in engine, which takes every generate() option.
+        # Every call the batching engine reproduces exactly runs there (continuous batching with
+        # cascade attention over shared prefixes); the rest runs on the serial engine (``_route``).
         self.batcher: BatchEngine | None = None
         if batching:
             batch_config = batching if isinstance(batching, BatchConfig) else BatchConfig()
-            self.batcher = BatchEngine(self.model, self.store, clock, batch_config, fallback=self.engine)
+            self.batcher = BatchEngine(self.model, self.store, clock, batch_config, self.config.cache_generated)
         self._model_key = tuple(model_fingerprint(model))
         self._local = threading.local()
         self._closed = threading.Event()
@@ -181,9 +131,10 @@ class PrefixCache:
                  tenant: str | None = None, ttl_seconds: float | None = None, **kwargs: Any) -> Any:
         """``model.generate()`` with prefix reuse; same arguments, same return value.
 
-        A batch (padded or not) is served one row at a time: each row's padding is
-        removed using ``attention_mask``, and the rows are put back together padded
-        as ``generate()`` pads them. ``return_dict_in_generate`` needs batch size 1.
+        A batch (padded or not) is served row by row: each row's padding is removed using
+        ``attention_mask``, the rows run concurrently on the batching engine (one after another
+        with a streamer, or on the serial engine), and are put back together padded as
+        ``generate()`` pads them. ``return_dict_in_generate`` needs batch size 1.
         """
         ids = self._as_ids(kwargs.pop("inputs", input_ids))
         tenant = self._tenant(tenant)
@@ -195,13 +146,23 @@ class PrefixCache:
                 for i in range(ids.shape[0])]
         if any(len(r) == 0 for r in rows):
             raise InvalidRequestError("a prompt row has no tokens (attention_mask is all zeros)", param="input_ids")
-        if len(rows) == 1 and len(rows[0]) == ids.shape[1]:
-            out, stats = self._run(rows[0].unsqueeze(0), tenant, generation_config, kwargs, ttl)
-            return out
-        if kwargs.get("return_dict_in_generate") or getattr(generation_config, "return_dict_in_generate", False):
+        whole = len(rows) == 1 and len(rows[0]) == ids.shape[1]
+        if not whole and (kwargs.get("return_dict_in_generate")
+                          or getattr(generation_config, "return_dict_in_generate", False)):
             raise InvalidRequestError("return_dict_in_generate needs one unpadded prompt per call (batch size 1)",
                                       param="return_dict_in_generate")
-        outs = [self._run(r.unsqueeze(0), tenant, generation_config, kwargs, ttl)[0][0, len(r):] for r in rows]
+        routes = [self._route(len(r), generation_config, kwargs) for r in rows]
+        if all(params is not None for params, _ in routes):
+            outs = self._generate_batched(rows, [p for p, _ in routes], tenant, ttl, kwargs)
+        else:
+            outs = []
+            for row in rows:
+                out = self._run_serial(row.unsqueeze(0), tenant, generation_config, kwargs, ttl)
+                if whole:
+                    return out
+                outs.append(out[0, len(row):])
+        if whole:
+            return torch.cat([ids, outs[0].unsqueeze(0)], dim=1)
         pad = self._pad_id(generation_config)
         width = max(len(o) for o in outs)
         new = torch.full((len(outs), width), pad, dtype=ids.dtype, device=ids.device)
@@ -209,12 +170,60 @@ class PrefixCache:
             new[i, : len(o)] = o
         return torch.cat([ids, new], dim=1)
 
-    def _run(self, ids: torch.Tensor, tenant: str, generation_config: GenerationConfig | None,
-             kwargs: dict[str, Any], ttl: float | None) -> tuple[Any, CallStats]:
+    def _route(self, prompt_len: int, generation_config: GenerationConfig | None, kwargs: dict[str, Any],
+               extra: dict[str, Any] | None = None) -> tuple[SamplingParams | None, str | None]:
+        """Which engine serves a call: its ``SamplingParams`` for the batching engine, or (None, why not)."""
+        if self.batcher is None:
+            return None, "batching is off"
+        config = self.engine.effective_config(generation_config, kwargs)
+        params, reason = batch_params(config, kwargs, prompt_len, extra)
+        if params is not None:
+            reason = self.batcher.unservable(prompt_len, params)
+        if reason is not None:
+            log.debug("served by the serial engine: %s", reason)
+            return None, reason
+        return params, None
+
+    def _generate_batched(self, rows: list[torch.Tensor], params: list[SamplingParams], tenant: str,
+                          ttl: float | None, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+        """New tokens of each row; rows share the engine's steps (one after another with a streamer)."""
+        streamer = kwargs.get("streamer")
+        stop = stop_string_check(params[0].stop_strings, kwargs["tokenizer"]) if params[0].stop_strings else None
+
+        def submit(row: torch.Tensor, p: SamplingParams) -> Request:
+            on_token = None
+            if streamer is not None:
+                streamer.put(row.unsqueeze(0).cpu())  # generate() hands the prompt over first
+                on_token = lambda t: streamer.put(torch.tensor([t]))  # noqa: E731
+            return self._submit(row.tolist(), p, tenant, ttl, on_token, None, stop)
+
+        def result(req: Request, row: torch.Tensor) -> torch.Tensor:
+            tokens = self._wait(req, tenant).tokens
+            if streamer is not None:
+                streamer.end()
+            return torch.tensor(tokens, dtype=row.dtype, device=row.device)
+
+        if streamer is not None:
+            return [result(submit(r, p), r) for r, p in zip(rows, params)]
+        reqs = [submit(r, p) for r, p in zip(rows, params)]
+        return [result(req, r) for req, r in zip(reqs, rows)]
+
+    def _submit(self, prompt: list[int], params: SamplingParams, tenant: str, ttl: float | None,
+                on_token: Any, cancel: Any, stop: Any) -> Request:
+        return self.batcher.submit(prompt, self.namespace(tenant), tenant, params, ttl, on_token, cancel, stop)
+
+    def _wait(self, req: Request, tenant: str) -> Any:
+        res = self.batcher.wait(req)
+        self.engine.record(tenant, res.stats)
+        self._local.last = res.stats
+        return res
+
+    def _run_serial(self, ids: torch.Tensor, tenant: str, generation_config: GenerationConfig | None,
+                    kwargs: dict[str, Any], ttl: float | None) -> Any:
         out, stats = self.engine.generate(ids, self.namespace(tenant), tenant, generation_config, kwargs, ttl,
                                           self.config.cache_generated)
         self._local.last = stats
-        return out, stats
+        return out
 
     # -- OpenAI-shaped calls -------------------------------------------------------
     def chat(self, messages: Sequence[dict[str, Any]], *, tools: Sequence[dict[str, Any]] | None = None,
@@ -228,7 +237,8 @@ class PrefixCache:
 
         Options: ``tenant``, ``max_new_tokens`` (default 256), ``temperature`` (0 or
         unset = greedy), ``top_p``, ``top_k``, ``do_sample``, ``seed``, ``stop`` (list of
-        strings, excluded from the text), ``on_text`` (callback for text deltas),
+        strings, excluded from the text), ``presence_penalty``, ``frequency_penalty``,
+        ``logit_bias`` (token id -> bias), ``on_text`` (callback for text deltas),
         ``cancel`` (threading.Event), ``ttl_seconds``, ``ignore_eos`` (go on past the
         end-of-sequence token until ``max_new_tokens``), and any other ``generate()`` kwarg.
         """
@@ -243,14 +253,16 @@ class PrefixCache:
         return list(self._canon().encode_text(prompt).token_ids)
 
     def answer(self, prompt: list[int], *, tenant: str | None = None, max_new_tokens: int = 256,
-                temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                do_sample: bool | None = None, seed: int | None = None, stop: Sequence[str] | str | None = None,
-                on_text: Callable[[str], None] | None = None, cancel: threading.Event | None = None,
-                ttl_seconds: float | None = None, ignore_eos: bool = False, **kwargs: Any) -> GenerationResult:
+               temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+               do_sample: bool | None = None, seed: int | None = None, stop: Sequence[str] | str | None = None,
+               presence_penalty: float | None = None, frequency_penalty: float | None = None,
+               logit_bias: dict[int, float] | None = None, on_text: Callable[[str], None] | None = None,
+               cancel: threading.Event | None = None, ttl_seconds: float | None = None, ignore_eos: bool = False,
+               **kwargs: Any) -> GenerationResult:
         """Answer already-encoded prompt ids (from ``encode_chat``/``encode_text``); options as ``complete``."""
         if not prompt:
             raise InvalidRequestError("the prompt encodes to zero tokens", param="prompt")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InvalidRequestError("max_new_tokens must be an integer >= 1", param="max_tokens")
         if len(prompt) + max_new_tokens > self.max_context:
             raise ContextLengthExceededError(
@@ -261,58 +273,59 @@ class PrefixCache:
             raise InvalidRequestError("stop must be a non-empty string or a list of them", param="stop")
         for s in stops:
             check_text(s, "stop")
-        sampling = _sampling(temperature, top_p, top_k, do_sample)
         tenant, ttl = self._tenant(tenant), self._ttl(ttl_seconds)
-        eos = frozenset() if ignore_eos else frozenset(_as_set(self.model.generation_config.eos_token_id))
-        if self.batcher is not None and not kwargs:
-            return self._answer_batched(prompt, tenant, max_new_tokens, sampling, seed, stops, on_text, cancel, ttl,
-                                        eos)
-        gen = dict(kwargs, max_new_tokens=max_new_tokens, **sampling)
+        gen = dict(kwargs, max_new_tokens=max_new_tokens, **openai_params(temperature, top_p, top_k, do_sample))
+        if gen["do_sample"] and gen["top_k"] is None:
+            gen["top_k"] = 0  # OpenAI semantics: no top-k unless asked (generate() would default to 50)
         if ignore_eos:
             gen["eos_token_id"] = None  # generate() then stops only at max_new_tokens
-        criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
+        if seed is not None:
+            gen["seed"] = seed
+        stream = TextStream(self.tokenizer, on_text, stops)
+        gen["streamer"] = stream
+        penalties = penalty_params(presence_penalty, frequency_penalty, logit_bias)
+        params, _ = self._route(len(prompt), None, gen, penalties)
+        if params is not None:  # stop strings: the text stream halts the request (Halt)
+            stream.put(torch.tensor(prompt))  # the stream skips the prompt, as with generate()
+            req = self._submit(prompt, params, tenant, ttl, lambda t: stream.put(torch.tensor([t])),
+                               Halt(cancel, stream), None)
+            res = self._wait(req, tenant)
+            stream.end()
+            new, stats, reason = res.tokens, res.stats, res.finish_reason
+        else:
+            new, stats, reason = self._answer_serial(prompt, gen, penalties, stops, cancel, tenant, ttl)
+        if stream.stopped:
+            reason = "stop"
+        return self._result(prompt, new, reason, stops, cancel, stats)
+
+    def _answer_serial(self, prompt: list[int], gen: dict[str, Any], penalties: dict[str, Any], stops: list[str],
+                       cancel: threading.Event | None, tenant: str, ttl: float | None) -> tuple[list[int], CallStats, str]:
+        if penalties:
+            params = SamplingParams(**penalties)
+            gen["logits_processor"] = [*(gen.get("logits_processor") or []), OpenAIPenalties(params, len(prompt))]
+        criteria = StoppingCriteriaList(gen.pop("stopping_criteria", None) or [])
         if cancel is not None:
             criteria.append(CancelCriteria(cancel))
         gen["stopping_criteria"] = criteria
         if stops:
             gen.update(stop_strings=stops, tokenizer=self.tokenizer)
-        stream = _TextStream(self.tokenizer, on_text or (lambda _t: None), stops)
-        gen["streamer"] = stream
         gen.setdefault("pad_token_id", self._pad_id(None))
-        if seed is not None:
-            gen["seed"] = seed
         ids = torch.tensor([prompt], device=next(self.model.parameters()).device)
-        out, stats = self._run(ids, tenant, None, gen, ttl)
+        out = self._run_serial(ids, tenant, None, gen, ttl)
         new = out[0, len(prompt):].tolist()
-        reason = "stop" if new and new[-1] in eos else "length"
-        return self._result(prompt, new, reason, stops, cancel, stats)
-
-    def _answer_batched(self, prompt: list[int], tenant: str, max_new_tokens: int, sampling: dict[str, Any],
-                        seed: int | None, stops: list[str], on_text: Callable[[str], None] | None,
-                        cancel: threading.Event | None, ttl: float | None, eos: frozenset[int]) -> GenerationResult:
-        params = SamplingParams(
-            max_new_tokens=max_new_tokens, temperature=sampling.get("temperature", 1.0) if sampling["do_sample"] else None,
-            top_p=sampling.get("top_p"), top_k=sampling.get("top_k"), seed=seed, eos_token_ids=eos)
-        stream = _TextStream(self.tokenizer, on_text or (lambda _t: None), stops)
-        stream.put(torch.tensor(prompt))  # the stream skips the prompt, as with generate()
-        halt = _Halt(cancel, stream)
-        res = self.batcher.generate(prompt, self.namespace(tenant), tenant, params, ttl,
-                                    on_token=lambda t: stream.put(torch.tensor([t])), cancel=halt)
-        stream.end()
-        if res.fallback_reason is None:  # the plain engine counts its own calls
-            self.engine.record(tenant, res.stats)
-        self._local.last = res.stats
-        reason = "stop" if stream.stopped else res.finish_reason
-        return self._result(prompt, res.tokens, reason, stops, cancel, res.stats)
+        eos = frozenset(_as_set(gen.get("eos_token_id", self.model.generation_config.eos_token_id)))
+        reason = finish_reason(new, SamplingParams(max_new_tokens=gen["max_new_tokens"], eos_token_ids=eos),
+                               False, cancel is not None and cancel.is_set())
+        return new, self.last_call, reason
 
     def _result(self, prompt: list[int], new: list[int], reason: str, stops: list[str],
                 cancel: threading.Event | None, stats: CallStats) -> GenerationResult:
         """Text without special tokens, cut at the first stop string; OpenAI finish reasons."""
         text = self.tokenizer.decode(new, skip_special_tokens=True)
-        cut = _first_stop(text, stops)
+        cut = first_stop(text, stops)
         if cut is not None:
             text, reason = text[:cut], "stop"
-        elif cancel is not None and cancel.is_set():
+        elif cancel is not None and cancel.is_set() and reason != "stop":
             reason = "cancelled"
         return GenerationResult(text, tuple(new), reason, Usage(len(prompt), len(new), stats.cached_tokens), stats)
 
@@ -366,8 +379,8 @@ class PrefixCache:
             "token_hit_rate": c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
         }
         out.update(mem)
-        if tenant is None:  # not KV and not a tenant's: the batching engine's packed linear weights
-            out["packed_weight_bytes"] = self.batcher.packed_weight_bytes if self.batcher is not None else 0
+        if tenant is None:  # not KV and not a tenant's: weights the batching engine's fast path copies
+            out["extra_weight_bytes"] = self.batcher.extra_weight_bytes if self.batcher is not None else 0
         return out
 
     def flush(self, tenant: str | None = None) -> int:
@@ -453,35 +466,6 @@ class PrefixCache:
                 return int(cfg.pad_token_id)
         eos = sorted(_as_set(self.model.generation_config.eos_token_id))
         return eos[0] if eos else 0
-
-
-#: Temperatures below this are served greedily: their limit is argmax, and dividing logits
-#: by e.g. 1e-300 overflows to inf and breaks sampling.
-GREEDY_BELOW = 1e-4
-
-
-def _sampling(temperature: float | None, top_p: float | None, top_k: int | None,
-              do_sample: bool | None) -> dict[str, Any]:
-    """Map OpenAI-style sampling to generate() kwargs; temperature 0 (< GREEDY_BELOW) or unset means greedy."""
-    if temperature is not None and (not isinstance(temperature, (int, float)) or temperature < 0):
-        raise InvalidRequestError("temperature must be a number >= 0", param="temperature")
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
-        raise InvalidRequestError("top_p must be in (0, 1]", param="top_p")
-    if top_k is not None and not (isinstance(top_k, int) and top_k >= 0):
-        raise InvalidRequestError("top_k must be an integer >= 0", param="top_k")
-    if temperature is not None and temperature < GREEDY_BELOW:
-        temperature, do_sample = 0.0, False
-    sample = do_sample if do_sample is not None else bool(temperature)
-    if not sample:
-        return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-    out: dict[str, Any] = {"do_sample": True}
-    if temperature:
-        out["temperature"] = float(temperature)
-    if top_p is not None:
-        out["top_p"] = float(top_p)
-    if top_k is not None:
-        out["top_k"] = int(top_k)
-    return out
 
 
 def _as_set(value: Any) -> set[int]:

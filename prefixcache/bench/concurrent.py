@@ -14,7 +14,7 @@ from prefixcache.bench.batch import BatchCall
 from prefixcache.bench.systems import Served
 from prefixcache.config import CacheConfig
 from prefixcache.sdk import DEFAULT_TENANT, PrefixCache
-from prefixcache.serving.scheduler import SamplingParams
+from prefixcache.serving.request import SamplingParams
 
 
 class PrefixCacheBatched:
@@ -29,8 +29,8 @@ class PrefixCacheBatched:
     def start(self) -> None:
         self._attn = self.model.config._attn_implementation  # the batch loop switches it; restored in finish()
         self.cache = PrefixCache(self.model, None, CacheConfig(ttl_seconds=None), start_sweeper=False)
-        if self.cache.batcher is None or self.cache.batcher.fallback_reason is not None:
-            reason = None if self.cache.batcher is None else self.cache.batcher.fallback_reason
+        if self.cache.batcher is None or self.cache.batcher.disabled_reason is not None:
+            reason = None if self.cache.batcher is None else self.cache.batcher.disabled_reason
             self.notes.append(f"batching unavailable, served one at a time: {reason}")
 
     def finish(self) -> None:
@@ -79,6 +79,4 @@ class PrefixCacheBatched:
                              on_token=lambda _t: first.append(time.perf_counter()) if not first else None)
         res = batcher.wait(req)
         t1 = time.perf_counter()
-        if res.fallback_reason is not None and not self.notes:
-            self.notes.append(f"some requests served one at a time: {res.fallback_reason}")
         return Served(tuple(res.tokens), (first[0] if first else t1) - t0, t1 - t0, res.stats.cached_tokens)

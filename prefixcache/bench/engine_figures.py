@@ -1,4 +1,4 @@
-"""Figures of the batching engine on its own (issue 6): decode step time, KV held, throughput.
+"""Figures of the batching engine on its own: decode step time, KV held, throughput.
 
 Run: ``python -m prefixcache.bench.engine_figures [--dtype bfloat16] [--new-tokens 128]``
 (loads the embedded default model; prints one JSON object).
@@ -33,9 +33,9 @@ from prefixcache.cache.hashing import BlockHasher
 from prefixcache.cache.store import KVStore
 from prefixcache.config import CacheConfig, check_int
 from prefixcache.errors import ConfigError
-from prefixcache.model.cpu.packed_linear import PackedLinears
+from prefixcache.model.cpu import build_step_forward
 from prefixcache.serving.engine import BatchConfig, BatchEngine
-from prefixcache.serving.scheduler import SamplingParams
+from prefixcache.serving.request import SamplingParams
 from prefixcache.serving.serial import Engine
 
 NS = ("bench",)
@@ -95,13 +95,13 @@ def decode_step_seconds(engine: BatchEngine, prefix: list[int], batch: int, new_
 
 
 def step_times(model, prefix_len: int = 2048, batch: int = 8, new_tokens: int = 16,
-               block_size: int = 64, pack_weights: bool = True) -> dict[str, float]:
+               block_size: int = 64, fast_path: bool = True) -> dict[str, float]:
     """Decode step time for ``batch`` requests vs 1 on a shared stored prefix (3 alternating runs each, best kept)."""
     engine = BatchEngine(model, _store(block_size), time.monotonic,
-                         BatchConfig(max_batch=batch, token_budget=512, prefill_chunk=256, pack_weights=pack_weights))
+                         BatchConfig(max_batch=batch, token_budget=512, prefill_chunk=256, fast_path=fast_path))
     try:
-        if engine.fallback_reason is not None:
-            raise RuntimeError(f"model not served by the batching engine: {engine.fallback_reason}")
+        if engine.disabled_reason is not None:
+            raise RuntimeError(f"model not served by the batching engine: {engine.disabled_reason}")
         prefix = _prefix(prefix_len, _vocab(model))
         engine.generate(prefix, NS, "bench", SamplingParams(max_new_tokens=1))
         runs = [(decode_step_seconds(engine, prefix, 1, new_tokens),  # alternating: a drift of the
@@ -109,7 +109,7 @@ def step_times(model, prefix_len: int = 2048, batch: int = 8, new_tokens: int = 
                 for _ in range(3)]
         single, many = min(r[0] for r in runs), min(r[1] for r in runs)
         return {"single_step_s": single, f"batch{batch}_step_s": many, "ratio": many / single,
-                "packed_weights": engine.packed is not None}
+                "fast_path": None if engine.runner.step_forward is None else engine.runner.step_forward.kind}
     finally:
         engine.close()
 
@@ -126,14 +126,20 @@ def packing_ab(model, prefix_len: int = 2048, batch: int = 8, new_tokens: int = 
     every request of a run is decoding.
     """
     engine = BatchEngine(model, _store(block_size), time.monotonic,
-                         BatchConfig(max_batch=batch, token_budget=512, prefill_chunk=256))
+                         BatchConfig(max_batch=batch, token_budget=512, prefill_chunk=256, fast_path=False))
     try:
-        packed, reason = PackedLinears.build(model, batch, engine.config.pack_max_bytes)
-        if packed is None:
-            raise RuntimeError(f"no packed weights to compare: {reason}")
-        fused, vocab = engine.fused, _vocab(model)
-        arms = ([("fused", fused, None)] if fused is not None else []) + [("packed", None, packed),
-                                                                            ("unpacked", None, None)]
+        if engine.disabled_reason is not None:
+            raise RuntimeError(f"model not served by the batching engine: {engine.disabled_reason}")
+        limit = engine.config.fast_path_max_bytes
+        arms = []
+        for kind in ("fused", "packed"):
+            forward, reason = build_step_forward(model, engine.layout, batch, limit, kinds=(kind,))
+            if forward is not None:
+                arms.append((kind, forward))
+            elif kind == "packed":
+                raise RuntimeError(f"no packed weights to compare: {reason}")
+        arms.append(("unpacked", None))
+        vocab = _vocab(model)
         prefix = _prefix(prefix_len, vocab)
         engine.generate(prefix, NS, "bench", SamplingParams(max_new_tokens=1))
         prompts = [prefix + _question(i, 16, vocab) for i in range(batch)]
@@ -141,20 +147,20 @@ def packing_ab(model, prefix_len: int = 2048, batch: int = 8, new_tokens: int = 
 
         def switch() -> str:  # after each step: the next one runs with the next arm
             turn[0] = (turn[0] + 1) % len(arms)
-            name, engine.fused, engine.packed = arms[turn[0]]
+            name, engine.runner.step_forward = arms[turn[0]]
             return name
 
         single: list[float] = []
-        seconds: dict[str, list[float]] = {name: [] for name, _, _ in arms}
+        seconds: dict[str, list[float]] = {name: [] for name, _ in arms}
         for _ in range(rounds):
             turn[0] = 0
-            _, engine.fused, engine.packed = arms[0]
+            _, engine.runner.step_forward = arms[0]
             single.append(decode_step_seconds(engine, prefix, 1, new_tokens))
             for step, name in steady_steps(engine, prompts, new_tokens, switch):
                 seconds[name].append(step)
         one = statistics.median(single)
         out: dict[str, object] = {"single_step_s": one, "steps_per_arm": min(len(v) for v in seconds.values()),
-                                  "packed_calls": packed.calls, "fused_steps": engine.fused_steps}
+                                  **{f"{name}_fast_steps": forward.fast_steps for name, forward in arms if forward}}
         for name, values in seconds.items():
             out[f"batch{batch}_{name}_step_s"] = statistics.median(values)
             out[f"{name}_ratio"] = statistics.median(values) / one
@@ -164,7 +170,7 @@ def packing_ab(model, prefix_len: int = 2048, batch: int = 8, new_tokens: int = 
 
 
 def concurrent_vs_serial(model, clients: int = 16, prefix_len: int = 2048, question: int = 128,
-                         new_tokens: int = 16, block_size: int = 64, pack_weights: bool = True,
+                         new_tokens: int = 16, block_size: int = 64, fast_path: bool = True,
                          rounds: int = 1) -> dict[str, object]:
     """``clients`` requests on one stored prefix: batched (all at once) vs the one-at-a-time engine.
 
@@ -183,7 +189,7 @@ def concurrent_vs_serial(model, clients: int = 16, prefix_len: int = 2048, quest
     for _ in range(rounds):
         serial = _serial_engine(model, prefix, block_size)
         before = _serial_seconds(serial, prompts[:half], new_tokens)
-        batched = _batched_run(model, prefix, prompts, new_tokens, block_size, pack_weights)
+        batched = _batched_run(model, prefix, prompts, new_tokens, block_size, fast_path)
         after = _serial_seconds(serial, prompts[half:], new_tokens)
         serial_s = before + after
         batched["serial_halves_s"] = [before, after]
@@ -203,12 +209,12 @@ def concurrent_vs_serial(model, clients: int = 16, prefix_len: int = 2048, quest
 
 
 def _batched_run(model, prefix: list[int], prompts: list[list[int]], new_tokens: int, block_size: int,
-                 pack_weights: bool) -> dict[str, float]:
+                 fast_path: bool) -> dict[str, float]:
     engine = BatchEngine(model, _store(block_size), time.monotonic,
-                         BatchConfig(max_batch=len(prompts), pack_weights=pack_weights))
+                         BatchConfig(max_batch=len(prompts), fast_path=fast_path))
     try:
-        if engine.fallback_reason is not None:
-            raise RuntimeError(f"model not served by the batching engine: {engine.fallback_reason}")
+        if engine.disabled_reason is not None:
+            raise RuntimeError(f"model not served by the batching engine: {engine.disabled_reason}")
         per_token = engine.layout.bytes_per_token
         engine.generate(prefix, NS, "bench", SamplingParams(max_new_tokens=1))
         peak = [engine.kv_bytes()]
@@ -311,8 +317,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="concurrent figure: batched-then-serial rounds (medians reported, and each round)")
     parser.add_argument("--only", choices=("step", "concurrent", "latency", "turns", "packing"), default=None)
-    parser.add_argument("--no-pack-weights", dest="pack_weights", action="store_false",
-                        help="step and concurrent figures without MKL-packed linear weights (the before)")
+    parser.add_argument("--no-fast-path", dest="fast_path", action="store_false",
+                        help="step and concurrent figures without the fast step forward (the before)")
     args = parser.parse_args(argv)
     try:
         check_int("rounds", args.rounds, 1, None)
@@ -321,12 +327,12 @@ def main(argv: list[str] | None = None) -> None:
     model, _ = load_default_model(dtype=getattr(torch, args.dtype))
     out: dict[str, object] = {"dtype": args.dtype, "threads": torch.get_num_threads()}
     if args.only in (None, "step"):
-        out["step"] = step_times(model, args.prefix, args.batch, 16, args.block_size, args.pack_weights)
+        out["step"] = step_times(model, args.prefix, args.batch, 16, args.block_size, args.fast_path)
     if args.only == "packing":  # not in the default set: one more engine start-up and 4 rounds
         out["packing"] = packing_ab(model, args.prefix, args.batch, block_size=args.block_size)
     if args.only in (None, "concurrent"):
         out["concurrent"] = concurrent_vs_serial(model, args.clients, args.prefix, args.question, args.new_tokens,
-                                                 args.block_size, args.pack_weights, args.rounds)
+                                                 args.block_size, args.fast_path, args.rounds)
     if args.only in (None, "latency"):
         out["latency"] = short_behind_long(model, prefix_len=args.prefix, block_size=args.block_size)
     if args.only in (None, "turns"):

@@ -264,6 +264,14 @@ def enable_cascade_attention(model: torch.nn.Module) -> None:
         raise UnsupportedModelError(f"{type(model).__name__} cannot switch its attention implementation")
 
 
+def cascade_step(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: CascadeCache,
+                 keep: torch.Tensor) -> torch.Tensor:
+    """One packed step through the model's own forward. input_ids, position_ids: [T]; keep: [K] rows
+    that sample. Returns logits [K, V]."""
+    return model(input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0), past_key_values=cache,
+                 use_cache=True, logits_to_keep=keep, **{CASCADE_KWARG: cache}).logits[0]
+
+
 def check_cascade(model: torch.nn.Module, layout: KVLayout,
                   forward: Callable[[torch.Tensor, torch.Tensor, CascadeCache, torch.Tensor], torch.Tensor] | None
                   = None, rows: int = 4) -> None:
@@ -293,11 +301,9 @@ def check_cascade(model: torch.nn.Module, layout: KVLayout,
     pos = [len(prefix) + i for s in suffixes for i in range(len(s))]
     ids_t, pos_t = torch.tensor(ids, device=device), torch.tensor(pos, device=device)
     with torch.no_grad():
-        if forward is not None:
-            got = forward(ids_t, pos_t, cache, torch.arange(len(ids), device=device))
-        else:
-            got = model(input_ids=ids_t.unsqueeze(0), position_ids=pos_t.unsqueeze(0), past_key_values=cache,
-                        use_cache=True, **{CASCADE_KWARG: cache}).logits[0]
+        keep = torch.arange(len(ids), device=device)
+        got = forward(ids_t, pos_t, cache, keep) if forward is not None else cascade_step(model, ids_t, pos_t,
+                                                                                             cache, keep)
         want = torch.cat([model(input_ids=torch.tensor([prefix + s], device=device)).logits[0, len(prefix):]
                           for s in suffixes]).float()
     if cache.calls != layout.num_layers:

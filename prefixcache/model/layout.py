@@ -22,3 +22,14 @@ class KVLayout:
     def bytes_per_token(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return self.num_layers * 2 * self.num_kv_heads * self.head_dim * elem
+
+    def window_reason(self, total_tokens: int) -> str | None:
+        """Why a sequence of up to ``total_tokens`` cannot reuse stored KV exactly, or None.
+
+        Beyond a sliding window a layer forgets the oldest tokens, which a shared
+        full-length snapshot cannot reproduce.
+        """
+        limit = self.full_attention_limit
+        if limit is not None and total_tokens > limit:
+            return f"sequence of up to {total_tokens} tokens exceeds the sliding window ({limit})"
+        return None

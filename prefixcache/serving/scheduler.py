@@ -1,130 +1,238 @@
-"""Request state and cache-aware admission for the batching engine (no model code here).
+"""Which requests run, and how many tokens each feeds, in every step (no model code here).
 
-One ``BatchRequest`` carries a prompt through every stage: waiting (its prefix lease
-already pinned, so its cached length is known) → prefill in chunks → decode → done.
+The scheduler keeps the waiting and the running requests. Admission is cache-aware: the
+longest cached prefix first, requests on one prefix together, a starved request first of
+all; within the batch and private-KV budgets. A request whose next tokens another request
+is prefilling right now waits for them to be stored (follow); a leader with followers
+publishes its prompt early and reads the shared part in place like them (rebase); a tail
+of stored runs nobody else reads is copied once into private KV (fold). ``plan_step``
+splits the step's token budget: decodes first, then prefill chunks.
 """
 from __future__ import annotations
 
-import threading
+import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
-from prefixcache.cache.store import Lease
+from prefixcache.cache.runs import coalesce
+from prefixcache.cache.store import KVStore
+from prefixcache.cache.trie import common_prefix
+from prefixcache.model.hf_cache import private_pool
+from prefixcache.model.layout import KVLayout
 from prefixcache.model.private_kv import PrivateKV
-from prefixcache.serving.serial import CallStats
+from prefixcache.serving.request import Request, Status
+
+log = logging.getLogger(__name__)
+
+#: Tokens after its cached prefix that a waiting request must share with a running prefill
+#: to wait for it instead of computing them again.
+HOLD_PROBE_TOKENS = 16
+
+#: The engine's finish path: (request, finish reason, error).
+Finish = Callable[[Request, "str | None", "BaseException | None"], None]
 
 
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """Decoding settings of one request. ``temperature`` None or 0 = greedy."""
+class Scheduler:
+    """Waiting and running requests, admission and step planning. Called with the engine's lock held."""
 
-    max_new_tokens: int = 16
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    eos_token_ids: frozenset[int] = frozenset()
+    def __init__(self, store: KVStore, layout: KVLayout, config, clock: Callable[[], float], finish: Finish):
+        self.store, self.layout, self.config, self._clock, self._finish = store, layout, config, clock, finish
+        self.pool = private_pool(layout, config.private_chunk, plan_ahead=True)  # shared by short requests
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
 
-    @property
-    def greedy(self) -> bool:
-        return not self.temperature
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        for queue in (self.waiting, self.running):
+            if req in queue:
+                queue.remove(req)
+
+    def schedule(self) -> list[tuple[Request, int]]:
+        """Admit what fits, then plan the step: (request, new tokens) pairs."""
+        self.admit()
+        cfg = self.config
+        return plan_step(self.running, cfg.token_budget, cfg.prefill_chunk, cfg.idle_prefill_chunk)
+
+    # -- admission ---------------------------------------------------------------
+    def admit(self) -> None:
+        """Move waiting requests into the batch, cache-aware, within the batch and memory budgets."""
+        cfg = self.config
+        reserved = sum(r.private_need for r in self.running)
+        joining: list[Request] = []  # running from now on (others' admission sees them); KV given below
+        for req in admission_order(self.waiting, self._clock(), cfg.max_wait_seconds):
+            if len(self.running) >= cfg.max_batch:
+                break
+            if req.cancelled:
+                self.waiting.remove(req)
+                self._finish(req, "cancelled", None)
+                continue
+            try:
+                # Re-match first: a request sent before its prefix was stored must not wait for
+                # prefills of tokens already stored since (a burst on a new system prompt would
+                # otherwise admit its followers one per step, each held by the previous one's question).
+                self._refresh_lease(req)
+                if self._follows_a_prefill(req):
+                    continue  # its prefix is being computed right now: wait for it to be stored
+                req.read_steps = self._read_in_place(req)
+                if self.running and reserved + req.private_need > cfg.max_private_tokens:
+                    break  # keep order: the head of the queue is never overtaken for memory
+                self.waiting.remove(req)
+            except Exception as exc:  # noqa: BLE001 - fail this request only; the loop keeps serving
+                self._fail_admission(req, exc)
+                continue
+            reserved += req.private_need
+            req.status = Status.RUNNING
+            self.running.append(req)
+            joining.append(req)
+        self._join(joining)
+
+    def _join(self, joining: list[Request]) -> None:
+        """Give just admitted (running) requests their private KV; one that cannot have it fails.
+
+        Short requests share the pool (decoded together; it grows once for all of them); a long
+        one gets a pool of its own, so it does not pad every slot.
+        """
+        cfg = self.config
+        short = [r for r in joining if r.private_need <= cfg.pool_max_tokens]
+        try:
+            shared = dict(zip(map(id, short), self.pool.acquire_all([r.private_need for r in short])))
+        except Exception as exc:  # noqa: BLE001 - fail these requests only
+            for req in short:
+                self._fail_admission(req, exc)
+            joining, shared = [r for r in joining if r not in short], {}
+        for req in joining:
+            try:
+                if id(req) in shared:
+                    req.private = shared[id(req)]
+                else:
+                    req.private = self.acquire_private(req.private_need)
+                    # Its whole prompt at once: a long prefill would otherwise regrow (and copy) the
+                    # pool at every chunk. The answer still grows it by chunks (max_new_tokens may be large).
+                    req.private.reserve(len(req.prompt) - req.base_len)
+                for snap, used in coalesce(req.copied):
+                    req.private.load(snap[:, :, :, :used])
+                if req.params.seed is not None:
+                    req.generator = torch.Generator(device=self.layout.device).manual_seed(req.params.seed)
+            except Exception as exc:  # noqa: BLE001 - fail this request only; the loop keeps serving
+                self._fail_admission(req, exc)
+
+    def acquire_private(self, need: int) -> PrivateKV:
+        """Private KV for a request that may hold ``need`` tokens: a slot of the shared pool when they
+        fit ``pool_max_tokens``, else a pool of its own (so it never pads the others' slots)."""
+        if need <= self.config.pool_max_tokens:
+            return self.pool.acquire(need)
+        return private_pool(self.layout, self.config.private_chunk).acquire(need)
+
+    def _fail_admission(self, req: Request, exc: Exception) -> None:
+        log.exception("could not admit a request", exc_info=exc)
+        self.remove(req)
+        self._finish(req, None, exc)
+
+    def _read_in_place(self, req: Request) -> int | None:
+        """How many of ``req``'s cached steps to read in place each step (None: all).
+
+        The tail after them is copied into its private KV once: the longest run of final
+        steps that no other running or waiting request holds, up to ``fold_max_tokens``,
+        when that saves calls (it spans more than one stored run, or is the one run of its own
+        history after a prefix others read). A whole prefix that is one run is read in place:
+        nobody else may read it yet, but requests arriving next (a burst's followers) will,
+        and a copy would pad every slot of the shared pool to its length while it runs.
+        """
+        steps = [] if req.lease is None else req.lease.steps
+        others = {id(st.node) for r in (*self.running, *self.waiting) if r is not req and r.lease is not None
+                  for st in r.lease.steps}
+        k, tail = len(steps), 0
+        while k > 0 and id(steps[k - 1].node) not in others and tail + steps[k - 1].used <= self.config.fold_max_tokens:
+            k -= 1
+            tail += steps[k].used
+        if tail == 0:
+            return None
+        after_shared = k > 0 and id(steps[k - 1].node) in others
+        if not after_shared and len(coalesce([(st.node.kv, st.used) for st in steps[k:]])) < 2:
+            return None
+        return k
+
+    def _follows_a_prefill(self, req: Request) -> bool:
+        """Whether a running request is still prefilling the tokens right after ``req``'s cached prefix.
+
+        Computing them twice would waste the step; once that prefill ends its prompt is
+        stored and ``req`` finds it (``_refresh_lease``). The leader always progresses, so
+        the wait is bounded by its prefill.
+        """
+        start, probe = req.cached_len, HOLD_PROBE_TOKENS
+        want = req.prompt[start : start + probe]
+        if len(want) < probe:
+            return False
+        return any(a.prefilling and a.namespace == req.namespace and a.prompt[start : start + probe] == want
+                   for a in self.running)
+
+    def followers(self, leader: Request) -> list[Request]:
+        """Waiting requests held for ``leader``'s prefill (see ``_follows_a_prefill``).
+
+        Only for them is the prompt stored before the request finishes: storing it early
+        for nobody would hold its suffix twice (stored and private) while it decodes.
+        """
+        probe = HOLD_PROBE_TOKENS
+        return [w for w in self.waiting
+                if w.namespace == leader.namespace and len(w.prompt) >= w.cached_len + probe
+                and w.prompt[w.cached_len : w.cached_len + probe] == leader.prompt[w.cached_len : w.cached_len + probe]]
+
+    def rebase(self, req: Request, followers: Sequence[Request]) -> None:
+        """After ``req``'s prompt was stored for ``followers``: read the part they share in place.
+
+        Its private KV then holds only the tokens after that part, in the shared pool when they
+        fit, so the leader decodes in one step group with its followers instead of dragging its
+        own copy of their prefix (the snapshot is a clone of the same KV: the answer is unchanged).
+        Anything failing leaves the request as it was.
+        """
+        shared = min(common_prefix(req.prompt, w.prompt) for w in followers)
+        if shared <= req.base_len:
+            return
+        lease = self.store.acquire(req.namespace, req.tenant, req.prompt, shared, req.ttl_seconds)
+        old, base = req.private, req.base_len
+        if lease.cached_tokens <= base:
+            self.store.release(lease)
+            return
+        private = None
+        try:
+            tail = old.window(lease.cached_tokens - base, req.held_len - base).clone()
+            private = self.acquire_private(len(req.prompt) - lease.cached_tokens + req.params.max_new_tokens)
+            private.load(tail)
+        except Exception as exc:  # noqa: BLE001 - an optimisation: the request goes on as it was
+            if private is not None:
+                private.release()
+            self.store.release(lease)
+            log.warning("could not read a stored prompt in place: %s", exc)
+            return
+        self.store.release(req.lease)
+        req.lease, req.read_steps, req.private = lease, None, private
+        old.release(trim=old.pool is not self.pool)  # its own pool: freed now
+
+    def _refresh_lease(self, req: Request) -> None:
+        """Re-match at admission: prefixes stored since ``submit`` (by finished or prefilled requests) count."""
+        lease = self.store.acquire(req.namespace, req.tenant, req.prompt, len(req.prompt) - 1, req.ttl_seconds)
+        if lease.cached_tokens > req.cached_len:
+            self.store.release(req.lease)
+            req.lease = lease
+            req.stats.cached_tokens = lease.cached_tokens
+        else:
+            self.store.release(lease)
 
 
-@dataclass(slots=True, eq=False)
-class BatchRequest:
-    prompt: list[int]
-    namespace: tuple[str, ...]
-    tenant: str
-    params: SamplingParams
-    ttl_seconds: float | None
-    arrival: float
-    on_token: Callable[[int], None] | None = None
-    cancel: threading.Event | None = None
-    lease: Lease | None = None
-    private: PrivateKV | None = None
-    generator: torch.Generator | None = None
-    output: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    fallback_reason: str | None = None  # why the plain engine served it (None = batched)
-    error: BaseException | None = None
-    stats: CallStats = field(default_factory=CallStats)
-    done: threading.Event = field(default_factory=threading.Event)
-    #: Lease steps read in place at every step; the cached tokens after them were copied
-    #: into the private KV at admission (None: every step is read in place).
-    read_steps: int | None = None
-
-    @property
-    def cached(self) -> int:
-        return 0 if self.lease is None else self.lease.cached_tokens
-
-    @property
-    def base(self) -> int:
-        """Tokens read in place from stored snapshots; the private KV holds the tokens from here on."""
-        if self.lease is None or self.read_steps is None:
-            return self.cached
-        return sum(s.used for s in self.lease.steps[: self.read_steps])
-
-    @property
-    def held(self) -> int:
-        """Tokens whose KV exists (prefix snapshots + private)."""
-        return self.base + (0 if self.private is None else self.private.length)
-
-    @property
-    def prefilling(self) -> bool:
-        return self.held < len(self.prompt)
-
-    @property
-    def segments(self) -> list[tuple[torch.Tensor, int]]:
-        """Snapshots read in place: (tensor [L, 2, H, n, D], tokens used), in order."""
-        if self.lease is None:
-            return []
-        return [(s.node.kv, s.used) for s in self.lease.steps[: self.read_steps]]
-
-    @property
-    def copied(self) -> list[tuple[torch.Tensor, int]]:
-        """Cached snapshots after ``read_steps``: copied into the private KV at admission."""
-        if self.lease is None or self.read_steps is None:
-            return []
-        return [(s.node.kv, s.used) for s in self.lease.steps[self.read_steps :]]
-
-    @property
-    def group(self) -> int:
-        """Identity of the deepest shared snapshot: requests on the same prefix sort together."""
-        return 0 if self.lease is None or not self.lease.steps else id(self.lease.steps[-1].node)
-
-    def kv_slicer(self) -> Callable[[int, int], torch.Tensor]:
-        """A ``KVSlicer``: fresh [L, 2, H, end-start, D] from the prefix snapshots and the private KV."""
-        pieces: list[tuple[int, int, Callable[[int, int], torch.Tensor]]] = []
-        pos = 0
-        for snap, used in self.segments:
-            pieces.append((pos, pos + used, lambda a, b, s=snap: s[:, :, :, a:b]))
-            pos += used
-        pieces.append((pos, self.held, self.private.window))  # pos == base
-
-        def slice_kv(start: int, end: int) -> torch.Tensor:
-            parts = [fn(max(start, lo) - lo, min(end, hi) - lo) for lo, hi, fn in pieces if start < hi and end > lo]
-            return parts[0].clone() if len(parts) == 1 else torch.cat(parts, dim=3)
-        return slice_kv
-
-    @property
-    def private_need(self) -> int:
-        """Private tokens this request may hold at most (copied cached tail + suffix + answer)."""
-        return len(self.prompt) - self.base + self.params.max_new_tokens
-
-
-def admission_order(waiting: Sequence[BatchRequest], now: float, max_wait: float) -> list[BatchRequest]:
+def admission_order(waiting: Sequence[Request], now: float, max_wait: float) -> list[Request]:
     """Starved requests first (waited > ``max_wait``, oldest first), then longest cached
     prefix first, requests on the same prefix together, then arrival order."""
-    def key(r: BatchRequest):
+    def key(r: Request):
         starved = now - r.arrival > max_wait
-        return (0, r.arrival, 0, 0) if starved else (1, -r.cached, r.group, r.arrival)
+        return (0, r.arrival, 0, 0) if starved else (1, -r.cached_len, r.group, r.arrival)
     return sorted(waiting, key=key)
 
 
-def plan_step(active: Sequence[BatchRequest], token_budget: int, prefill_chunk: int,
-              idle_chunk: int) -> list[tuple[BatchRequest, int]]:
+def plan_step(active: Sequence[Request], token_budget: int, prefill_chunk: int,
+              idle_chunk: int) -> list[tuple[Request, int]]:
     """How many new tokens each request feeds this step: every decode 1, then prefill
     chunks (oldest first) within ``token_budget``, so a long prompt cannot stall decodes.
 
@@ -137,11 +245,11 @@ def plan_step(active: Sequence[BatchRequest], token_budget: int, prefill_chunk: 
     plan = [(r, 1) for r in active if not r.prefilling]
     prefilling = sorted((r for r in active if r.prefilling), key=lambda r: r.arrival)
     chunk = prefill_chunk
-    if prefilling and not plan and all(len(r.prompt) - r.held > prefill_chunk for r in prefilling):
+    if prefilling and not plan and all(len(r.prompt) - r.held_len > prefill_chunk for r in prefilling):
         chunk = max(prefill_chunk, min(idle_chunk, token_budget // len(prefilling)))  # shared: none waits
     budget = token_budget - len(plan)
     for r in prefilling:
-        n = min(chunk, len(r.prompt) - r.held, budget)
+        n = min(chunk, len(r.prompt) - r.held_len, budget)
         if n <= 0:
             break
         plan.append((r, n))

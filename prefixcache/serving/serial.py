@@ -12,7 +12,6 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,6 +21,7 @@ from prefixcache.cache.store import KVStore
 from prefixcache.errors import UnsupportedModelError
 from prefixcache.model.hf_cache import WorkingCache, probe_layout
 from prefixcache.model.layout import KVLayout
+from prefixcache.serving.request import CallStats
 
 log = logging.getLogger(__name__)
 
@@ -38,27 +38,6 @@ _BYPASS_CONFIG = {
 }
 #: generate() keyword arguments that are not config fields but also bypass the cache.
 _BYPASS_KWARGS = ("assistant_model", "past_key_values", "assistant_tokenizer")
-
-
-@dataclass(slots=True)
-class CallStats:
-    """What one call did. ``cached_tokens`` is the reused-token count the SDK reports."""
-
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    completion_tokens: int = 0
-    stored_tokens: int = 0
-    lookup_seconds: float = 0.0
-    ttft_seconds: float | None = None
-    total_seconds: float = 0.0
-    bypass_reason: str | None = None
-
-    @property
-    def outcome(self) -> str:
-        """hit (all reusable tokens came from cache), partial, or miss."""
-        if self.cached_tokens == 0:
-            return "miss"
-        return "hit" if self.cached_tokens >= self.prompt_tokens - 1 else "partial"
 
 
 class CancelCriteria(StoppingCriteria):
@@ -105,12 +84,12 @@ class Engine:
         """Run ``model.generate`` for one prompt ``input_ids: [1, n]``, reusing cached KV."""
         start = self._clock()
         n = int(input_ids.shape[1])
-        stats = CallStats(prompt_tokens=n)
+        stats = CallStats(prompt_tokens=n, executor="serial")
         timer = _FirstTokenClock(self._clock)
         kwargs = dict(kwargs)
         seed = kwargs.pop("seed", None)
         kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), timer])
-        effective = self._effective_config(generation_config, kwargs)
+        effective = self.effective_config(generation_config, kwargs)
         max_new = effective.max_new_tokens if effective.max_new_tokens is not None else max(
             int(effective.max_length or 20) - n, 1)
         stats.bypass_reason = self._bypass_reason(effective, kwargs, n + int(max_new))
@@ -134,7 +113,7 @@ class Engine:
         """Compute and store the KV of ``tokens`` without generating (cache warming)."""
         if self.layout is None:
             raise UnsupportedModelError(self.unsupported_reason or "model not supported")
-        stats = CallStats(prompt_tokens=len(tokens))
+        stats = CallStats(prompt_tokens=len(tokens), executor="serial")
         with self._model_lock:
             lease = self.store.acquire(namespace, tenant, tokens, len(tokens), ttl_seconds)
             try:
@@ -182,7 +161,8 @@ class Engine:
         finally:
             self.store.release(lease)
 
-    def _effective_config(self, generation_config: GenerationConfig | None, kwargs: dict[str, Any]) -> GenerationConfig:
+    def effective_config(self, generation_config: GenerationConfig | None, kwargs: dict[str, Any]) -> GenerationConfig:
+        """What ``generate()`` will use: the model's default (or the caller's) config updated by ``kwargs``."""
         config = copy.deepcopy(generation_config or self.model.generation_config)
         config.update(**{k: v for k, v in kwargs.items() if hasattr(config, k)})
         return config
@@ -197,10 +177,7 @@ class Engine:
             value = getattr(config, name, None)
             if rejects(value):
                 return f"option {name}={value!r} is served uncached"
-        limit = self.layout.full_attention_limit
-        if limit is not None and total_len > limit:
-            return f"sequence of up to {total_len} tokens exceeds the sliding window ({limit})"
-        return None
+        return self.layout.window_reason(total_len)
 
     def record(self, tenant: str, stats: CallStats) -> None:
         """Count one finished call in the tenant's hit counters."""

@@ -63,7 +63,7 @@ def test_metrics_parse_name_every_defined_metric_and_move(server):
     assert total(after, "prefixcache_cache_entries") > 0
     assert 0 < total(after, "prefixcache_hit_ratio", basis="tokens") <= 1
     assert total(after, "prefixcache_queue_depth") == 0
-    assert total(after, "prefixcache_packed_weight_bytes") == _linear_bytes(server)
+    assert total(after, "prefixcache_extra_weight_bytes") == _linear_bytes(server)
 
 
 def _linear_bytes(server) -> int:
@@ -108,7 +108,7 @@ def test_stats_scope_tenant_view_and_admin_view(server):
         assert 0 < mine["hit_rate"] <= 1 and mine["cached_tokens"] > 0
         # A tenant sees its own entries and evictions; other tenants' bytes and the queue are admin only.
         assert mine["entries"] > 0 and set(mine["evictions"]) == {"lru", "ttl", "quota", "flush"}
-        assert mine["tenant_bytes"] is None and mine["queue"] is None and mine["packed_weight_bytes"] is None
+        assert mine["tenant_bytes"] is None and mine["queue"] is None and mine["extra_weight_bytes"] is None
         theirs = beta.get("/v1/cache/stats").json()
         assert theirs["bytes"] == 0 and theirs["entries"] == 0
         everyone = admin.get("/v1/cache/stats").json()
@@ -116,8 +116,8 @@ def test_stats_scope_tenant_view_and_admin_view(server):
         assert set(everyone["evictions"]) == {"lru", "ttl", "quota", "flush"}
         assert everyone["queue"] == {"running": 0, "waiting": 0, "capacity": 66}
         # not KV: the batching engine's packed weights, process-wide
-        assert everyone["packed_weight_bytes"] == _linear_bytes(server)
-        assert admin.get("/v1/cache/stats", params={"tenant": "alpha"}).json()["packed_weight_bytes"] is None
+        assert everyone["extra_weight_bytes"] == _linear_bytes(server)
+        assert admin.get("/v1/cache/stats", params={"tenant": "alpha"}).json()["extra_weight_bytes"] is None
         assert admin.get("/v1/cache/stats", params={"tenant": "alpha"}).json()["bytes"] == mine["bytes"]
 
 

@@ -64,7 +64,7 @@ def test_packing_ab_on_a_tiny_model():
     if PackedLinears.build(model, 4)[0] is None:
         pytest.skip("this torch build has no MKL packed linear")
     got = packing_ab(model, prefix_len=64, batch=4, new_tokens=10, rounds=2, block_size=16)
-    assert got["steps_per_arm"] >= 3 and got["packed_calls"] > 0  # every arm measured, in turn
-    assert got["fused_steps"] > got["steps_per_arm"]  # Llama: the fused arm (and the single request's steps)
+    assert got["steps_per_arm"] >= 3 and got["packed_fast_steps"] >= got["steps_per_arm"]  # every arm measured
+    assert got["fused_fast_steps"] > got["steps_per_arm"]  # Llama: the fused arm (and the single request's steps)
     assert got["packed_ratio"] == got["batch4_packed_step_s"] / got["single_step_s"]
     assert got["batch4_unpacked_step_s"] > 0 and got["batch4_fused_step_s"] > 0

@@ -8,7 +8,7 @@ from prefixcache.errors import UnsupportedModelError
 from prefixcache.model.cpu.llama_forward import FusedLlama
 from prefixcache.model.cpu.packed_linear import PackedLinears
 from prefixcache.model.hf_cache import check_cascade, probe_layout
-from prefixcache.serving.scheduler import SamplingParams
+from prefixcache.serving.request import SamplingParams
 from tests.conftest import build_tiny
 from tests.serving.test_batching import NS, expected, make_engine
 
@@ -94,13 +94,14 @@ def test_engine_runs_its_steps_fused_and_falls_back_to_the_models_forward_per_st
     model, ref = build_tiny("llama-gqa"), build_tiny("llama-gqa")
     engine = make_engine(model, max_batch=4, token_budget=16, prefill_chunk=8)
     try:
-        assert engine.fused is not None and engine.packed is None
-        assert engine.packed_weight_bytes == sum(m.weight.nbytes for m in model.modules()
+        fast = engine.runner.step_forward
+        assert fast is not None and fast.kind == "fused"
+        assert engine.extra_weight_bytes == sum(m.weight.nbytes for m in model.modules()
                                                  if type(m) is torch.nn.Linear)
         prompts = [list(range(10, 30)) + [40 + i] * (i + 1) for i in range(4)]
         reqs = [engine.submit(p, NS, "t", SamplingParams(max_new_tokens=6)) for p in prompts]
         assert [engine.wait(r, timeout=60).tokens for r in reqs] == [expected(ref, p, 6) for p in prompts]
-        assert engine.fused_steps == engine.steps > 0
+        assert fast.fast_steps == engine.steps > 0
         steps = engine.steps
         handle = model.model.layers[0].register_forward_hook(lambda *args: None)  # the model's forward serves
         try:
@@ -108,7 +109,7 @@ def test_engine_runs_its_steps_fused_and_falls_back_to_the_models_forward_per_st
         finally:
             handle.remove()
         assert got == expected(ref, prompts[0] + [7], 3)
-        assert engine.steps > steps and engine.fused_steps == steps
+        assert engine.steps > steps and fast.fast_steps == steps
     finally:
         engine.close()
 
@@ -122,6 +123,6 @@ def test_engine_uses_packed_modules_when_the_fused_forward_disagrees(monkeypatch
     monkeypatch.setattr(FusedLlama, "__call__", wrong)
     engine = make_engine(build_tiny("llama-gqa"), max_batch=4)
     try:
-        assert engine.fused is None and engine.packed is not None and engine.fallback_reason is None
+        assert engine.runner.step_forward.kind == "packed" and engine.disabled_reason is None
     finally:
         engine.close()

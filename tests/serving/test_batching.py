@@ -1,6 +1,7 @@
 """Batched, cascaded generation equals plain per-request generate(); leases and memory stay exact."""
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
@@ -10,8 +11,10 @@ from prefixcache.cache.hashing import BlockHasher
 from prefixcache.cache.store import KVStore
 from prefixcache.config import CacheConfig
 from prefixcache.serving.engine import BatchConfig, BatchEngine
-from prefixcache.serving.scheduler import BatchRequest, SamplingParams, admission_order, plan_step
-from prefixcache.serving.serial import Engine
+from prefixcache.serving.request import Request, SamplingParams
+from prefixcache.serving.scheduler import admission_order, plan_step
+from prefixcache import PrefixCache
+from prefixcache.errors import UnsupportedModelError
 from tests.conftest import ARCHS, EOS, FakeClock, build_tiny
 
 NS = ("t", "model")
@@ -20,7 +23,7 @@ NS = ("t", "model")
 def make_engine(model, block_size=8, **cfg):
     clock = FakeClock()
     store = KVStore(CacheConfig(block_size=block_size), BlockHasher(1), clock)
-    return BatchEngine(model, store, clock, BatchConfig(**cfg), fallback=Engine(model, store, clock))
+    return BatchEngine(model, store, clock, BatchConfig(**cfg))
 
 
 def expected(ref_model, prompt, new):
@@ -42,7 +45,7 @@ def test_parity_join_leave_and_two_prefixes(arch):
     model, ref = build_tiny(arch), build_tiny(arch)
     engine = make_engine(model, max_batch=6, token_budget=24, prefill_chunk=7, private_chunk=4)
     try:
-        assert engine.fallback_reason is None
+        assert engine.disabled_reason is None
         base_a, base_b = list(range(10, 60)), list(range(200, 237))
         for base in (base_a, base_b):  # both prefixes stored: one batch cascades over two prefixes
             assert engine.generate(base + [5], NS, "t", params(1)).finish_reason in ("length", "stop")
@@ -55,41 +58,41 @@ def test_parity_join_leave_and_two_prefixes(arch):
         reqs += [engine.submit(p, NS, "t", params(n)) for p, n in zip(later, news[4:])]
         for req, prompt, new in zip(reqs, first + later, news):
             got = engine.wait(req, timeout=60)
-            assert got.fallback_reason is None
             assert got.tokens == expected(ref, prompt, new), prompt
         assert [r.stats.cached_tokens for r in reqs[:4]] == [50, 50, 50, 37]
-        if engine.fused is not None:  # Llama, fp32 on CPU with MKL: the fused forward ran the steps
-            assert arch == "llama-gqa" and engine.fused_steps == engine.steps
-        elif engine.packed is not None:  # other models there: steps of 3..6 rows used packed weights
-            assert engine.packed.calls > 0
+        fast = engine.runner.step_forward
+        if fast is not None and fast.kind == "fused":  # Llama, fp32 on CPU with MKL: the fused forward ran the steps
+            assert arch == "llama-gqa" and fast.fast_steps == engine.steps
+        elif fast is not None:  # other models there: steps of 3..6 rows used packed weights
+            assert fast.kind == "packed" and fast.fast_steps == engine.steps
         check_released(engine)
     finally:
         engine.close()
 
 
-def test_sliding_window_and_eager_fall_back():
-    """Requests longer than a sliding window, and non-SDPA models, go to the plain engine, still exact."""
+def test_sliding_window_and_eager_are_refused_by_the_engine_and_served_serially():
+    """Requests longer than a sliding window, and non-SDPA models, are not the batching engine's:
+    it says why, and ``PrefixCache`` serves them on the serial engine, still exact."""
     from transformers import MistralConfig, MistralForCausalLM
     torch.manual_seed(0)
     cfg = MistralConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, sliding_window=16)
     model = MistralForCausalLM(cfg).eval()
-    engine = make_engine(model)
-    try:
-        prompt = list(range(3, 30))
-        got = engine.generate(prompt, NS, "t", SamplingParams(max_new_tokens=4))
-        assert "sliding window" in got.fallback_reason
-        assert got.tokens == model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, 27:].tolist()
-    finally:
-        engine.close()
+    ref = copy.deepcopy(model)
+    prompt = list(range(3, 30))
+    with PrefixCache(model, None, CacheConfig(block_size=4), start_sweeper=False) as cache:
+        assert "sliding window" in cache.batcher.unservable(len(prompt), SamplingParams(max_new_tokens=4))
+        with pytest.raises(UnsupportedModelError, match="sliding window"):
+            cache.batcher.submit(prompt, NS, "t", SamplingParams(max_new_tokens=4))
+        got = cache.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)
+        assert cache.last_call.executor == "serial"
+        assert got.tolist() == ref.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False).tolist()
     eager = build_tiny("llama-gqa")
     eager.set_attn_implementation("eager")
-    engine = make_engine(eager)
-    try:
-        got = engine.generate([5, 6, 7], NS, "t", SamplingParams(max_new_tokens=3))
-        assert "eager" in got.fallback_reason and len(got.tokens) == 3
-    finally:
-        engine.close()
+    with PrefixCache(eager, None, CacheConfig(block_size=4), start_sweeper=False) as cache:
+        assert "eager" in cache.batcher.disabled_reason
+        got = cache.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False)
+        assert cache.last_call.executor == "serial" and got.shape == (1, 6)
 
 
 def test_memory_is_prefix_once_plus_private_per_request():
@@ -138,7 +141,7 @@ def test_a_lone_first_request_reads_the_prefix_in_place_so_followers_do_not_pay_
                               on_token=record) for i in range(n_req - 1)]
         for r in [first, *rest]:
             engine.wait(r, timeout=60)
-        read_steps, base = first.read_steps, first.base
+        read_steps, base = first.read_steps, first.base_len
         assert read_steps is None and base == p_len, (read_steps, base)  # read in place, not copied
         per_token = engine.layout.bytes_per_token
         ideal = (p_len + n_req * (q_len + out_len)) * per_token
@@ -182,7 +185,7 @@ def test_cancel_callback_error_and_sampling():
 
 
 def _req(cached_arrival, group=0):
-    r = BatchRequest([1] * 50, NS, "t", SamplingParams(), None, cached_arrival[1])
+    r = Request([1] * 50, NS, "t", SamplingParams(), None, cached_arrival[1])
     r.lease = type("L", (), {"cached_tokens": cached_arrival[0], "steps": []})()
     return r
 
@@ -229,7 +232,7 @@ def test_a_failure_while_planning_fails_the_active_requests_and_the_loop_lives_o
     model = build_tiny("llama-gqa")
     engine = make_engine(model)
     try:
-        import prefixcache.serving.engine as batching
+        import prefixcache.serving.scheduler as batching
         real, broken = batching.plan_step, {"left": 1}
 
         def fail_once(*args):
@@ -254,7 +257,7 @@ def _own_pool_sizes(monkeypatch, engine: BatchEngine) -> list[int]:
     real = PrivatePool._resize
 
     def resize(pool, slots, capacity):
-        if pool is not engine._pool:
+        if pool is not engine.scheduler.pool:
             sizes.append(capacity)
         real(pool, slots, capacity)
     monkeypatch.setattr(PrivatePool, "_resize", resize)
@@ -324,7 +327,7 @@ def test_reduced_precision_is_batched_and_chained_blocks_attend_as_one():
     store = KVStore(CacheConfig(block_size=4), BlockHasher(0), FakeClock())
     engine = BatchEngine(model, store, FakeClock(), BatchConfig())
     try:
-        assert engine.fallback_reason is None and engine.packed is None  # packing is fp32 only
+        assert engine.disabled_reason is None and engine.runner.step_forward is None  # the fast path is fp32 only
         prefix = list(range(10, 50))  # 10 blocks of 4
         engine.generate(prefix, ("t",), "t", SamplingParams(max_new_tokens=1))
         requests = [engine.submit(prefix + [60 + i], ("t",), "t", SamplingParams(max_new_tokens=2)) for i in range(3)]
@@ -390,13 +393,13 @@ def test_a_leader_reads_its_stored_prompt_in_place_with_its_followers():
     model, ref = build_tiny("llama-gqa"), build_tiny("llama-gqa")
     engine = make_engine(model, block_size=8, prefill_chunk=8, token_budget=32, pool_max_tokens=16)
     first: dict[int, tuple[int, int, bool]] = {}
-    requests: list[BatchRequest] = []
+    requests: list[Request] = []
 
     def on_token(i):
         def record(_token):
             if i not in first:
                 r = requests[i]
-                first[i] = (r.base, r.private.length, r.private.pool is engine._pool)
+                first[i] = (r.base_len, r.private.length, r.private.pool is engine.scheduler.pool)
         return record
 
     try:
@@ -434,10 +437,10 @@ def test_own_history_is_copied_into_private_system_prompt_read_in_place(fold_max
             assert got.tokens == expected(ref, prompt, 6)
             assert got.stats.cached_tokens == len(prompt) - 3  # all but the new question's last block
             if fold_max:
-                assert req.base == len(system) and len(req.copied) >= 2  # own turns copied, system shared
-                assert sum(used for _, used in req.copied) == req.cached - len(system)
+                assert req.base_len == len(system) and len(req.copied) >= 2  # own turns copied, system shared
+                assert sum(used for _, used in req.copied) == req.cached_len - len(system)
             else:
-                assert req.read_steps is None and req.base == req.cached
+                assert req.read_steps is None and req.base_len == req.cached_len
         check_released(engine)
     finally:
         engine.close()
@@ -448,7 +451,7 @@ def test_a_failure_while_admitting_fails_that_request_only():
     model = build_tiny("llama-gqa")
     engine = make_engine(model)
     try:
-        real = engine._read_in_place
+        real = engine.scheduler._read_in_place
         broken = {"left": 1}
 
         def fail_once(req):
@@ -456,7 +459,7 @@ def test_a_failure_while_admitting_fails_that_request_only():
                 broken["left"] -= 1
                 raise RuntimeError("admission broke")
             return real(req)
-        engine._read_in_place = fail_once
+        engine.scheduler._read_in_place = fail_once
         first = engine.submit([5, 6, 7, 8], NS, "t", SamplingParams(max_new_tokens=2))
         with pytest.raises(RuntimeError, match="admission broke"):
             engine.wait(first, timeout=30)  # a dead loop would time out instead
@@ -471,7 +474,7 @@ def test_a_failure_while_admitting_fails_that_request_only():
                                          ("idle_prefill_chunk", 0),
                                          ("private_chunk", 1.5), ("pool_max_tokens", -1), ("fold_max_tokens", -5),
                                          ("max_private_tokens", 0), ("max_wait_seconds", 0), ("max_batch", True),
-                                         ("pack_weights", "yes"), ("pack_max_bytes", -1)])
+                                         ("fast_path", "yes"), ("fast_path_max_bytes", -1)])
 def test_batch_config_rejects_out_of_range_values(field, value):
     from prefixcache.errors import ConfigError
     with pytest.raises(ConfigError, match=field):

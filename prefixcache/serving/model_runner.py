@@ -1,0 +1,58 @@
+"""One batched step: the requests' new tokens in, the sampling rows' logits out.
+
+The runner owns the tensors of a step: it packs every request's new tokens into one
+sequence, builds the ``CascadeCache`` that routes each request's attention over its shared
+prefix snapshots (read in place) and its private KV, and runs one forward: a device fast
+path's ``StepForward`` when there is one, else the model's own forward.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from prefixcache.errors import UnsupportedModelError
+from prefixcache.model.cpu import StepForward
+from prefixcache.model.hf_cache import CascadeCache, CascadeRow, cascade_step
+from prefixcache.model.layout import KVLayout
+from prefixcache.serving.request import Request
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, layout: KVLayout, step_forward: StepForward | None = None):
+        self.model, self.layout = model, layout
+        self.step_forward = step_forward  # the fast path, if any (swappable: benchmarks compare them)
+        self.steps = 0
+
+    @property
+    def extra_weight_bytes(self) -> int:
+        """Bytes of weights the fast path keeps an extra copy of (0 without one; not KV)."""
+        return 0 if self.step_forward is None else self.step_forward.weight_bytes
+
+    def run(self, plan: Sequence[tuple[Request, int]]) -> torch.Tensor:
+        """One packed forward of ``plan`` ((request, new tokens) pairs); returns logits [K, V] for the
+        K requests whose prompt is complete after this step (they sample), in plan order."""
+        ids, pos, rows, keep, at = [], [], [], [], 0
+        for req, n in plan:
+            start = req.held_len
+            new = req.prompt[start : start + n] if req.prefilling else [req.output[-1]]
+            req.private.reserve(req.private.length + n)
+            rows.append(CascadeRow(req.segments, req.private, req.private.length, n))
+            ids.extend(new)
+            pos.extend(range(start, start + n))
+            at += n
+            if start + n >= len(req.prompt):
+                keep.append(at - 1)
+        cache = CascadeCache(rows, self.layout.num_layers)
+        device = self.layout.device
+        ids_t, pos_t = torch.tensor(ids, device=device), torch.tensor(pos, device=device)  # [T] packed
+        keep_t = torch.tensor(keep, dtype=torch.long, device=device)  # [K]
+        if self.step_forward is not None:
+            logits = self.step_forward(ids_t, pos_t, cache, keep_t)
+        else:
+            with torch.inference_mode():
+                logits = cascade_step(self.model, ids_t, pos_t, cache, keep_t)
+        if cache.calls != self.layout.num_layers:
+            raise UnsupportedModelError(f"cascade attention ran in {cache.calls} of {self.layout.num_layers} layers")
+        self.steps += 1
+        return logits.clone()  # [K, V], a normal tensor for the samplers
