@@ -1,6 +1,6 @@
 """Proxy settings: one pydantic-settings class, read from ``PREFIXCACHE_*`` env vars and CLI flags.
 
-Every field is described here once; ``prefixcache serve --help``, the README table and
+Every field is described here once; ``prefixcache serve --help``, docs/configuration.md and
 the env var names are all derived from this class. Cache defaults come from
 ``CacheConfig`` so a default is never written twice.
 """

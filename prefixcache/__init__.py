@@ -1,8 +1,9 @@
 """prefixcache: prompt-prefix KV caching for Hugging Face causal LMs.
 
-Pipeline (one module per stage, each importing only earlier ones):
-canonicalize → hashing → trie → policy → store → cascade → kv_cache → engine
-→ scheduler → sampling → batching → sdk. ``config``, ``errors`` and ``loading`` are shared.
+Layers, each importing only lower ones: ``cache`` (hashing, trie, policy, runs, store) ←
+``model`` (layout, hf_cache, cascade, private_kv, cpu) ← ``serving`` (canonicalize,
+scheduling, the batching and serial engines) ← ``sdk``. ``config`` and ``errors`` sit under
+everything. Module map: docs/architecture.md.
 """
 from prefixcache.config import CacheConfig
 from prefixcache.errors import (

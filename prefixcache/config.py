@@ -32,8 +32,11 @@ class CacheConfig:
     sweep_interval_seconds: float = 30.0
     #: Cache the generated answer with the prompt, so the next chat turn hits.
     cache_generated: bool = True
-    #: Opt-in text normalisation before tokenizing chat content (see README).
+    #: Before tokenizing message content: line breaks become ``\n``, runs of spaces and tabs one
+    #: space, spaces at line ends and the text's ends go (opt-in: it changes what the model sees).
     normalize_whitespace: bool = False
+    #: Unicode normal form applied to chat content before tokenizing (``NFC``, ``NFKC``, ``NFD``,
+    #: ``NFKD``); None leaves the text as sent.
     unicode_normalization: str | None = None
     #: Seed of the block hash chain; None draws a per-process secret.
     hash_seed: int | None = None
