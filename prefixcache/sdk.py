@@ -1,7 +1,6 @@
 """The public SDK: ``PrefixCache`` wraps a model's ``generate()`` with prefix reuse."""
 from __future__ import annotations
 
-import logging
 import math
 import threading
 import time
@@ -10,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, StoppingCriteriaList
+from transformers import GenerationConfig
 
 from prefixcache.cache.hashing import BlockHasher, HashFn, xxh3_64
 from prefixcache.cache.store import EvictHook, KVStore
@@ -19,18 +18,11 @@ from prefixcache.errors import CapacityError, ContextLengthExceededError, Invali
 from prefixcache.loading import model_fingerprint
 from prefixcache.serving.canonicalize import Canonicalizer, check_text
 from prefixcache.serving.engine import BatchConfig, BatchEngine
-from prefixcache.serving.request import CallStats, Request, SamplingParams, finish_reason
-from prefixcache.serving.sampling import (
-    OpenAIPenalties,
-    batch_params,
-    openai_params,
-    penalty_params,
-    stop_string_check,
-)
-from prefixcache.serving.serial import CancelCriteria, Engine
-from prefixcache.serving.text_stream import Halt, TextStream, first_stop
-
-log = logging.getLogger(__name__)
+from prefixcache.serving.request import CallStats
+from prefixcache.serving.router import Router
+from prefixcache.serving.sampling import as_id_set, openai_params, penalty_params
+from prefixcache.serving.serial import Engine
+from prefixcache.serving.text_stream import TextStream, first_stop
 
 DEFAULT_TENANT = "default"
 
@@ -89,11 +81,12 @@ class PrefixCache:
         self.store = KVStore(self.config, BlockHasher(self.config.hash_seed, hash_fn), clock, on_evict)
         self.engine = Engine(self.model, self.store, clock)
         # Every call the batching engine reproduces exactly runs there (continuous batching with
-        # cascade attention over shared prefixes); the rest runs on the serial engine (``_route``).
+        # cascade attention over shared prefixes); the rest runs on the serial engine (``Router``).
         self.batcher: BatchEngine | None = None
         if batching:
             batch_config = batching if isinstance(batching, BatchConfig) else BatchConfig()
             self.batcher = BatchEngine(self.model, self.store, clock, batch_config, self.config.cache_generated)
+        self.router = Router(self.engine, self.batcher, self.config.cache_generated)
         self._model_key = tuple(model_fingerprint(model))
         self._local = threading.local()
         self._closed = threading.Event()
@@ -151,13 +144,15 @@ class PrefixCache:
                           or getattr(generation_config, "return_dict_in_generate", False)):
             raise InvalidRequestError("return_dict_in_generate needs one unpadded prompt per call (batch size 1)",
                                       param="return_dict_in_generate")
-        routes = [self._route(len(r), generation_config, kwargs) for r in rows]
+        routes = [self.router.route(len(r), generation_config, kwargs) for r in rows]
         if all(params is not None for params, _ in routes):
-            outs = self._generate_batched(rows, [p for p, _ in routes], tenant, ttl, kwargs)
+            outs, self._local.last = self.router.generate_batched(rows, [p for p, _ in routes], self.namespace(tenant),
+                                                                  tenant, ttl, kwargs)
         else:
             outs = []
             for row in rows:
-                out = self._run_serial(row.unsqueeze(0), tenant, generation_config, kwargs, ttl)
+                out, self._local.last = self.router.serial(row.unsqueeze(0), self.namespace(tenant), tenant,
+                                                           generation_config, kwargs, ttl)
                 if whole:
                     return out
                 outs.append(out[0, len(row):])
@@ -169,61 +164,6 @@ class PrefixCache:
         for i, o in enumerate(outs):
             new[i, : len(o)] = o
         return torch.cat([ids, new], dim=1)
-
-    def _route(self, prompt_len: int, generation_config: GenerationConfig | None, kwargs: dict[str, Any],
-               extra: dict[str, Any] | None = None) -> tuple[SamplingParams | None, str | None]:
-        """Which engine serves a call: its ``SamplingParams`` for the batching engine, or (None, why not)."""
-        if self.batcher is None:
-            return None, "batching is off"
-        config = self.engine.effective_config(generation_config, kwargs)
-        params, reason = batch_params(config, kwargs, prompt_len, extra)
-        if params is not None:
-            reason = self.batcher.unservable(prompt_len, params)
-        if reason is not None:
-            log.debug("served by the serial engine: %s", reason)
-            return None, reason
-        return params, None
-
-    def _generate_batched(self, rows: list[torch.Tensor], params: list[SamplingParams], tenant: str,
-                          ttl: float | None, kwargs: dict[str, Any]) -> list[torch.Tensor]:
-        """New tokens of each row; rows share the engine's steps (one after another with a streamer)."""
-        streamer = kwargs.get("streamer")
-        stop = stop_string_check(params[0].stop_strings, kwargs["tokenizer"]) if params[0].stop_strings else None
-
-        def submit(row: torch.Tensor, p: SamplingParams) -> Request:
-            on_token = None
-            if streamer is not None:
-                streamer.put(row.unsqueeze(0).cpu())  # generate() hands the prompt over first
-                on_token = lambda t: streamer.put(torch.tensor([t]))  # noqa: E731
-            return self._submit(row.tolist(), p, tenant, ttl, on_token, None, stop)
-
-        def result(req: Request, row: torch.Tensor) -> torch.Tensor:
-            tokens = self._wait(req, tenant).tokens
-            if streamer is not None:
-                streamer.end()
-            return torch.tensor(tokens, dtype=row.dtype, device=row.device)
-
-        if streamer is not None:
-            return [result(submit(r, p), r) for r, p in zip(rows, params)]
-        reqs = [submit(r, p) for r, p in zip(rows, params)]
-        return [result(req, r) for req, r in zip(reqs, rows)]
-
-    def _submit(self, prompt: list[int], params: SamplingParams, tenant: str, ttl: float | None,
-                on_token: Any, cancel: Any, stop: Any) -> Request:
-        return self.batcher.submit(prompt, self.namespace(tenant), tenant, params, ttl, on_token, cancel, stop)
-
-    def _wait(self, req: Request, tenant: str) -> Any:
-        res = self.batcher.wait(req)
-        self.engine.record(tenant, res.stats)
-        self._local.last = res.stats
-        return res
-
-    def _run_serial(self, ids: torch.Tensor, tenant: str, generation_config: GenerationConfig | None,
-                    kwargs: dict[str, Any], ttl: float | None) -> Any:
-        out, stats = self.engine.generate(ids, self.namespace(tenant), tenant, generation_config, kwargs, ttl,
-                                          self.config.cache_generated)
-        self._local.last = stats
-        return out
 
     # -- OpenAI-shaped calls -------------------------------------------------------
     def chat(self, messages: Sequence[dict[str, Any]], *, tools: Sequence[dict[str, Any]] | None = None,
@@ -284,46 +224,18 @@ class PrefixCache:
         stream = TextStream(self.tokenizer, on_text, stops)
         gen["streamer"] = stream
         penalties = penalty_params(presence_penalty, frequency_penalty, logit_bias)
-        params, _ = self._route(len(prompt), None, gen, penalties)
-        if params is not None:  # stop strings: the text stream halts the request (Halt)
-            stream.put(torch.tensor(prompt))  # the stream skips the prompt, as with generate()
-            req = self._submit(prompt, params, tenant, ttl, lambda t: stream.put(torch.tensor([t])),
-                               Halt(cancel, stream), None)
-            res = self._wait(req, tenant)
-            stream.end()
-            new, stats, reason = res.tokens, res.stats, res.finish_reason
+        params, _ = self.router.route(len(prompt), None, gen, penalties)
+        ns = self.namespace(tenant)
+        if params is not None:
+            new, stats, reason = self.router.answer_batched(prompt, params, ns, tenant, ttl, stream, cancel)
         else:
-            new, stats, reason = self._answer_serial(prompt, gen, penalties, stops, cancel, tenant, ttl)
-        if stream.stopped:
-            reason = "stop"
-        return self._result(prompt, new, reason, stops, cancel, stats)
-
-    def _answer_serial(self, prompt: list[int], gen: dict[str, Any], penalties: dict[str, Any], stops: list[str],
-                       cancel: threading.Event | None, tenant: str, ttl: float | None) -> tuple[list[int], CallStats, str]:
-        if penalties:
-            params = SamplingParams(**penalties)
-            gen["logits_processor"] = [*(gen.get("logits_processor") or []), OpenAIPenalties(params, len(prompt))]
-        criteria = StoppingCriteriaList(gen.pop("stopping_criteria", None) or [])
-        if cancel is not None:
-            criteria.append(CancelCriteria(cancel))
-        gen["stopping_criteria"] = criteria
-        if stops:
-            gen.update(stop_strings=stops, tokenizer=self.tokenizer)
-        gen.setdefault("pad_token_id", self._pad_id(None))
-        ids = torch.tensor([prompt], device=next(self.model.parameters()).device)
-        out = self._run_serial(ids, tenant, None, gen, ttl)
-        new = out[0, len(prompt):].tolist()
-        eos = frozenset(_as_set(gen.get("eos_token_id", self.model.generation_config.eos_token_id)))
-        reason = finish_reason(new, SamplingParams(max_new_tokens=gen["max_new_tokens"], eos_token_ids=eos),
-                               False, cancel is not None and cancel.is_set())
-        return new, self.last_call, reason
-
-    def _result(self, prompt: list[int], new: list[int], reason: str, stops: list[str],
-                cancel: threading.Event | None, stats: CallStats) -> GenerationResult:
-        """Text without special tokens, cut at the first stop string; OpenAI finish reasons."""
+            gen.setdefault("pad_token_id", self._pad_id(None))
+            new, stats, reason = self.router.answer_serial(prompt, gen, penalties, stops, cancel, ns, tenant, ttl,
+                                                           self.tokenizer, next(self.model.parameters()).device)
+        self._local.last = stats
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         cut = first_stop(text, stops)
-        if cut is not None:
+        if cut is not None or stream.stopped:  # OpenAI: the text ends before the stop string
             text, reason = text[:cut], "stop"
         elif cancel is not None and cancel.is_set() and reason != "stop":
             reason = "cancelled"
@@ -464,13 +376,5 @@ class PrefixCache:
         for cfg in (generation_config, self.model.generation_config):
             if cfg is not None and cfg.pad_token_id is not None:
                 return int(cfg.pad_token_id)
-        eos = sorted(_as_set(self.model.generation_config.eos_token_id))
+        eos = sorted(as_id_set(self.model.generation_config.eos_token_id))
         return eos[0] if eos else 0
-
-
-def _as_set(value: Any) -> set[int]:
-    if value is None:
-        return set()
-    if isinstance(value, int):
-        return {value}
-    return {int(v) for v in value}

@@ -15,6 +15,10 @@ Run: ``python -m prefixcache.bench.engine_figures [--dtype bfloat16] [--new-toke
 - ``latency``: TTFT of a short request alone and while a long uncached prompt prefills.
 - ``turns``: decode step of 3 conversations on one system prompt, each with stored turns
   of its own, with and without copying each one's own history into its private KV.
+- ``generate-threads`` (only with ``--only generate-threads``): C threads calling
+  ``PrefixCache.generate()`` at once on one stored prefix vs the same calls one after another
+  (half before, half after), each way on its own cache holding only the prefix; tokens/s of
+  both and whether their tokens are identical.
 - ``packing`` (only with ``--only packing``): the decode step of N requests with the fused
   forward (Llama), the model's forward with MKL-packed linear weights, and without them,
   switched every step in one engine, vs 1 request.
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import threading
 import time
 from collections.abc import Callable
 
@@ -34,6 +39,7 @@ from prefixcache.cache.store import KVStore
 from prefixcache.config import CacheConfig, check_int
 from prefixcache.errors import ConfigError
 from prefixcache.model.cpu import build_step_forward
+from prefixcache.sdk import PrefixCache
 from prefixcache.serving.engine import BatchConfig, BatchEngine
 from prefixcache.serving.request import SamplingParams
 from prefixcache.serving.serial import Engine
@@ -231,6 +237,54 @@ def _batched_run(model, prefix: list[int], prompts: list[list[int]], new_tokens:
             "peak_kv_tokens": max(peak) / per_token, "ttft_p50_s": ttfts[len(ttfts) // 2], "ttft_max_s": ttfts[-1]}
 
 
+def generate_threads(model, callers: int = 8, prefix_len: int = 2048, question: int = 64, new_tokens: int = 24,
+                     block_size: int = 64) -> dict[str, object]:
+    """``callers`` threads calling ``PrefixCache.generate()`` at once vs the same calls one after another.
+
+    Greedy, exactly ``new_tokens`` each (``min_new_tokens``). The one-after-another calls are
+    split in halves around the concurrent run, so a drift of the machine's speed weighs on both.
+    """
+    vocab = _vocab(model)
+    prefix = _prefix(prefix_len, vocab)
+    prompts = [torch.tensor([prefix + _question(i, question, vocab)]) for i in range(callers)]
+    options = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}
+    config = CacheConfig(block_size=block_size, max_bytes=16 << 30, ttl_seconds=None)
+    caches = [PrefixCache(model, None, config, start_sweeper=False) for _ in range(2)]
+    try:
+        for cache in caches:
+            cache.warm(prefix)
+        one_by_one, together = caches
+        half = callers // 2
+        t0 = time.perf_counter()
+        seq = [one_by_one.generate(p, **options) for p in prompts[:half]]
+        before = time.perf_counter() - t0
+        outs: list[object] = [None] * callers
+        steps = together.batcher.steps
+
+        def call(i: int) -> None:
+            outs[i] = together.generate(prompts[i], **options)
+
+        threads = [threading.Thread(target=call, args=(i,)) for i in range(callers)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        concurrent_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        seq += [one_by_one.generate(p, **options) for p in prompts[half:]]
+        after = time.perf_counter() - t0
+        identical = all(o is not None and torch.equal(o, s) for o, s in zip(outs, seq))
+        tokens = callers * new_tokens
+        return {"callers": callers, "one_by_one_s": before + after, "one_by_one_halves_s": [before, after],
+                "concurrent_s": concurrent_s, "one_by_one_tok_s": tokens / (before + after),
+                "concurrent_tok_s": tokens / concurrent_s, "speedup": (before + after) / concurrent_s,
+                "token_identical": identical, "concurrent_steps": together.batcher.steps - steps}
+    finally:
+        for cache in caches:
+            cache.close()
+
+
 def _serial_engine(model, prefix: list[int], block_size: int) -> Engine:
     """The one-at-a-time engine with a store holding only ``prefix`` (its code paths warm)."""
     serial = Engine(model, _store(block_size), time.monotonic)
@@ -316,7 +370,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=1,
                         help="concurrent figure: batched-then-serial rounds (medians reported, and each round)")
-    parser.add_argument("--only", choices=("step", "concurrent", "latency", "turns", "packing"), default=None)
+    parser.add_argument("--only", choices=("step", "concurrent", "latency", "turns", "packing", "generate-threads"),
+                        default=None)
+    parser.add_argument("--callers", type=int, default=8, help="threads calling generate() (generate-threads)")
     parser.add_argument("--no-fast-path", dest="fast_path", action="store_false",
                         help="step and concurrent figures without the fast step forward (the before)")
     args = parser.parse_args(argv)
@@ -328,6 +384,9 @@ def main(argv: list[str] | None = None) -> None:
     out: dict[str, object] = {"dtype": args.dtype, "threads": torch.get_num_threads()}
     if args.only in (None, "step"):
         out["step"] = step_times(model, args.prefix, args.batch, 16, args.block_size, args.fast_path)
+    if args.only == "generate-threads":
+        out["generate_threads"] = generate_threads(model, args.callers, args.prefix, args.question, args.new_tokens,
+                                                   args.block_size)
     if args.only == "packing":  # not in the default set: one more engine start-up and 4 rounds
         out["packing"] = packing_ab(model, args.prefix, args.batch, block_size=args.block_size)
     if args.only in (None, "concurrent"):

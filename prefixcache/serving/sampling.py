@@ -88,7 +88,7 @@ def batch_params(config: GenerationConfig, kwargs: Mapping[str, Any], prompt_len
         temperature=float(temperature) if sample else None,
         top_p=config.top_p if sample else None, top_k=config.top_k if sample else None,
         repetition_penalty=config.repetition_penalty, seed=kwargs.get("seed"),
-        eos_token_ids=frozenset(_ids(config.eos_token_id)),
+        eos_token_ids=frozenset(as_id_set(config.eos_token_id)),
         stop_strings=(stops,) if isinstance(stops, str) else tuple(stops or ()), **dict(extra or {}))
     return params, None
 
@@ -208,7 +208,8 @@ def stop_string_check(stops: Sequence[str], tokenizer: Any) -> Callable[[list[in
     return stopped
 
 
-def _ids(value: Any) -> set[int]:
+def as_id_set(value: Any) -> set[int]:
+    """Token ids given as None, one id, a list or a tensor, as a set."""
     if value is None:
         return set()
     if isinstance(value, int):

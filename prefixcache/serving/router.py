@@ -1,0 +1,116 @@
+"""One request path: which engine serves a call, and the call on it.
+
+Every call the batching engine reproduces exactly (``sampling.batch_params``: greedy or
+sampled with temperature/top-p/top-k, penalties, logit bias, min/max new tokens, EOS ids,
+stop strings, a streamer, seeds) runs there, so concurrent callers share its steps. The
+rest (beam search, a caller's logits processors or stopping criteria, scores, attentions,
+assistant models, a caller's ``past_key_values``, a model or sequence batching cannot
+serve) runs on the serial engine; the reason is logged.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, StoppingCriteriaList
+
+from prefixcache.serving.engine import BatchEngine, BatchResult
+from prefixcache.serving.request import CallStats, SamplingParams, finish_reason
+from prefixcache.serving.sampling import OpenAIPenalties, as_id_set, batch_params, stop_string_check
+from prefixcache.serving.serial import CancelCriteria, Engine
+from prefixcache.serving.text_stream import Halt, TextStream
+
+log = logging.getLogger(__name__)
+
+
+class Router:
+    """Routes each call to the batching engine (``batcher``, None = off) or the serial ``engine``."""
+
+    def __init__(self, engine: Engine, batcher: BatchEngine | None, cache_generated: bool):
+        self.engine, self.batcher, self.cache_generated = engine, batcher, cache_generated
+
+    def route(self, prompt_len: int, generation_config: GenerationConfig | None, kwargs: dict[str, Any],
+              extra: dict[str, Any] | None = None) -> tuple[SamplingParams | None, str | None]:
+        """The call's ``SamplingParams`` when the batching engine serves it, else (None, why not)."""
+        if self.batcher is None:
+            return None, "batching is off"
+        config = self.engine.effective_config(generation_config, kwargs)
+        params, reason = batch_params(config, kwargs, prompt_len, extra)
+        if params is not None:
+            reason = self.batcher.unservable(prompt_len, params)
+        if reason is not None:
+            log.debug("served by the serial engine: %s", reason)
+            return None, reason
+        return params, None
+
+    def generate_batched(self, rows: Sequence[torch.Tensor], params: Sequence[SamplingParams],
+                         namespace: tuple[str, ...], tenant: str, ttl: float | None,
+                         kwargs: dict[str, Any]) -> tuple[list[torch.Tensor], CallStats]:
+        """New tokens of each row (``rows[i]``: [n_i]) and the last row's stats. The rows share the
+        engine's steps; with a streamer they run one after another, as ``generate()`` streams one."""
+        streamer = kwargs.get("streamer")
+        stop = stop_string_check(params[0].stop_strings, kwargs["tokenizer"]) if params[0].stop_strings else None
+
+        def submit(row: torch.Tensor, p: SamplingParams):
+            on_token = None
+            if streamer is not None:
+                streamer.put(row.unsqueeze(0).cpu())  # generate() hands the prompt over first
+                on_token = lambda t: streamer.put(torch.tensor([t]))  # noqa: E731
+            return self.batcher.submit(row.tolist(), namespace, tenant, p, ttl, on_token, None, stop)
+
+        def result(req, row: torch.Tensor) -> tuple[torch.Tensor, CallStats]:
+            res = self.wait(req, tenant)
+            if streamer is not None:
+                streamer.end()
+            return torch.tensor(res.tokens, dtype=row.dtype, device=row.device), res.stats
+
+        if streamer is not None:
+            done = [result(submit(r, p), r) for r, p in zip(rows, params)]
+        else:
+            reqs = [submit(r, p) for r, p in zip(rows, params)]
+            done = [result(req, r) for req, r in zip(reqs, rows)]
+        return [tokens for tokens, _ in done], done[-1][1]
+
+    def answer_batched(self, prompt: list[int], params: SamplingParams, namespace: tuple[str, ...], tenant: str,
+                       ttl: float | None, stream: TextStream,
+                       cancel: threading.Event | None) -> tuple[list[int], CallStats, str]:
+        """(new tokens, stats, finish reason); a stop string seen by ``stream`` halts the request."""
+        stream.put(torch.tensor(prompt))  # the stream skips the prompt, as with generate()
+        req = self.batcher.submit(prompt, namespace, tenant, params, ttl, lambda t: stream.put(torch.tensor([t])),
+                                  Halt(cancel, stream))
+        res = self.wait(req, tenant)
+        stream.end()
+        return res.tokens, res.stats, res.finish_reason
+
+    def answer_serial(self, prompt: list[int], gen: dict[str, Any], penalties: dict[str, Any], stops: list[str],
+                      cancel: threading.Event | None, namespace: tuple[str, ...], tenant: str, ttl: float | None,
+                      tokenizer: Any, device: torch.device) -> tuple[list[int], CallStats, str]:
+        """(new tokens, stats, finish reason) from the serial engine; ``gen``: generate() kwargs."""
+        if penalties:
+            processor = OpenAIPenalties(SamplingParams(**penalties), len(prompt))
+            gen["logits_processor"] = [*(gen.get("logits_processor") or []), processor]
+        criteria = StoppingCriteriaList(gen.pop("stopping_criteria", None) or [])
+        if cancel is not None:
+            criteria.append(CancelCriteria(cancel))
+        gen["stopping_criteria"] = criteria
+        if stops:
+            gen.update(stop_strings=stops, tokenizer=tokenizer)
+        out, stats = self.serial(torch.tensor([prompt], device=device), namespace, tenant, None, gen, ttl)
+        new = out[0, len(prompt):].tolist()
+        config = self.engine.effective_config(None, gen)
+        params = SamplingParams(max_new_tokens=gen["max_new_tokens"], eos_token_ids=frozenset(as_id_set(config.eos_token_id)))
+        return new, stats, finish_reason(new, params, False, cancel is not None and cancel.is_set())
+
+    def serial(self, ids: torch.Tensor, namespace: tuple[str, ...], tenant: str,
+               generation_config: GenerationConfig | None, kwargs: dict[str, Any],
+               ttl: float | None) -> tuple[Any, CallStats]:
+        """``generate()`` on the serial engine for one prompt ``ids``: [1, n]."""
+        return self.engine.generate(ids, namespace, tenant, generation_config, kwargs, ttl, self.cache_generated)
+
+    def wait(self, req, tenant: str) -> BatchResult:
+        res = self.batcher.wait(req)
+        self.engine.record(tenant, res.stats)
+        return res
