@@ -14,12 +14,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from prefixcache.serving.serial import CallStats
+from prefixcache.serving.request import CallStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # -- every metric name, once ---------------------------------------------------------
 REQUESTS = "prefixcache_requests"  # counter{endpoint, tenant, outcome}: hit | partial | miss | bypass
+EXECUTOR = "prefixcache_executor_requests"  # counter{executor}: batched | serial
 ERRORS = "prefixcache_request_errors"  # counter{route, status}
 PROMPT_TOKENS = "prefixcache_prompt_tokens"  # counter{tenant}
 CACHED_TOKENS = "prefixcache_cached_tokens"  # counter{tenant}
@@ -41,7 +42,7 @@ EXTRA_WEIGHT_BYTES = "prefixcache_extra_weight_bytes"  # gauge: weights the batc
 QUEUE_DEPTH = "prefixcache_queue_depth"  # gauge: admitted, waiting for a worker
 RUNNING = "prefixcache_requests_running"  # gauge
 
-COUNTERS = (REQUESTS, ERRORS, PROMPT_TOKENS, CACHED_TOKENS, COMPLETION_TOKENS, EVICTIONS, RECLAIMED)
+COUNTERS = (REQUESTS, EXECUTOR, ERRORS, PROMPT_TOKENS, CACHED_TOKENS, COMPLETION_TOKENS, EVICTIONS, RECLAIMED)
 HISTOGRAMS = (TTFT, TPOT, LOOKUP, QUEUE_WAIT, DURATION)
 GAUGES = (HIT_RATIO, CACHE_BYTES, BUDGET_BYTES, PINNED_BYTES, TENANT_BYTES, ENTRIES, EXTRA_WEIGHT_BYTES, QUEUE_DEPTH,
           RUNNING)
@@ -69,6 +70,8 @@ class Metrics:
         r = self.registry
         self.requests = Counter(REQUESTS, "Generations served, by cache outcome.", ["endpoint", "tenant", "outcome"],
                                 registry=r)
+        self.executor = Counter(EXECUTOR, "Generations served, by engine: batched (shared steps) or serial.",
+                                ["executor"], registry=r)
         self.errors = Counter(ERRORS, "Error responses, by route template and status.", ["route", "status"],
                               registry=r)
         self.prompt_tokens = Counter(PROMPT_TOKENS, "Prompt tokens received.", ["tenant"], registry=r)
@@ -90,6 +93,7 @@ class Metrics:
     def observe(self, endpoint: str, tenant: str, stats: CallStats) -> None:
         outcome = "bypass" if stats.bypass_reason else stats.outcome
         self.requests.labels(endpoint, tenant, outcome).inc()
+        self.executor.labels(stats.executor).inc()
         self.prompt_tokens.labels(tenant).inc(stats.prompt_tokens)
         self.cached_tokens.labels(tenant).inc(stats.cached_tokens)
         self.completion_tokens.labels(tenant).inc(stats.completion_tokens)
