@@ -12,7 +12,8 @@ import torch
 from transformers import GenerationConfig
 
 from prefixcache.cache.hashing import BlockHasher, HashFn, xxh3_64
-from prefixcache.cache.store import EvictHook, KVStore
+from prefixcache.cache.handles import EvictHook
+from prefixcache.cache.store import KVStore
 from prefixcache.config import CacheConfig
 from prefixcache.errors import CapacityError, ContextLengthExceededError, InvalidRequestError
 from prefixcache.loading import model_fingerprint

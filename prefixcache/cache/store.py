@@ -11,57 +11,18 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import torch
 
+from prefixcache.cache.handles import EvictHook, InsertResult, KVSlicer, Lease, evicted_snapshot
 from prefixcache.cache.hashing import BlockHasher
 from prefixcache.cache.policy import REASONS, evictable, expired_bottom_up, expiry, is_expired, lru_order
 from prefixcache.cache.runs import follows, storage_key
-from prefixcache.cache.trie import Node, PrefixTrie, Step
+from prefixcache.cache.trie import Node, PrefixTrie
 from prefixcache.config import CacheConfig
 
 
-@dataclass(frozen=True, slots=True)
-class EvictedSnapshot:
-    """What the offload hook receives: enough to store the block elsewhere and restore it later.
-
-    ``kv`` (``[L, 2, H, n, D]``) covers ``tokens[start:]``; ``tokens`` is the whole
-    prefix from the namespace root, since a block's KV is only valid after it.
-    """
-
-    namespace: tuple[str, ...]
-    tenant: str
-    tokens: tuple[int, ...]
-    start: int
-    kv: torch.Tensor
-    reason: str
-
-
-#: Called once per snapshot just before it is dropped: the one place a tier can take it over.
-EvictHook = Callable[[EvictedSnapshot], None]
 log = logging.getLogger(__name__)
-
-#: Returns a fresh tensor holding the KV of tokens [start, end), shape [L, 2, H, end-start, D].
-KVSlicer = Callable[[int, int], torch.Tensor]
-
-
-@dataclass(slots=True)
-class Lease:
-    """A pinned match. ``steps`` stay alive and unchanged until ``KVStore.release``."""
-
-    root: Node | None
-    steps: list[Step]
-    cached_tokens: int
-    released: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class InsertResult:
-    stored_tokens: int  # tokens of the sequence now cached (prefix-closed)
-    new_bytes: int
-    complete: bool  # False when the budget or quota cut the insert short
 
 
 class KVStore:
@@ -311,7 +272,7 @@ class KVStore:
         """Drop a leaf. ``reason`` None: superseded by a longer copy of itself, not an eviction."""
         if reason is not None and self._on_evict is not None:
             try:
-                self._on_evict(_evicted(node, reason))
+                self._on_evict(evicted_snapshot(node, reason))
             except Exception:  # a failing tier must never break eviction or a request
                 log.exception("offload hook failed; snapshot dropped")
         self.trie.remove_leaf(node)
@@ -429,19 +390,6 @@ class KVStore:
 def _by_reason(counts: Counter[tuple[str, str]], tenant: str | None) -> dict[str, int]:
     """Sum (tenant, reason) counts per reason, for one tenant or (None) all."""
     return {r: sum(n for (t, reason), n in counts.items() if reason == r and tenant in (None, t)) for r in REASONS}
-
-
-def _evicted(node: Node, reason: str) -> EvictedSnapshot:
-    chain, cur = [], node
-    while cur is not None and not cur.is_root:
-        chain.append(cur.tokens)
-        cur = cur.parent
-    tokens = tuple(t for block in reversed(chain) for t in block)
-    namespace = cur.namespace if cur is not None else ()
-    kv = node.kv
-    if kv.untyped_storage().nbytes() != node.nbytes:  # a view of a run: hand over its own bytes only
-        kv = kv.clone()
-    return EvictedSnapshot(namespace, node.tenant, tokens, node.start, kv, reason)
 
 
 def _usable(node: Node, now: float) -> bool:

@@ -16,7 +16,7 @@ from enum import Enum
 
 import torch
 
-from prefixcache.cache.store import Lease
+from prefixcache.cache.handles import Lease
 from prefixcache.model.private_kv import PrivateKV
 
 
