@@ -10,8 +10,8 @@ Run: ``python -m prefixcache.bench.cascade_precision [--dtype bfloat16] [--greed
   float32 copy of the model (its weights upcast, so the difference is rounding alone).
 - ``greedy`` (with ``--greedy N``): N prompts on a shared system prompt answered greedily by
   the batching engine (submitted together, so they share packed steps), by the serial engine
-  and by ``model.generate()``; for each pair, the tokens that agree before the first
-  difference, summed over the prompts.
+  by ``model.generate()``, and by ``generate()`` of a float32 copy (the rounding-free answer);
+  for each pair, the tokens that agree before the first difference, summed over the prompts.
 """
 from __future__ import annotations
 
@@ -85,21 +85,28 @@ def greedy_answers(model: torch.nn.Module, tokenizer, prompts: Sequence[list[int
             t.join()
     with PrefixCache(model, tokenizer, batching=False) as pc:
         serial = [list(pc.answer(p, max_new_tokens=new_tokens, ignore_eos=True).token_ids) for p in prompts]
+    wide = copy.deepcopy(model).float()
+    return {"batched": batched, "serial": serial, "generate": _generate(model, tokenizer, prompts, new_tokens),
+            "generate_fp32": _generate(wide, tokenizer, prompts, new_tokens)}
+
+
+def _generate(model: torch.nn.Module, tokenizer, prompts: Sequence[list[int]], new_tokens: int) -> list[list[int]]:
     device = next(model.parameters()).device
-    plain = []
+    answers = []
     with torch.no_grad():
         for p in prompts:
             out = model.generate(torch.tensor([p], device=device), max_new_tokens=new_tokens, do_sample=False,
                                  min_new_tokens=new_tokens, pad_token_id=tokenizer.eos_token_id)
-            plain.append(out[0, len(p):].tolist())
-    return {"batched": batched, "serial": serial, "generate": plain}
+            answers.append(out[0, len(p):].tolist())
+    return answers
 
 
 def greedy_agreement(answers: dict[str, list[list[int]]]) -> dict[str, int]:
-    return {"batched_vs_serial": agreed(answers["batched"], answers["serial"]),
-            "serial_vs_generate": agreed(answers["serial"], answers["generate"]),
-            "batched_vs_generate": agreed(answers["batched"], answers["generate"]),
-            "tokens": sum(len(a) for a in answers["generate"])}
+    """Agreeing tokens of each pair of paths; ``*_vs_fp32``: against the float32 copy's generate()."""
+    pairs = [("batched", "serial"), ("serial", "generate"), ("batched", "generate"), ("batched", "generate_fp32"),
+             ("serial", "generate_fp32"), ("generate", "generate_fp32")]
+    out = {f"{a}_vs_{b.replace('generate_', '')}": agreed(answers[a], answers[b]) for a, b in pairs}
+    return out | {"tokens": sum(len(a) for a in answers["generate"])}
 
 
 def main(argv: list[str] | None = None) -> None:
