@@ -11,7 +11,9 @@ Pure torch, no ``transformers``. Queries of all active requests are *packed*: re
   one padded tensor, attended in one call with a length mask.
 
 Softmax over a union of key sets is the log-sum-exp weighted mix of the softmaxes over
-the parts, so the result equals attention over the concatenation (to fp rounding).
+the parts, so the result equals attention over the concatenation (to fp rounding). Parts
+and merges are computed in float32 (``accumulation_dtype``) and the result is rounded to
+q's dtype once, so in bfloat16/float16 the cascade rounds no more than plain attention.
 GQA: ``Hq = g * Hkv``; query head ``h`` reads KV head ``h // g`` (as ``repeat_kv``), so
 queries are viewed as ``[Hkv, g * rows, D]`` instead of repeating keys.
 """
@@ -40,7 +42,7 @@ class PrivateBatch:
     values: torch.Tensor  # [S, Hkv, C, D]
     rows: torch.Tensor  # long [n]: packed query row of each member
     slots: torch.Tensor | None  # long [n]: each member's slot; None when the members are slots 0..S-1 in order
-    mask: torch.Tensor  # additive [S, 1, 1, C]: member i sees its first length_i keys, an idle slot key 0
+    mask: torch.Tensor  # additive [S, 1, 1, C] (accumulation dtype): member i sees its first length_i keys, an idle slot key 0
     in_order: bool = False  # rows are 0..n-1: member i is packed row i (a step of decodes only)
 
     @classmethod
@@ -54,7 +56,8 @@ class PrivateBatch:
         seen = torch.ones(slots_n, dtype=torch.long, device=device)  # idle slots: a dummy key, dropped later
         seen[slot_t] = torch.tensor(list(lengths), dtype=torch.long, device=device)
         visible = torch.arange(capacity, device=device).unsqueeze(0) < seen.unsqueeze(1)  # [S, C]
-        mask = torch.zeros(visible.shape, dtype=keys.dtype, device=device).masked_fill(~visible, float("-inf"))
+        mask = torch.zeros(visible.shape, dtype=accumulation_dtype(keys.dtype), device=device)
+        mask = mask.masked_fill(~visible, float("-inf"))
         rows_t = torch.tensor(list(rows), dtype=torch.long, device=device)
         return cls(keys, values, rows_t, None if identity else slot_t, mask.view(slots_n, 1, 1, capacity),
                    tuple(rows) == tuple(range(len(rows))))
@@ -64,24 +67,35 @@ class PrivateBatch:
         return self.in_order and self.rows.shape[0] == total
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype partial attentions are computed and merged in: float32, or wider inputs' own."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
            mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with its log-sum-exp. q: [1, H, R, D], k/v: [1, H, n, D], mask: additive [R, n].
 
     Also batched: q [B, H, R, D] with k/v [B, H, n, D] and a mask broadcastable to [B, H, R, n].
-    Returns out [1, H, R, D] (q's dtype) and lse [1, H, R] (float32).
+    Returns out [1, H, R, D] and lse [1, H, R], both in ``accumulation_dtype(q.dtype)``.
+
+    Narrower inputs (bfloat16, float16) are upcast first: a kernel in their dtype rounds its
+    probabilities and its output to that dtype, and a cascade merges several such outputs, so
+    it would round more often than plain attention does. Upcast, each part and the merge stay
+    exact to float32 and the caller rounds once at the end.
     """
-    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
-        if mask is not None:
-            mask = mask.to(q.dtype)
+    wide = accumulation_dtype(q.dtype)
+    q, k, v = q.to(wide), k.to(wide), v.to(wide)
+    mask = None if mask is None else mask.to(wide)
+    if q.device.type == "cpu" and wide == torch.float32:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
                                                                          scale=scale)
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [1, H, R, n]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [1, H, R, n]
     if mask is not None:
-        scores = scores + mask.float()
+        scores = scores + mask
     lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v.float())
-    return out.to(q.dtype), lse
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v)
+    return out, lse
 
 
 def causal_tail_mask(rows: int, keys: int, groups: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -94,14 +108,14 @@ def causal_tail_mask(rows: int, keys: int, groups: int, dtype: torch.dtype, devi
 
 
 def merge_two(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
-    """Exact merge of two partial attentions over disjoint key sets (float32 result).
+    """Exact merge of two partial attentions over disjoint key sets (in their dtype: see ``attend``).
 
     Softmax over the union weighs part a by exp(lse_a) / (exp(lse_a) + exp(lse_b)) =
-    sigmoid(lse_a - lse_b). o: [..., R, D], lse: [..., R] (float32); part b must be
+    sigmoid(lse_a - lse_b). o: [..., R, D], lse: [..., R] (accumulation dtype); part b must be
     present (finite lse) on every row. The union's lse is ``torch.logaddexp(lse_a, lse_b)``.
     """
     weight_a = torch.sigmoid(lse_a - lse_b).unsqueeze(-1)
-    return torch.lerp(o_b.float(), o_a.float(), weight_a)
+    return torch.lerp(o_b, o_a, weight_a.to(o_a.dtype))
 
 
 def cascade_attention(q: torch.Tensor, spans: Sequence[tuple[int, int]], shared: Sequence[Shared],
@@ -137,9 +151,9 @@ def attend_groups(q: torch.Tensor, groups: Sequence[tuple[torch.Tensor | None, S
     hq, total, dim = q.shape
     hkv = batches[0].keys.shape[1] if batches else own[0][2].shape[0]
     g = hq // hkv
-    qg = q.reshape(hkv, g, total, dim)  # [Hkv, g, T, D]
+    # Upcast once here, not per call: every part and merge is in the accumulation dtype (see ``attend``).
+    qg = q.reshape(hkv, g, total, dim).to(accumulation_dtype(q.dtype))  # [Hkv, g, T, D]
     acc, acc_lse = _attend_private(qg, own, scale, batches, masks)  # present on every row
-    acc = acc.float()
     for n, (rows, segs) in enumerate(groups):
         sel = qg if rows is None else qg.index_select(2, rows)
         r = sel.shape[2]
@@ -168,12 +182,12 @@ def _attend_private(qg: torch.Tensor, own: Sequence[tuple[int, int, torch.Tensor
                     batches: Sequence[PrivateBatch],
                     masks: dict[tuple[int, int], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Every row over its request's private KV (which holds at least the row's own key):
-    out [Hkv, g, T, D] and lse [Hkv, g, T] (float32)."""
+    out [Hkv, g, T, D] and lse [Hkv, g, T] (qg's dtype, the accumulation dtype)."""
     hkv, g, total, dim = qg.shape
     if not own and len(batches) == 1 and batches[0].covers(total):
         return _attend_batch(qg, batches[0], scale)  # a step of decodes only: every row, in order
     o_priv = qg.new_empty((hkv, g, total, dim))
-    l_priv = torch.empty((hkv, g, total), dtype=torch.float32, device=qg.device)
+    l_priv = qg.new_empty((hkv, g, total))
     for batch in batches:
         o, lse = _attend_batch(qg, batch, scale)
         o_priv.index_copy_(2, batch.rows, o)
