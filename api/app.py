@@ -15,7 +15,7 @@ import torch
 from fastapi import FastAPI, Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from prefixcache import PrefixCache, __version__, load_default_model, load_model
+from prefixcache import ConfigError, PrefixCache, __version__, load_default_model, load_model
 
 from . import errors
 from .auth import KeyRing
@@ -50,6 +50,11 @@ def create_app(settings: Settings | None = None, *, cache: PrefixCache | None = 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine = cache if cache is not None else await asyncio.to_thread(build_cache, settings)
+        if settings.require_batching and engine.batching_disabled_reason is not None:
+            if cache is None:
+                engine.close()
+            raise ConfigError("require_batching", True, f"a model the batching engine serves; it does not: "
+                              f"{engine.batching_disabled_reason}")
         srv = Serving(engine, settings, metrics)
         metrics.bind(srv.engine_state)
         app.state.serving = srv

@@ -38,13 +38,14 @@ TENANT_BYTES = "prefixcache_cache_tenant_bytes"  # gauge{tenant}
 ENTRIES = "prefixcache_cache_entries"  # gauge
 EVICTIONS = "prefixcache_evictions"  # counter{reason}
 RECLAIMED = "prefixcache_reclaimed_bytes"  # counter{reason}
+BATCHING = "prefixcache_batching_enabled"  # gauge: 1 when the batching engine serves, 0 when every call is serial
 EXTRA_WEIGHT_BYTES = "prefixcache_extra_weight_bytes"  # gauge: weights the batching fast path copies (not KV)
 QUEUE_DEPTH = "prefixcache_queue_depth"  # gauge: admitted, waiting for a worker
 RUNNING = "prefixcache_requests_running"  # gauge
 
 COUNTERS = (REQUESTS, EXECUTOR, ERRORS, PROMPT_TOKENS, CACHED_TOKENS, COMPLETION_TOKENS, EVICTIONS, RECLAIMED)
 HISTOGRAMS = (TTFT, TPOT, LOOKUP, QUEUE_WAIT, DURATION)
-GAUGES = (HIT_RATIO, CACHE_BYTES, BUDGET_BYTES, PINNED_BYTES, TENANT_BYTES, ENTRIES, EXTRA_WEIGHT_BYTES, QUEUE_DEPTH,
+GAUGES = (HIT_RATIO, CACHE_BYTES, BUDGET_BYTES, PINNED_BYTES, TENANT_BYTES, ENTRIES, BATCHING, EXTRA_WEIGHT_BYTES, QUEUE_DEPTH,
           RUNNING)
 NAMES = COUNTERS + HISTOGRAMS + GAUGES
 
@@ -143,6 +144,9 @@ class _EngineCollector:
             for reason, value in sorted(s[key].items()):
                 family.add_metric([reason], value)
             yield family
+        yield GaugeMetricFamily(BATCHING, "1 when the batching engine serves the model, 0 when every request runs "
+                                "one at a time on the serial engine (the reason: /readyz, admin cache stats).",
+                                value=int(s["batching_enabled"]))
         yield GaugeMetricFamily(EXTRA_WEIGHT_BYTES, "Bytes of model weights the batching engine's fast path keeps an "
                                 "extra copy of (about as much again is resident; not KV).", value=s["extra_weight_bytes"])
         yield GaugeMetricFamily(QUEUE_DEPTH, "Requests admitted and waiting for a worker.", value=waiting)

@@ -290,10 +290,16 @@ class CacheStats(BaseModel):
     queue: QueueInfo | None = None
     #: Admin, all tenants: bytes of weights the batching engine's fast path keeps an extra copy of (not KV).
     extra_weight_bytes: int | None = None
+    #: Admin: whether the batching engine serves the model, and why not.
+    batching_enabled: bool | None = None
+    batching_disabled_reason: str | None = None
 
 
 class Health(BaseModel):
     status: str
+    #: /readyz: whether the batching engine serves, and why not.
+    batching: bool | None = None
+    detail: str | None = None
 
 
 class ErrorDetail(BaseModel):

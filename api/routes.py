@@ -101,9 +101,12 @@ async def healthz() -> Health:
 @router.get("/readyz", response_model=Health, responses=_ERRORS, tags=["health"])
 async def readyz(request: Request) -> Health:
     """Readiness: the model is loaded, the server is not shutting down and the queue has room."""
-    if not serving(request).ready:
+    srv = serving(request)
+    if not srv.ready:
         raise UnavailableError("not ready: shutting down or the queue is full", code="not_ready")
-    return Health(status="ready")
+    reason = srv.cache.batching_disabled_reason
+    return Health(status="ready", batching=reason is None, detail=None if reason is None else
+                  f"serving one request at a time: {reason}")
 
 
 # -- OpenAI ----------------------------------------------------------------------------
@@ -183,6 +186,7 @@ async def cache_stats(who: Caller, srv: Engine, tenant: TenantQuery = None) -> C
         running, waiting = srv.queue()
         stats = stats.model_copy(update={
             "tenant_bytes": s["tenant_bytes"], "extra_weight_bytes": s.get("extra_weight_bytes"),
+            "batching_enabled": s.get("batching_enabled"), "batching_disabled_reason": s.get("batching_disabled_reason"),
             "queue": QueueInfo(running=running, waiting=waiting, capacity=srv.capacity)})
     return stats
 

@@ -38,6 +38,9 @@ class Settings(BaseSettings):
     dtype: Literal["float32", "float16", "bfloat16", "auto"] = Field("float32", description="Weights dtype.")
     device: str = Field("cpu", description="Torch device of the model and its KV snapshots.")
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads. Unset: torch's default.")
+    require_batching: bool = Field(False, description="Fail start-up when the batching engine cannot serve the "
+                                   "model (its self-check or the model's attention), instead of serving every "
+                                   "request one at a time on the serial engine.")
 
     # -- network -------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="Bind address (0.0.0.0 in a container).")

@@ -115,6 +115,13 @@ class PrefixCache:
         return (tenant, *self._model_key, template, *self.config.namespace_extra)
 
     @property
+    def batching_disabled_reason(self) -> str | None:
+        """Why every call runs on the serial engine (None: the batching engine serves what it reproduces)."""
+        if self.batcher is None:
+            return "batching is off (PrefixCache(batching=False))"
+        return self.batcher.disabled_reason
+
+    @property
     def last_call(self) -> CallStats | None:
         """Stats of this thread's last call (``cached_tokens`` is the reused-token count)."""
         return getattr(self._local, "last", None)
@@ -292,8 +299,10 @@ class PrefixCache:
             "token_hit_rate": c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
         }
         out.update(mem)
-        if tenant is None:  # not KV and not a tenant's: weights the batching engine's fast path copies
+        if tenant is None:  # not a tenant's: the batching engine's state and the weights its fast path copies
             out["extra_weight_bytes"] = self.batcher.extra_weight_bytes if self.batcher is not None else 0
+            out["batching_enabled"] = self.batching_disabled_reason is None
+            out["batching_disabled_reason"] = self.batching_disabled_reason
         return out
 
     def flush(self, tenant: str | None = None) -> int:

@@ -211,3 +211,28 @@ def test_streaming_text_iterator_on_the_batched_path(tokenizer, chat_llama):
         assert "".join(stream) == tokenizer.decode(out[0, ids.shape[1]:])
     finally:
         cache.close()
+
+
+@pytest.mark.parametrize("way", ["batched", "batching_off", "batching_disabled"])
+def test_every_executor_honours_the_options_it_accepted(tokenizer, chat_llama, way):
+    """ignore_eos, max_new_tokens, stop, penalties and seeds mean the same whichever engine serves."""
+    model = copy.deepcopy(chat_llama)
+    if way == "batching_disabled":
+        model.set_attn_implementation("eager")  # the batching engine refuses it: every call is serial
+    cache = PrefixCache(model, tokenizer, batching=way != "batching_off", start_sweeper=False)
+    try:
+        executor = "batched" if way == "batched" else "serial"
+        messages = [{"role": "user", "content": "Tell me about apples."}]
+        long = cache.chat(messages, max_new_tokens=48, ignore_eos=True, temperature=0)
+        assert long.stats.executor == executor
+        assert len(long.token_ids) == 48 and long.finish_reason == "length"
+        stop = long.text[5:8]
+        cut = cache.chat(messages, max_new_tokens=48, ignore_eos=True, temperature=0, stop=[stop])
+        assert cut.finish_reason == "stop" and cut.text == long.text[: long.text.find(stop)]
+        seeded = [cache.chat(messages, max_new_tokens=8, temperature=1.0, seed=7, ignore_eos=True).token_ids
+                  for _ in range(2)]
+        assert seeded[0] == seeded[1]
+        biased = cache.chat(messages, max_new_tokens=4, ignore_eos=True, temperature=0, logit_bias={42: 100.0})
+        assert biased.token_ids == (42, 42, 42, 42) and biased.stats.executor == executor
+    finally:
+        cache.close()
