@@ -3,8 +3,8 @@
 Why: in a decode step of 16 requests the model's linear layers cost most of the time, and
 each layer's q, k and v projections (and the MLP's gate and up) read the same input. One
 packed product per group instead of one per module, with the layer's other work done in a
-few fused ops, made that step ~10 % faster than the model's own forward with packed modules
-(interleaved steps, docs/benchmarks.md).
+few fused ops, makes that step faster than the model's own forward with packed modules
+(figures: docs/benchmarks.md).
 
 What it computes: what ``LlamaForCausalLM.forward`` computes for a packed ``CascadeCache``
 step: embeddings; per layer RMSNorm, q/k/v, rotary positions, the new K/V written through

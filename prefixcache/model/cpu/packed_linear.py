@@ -1,22 +1,19 @@
 """Linear layers computed from MKL-packed weights during a batched step (CPU, fp32).
 
 Why: for a few rows, torch's fp32 ``linear`` on CPU calls MKL's sgemm, which repacks the
-whole weight matrix on every call; a decode step of 8 requests spent ~2× the matmul time
-of 1 request on the default model. MKL can pack a weight once for a given row count and
+whole weight matrix on every call, so a decode step of several requests costs far more
+matmul time than one request's. MKL can pack a weight once for a given row count and
 reuse it (``torch.ops.mkl._mkl_reorder_linear_weight`` / ``_mkl_linear``, the ops
 ``torch.compile`` uses for frozen CPU models). Figures: docs/benchmarks.md.
 
 How it is used: weights are packed for exactly ``rows`` rows (the engine's batch size).
 A call with ``rows/2``..``rows`` rows is padded to ``rows`` (each output row depends on
-its own input row only) and computed from the packed weight; for 4 to 16 rows the result
-was bitwise what ``F.linear`` gives on this machine (tests check closeness, not bits).
-Fewer rows (padding would cost more than it saves: 2 rows padded to 16 took 47 ms for
-the model's layers against 27 ms unpadded), more rows, autograd, other dtypes or devices
-and other threads run the module's own forward.
+its own input row only) and computed from the packed weight (tests check closeness to
+``F.linear``, not bits). Fewer rows (padding them would cost more than it saves), more
+rows, autograd, other dtypes or devices and other threads run the module's own forward.
 
-What it costs: one packed copy of each packed weight (resident bytes ≈ the weight's:
-538 MB for the default model in fp32, which shares its LM head with the embeddings),
-made when the engine starts (~0.3 s there).
+What it costs: one packed copy of each packed weight (resident bytes ≈ the weight's),
+made when the engine starts.
 
 How it stays right:
 - ``installed()`` puts a forward on each packed ``nn.Linear`` instance for one step and
