@@ -238,8 +238,8 @@ class PrefixCache:
             new, stats, reason = self.router.answer_batched(prompt, params, ns, tenant, ttl, stream, cancel)
         else:
             gen.setdefault("pad_token_id", self._pad_id(None))
-            new, stats, reason = self.router.answer_serial(prompt, gen, penalties, stops, cancel, ns, tenant, ttl,
-                                                           self.tokenizer, next(self.model.parameters()).device)
+            new, stats, reason = self.router.answer_serial(prompt, gen, penalties, cancel, ns, tenant, ttl,
+                                                           next(self.model.parameters()).device)
         self._local.last = stats
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         cut = first_stop(text, stops)

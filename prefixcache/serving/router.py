@@ -85,19 +85,20 @@ class Router:
         stream.end()
         return res.tokens, res.stats, res.finish_reason
 
-    def answer_serial(self, prompt: list[int], gen: dict[str, Any], penalties: dict[str, Any], stops: list[str],
+    def answer_serial(self, prompt: list[int], gen: dict[str, Any], penalties: dict[str, Any],
                       cancel: threading.Event | None, namespace: tuple[str, ...], tenant: str, ttl: float | None,
-                      tokenizer: Any, device: torch.device) -> tuple[list[int], CallStats, str]:
-        """(new tokens, stats, finish reason) from the serial engine; ``gen``: generate() kwargs."""
+                      device: torch.device) -> tuple[list[int], CallStats, str]:
+        """(new tokens, stats, finish reason) from the serial engine; ``gen``: generate() kwargs, its
+        ``streamer`` the call's ``TextStream`` (which also ends the call at a stop string)."""
         if penalties:
             processor = OpenAIPenalties(SamplingParams(**penalties), len(prompt))
             gen["logits_processor"] = [*(gen.get("logits_processor") or []), processor]
+        # The text stream (this call's streamer) sees each token before generate() asks its stopping
+        # criteria, so a stop string it finds ends generation at that token, as on the batching
+        # engine; no per-request tables are built for the stop strings (``stop_strings`` would).
         criteria = StoppingCriteriaList(gen.pop("stopping_criteria", None) or [])
-        if cancel is not None:
-            criteria.append(CancelCriteria(cancel))
+        criteria.append(CancelCriteria(Halt(cancel, gen["streamer"])))
         gen["stopping_criteria"] = criteria
-        if stops:
-            gen.update(stop_strings=stops, tokenizer=tokenizer)
         out, stats = self.serial(torch.tensor([prompt], device=device), namespace, tenant, None, gen, ttl)
         new = out[0, len(prompt):].tolist()
         config = self.engine.effective_config(None, gen)

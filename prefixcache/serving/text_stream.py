@@ -1,6 +1,7 @@
 """Generated tokens to text deltas, holding back what could still become a stop string."""
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable, Sequence
 
@@ -12,13 +13,21 @@ class TextStream(BaseStreamer):
     """Decodes new tokens incrementally and hands text deltas to ``on_text``.
 
     A ``generate()`` streamer: the first ``put`` is the prompt (skipped), then the new
-    tokens. Text that could still turn into a stop string is held back, so a client never
-    sees a stop sequence (OpenAI semantics); ``stopped`` once one appeared.
+    tokens. Each token costs work in proportion to the text it adds, not to the answer so
+    far: only the last few tokens are decoded again (a token can change how the ones before it
+    read, e.g. the bytes of one character), and stop strings are searched in the new text and
+    a stop string's length before it. Text that could still turn into a stop string is held
+    back, so a client never sees a stop sequence (OpenAI semantics); ``stopped`` once one
+    appeared. ``text`` is what has been decoded so far.
     """
 
     def __init__(self, tokenizer, on_text: Callable[[str], None] | None, stop: Sequence[str]):
-        self._tok, self._on_text, self._stop = tokenizer, on_text or (lambda _t: None), tuple(stop)
+        self._tok, self._on_text, self._stop = tokenizer, on_text or (lambda _t: None), tuple(s for s in stop if s)
+        self._longest = max((len(s) for s in self._stop), default=0)
         self._ids: list[int] = []
+        self._prefix = self._read = 0  # ids[_prefix:_read] decode to the end of ``text``; later ids are pending
+        self.text = ""
+        self._scanned = 0  # stop strings were searched in text[:_scanned]
         self._sent = 0
         self._prompt_seen = False
         self.stopped = False
@@ -28,24 +37,38 @@ class TextStream(BaseStreamer):
             self._prompt_seen = True
             return
         self._ids.extend(value.reshape(-1).tolist())
+        self._decode(final=False)
         self._emit(final=False)
 
     def end(self) -> None:
+        self._decode(final=True)
         self._emit(final=True)
+
+    def _decode(self, final: bool) -> None:
+        """Append the text the pending ids complete (all of it when ``final``)."""
+        if self.stopped or self._read == len(self._ids):
+            return
+        before = self._tok.decode(self._ids[self._prefix : self._read], skip_special_tokens=True)
+        after = self._tok.decode(self._ids[self._prefix :], skip_special_tokens=True)
+        if not final and (len(after) <= len(before) or not after.startswith(before) or after.endswith("\ufffd")):
+            return  # the new ids do not extend the text yet (e.g. half a character): wait for more
+        self.text += after[len(os.path.commonprefix([before, after])) :]
+        self._prefix, self._read = self._read, len(self._ids)
 
     def _emit(self, final: bool) -> None:
         if self.stopped:
             return
-        text = self._tok.decode(self._ids, skip_special_tokens=True)
-        cut = first_stop(text, self._stop)
+        text = self.text
+        start = max(0, self._scanned - self._longest + 1)
+        cut = first_stop(text[start:], self._stop)
+        self._scanned = len(text)
         if cut is not None:
-            text, self.stopped = text[:cut], True
+            text, self.stopped = text[: start + cut], True
         elif not final:
-            # Hold back an unfinished multi-byte character and any possible stop-string start.
-            safe = len(text) - 1 if text.endswith("\ufffd") else len(text)
+            safe = len(text)  # hold back any possible start of a stop string
             for s in self._stop:
                 for k in range(min(len(s) - 1, safe), 0, -1):
-                    if text[:safe].endswith(s[:k]):
+                    if text.endswith(s[:k], 0, safe):
                         safe -= k
                         break
             text = text[:safe]
