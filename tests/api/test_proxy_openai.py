@@ -79,10 +79,16 @@ def test_chat_stream_with_include_usage(server):
 
 
 def test_chat_stream_without_include_usage_still_reports_cached_tokens(server):
-    chunks = list(chat(server.openai(ALPHA), "no usage asked", stream=True))
+    client = server.openai(ALPHA)
+    server.cache.flush("alpha")
+    primed = chat(client, "prime the system prompt")
+    chunks = list(chat(client, "no usage asked", stream=True))
     assert all(c.choices for c in chunks)  # no extra choice-less chunk an app did not ask for
     assert chunks[-1].choices[0].finish_reason is not None
-    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
+    usage = chunks[-1].usage
+    assert primed.usage.prompt_tokens_details.cached_tokens == 0
+    assert 200 < usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens  # the shared system prompt
+    assert usage.prompt_tokens == chat(client, "no usage asked").usage.prompt_tokens
 
 
 def test_completions_plain_echo_and_stream(server):
