@@ -193,20 +193,19 @@ def test_top_k_one_is_greedy(chat_llama, tokenizer):
 
 
 def test_temperature_shapes_the_distribution(chat_llama, tokenizer):
-    """Same seeds, low vs high temperature: low stays on the greedy tokens, high wanders off.
+    """Same seeds, low vs high temperature: low keeps the greedy first token, high spreads out.
 
-    The random model's logits differ by a fraction of a unit, so at T=0.01 the top token
-    has almost all the mass and at T=2 almost none; were temperature ignored, the same
-    seeds would draw the same tokens at both settings.
+    Were temperature ignored, the same seeds would draw the same tokens at both settings
+    (and the random model's nearly flat distribution would not stay on the greedy token).
     """
     cache = PrefixCache(chat_llama, tokenizer, start_sweeper=False)
-    greedy = cache.chat(SAMPLE_PROMPT, max_new_tokens=8, ignore_eos=True).token_ids
-    seeds = range(6)
-    cold, hot = _draws(cache, seeds, temperature=0.01), _draws(cache, seeds, temperature=2.0)
-    on_greedy = lambda draws: sum(t == g for d in draws for t, g in zip(d, greedy))  # noqa: E731
-    assert on_greedy(cold) >= 0.8 * 8 * len(seeds), cold
-    assert on_greedy(hot) <= 0.2 * 8 * len(seeds), hot
-    assert len({t for d in hot for t in d}) > 8 * len(seeds) // 2  # many distinct tokens
+    top = cache.chat(SAMPLE_PROMPT, max_new_tokens=1).token_ids[0]
+    seeds = range(8)
+    first = lambda t: [cache.chat(SAMPLE_PROMPT, max_new_tokens=1, seed=s, temperature=t).token_ids[0]  # noqa: E731
+                       for s in seeds]
+    cold, hot = first(0.002), first(2.0)
+    assert cold == [top] * len(seeds)
+    assert hot.count(top) <= 1 and len(set(hot)) >= len(seeds) - 1, hot
 
 
 def test_invalid_unicode_and_stop_are_clear_errors(chat_llama, tokenizer):
