@@ -219,13 +219,13 @@ def test_queue_full_is_429_with_retry_after_and_a_timeout_ends_the_stream(tight,
     # The held request hit the 1 s timeout mid-stream: its last event is the error, in OpenAI's shape.
     last = json.loads(events[-1])
     assert last["error"]["code"] == "request_timeout" and last["error"]["type"] == "timeout_error"
-    wait_until(lambda: tight.serving.queue() == (0, 0) and leased_refs(tight.cache) == 0, timeout=2)
+    wait_until(lambda: tight.serving.queue() == (0, 0) and leased_refs(tight.cache) == 0, timeout=10)
 
 
 def test_timeout_is_504_and_cancels_the_generation(tight, tokenizer):
     with tight.client(ALPHA) as client:
         assert_error(client.post(CHAT, json=long_job(tokenizer)), 504, code="request_timeout")
-    wait_until(lambda: tight.serving.queue() == (0, 0), timeout=1)  # cancelled, not left running
+    wait_until(lambda: tight.serving.queue() == (0, 0), timeout=10)  # cancelled: see the token count
     assert tight.cache.stats()["completion_tokens"] < LONG
 
 

@@ -34,7 +34,7 @@ def http_run(tmp_path_factory) -> tuple[dict, str, float]:
 
 def test_both_servers_run_end_to_end_with_sane_figures(http_run):
     data, md, seconds = http_run
-    assert seconds < 60, seconds
+    assert seconds < 240, seconds  # generous: a shared 2-core machine
     o = data["options"]["output_tokens"]
     for wrun in data["runs"]:
         rows = {s["system"]: s for s in wrun["summaries"]}

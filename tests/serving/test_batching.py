@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -50,7 +51,9 @@ def test_parity_join_leave_and_two_prefixes(arch):
         later = [base_a + [80, 81, 82, 83][: i + 1] for i in range(3)] + [base_b[:20] + [95]]
         news = [9, 3, 6, 4, 5, 2, 8, 7]
         reqs = [engine.submit(p, NS, "t", params(n)) for p, n in zip(first, news)]
+        deadline = time.monotonic() + 60
         while engine.steps < 3:  # the first wave is mid-generation when the second joins
+            assert time.monotonic() < deadline, f"the engine made {engine.steps} steps in 60 s"
             threading.Event().wait(0.001)
         reqs += [engine.submit(p, NS, "t", params(n)) for p, n in zip(later, news[4:])]
         for req, prompt, new in zip(reqs, first + later, news):
