@@ -97,8 +97,8 @@ def test_a_shutting_down_proxy_answers_503_and_cancels_running_work(tiny_model, 
         # the running generation was cancelled, not run to its 1,500 tokens
         assert cache.stats("alpha")["completion_tokens"] < 1500
         running = outcome["response"]
-        assert running.status_code != 500
-        if running.status_code == 200:
+        assert running.status_code in (200, 503), running.text
+        if running.status_code == 200:  # a cut-short answer (reported: its finish_reason says "stop")
             assert running.json()["usage"]["completion_tokens"] < 1500
         for path, body in ((CHAT, chat_body([{"role": "user", "content": "hi"}])),
                            ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}),
