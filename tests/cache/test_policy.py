@@ -1,4 +1,5 @@
-"""Memory policy end to end: many requests with aborts, the sweeper, pressure never fails a request."""
+"""Memory policy through the SDK: the budget under many requests with aborts, the TTL
+sweeper, admission, and pressure that never fails a request."""
 from __future__ import annotations
 
 import random
