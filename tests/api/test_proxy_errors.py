@@ -229,14 +229,16 @@ def test_timeout_is_504_and_cancels_the_generation(tight, tokenizer):
     assert tight.cache.stats()["completion_tokens"] < LONG
 
 
-def test_memory_pressure_on_a_pin_is_503_with_retry_after(tight):
+def test_memory_pressure_on_a_pin_is_503_with_retry_after(tiny_model, tokenizer):
     text = "A long policy document that will not fit in the cache budget. " * 40  # ~500 tokens > 64 KiB
-    with tight.client(ALPHA) as client:
+    cache = make_cache(tiny_model, tokenizer, max_bytes=64 << 10)  # tight's budget, not its 1 s timeout:
+    with live(create_app(settings(), cache=cache)) as srv, srv.client(ALPHA) as client:  # a slow prefill is no 504
         r = client.post("/v1/cache/prewarm", json={"prompt": text, "pin": True})
         assert_error(r, 503, code="insufficient_capacity")
         assert r.headers["retry-after"] == "1"
         # Unpinned, the same prefix is simply cached as far as it fits: no error.
         assert client.post("/v1/cache/prewarm", json={"prompt": text}).status_code == 200
+    cache.close()
 
 
 def test_errors_are_counted_by_route_and_status(server):
