@@ -106,7 +106,7 @@ def test_a_server_never_ready_times_out_and_is_killed(monkeypatch):
         server.start(servers.free_port())
     t0 = time.monotonic()
     server.stop()
-    assert not server.alive() and time.monotonic() - t0 < 5
+    assert not server.alive() and time.monotonic() - t0 < 20  # killed after STOP_TIMEOUT, not left hanging
     assert server.proc.returncode == -9
 
 
