@@ -84,7 +84,8 @@ def test_sliding_window_and_eager_fall_back():
         prompt = list(range(3, 30))
         got = engine.generate(prompt, NS, "t", SamplingParams(max_new_tokens=4))
         assert "sliding window" in got.fallback_reason
-        assert got.tokens == reference.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, 27:].tolist()
+        want = reference.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, 27:].tolist()
+        assert got.tokens == want
     finally:
         engine.close()
     eager = build_tiny("llama-gqa")
