@@ -92,7 +92,7 @@ def _disconnected(request: Request) -> Callable[[], Awaitable[None]]:
 
 
 # -- health --------------------------------------------------------------------------
-@router.get("/healthz", response_model=Health, tags=["health"])
+@router.get("/healthz", response_model=Health, response_model_exclude_none=True, tags=["health"])
 async def healthz() -> Health:
     """Liveness: the process answers."""
     return Health(status="ok")

@@ -202,6 +202,8 @@ class Serving:
                       on_text=None if emit is None else (lambda text: emit("text", text)))
         result = cache.answer(ids, **kwargs)  # the ids encoded above: no second encoding
         self.metrics.observe(job.endpoint, job.tenant, result.stats)
+        if result.finish_reason == "cancelled" and self.closing:  # cut short by shutdown: not an answer
+            raise UnavailableError("the server is shutting down; the generation was cancelled", code="shutting_down")
         return result
 
 

@@ -1,13 +1,14 @@
 """SDK quickstart on the embedded default model: a ~1,000-token system prompt, two questions.
 
-Run:  .venv/bin/python examples/sdk_quickstart.py
-Prints the cached tokens and the time to first token of the cold call and of the hit.
+Run:  .venv/bin/python examples/sdk_quickstart.py [--model HUB_ID_OR_FOLDER]
+(or set PREFIXCACHE_MODEL). Prints the cached tokens and the time to first token of the cold call and of the hit.
 """
 from __future__ import annotations
 
 import argparse
+import os
 
-from prefixcache import CacheConfig, PrefixCache, load_default_model
+from prefixcache import CacheConfig, PrefixCache, load_default_model, load_model
 
 POLICY = (
     "You are the support assistant of Northwind Outfitters, a retailer of hiking and camping gear. "
@@ -29,9 +30,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--system-tokens", type=int, default=1000)
     parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--model", default=os.environ.get("PREFIXCACHE_MODEL"),
+                        help="hub id or local folder of a causal LM (default: the embedded SmolLM2)")
     args = parser.parse_args()
 
-    model, tokenizer = load_default_model()
+    model, tokenizer = load_model(args.model) if args.model else load_default_model()
     cache = PrefixCache(model, tokenizer, CacheConfig())
     system = {"role": "system", "content": system_prompt(args.system_tokens, tokenizer)}
     for label, question in (("cold", "Can I return a tent I bought three weeks ago?"),

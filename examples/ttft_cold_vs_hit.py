@@ -1,17 +1,19 @@
 """Time to first token, cold vs hit, on the default model: S-token system prompt, Q-token question.
 
 Run:  .venv/bin/python examples/ttft_cold_vs_hit.py --system-tokens 1024 --question-tokens 32
+(``--model HUB_ID_OR_FOLDER`` or PREFIXCACHE_MODEL for another model than the embedded SmolLM2.)
 Token ids are drawn from the vocabulary with a fixed seed, so sizes are exact.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 
 import torch
 
-from prefixcache import PrefixCache, load_default_model
+from prefixcache import PrefixCache, load_default_model, load_model
 
 
 def main() -> None:
@@ -20,9 +22,14 @@ def main() -> None:
     parser.add_argument("--question-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--model", default=os.environ.get("PREFIXCACHE_MODEL"),
+                        help="hub id or local folder of a causal LM (default: the embedded SmolLM2)")
     args = parser.parse_args()
 
-    model, tokenizer = load_default_model(dtype=args.dtype)
+    if args.model:
+        model, tokenizer = load_model(args.model, dtype=args.dtype)
+    else:
+        model, tokenizer = load_default_model(dtype=args.dtype)
     rng = random.Random(0)
     draw = lambda n: [rng.randrange(100, 40_000) for _ in range(n)]  # noqa: E731
     system = draw(args.system_tokens)

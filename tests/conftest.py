@@ -1,6 +1,9 @@
 """Shared fixtures: tiny random models of several architectures, and the default model."""
 from __future__ import annotations
 
+import copy
+import weakref
+
 import pytest
 import torch
 from transformers import (
@@ -36,6 +39,21 @@ _ARCHS = {
 }
 ARCHS = tuple(_ARCHS)
 
+# A PrefixCache switches its model's attention implementation (cascade attention), so a
+# reference answer computed with the wrapped model would share any bug of that switch.
+_UNTOUCHED: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()
+
+
+def keep_untouched(model: torch.nn.Module) -> torch.nn.Module:
+    """Record a deep copy of ``model`` before any PrefixCache wraps it; returns ``model``."""
+    _UNTOUCHED[model] = copy.deepcopy(model)
+    return model
+
+
+def untouched(model: torch.nn.Module) -> torch.nn.Module:
+    """The deep copy of ``model`` made when it was built: the reference for parity checks."""
+    return _UNTOUCHED[model]
+
 
 def build_tiny(arch: str, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
@@ -43,7 +61,7 @@ def build_tiny(arch: str, seed: int = 0) -> torch.nn.Module:
     model.generation_config.pad_token_id = PAD
     model.generation_config.eos_token_id = EOS
     model.generation_config.bos_token_id = EOS
-    return model
+    return keep_untouched(model)
 
 
 @pytest.fixture(scope="session", params=ARCHS)
@@ -60,7 +78,8 @@ def llama() -> torch.nn.Module:
 def default_model():
     from prefixcache import load_default_model
 
-    return load_default_model()
+    model, tokenizer = load_default_model()
+    return keep_untouched(model), tokenizer
 
 
 class FakeClock:
@@ -95,4 +114,4 @@ def chat_llama(tokenizer) -> torch.nn.Module:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)).eval()
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
-    return model
+    return keep_untouched(model)

@@ -1,6 +1,7 @@
 """The SDK surface: chat, completions, streaming, stop, cancel, warm/pin, TTL, limits."""
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
@@ -13,6 +14,7 @@ from prefixcache import (
     InvalidRequestError,
     PrefixCache,
 )
+from tests.conftest import untouched
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant. " + "Always answer briefly. " * 40}
 
@@ -29,7 +31,7 @@ def test_second_chat_turn_reuses_prompt_and_answer(default_model):
     assert second.usage.cached_tokens >= len(prompt1) + answer_tokens - 1, (second.usage, len(prompt1))
     # and the answer is what an uncached model says
     ids = torch.tensor([cache.encode_chat(turn2)])
-    ref = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
+    ref = untouched(model).generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
     assert list(second.token_ids) == ref.tolist()
 
 
@@ -81,20 +83,48 @@ def test_bad_options_raise(chat_llama, tokenizer, kwargs):
         cache.complete("hello", **{"max_new_tokens": 2, **kwargs})
 
 
+WORDS = ("apple", "river", "stone", "cloud", "maple", "tiger", "lemon", "piano", "ocean", "candle")
+
+
 def test_warm_then_chat_hits_and_pin_survives_pressure(chat_llama, tokenizer, clock):
+    """Unpinned traffic larger than the budget forces LRU evictions; the pinned prefix stays.
+
+    The clock never moves, so only memory pressure can evict: without the pin, the
+    warmed prefix is the least recently used entry and would go first.
+    """
     probe = PrefixCache(chat_llama, tokenizer, start_sweeper=False)
     per_token = probe.bytes_per_token
-    cache = PrefixCache(chat_llama, tokenizer, CacheConfig(max_bytes=per_token * 700), clock=clock,
-                        start_sweeper=False)
+    budget = per_token * 700
+    cache = PrefixCache(chat_llama, tokenizer, CacheConfig(max_bytes=budget), clock=clock, start_sweeper=False)
     warmed = cache.warm([SYSTEM], pin=True)
     assert warmed.stored_tokens == warmed.prompt_tokens and warmed.pinned
-    for i in range(6):  # unrelated traffic pushes against the budget
-        cache.complete(f"unrelated {i} " * 60, max_new_tokens=2)
-        clock.advance(400)  # far past the default TTL: pins without TTL do not expire
+    pinned = cache.stats()["pinned_bytes"]
+    assert pinned == warmed.prompt_tokens * per_token
+    fillers = [f"{word} " * 150 for word in WORDS]  # ~150 tokens each, sharing nothing with SYSTEM
+    assert sum(len(cache.encode_text(f)) for f in fillers) * per_token > 2 * budget
+    for text in fillers:
+        cache.complete(text, max_new_tokens=2)
+        assert cache.stats()["bytes"] <= budget
+    stats = cache.stats()
+    assert stats["evictions"]["lru"] > 0 and stats["pinned_bytes"] == pinned
+    # the oldest unpinned entry was evicted, the pinned one was not
+    assert cache.complete(fillers[0], max_new_tokens=1).usage.cached_tokens < 5
     res = cache.chat([SYSTEM, {"role": "user", "content": "hello"}], max_new_tokens=2)
     assert res.usage.cached_tokens >= warmed.prompt_tokens - 1
-    assert cache.unpin([SYSTEM])
+    assert cache.unpin([SYSTEM]) and cache.stats()["pinned_bytes"] == 0
     cache.check_integrity()
+
+
+def test_pin_without_ttl_outlives_the_default_ttl(chat_llama, tokenizer, clock):
+    cache = PrefixCache(chat_llama, tokenizer, clock=clock, start_sweeper=False)
+    warmed = cache.warm([SYSTEM], pin=True)
+    cache.complete("unpinned traffic " * 20, max_new_tokens=2)
+    clock.advance(cache.config.ttl_seconds * 10)
+    freed = cache.sweep()
+    assert freed > 0 and cache.stats()["evictions"]["ttl"] > 0  # the unpinned entry expired
+    assert cache.stats()["bytes"] == cache.stats()["pinned_bytes"] > 0
+    res = cache.chat([SYSTEM, {"role": "user", "content": "hello"}], max_new_tokens=2)
+    assert res.usage.cached_tokens >= warmed.prompt_tokens - 1
 
 
 def test_pin_that_cannot_fit_is_refused(chat_llama, tokenizer):
@@ -113,8 +143,11 @@ def test_ttl_override_expires_with_injected_clock(chat_llama, tokenizer, clock):
     cache.chat(msgs, max_new_tokens=2, ttl_seconds=10)
     clock.advance(11)
     assert cache.chat(msgs, max_new_tokens=2, ttl_seconds=10).usage.cached_tokens == 0
+    held = cache.stats()["bytes"]  # the second call stored the prompt again, with the same TTL
+    assert held > 0
     clock.advance(11)
-    assert cache.sweep() > 0 or cache.stats()["bytes"] > 0
+    assert cache.sweep() == held
+    assert cache.stats()["bytes"] == 0 and cache.stats()["entries"] == 0 and cache.stats()["evictions"]["ttl"] > 0
 
 
 def test_stats_and_flush(chat_llama, tokenizer):
@@ -130,12 +163,49 @@ def test_stats_and_flush(chat_llama, tokenizer):
     assert cache.stats()["bytes"] == 0 and cache.stats()["evictions"]["flush"] > 0
 
 
-def test_sampling_with_seed_is_reproducible(chat_llama, tokenizer):
+SAMPLE_PROMPT = [{"role": "user", "content": "tell me"}]
+
+
+def _draws(cache: PrefixCache, seeds, **sampling) -> list[tuple[int, ...]]:
+    return [cache.chat(SAMPLE_PROMPT, max_new_tokens=8, ignore_eos=True, seed=s, **sampling).token_ids for s in seeds]
+
+
+def test_sampling_with_seed_is_reproducible_and_the_seed_matters(chat_llama, tokenizer):
     cache = PrefixCache(chat_llama, tokenizer, start_sweeper=False)
-    msgs = [{"role": "user", "content": "tell me"}]
-    a = cache.chat(msgs, max_new_tokens=8, temperature=0.9, seed=7)
-    b = cache.chat(msgs, max_new_tokens=8, temperature=0.9, seed=7)
-    assert a.token_ids == b.token_ids and b.usage.cached_tokens > 0
+    a, b = _draws(cache, [7, 7], temperature=0.9)
+    assert a == b and cache.last_call.cached_tokens > 0
+    # The random model is nearly uniform over ~49k tokens: other seeds give other answers.
+    assert len(set(_draws(cache, range(4), temperature=0.9))) == 4
+
+
+def test_tiny_top_p_is_greedy(chat_llama, tokenizer):
+    """top_p keeps only the most likely token when tiny: if it were ignored, T=1 would sample widely."""
+    cache = PrefixCache(chat_llama, tokenizer, start_sweeper=False)
+    greedy = cache.chat(SAMPLE_PROMPT, max_new_tokens=8, ignore_eos=True).token_ids
+    assert set(_draws(cache, range(3), temperature=1.0, top_p=1e-6)) == {greedy}
+    assert greedy not in _draws(cache, range(3), temperature=1.0, top_p=1.0)
+
+
+def test_top_k_one_is_greedy(chat_llama, tokenizer):
+    cache = PrefixCache(chat_llama, tokenizer, start_sweeper=False)
+    greedy = cache.chat(SAMPLE_PROMPT, max_new_tokens=8, ignore_eos=True).token_ids
+    assert set(_draws(cache, range(3), temperature=1.0, top_k=1)) == {greedy}
+
+
+def test_temperature_shapes_the_distribution(chat_llama, tokenizer):
+    """Same seeds, low vs high temperature: low keeps the greedy first token, high spreads out.
+
+    Were temperature ignored, the same seeds would draw the same tokens at both settings
+    (and the random model's nearly flat distribution would not stay on the greedy token).
+    """
+    cache = PrefixCache(chat_llama, tokenizer, start_sweeper=False)
+    top = cache.chat(SAMPLE_PROMPT, max_new_tokens=1).token_ids[0]
+    seeds = range(8)
+    first = lambda t: [cache.chat(SAMPLE_PROMPT, max_new_tokens=1, seed=s, temperature=t).token_ids[0]  # noqa: E731
+                       for s in seeds]
+    cold, hot = first(0.002), first(2.0)
+    assert cold == [top] * len(seeds)
+    assert hot.count(top) <= 1 and len(set(hot)) >= len(seeds) - 1, hot
 
 
 def test_invalid_unicode_and_stop_are_clear_errors(chat_llama, tokenizer):
@@ -167,11 +237,10 @@ def test_answer_takes_encoded_ids_and_stats_are_per_tenant(chat_llama, tokenizer
 
 @pytest.mark.parametrize("path", ["batched", "plain"])
 def test_ignore_eos_generates_up_to_max_new_tokens(chat_llama, tokenizer, path):
-    import copy
-
-    model = copy.deepcopy(chat_llama)
+    reference = untouched(chat_llama)
+    model = copy.deepcopy(reference)
     ids = PrefixCache(model, tokenizer, start_sweeper=False).encode_text("count to ten")
-    want = model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=None,
+    want = reference.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=None,
                           pad_token_id=0)[0, len(ids):].tolist()
     model.generation_config.eos_token_id = want[0]  # the first greedy token now ends the answer
     cache = PrefixCache(model, tokenizer, start_sweeper=False)

@@ -79,10 +79,16 @@ def test_chat_stream_with_include_usage(server):
 
 
 def test_chat_stream_without_include_usage_still_reports_cached_tokens(server):
-    chunks = list(chat(server.openai(ALPHA), "no usage asked", stream=True))
+    client = server.openai(ALPHA)
+    server.cache.flush("alpha")
+    primed = chat(client, "prime the system prompt")
+    chunks = list(chat(client, "no usage asked", stream=True))
     assert all(c.choices for c in chunks)  # no extra choice-less chunk an app did not ask for
     assert chunks[-1].choices[0].finish_reason is not None
-    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
+    usage = chunks[-1].usage
+    assert primed.usage.prompt_tokens_details.cached_tokens == 0
+    assert 200 < usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens  # the shared system prompt
+    assert usage.prompt_tokens == chat(client, "no usage asked").usage.prompt_tokens
 
 
 def test_completions_plain_echo_and_stream(server):
@@ -185,20 +191,27 @@ def test_local_mode_needs_no_key(tiny_model, tokenizer):
 def test_health_and_readiness(server):
     with server.client() as http:
         assert http.get("/healthz").json() == {"status": "ok"}
-        assert http.get("/readyz").json() == {"status": "ready"}
+        assert http.get("/readyz").json() == {"status": "ready", "batching": True, "detail": None}
     with server.client(ALPHA) as http:
         assert http.get("/v1/models", headers=auth(ALPHA)).status_code == 200
 
 
-def test_the_example_client_shows_cached_tokens_on_the_second_call(server, capsys):
-    import importlib.util
+def test_the_example_client_shows_cached_tokens_on_the_second_call(server):
+    """examples/openai_client.py as a script, pointed at the live proxy by its environment variables."""
+    import os
+    import re
+    import subprocess
+    import sys
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[2] / "examples" / "openai_client.py"
-    spec = importlib.util.spec_from_file_location("openai_client_example", path)
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
     server.cache.flush("alpha")
-    first, second, streamed = example.main(base_url=f"{server.url}/v1", api_key=ALPHA)
-    assert first == 0 and second > 100 and streamed > 100
-    assert "cached" in capsys.readouterr().out
+    env = {**os.environ, "PREFIXCACHE_BASE_URL": f"{server.url}/v1", "PREFIXCACHE_API_KEY": ALPHA}
+    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    calls = [(int(p), int(c)) for p, c in re.findall(r"prompt (\d+) tokens, cached (\d+)", proc.stdout)]
+    streamed = [(int(p), int(c)) for c, p in re.findall(r"streamed; cached (\d+) of (\d+) prompt", proc.stdout)]
+    assert len(calls) == 2 and len(streamed) == 1, proc.stdout
+    (_, first), (second_prompt, second) = calls
+    assert first == 0 and 100 < second < second_prompt
+    assert 100 < streamed[0][1] < streamed[0][0]

@@ -5,6 +5,7 @@ example database, so the run is reproducible and takes well under a minute.
 """
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
@@ -12,6 +13,8 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
+from openai.types import Completion
+from openai.types.chat import ChatCompletionChunk
 from prefixcache_api import create_app
 from proxy_support import ADMIN, ALPHA, MODEL, auth, leased_refs, live, make_cache, wait_until
 from proxy_support import settings as proxy_settings
@@ -41,6 +44,56 @@ def test_openapi_lists_every_route(fuzzed):
             "DELETE /v1/cache", "GET /v1/cache/stats", "GET /metrics", "GET /healthz", "GET /readyz"} <= labels
 
 
+def stream_problems(text: str, path: str) -> list[str]:
+    """What is wrong with a 200 SSE body: an error event, a chunk that is not the OpenAI
+    chunk shape, a missing or misplaced ``[DONE]`` (a 200 status cannot report these)."""
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    if not events or events[-1] != "[DONE]":
+        return [f"no final [DONE]: {events[-2:]}"]
+    problems, chat = [], path.endswith("chat/completions")
+    ids = set()
+    for raw in events[:-1]:
+        try:
+            event = json.loads(raw)
+        except ValueError:
+            problems.append(f"not JSON: {raw[:120]}")
+            continue
+        if "error" in event:
+            problems.append(f"error event: {event['error']}")
+            continue
+        try:
+            if chat:
+                ChatCompletionChunk.model_validate(event)
+            else:  # OpenAI's Completion type has no null finish_reason, which a stream chunk has
+                Completion.model_validate({**event, "choices": [
+                    {**c, "finish_reason": c.get("finish_reason") or "length"} for c in event.get("choices", [])]})
+        except ValueError as exc:
+            problems.append(f"bad chunk {raw[:120]}: {exc}")
+            continue
+        ids.add(event["id"])
+    if len(ids) > 1:
+        problems.append(f"chunks of one stream carry several ids: {ids}")
+    return problems
+
+
+def test_stream_check_catches_error_events_and_bad_chunks():
+    """The checker itself can fail: an error event mid-stream and a malformed chunk are caught."""
+    good = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
+            "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}
+    ok = f"data: {json.dumps(good)}\n\ndata: [DONE]\n\n"
+    assert stream_problems(ok, "/v1/chat/completions") == []
+    error = 'data: {"error": {"message": "boom", "type": "server_error", "code": null}}\n\n'
+    assert stream_problems(f"data: {json.dumps(good)}\n\n{error}data: [DONE]\n\n", "/v1/chat/completions")
+    broken = {**good, "choices": [{"index": "zero", "delta": 5}]}
+    assert stream_problems(f"data: {json.dumps(broken)}\n\ndata: [DONE]\n\n", "/v1/chat/completions")
+    assert stream_problems(f"data: {json.dumps(good)}\n\n", "/v1/chat/completions")  # no [DONE]
+
+
+def _content_type(response) -> str:
+    value = {k.lower(): v for k, v in response.headers.items()}.get("content-type", "")
+    return value[0] if isinstance(value, list) else value  # schemathesis keeps header values as lists
+
+
 def _fuzz(operation, mode: GenerationMode, key: str, statuses: Counter, failures: list[str]) -> None:
     """Send generated requests for one operation; count statuses and record any 5xx."""
 
@@ -54,6 +107,10 @@ def _fuzz(operation, mode: GenerationMode, key: str, statuses: Counter, failures
         statuses[operation.label, response.status_code] += 1
         if response.status_code >= 500:
             failures.append(f"{response.status_code} {case.as_curl_command()}\n  -> {response.text[:300]}")
+        elif _content_type(response).startswith("text/event-stream"):
+            statuses[operation.label, "stream"] += 1
+            for problem in stream_problems(response.text, operation.path):
+                failures.append(f"stream: {problem}\n  {case.as_curl_command()}")
 
     try:
         run()
@@ -73,6 +130,8 @@ def test_no_generated_request_gets_a_5xx(fuzzed, key, mode):
     if mode is GenerationMode.POSITIVE:  # valid requests really reached the engine
         assert statuses["POST /v1/chat/completions", 200] >= 5, statuses
         assert statuses["POST /v1/completions", 200] >= 1, statuses
+        streams = statuses["POST /v1/chat/completions", "stream"] + statuses["POST /v1/completions", "stream"]
+        assert streams >= 1, statuses  # streamed answers were checked too
     assert not failures, "\n".join(failures[:10])
     wait_until(lambda: fuzzed.serving.queue() == (0, 0) and leased_refs(fuzzed.cache) == 0, timeout=5)
     fuzzed.cache.check_integrity()
@@ -97,8 +156,9 @@ def test_valid_random_chats_are_always_answered(fuzzed, body):
         r = client.post("/v1/chat/completions", json=body)
         assert r.status_code == 200, r.text
         if body.get("stream"):
+            assert stream_problems(r.text, "/v1/chat/completions") == []
             events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
-            assert events[-1] == "[DONE]" and "usage" in events[-2], events[-3:]
+            assert "usage" in events[-2], events[-3:]
         else:
             usage = r.json()["usage"]
             assert 1 <= usage["completion_tokens"] <= body.get("max_tokens", 4)

@@ -8,12 +8,14 @@ import torch
 from prefixcache_api import Settings
 from prefixcache_api.auth import KeyRing, Principal
 from prefixcache_api.errors import AuthenticationError, PermissionDeniedError
-from prefixcache_api.sampling import Job, OpenAIPenalties
+from prefixcache_api.sampling import Job
 from proxy_support import make_cache
 from pydantic import ValidationError
 
 from prefixcache.cli import build_parser, main
 from prefixcache.errors import ContextLengthExceededError
+from prefixcache.serving.request import SamplingParams
+from prefixcache.serving.sampling import OpenAIPenalties
 
 # -- CLI -----------------------------------------------------------------------------
 
@@ -143,7 +145,8 @@ def test_default_max_tokens_is_capped_to_the_context_and_overlong_requests_refus
 
 
 def test_openai_penalties_count_generated_tokens_only():
-    proc = OpenAIPenalties(presence=0.5, frequency=1.0, bias={3: 10.0})
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=1.0, logit_bias=((3, 10.0),))
+    proc = OpenAIPenalties(params, prompt_len=3)
     scores = torch.zeros(1, 5)
     prompt = torch.tensor([[1, 1, 2]])
     first = proc(prompt, scores)  # prefill step: nothing generated yet, only the bias

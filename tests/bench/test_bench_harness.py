@@ -36,7 +36,7 @@ def _summaries(out: Path) -> dict[tuple[str, str], dict]:
 
 def test_small_preset_writes_table_json_and_plot_quickly(small_run):
     out, seconds = small_run
-    assert seconds < 60
+    assert seconds < 240  # generous: a shared 2-core machine
     md = (out / "results.md").read_text()
     for heading in ("## shared-prefix (float32)", "## multi-turn (float32)", "## no-reuse (float32)", "## Targets"):
         assert heading in md

@@ -1,6 +1,7 @@
 """The batching engine's own figures (python -m prefixcache.bench.engine_figures) on a tiny model."""
 from __future__ import annotations
 
+import math
 import statistics
 
 import pytest
@@ -8,6 +9,7 @@ import pytest
 from prefixcache.bench.engine_figures import (
     concurrent_vs_serial,
     conversation_steps,
+    generate_threads,
     packing_ab,
     short_behind_long,
     step_times,
@@ -18,9 +20,16 @@ from tests.conftest import build_tiny
 
 
 def test_step_times_on_a_tiny_model():
-    got = step_times(build_tiny("llama-gqa"), prefix_len=64, batch=4, new_tokens=6, block_size=16)
-    assert got["single_step_s"] > 0 and got["batch4_step_s"] > 0
+    model = build_tiny("llama-gqa")
+    got = step_times(model, prefix_len=64, batch=4, new_tokens=6, block_size=16)
+    assert set(got) == {"single_step_s", "batch4_step_s", "ratio", "fast_path"}
+    assert _positive(got["single_step_s"], got["batch4_step_s"], got["ratio"])
     assert got["ratio"] == got["batch4_step_s"] / got["single_step_s"]
+    assert got["fast_path"] in (None, "fused", "packed")
+
+
+def _positive(*values: float) -> bool:
+    return all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in values)
 
 
 def test_concurrent_vs_serial_on_a_tiny_model():
@@ -31,10 +40,14 @@ def test_concurrent_vs_serial_on_a_tiny_model():
     assert got["peak_kv_tokens"] >= 64 + 4 * 24  # at least the prefix and every question were held at once
     assert got["peak_over_ideal"] <= 1.1
     assert got["batched_tok_s"] > 0 and got["serial_tok_s"] > 0 and 0 < got["ttft_p50_s"] <= got["ttft_max_s"]
+    assert got["peak_over_ideal"] == got["peak_kv_tokens"] / got["ideal_kv_tokens"]
     rounds = got["rounds"]
     assert len(rounds) == 2  # each round: its own batched and serial run, and their ratio
     for r in rounds:
         assert r["batched_over_serial"] == r["batched_tok_s"] / r["serial_tok_s"] and r["serial_s"] > 0
+        # both sides made every client's 8 tokens: rates are those 32 tokens over each side's time
+        assert r["batched_tok_s"] == pytest.approx(4 * 8 / r["batched_s"])
+        assert r["serial_tok_s"] == pytest.approx(4 * 8 / r["serial_s"])
         before, after = r["serial_halves_s"]  # serial halves bracket the batched run
         assert before > 0 and after > 0 and r["serial_s"] == before + after
     assert got["batched_over_serial"] == statistics.median(r["batched_over_serial"] for r in rounds)
@@ -48,15 +61,18 @@ def test_concurrent_vs_serial_on_a_tiny_model():
 def test_short_behind_long_on_a_tiny_model():
     got = short_behind_long(build_tiny("llama-gqa"), long_tokens=600, prefix_len=64, question=8, new_tokens=2,
                             block_size=16)
-    assert got["short_alone_ttft_s"] > 0 and got["short_during_long_prefill_ttft_s"] > 0
-    assert got["long_prefill_ttft_s"] > 0
+    assert set(got) == {"short_alone_ttft_s", "short_during_long_prefill_ttft_s", "long_prefill_ttft_s"}
+    assert _positive(*got.values())
 
 
 def test_conversation_steps_on_a_tiny_model():
     got = conversation_steps(build_tiny("llama-gqa"), users=2, turns=2, system_len=48, question=8, answer=4,
                              new_tokens=6, block_size=8)
-    assert got["folded_step_s"] > 0 and got["in_place_step_s"] > 0 and got["alone_step_s"] > 0
+    assert set(got) == {"folded_step_s", "in_place_step_s", "alone_step_s", "in_place_over_folded",
+                        "folded_over_alone"}
+    assert _positive(*got.values())
     assert got["in_place_over_folded"] == got["in_place_step_s"] / got["folded_step_s"]
+    assert got["folded_over_alone"] == got["folded_step_s"] / got["alone_step_s"]
 
 
 def test_packing_ab_on_a_tiny_model():
@@ -67,4 +83,20 @@ def test_packing_ab_on_a_tiny_model():
     assert got["steps_per_arm"] >= 3 and got["packed_fast_steps"] >= got["steps_per_arm"]  # every arm measured
     assert got["fused_fast_steps"] > got["steps_per_arm"]  # Llama: the fused arm (and the single request's steps)
     assert got["packed_ratio"] == got["batch4_packed_step_s"] / got["single_step_s"]
-    assert got["batch4_unpacked_step_s"] > 0 and got["batch4_fused_step_s"] > 0
+    arms = ("fused", "packed", "unpacked")
+    assert _positive(got["single_step_s"], *(got[f"batch4_{arm}_step_s"] for arm in arms))
+    for arm in arms:  # every ratio is its arm's median step over the single request's
+        assert got[f"{arm}_ratio"] == got[f"batch4_{arm}_step_s"] / got["single_step_s"]
+    assert set(got) == {"single_step_s", "steps_per_arm", "packed_calls", "fused_steps",
+                        *(f"batch4_{arm}_step_s" for arm in arms), *(f"{arm}_ratio" for arm in arms)}
+
+
+def test_generate_threads_on_a_tiny_model():
+    got = generate_threads(build_tiny("llama-gqa"), callers=4, prefix_len=64, question=8, new_tokens=6, block_size=16)
+    assert got["token_identical"] is True and got["callers"] == 4
+    assert got["one_by_one_tok_s"] == pytest.approx(4 * 6 / got["one_by_one_s"])
+    assert got["concurrent_tok_s"] == pytest.approx(4 * 6 / got["concurrent_s"])
+    assert got["speedup"] == got["one_by_one_s"] / got["concurrent_s"]
+    assert sum(got["one_by_one_halves_s"]) == got["one_by_one_s"]
+    # the four callers shared steps: far fewer than the 4 x (1 prefill + 6 decode) of one-by-one calls
+    assert got["concurrent_steps"] < 4 * 7

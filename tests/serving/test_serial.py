@@ -8,7 +8,7 @@ import torch
 
 from prefixcache import CacheConfig, InvalidRequestError, PrefixCache
 from prefixcache.loading import model_fingerprint
-from tests.conftest import build_tiny
+from tests.conftest import build_tiny, untouched
 
 
 def forwarded_tokens(model):
@@ -105,20 +105,28 @@ def test_other_model_revision_gets_nothing(llama):
 
 
 def test_namespace_parts_cannot_alias(llama):
-    cache = PrefixCache(llama, None, start_sweeper=False)
-    tokens = list(range(10, 50))
-    cache.warm(tokens, tenant="ab")
-    # ("ab", "c...") vs ("a", "bc..."): joined strings would collide; length prefixes do not.
+    """("a", "bc") and ("ab", "c") join to one string. Roots differ by hash (length prefixes),
+    and with every hash colliding the namespace tuple still keeps them apart."""
+    cache = PrefixCache(llama, None, CacheConfig(namespace_extra=("a", "bc")), start_sweeper=False)
     assert cache.store.trie.hasher.root(("a", "bc")) != cache.store.trie.hasher.root(("ab", "c"))
-    cache.generate(torch.tensor([tokens]), max_new_tokens=1, do_sample=False, tenant="a")
-    assert cache.last_call.cached_tokens == 0
+    colliding = PrefixCache(llama, None, CacheConfig(namespace_extra=("a", "bc")), hash_fn=lambda data, seed: 7,
+                            start_sweeper=False)
+    tokens = list(range(10, 50))
+    colliding.warm(tokens)
+    own = colliding.namespace("default")
+    aliased = (*own[:-2], "ab", "c")
+    assert "".join(own) == "".join(aliased)
+    for namespace, expect in ((aliased, 0), (own, len(tokens) - 1)):
+        lease = colliding.store.acquire(namespace, "default", tokens, len(tokens) - 1, None)
+        assert lease.cached_tokens == expect
+        colliding.store.release(lease)
 
 
 def test_options_the_cache_cannot_serve_bypass_it(llama):
     cache = PrefixCache(llama, None, start_sweeper=False)
     prompt = torch.tensor([list(range(10, 40))])
     cache.generate(prompt, max_new_tokens=2, do_sample=False)
-    expected = llama.generate(prompt, max_new_tokens=3, num_beams=2, do_sample=False)
+    expected = untouched(llama).generate(prompt, max_new_tokens=3, num_beams=2, do_sample=False)
     got = cache.generate(prompt, max_new_tokens=3, num_beams=2, do_sample=False)
     assert torch.equal(expected, got)
     assert "num_beams" in cache.last_call.bypass_reason and cache.last_call.cached_tokens == 0
@@ -130,7 +138,7 @@ def test_return_dict_and_scores_match(llama):
     prompt = torch.tensor([list(range(10, 60))])
     cache.generate(prompt, max_new_tokens=2, do_sample=False)
     kw = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_scores=True)
-    ref, got = llama.generate(prompt, **kw), cache.generate(prompt, **kw)
+    ref, got = untouched(llama).generate(prompt, **kw), cache.generate(prompt, **kw)
     assert cache.last_call.cached_tokens == 49
     assert torch.equal(ref.sequences, got.sequences)
     for a, b in zip(ref.scores, got.scores):
@@ -146,7 +154,7 @@ def test_padded_batch_rows_equal_single_prompts(llama):
     out = cache.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
     assert out.shape[0] == 2 and torch.equal(out[:, :width], ids)
     for i, r in enumerate(rows):
-        single = llama.generate(torch.tensor([r]), max_new_tokens=4, do_sample=False)[0, len(r):]
+        single = untouched(llama).generate(torch.tensor([r]), max_new_tokens=4, do_sample=False)[0, len(r):]
         assert torch.equal(out[i, width: width + len(single)], single)
     with pytest.raises(InvalidRequestError, match="batch size 1"):
         cache.generate(ids, attention_mask=mask, max_new_tokens=2, return_dict_in_generate=True)

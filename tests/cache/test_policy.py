@@ -1,4 +1,5 @@
-"""Memory policy end to end: many requests with aborts, the sweeper, pressure never fails a request."""
+"""Memory policy through the SDK: the budget under many requests with aborts, the TTL
+sweeper, admission, and pressure that never fails a request."""
 from __future__ import annotations
 
 import random
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from prefixcache import CacheConfig, PrefixCache
+from tests.conftest import untouched
 
 
 class Abort(RuntimeError):
@@ -86,7 +88,7 @@ def test_budget_smaller_than_one_snapshot_serves_uncached(llama, budget_tokens):
     per_token = PrefixCache(llama, None, start_sweeper=False).bytes_per_token
     cache = PrefixCache(llama, None, CacheConfig(max_bytes=per_token * budget_tokens), start_sweeper=False)
     prompt = torch.tensor([list(range(10, 40))])
-    expected = llama.generate(prompt, max_new_tokens=3, do_sample=False)
+    expected = untouched(llama).generate(prompt, max_new_tokens=3, do_sample=False)
     for _ in range(2):
         assert torch.equal(cache.generate(prompt, max_new_tokens=3, do_sample=False), expected)
         assert cache.last_call.cached_tokens <= budget_tokens

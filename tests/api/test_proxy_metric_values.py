@@ -1,0 +1,119 @@
+"""/metrics values (not just names) after a known sequence of requests, on a server of its own."""
+from __future__ import annotations
+
+import pytest
+from prefixcache_api import create_app
+from prometheus_client.parser import text_string_to_metric_families
+from proxy_support import ADMIN, ALPHA, BETA, MODEL, live, make_cache, settings
+
+SYSTEM = "Policy: refunds within 30 days, exchanges within 60, no questions asked. " * 8
+NEW = 4
+
+
+@pytest.fixture
+def fresh(tiny_model, tokenizer):
+    """Counters start at zero: a cache and an app (own registry) for this test alone."""
+    cache = make_cache(tiny_model, tokenizer, block_size=16)
+    with live(create_app(settings(), cache=cache)) as srv:
+        yield srv
+    cache.close()
+
+
+def values(srv) -> dict[tuple[str, tuple], float]:
+    with srv.client(ADMIN) as admin:
+        text = admin.get("/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples, name: str, **labels: str) -> float:
+    """The one sample of ``name`` with exactly ``labels`` (0 if absent, as Prometheus would treat it)."""
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def ask(client, question: str) -> dict:
+    r = client.post("/v1/chat/completions", json={
+        "model": MODEL, "max_tokens": NEW, "temperature": 0, "ignore_eos": True,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]})
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert usage["completion_tokens"] == NEW
+    return usage
+
+
+def test_metric_values_follow_a_known_sequence(fresh):
+    per_token = fresh.cache.bytes_per_token
+    with fresh.client(ALPHA) as alpha, fresh.client(BETA) as beta:
+        a1, a2 = ask(alpha, "What is the refund window?"), ask(alpha, "What is the exchange window?")
+        b1 = ask(beta, "What is the refund window?")
+        bad = beta.post("/v1/chat/completions", json={"model": MODEL, "messages": []})
+        assert bad.status_code == 400
+        pinned = beta.post("/v1/cache/prewarm", json={"prompt": "a pinned preamble " * 10, "pin": True}).json()
+    m = values(fresh)
+    n = "prefixcache_requests_total"
+    assert a1["prompt_tokens_details"]["cached_tokens"] == 0 and b1["prompt_tokens_details"]["cached_tokens"] == 0
+    assert a2["prompt_tokens_details"]["cached_tokens"] > 100  # the shared system prompt
+    assert value(m, n, endpoint="chat", tenant="alpha", outcome="miss") == 1
+    assert value(m, n, endpoint="chat", tenant="alpha", outcome="partial") == 1
+    assert value(m, n, endpoint="chat", tenant="beta", outcome="miss") == 1
+    assert sum(v for (name, _), v in m.items() if name == n) == 3  # nothing else was counted
+    for tenant, calls in (("alpha", (a1, a2)), ("beta", (b1,))):
+        assert value(m, "prefixcache_prompt_tokens_total", tenant=tenant) == sum(u["prompt_tokens"] for u in calls)
+        assert value(m, "prefixcache_cached_tokens_total", tenant=tenant) == sum(
+            u["prompt_tokens_details"]["cached_tokens"] for u in calls)
+        assert value(m, "prefixcache_completion_tokens_total", tenant=tenant) == NEW * len(calls)
+    assert value(m, "prefixcache_request_errors_total", route="/v1/chat/completions", status="400") == 1
+    for histogram in ("time_to_first_token_seconds", "lookup_seconds"):
+        assert value(m, f"prefixcache_{histogram}_count") == 3
+    assert value(m, "prefixcache_time_per_output_token_seconds_count") == 3
+    assert value(m, "prefixcache_request_duration_seconds_count", endpoint="chat") == 3
+    prompt_total = a1["prompt_tokens"] + a2["prompt_tokens"] + b1["prompt_tokens"]
+    cached_total = a2["prompt_tokens_details"]["cached_tokens"]
+    assert value(m, "prefixcache_hit_ratio", basis="requests") == pytest.approx(1 / 3)
+    assert value(m, "prefixcache_hit_ratio", basis="tokens") == pytest.approx(cached_total / prompt_total)
+    # Bytes: exact accounting, so a tenant's single conversation is its stored tokens' KV.
+    beta_bytes = (b1["prompt_tokens"] + NEW - 1 + pinned["stored_tokens"]) * per_token
+    assert value(m, "prefixcache_cache_tenant_bytes", tenant="beta") == beta_bytes
+    alpha_bytes = value(m, "prefixcache_cache_tenant_bytes", tenant="alpha")
+    assert alpha_bytes >= (a1["prompt_tokens"] + a2["prompt_tokens"] + 2 * (NEW - 1) - cached_total) * per_token
+    stats = fresh.cache.stats()
+    assert value(m, "prefixcache_cache_bytes") == alpha_bytes + beta_bytes == stats["bytes"]
+    assert value(m, "prefixcache_cache_entries") == stats["entries"] > 0
+    assert value(m, "prefixcache_cache_pinned_bytes") == pinned["stored_tokens"] * per_token > 0
+    assert value(m, "prefixcache_cache_budget_bytes") == fresh.cache.config.max_bytes
+    assert value(m, "prefixcache_queue_depth") == 0 and value(m, "prefixcache_requests_running") == 0
+    for reason in ("lru", "ttl", "quota", "flush"):
+        assert value(m, "prefixcache_evictions_total", reason=reason) == 0
+        assert value(m, "prefixcache_reclaimed_bytes_total", reason=reason) == 0
+
+    # Flushing alpha evicts exactly its blocks and frees exactly its bytes.
+    alpha_entries = fresh.cache.stats("alpha")["entries"]
+    with fresh.client(ALPHA) as alpha:
+        assert alpha.delete("/v1/cache").json()["freed_bytes"] == alpha_bytes
+    m = values(fresh)
+    assert value(m, "prefixcache_evictions_total", reason="flush") == alpha_entries > 0
+    assert value(m, "prefixcache_reclaimed_bytes_total", reason="flush") == alpha_bytes
+    assert value(m, "prefixcache_cache_bytes") == beta_bytes
+    assert value(m, "prefixcache_cache_tenant_bytes", tenant="alpha") == 0
+    assert value(m, "prefixcache_requests_total", endpoint="chat", tenant="alpha", outcome="miss") == 1  # unchanged
+
+
+def test_lru_evictions_are_counted_with_their_bytes(tiny_model, tokenizer):
+    """A budget of one conversation: the second tenant's request evicts the first's blocks."""
+    probe = make_cache(tiny_model, tokenizer)
+    per_token = probe.bytes_per_token
+    probe.close()
+    cache = make_cache(tiny_model, tokenizer, block_size=16, max_bytes=per_token * 200)
+    with live(create_app(settings(), cache=cache)) as srv:
+        with srv.client(ALPHA) as alpha, srv.client(BETA) as beta:
+            first = ask(alpha, "one")
+            before = cache.stats("alpha")
+            assert before["bytes"] == (first["prompt_tokens"] + NEW - 1) * per_token
+            ask(beta, "two")
+        m = values(srv)
+        after = cache.stats()
+        assert after["bytes"] <= per_token * 200 and cache.stats("alpha")["bytes"] < before["bytes"]
+        assert value(m, "prefixcache_evictions_total", reason="lru") == after["evictions"]["lru"] > 0
+        freed = before["bytes"] - cache.stats("alpha")["bytes"]
+        assert value(m, "prefixcache_reclaimed_bytes_total", reason="lru") == freed
+    cache.close()

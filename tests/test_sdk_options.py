@@ -1,0 +1,147 @@
+"""SDK options each with a test that fails if the option is ignored: batching, on_evict,
+namespace_extra, cache_generated, default and absent TTLs."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from prefixcache import CacheConfig, PrefixCache
+from prefixcache.cache.store import EvictedSnapshot
+from tests.conftest import build_tiny, untouched
+
+PROMPT = list(range(10, 50))
+
+
+def greedy(model, prompt: list[int], new: int) -> list[int]:
+    return model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("batching", [False, True])
+def test_answers_match_the_untouched_model_with_and_without_batching(chat_llama, tokenizer, batching):
+    reference = untouched(chat_llama)  # copied before any cache switched the model's attention
+    cache = PrefixCache(chat_llama, tokenizer, batching=batching, start_sweeper=False)
+    ids = cache.encode_chat([{"role": "system", "content": "Be brief. " * 20}, {"role": "user", "content": "hi"}])
+    want = greedy(reference, ids, 6)
+    first = cache.answer(ids, max_new_tokens=6, ignore_eos=True)
+    second = cache.answer(ids, max_new_tokens=6, ignore_eos=True)
+    assert list(first.token_ids) == want and list(second.token_ids) == want
+    assert first.usage.cached_tokens == 0 and second.usage.cached_tokens == len(ids) - 1
+    assert cache.stats()["queries"] == 2 and cache.stats()["hits"] == 1
+    cache.check_integrity()
+    cache.close()
+
+
+def test_on_evict_receives_every_snapshot_with_its_tokens_and_kv():
+    model = build_tiny("llama-gqa")
+    seen: list[EvictedSnapshot] = []
+    cache = PrefixCache(model, None, CacheConfig(block_size=8), on_evict=seen.append, start_sweeper=False)
+    out = cache.generate(torch.tensor([PROMPT]), max_new_tokens=4, do_sample=False)[0].tolist()
+    stored = out[:-1]  # prompt + answer; the last token's KV was never computed
+    held = cache.stats()["bytes"]
+    assert cache.flush() == held > 0
+    assert seen and all(s.reason == "flush" and s.tenant == "default" for s in seen)
+    assert all(s.namespace == cache.namespace("default") for s in seen)
+    by_start = sorted(seen, key=lambda s: s.start)
+    for snap in by_start:
+        assert tuple(snap.tokens) == tuple(stored[: len(snap.tokens)])  # the whole prefix from the root
+        n = len(snap.tokens) - snap.start
+        assert n > 0 and snap.kv.shape[3] == n  # [L, 2, H, n, D]: KV of tokens[start:] exactly
+        assert snap.kv.nbytes == n * cache.bytes_per_token
+    # the snapshots tile the stored sequence once, and their bytes are what was freed
+    assert [s.start for s in by_start] == [0] + [len(s.tokens) for s in by_start[:-1]]
+    assert len(by_start[-1].tokens) == len(stored)
+    assert sum(s.kv.nbytes for s in seen) == held
+
+
+def test_on_evict_sees_lru_evictions_and_the_kv_is_the_model_s():
+    """An evicted snapshot's KV equals the KV the model computes for its tokens (what a tier would restore)."""
+    model = build_tiny("llama-gqa")
+    reference = untouched(model)
+    per_token = PrefixCache(model, None, start_sweeper=False).bytes_per_token
+    seen: list[EvictedSnapshot] = []
+    cache = PrefixCache(model, None, CacheConfig(block_size=8, max_bytes=per_token * 40), on_evict=seen.append,
+                        start_sweeper=False)
+    cache.generate(torch.tensor([PROMPT[:30]]), max_new_tokens=1, do_sample=False)
+    assert not seen
+    cache.generate(torch.tensor([list(range(100, 130))]), max_new_tokens=1, do_sample=False)
+    assert seen and {s.reason for s in seen} == {"lru"}
+    snap = seen[0]
+    assert snap.tokens == tuple(PROMPT[: len(snap.tokens)])
+    past = reference(torch.tensor([list(snap.tokens)]), use_cache=True).past_key_values
+    for layer in range(reference.config.num_hidden_layers):
+        keys, values = past.layers[layer].keys[0], past.layers[layer].values[0]  # [H, T, D]
+        torch.testing.assert_close(snap.kv[layer, 0], keys[:, snap.start:], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(snap.kv[layer, 1], values[:, snap.start:], rtol=1e-4, atol=1e-5)
+
+
+def _lease_tokens(cache: PrefixCache, namespace: tuple[str, ...], tokens: list[int]) -> int:
+    lease = cache.store.acquire(namespace, "default", tokens, len(tokens) - 1, None)
+    try:
+        return lease.cached_tokens
+    finally:
+        cache.store.release(lease)
+
+
+def test_namespace_extra_separates_deployments_and_equal_extras_share(llama):
+    blue = PrefixCache(llama, None, CacheConfig(namespace_extra=("blue",)), start_sweeper=False)
+    blue_again = PrefixCache(llama, None, CacheConfig(namespace_extra=("blue",)), start_sweeper=False)
+    green = PrefixCache(llama, None, CacheConfig(namespace_extra=("green",)), start_sweeper=False)
+    plain = PrefixCache(llama, None, start_sweeper=False)
+    assert blue.namespace("default")[-1] == "blue"
+    blue.warm(PROMPT)
+    assert _lease_tokens(blue, blue_again.namespace("default"), PROMPT) == len(PROMPT) - 1
+    assert _lease_tokens(blue, green.namespace("default"), PROMPT) == 0
+    assert _lease_tokens(blue, plain.namespace("default"), PROMPT) == 0
+
+
+def _second_turn_cached(cache: PrefixCache, via: str) -> tuple[int, int]:
+    """Turn 1 answers ``PROMPT``; turn 2 sends prompt + answer + a question. Returns (cached, answer length)."""
+    if via == "generate":
+        out = cache.generate(torch.tensor([PROMPT]), max_new_tokens=6, do_sample=False, eos_token_id=None)
+        answer = out[0, len(PROMPT):].tolist()
+        cache.generate(torch.tensor([PROMPT + answer + [200, 201]]), max_new_tokens=1, do_sample=False)
+        return cache.last_call.cached_tokens, len(answer)
+    answer = list(cache.answer(PROMPT, max_new_tokens=6, ignore_eos=True).token_ids)
+    return cache.answer(PROMPT + answer + [200, 201], max_new_tokens=1).usage.cached_tokens, len(answer)
+
+
+@pytest.mark.parametrize("via", ["generate", "answer"])
+def test_cache_generated_false_stores_only_the_prompt(tokenizer, via):
+    model = build_tiny("llama-gqa")
+    model.generation_config.eos_token_id = None  # the answer always has its 6 tokens
+    on = PrefixCache(model, tokenizer, start_sweeper=False)
+    cached, answer = _second_turn_cached(on, via)
+    assert answer == 6 and cached >= len(PROMPT) + answer - 1  # control: the answer is reused by default
+    off = PrefixCache(model, tokenizer, CacheConfig(cache_generated=False), start_sweeper=False)
+    cached, _ = _second_turn_cached(off, via)
+    assert cached == len(PROMPT)
+
+
+def test_default_ttl_expires_idle_prefixes_and_reads_refresh_them(llama, clock):
+    cache = PrefixCache(llama, None, clock=clock, start_sweeper=False)
+    ttl = cache.config.ttl_seconds
+    assert ttl == CacheConfig().ttl_seconds is not None
+    prompt = torch.tensor([PROMPT])
+    cache.generate(prompt, max_new_tokens=1, do_sample=False)
+    for _ in range(3):  # each read inside the TTL keeps the prefix for another TTL
+        clock.advance(ttl * 0.9)
+        cache.generate(prompt, max_new_tokens=1, do_sample=False)
+        assert cache.last_call.cached_tokens == len(PROMPT) - 1
+    clock.advance(ttl * 1.1)
+    cache.generate(prompt, max_new_tokens=1, do_sample=False)
+    assert cache.last_call.cached_tokens == 0
+
+
+@pytest.mark.parametrize("how", ["config", "call"])
+def test_no_ttl_never_expires(llama, clock, how):
+    config = CacheConfig(ttl_seconds=None) if how == "config" else CacheConfig()
+    call = {} if how == "config" else {"ttl_seconds": math.inf}
+    cache = PrefixCache(llama, None, config, clock=clock, start_sweeper=False)
+    prompt = torch.tensor([PROMPT])
+    cache.generate(prompt, max_new_tokens=1, do_sample=False, **call)
+    clock.advance(10 * 365 * 24 * 3600.0)
+    assert cache.sweep() == 0 and cache.stats()["bytes"] > 0
+    cache.generate(prompt, max_new_tokens=1, do_sample=False)
+    assert cache.last_call.cached_tokens == len(PROMPT) - 1
