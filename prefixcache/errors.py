@@ -42,3 +42,15 @@ class CapacityError(PrefixCacheError, RuntimeError):
 
 class UnsupportedModelError(PrefixCacheError, RuntimeError):
     """The model's cache layout cannot be shared as plain per-layer KV; serve uncached."""
+
+
+class EngineFaultError(PrefixCacheError, RuntimeError):
+    """The engine failed while serving this request (a fault, not the request's doing); retry.
+
+    The original exception is the ``__cause__``. The engine goes on serving other requests,
+    or, if its loop stopped, reports itself down and calls run on the serial engine.
+    """
+
+
+class GenerationTimeoutError(PrefixCacheError, TimeoutError):
+    """A generation did not finish within the caller's timeout; it was cancelled in the engine."""

@@ -34,10 +34,15 @@ Finish = Callable[[Request, "str | None", "BaseException | None"], None]
 
 
 class Scheduler:
-    """Waiting and running requests, admission and step planning. Called with the engine's lock held."""
+    """Waiting and running requests, admission and step planning. Called with the engine's lock held.
 
-    def __init__(self, store: KVStore, layout: KVLayout, config, clock: Callable[[], float], finish: Finish):
+    ``entropy`` seeds the generator of a sampled request that has no seed of its own.
+    """
+
+    def __init__(self, store: KVStore, layout: KVLayout, config, clock: Callable[[], float], finish: Finish,
+                 entropy: Callable[[], int]):
         self.store, self.layout, self.config, self._clock, self._finish = store, layout, config, clock, finish
+        self._entropy = entropy
         self.pool = private_pool(layout, config.private_chunk, plan_ahead=True)  # shared by short requests
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -114,8 +119,9 @@ class Scheduler:
                     req.private.reserve(len(req.prompt) - req.base_len)
                 for snap, used in coalesce(req.copied):
                     req.private.load(snap[:, :, :, :used])
-                if req.params.seed is not None:
-                    req.generator = torch.Generator(device=self.layout.device).manual_seed(req.params.seed)
+                if not req.params.greedy:  # its own generator, seeded or not: never the global RNG others draw from
+                    seed = req.params.seed if req.params.seed is not None else self._entropy()
+                    req.generator = torch.Generator(device=self.layout.device).manual_seed(seed)
             except Exception as exc:  # noqa: BLE001 - fail this request only; the loop keeps serving
                 self._fail_admission(req, exc)
 
