@@ -362,8 +362,10 @@ class BatchEngine:
 
     def _release(self, req: Request) -> None:
         """Unpin ``req``'s prefix, take it out of the scheduler and free its private KV slot."""
-        if req.lease is not None:
-            _attempt("release a finished request's prefix lease", lambda: self.store.release(req.lease))
+        lease = req.lease
+        if lease is not None:  # a lease left pinned could never be evicted: one more try (releasing is idempotent)
+            if not _attempt("release a finished request's prefix lease", lambda: self.store.release(lease)):
+                _attempt("release a finished request's prefix lease (again)", lambda: self.store.release(lease))
         with self._cv:
             self.scheduler.remove(req)
             reuse = bool(self.scheduler.waiting) and not self._closed
