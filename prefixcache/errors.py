@@ -51,6 +51,13 @@ class EngineFaultError(PrefixCacheError, RuntimeError):
     or, if its loop stopped, reports itself down and calls run on the serial engine.
     """
 
+    @classmethod
+    def wrapping(cls, exc: BaseException, what: str) -> EngineFaultError:
+        """The error a caller gets for ``exc``, raised while the engine was ``what``."""
+        fault = cls(f"the batching engine failed {what}: {type(exc).__name__}: {exc}; retry")
+        fault.__cause__ = exc
+        return fault
+
 
 class GenerationTimeoutError(PrefixCacheError, TimeoutError):
     """A generation did not finish within the caller's timeout; it was cancelled in the engine."""

@@ -33,20 +33,13 @@ from prefixcache.model.layout import KVLayout
 from prefixcache.serving.model_runner import ModelRunner
 from prefixcache.serving.request import CallStats, Request, SamplingParams, Status, finish_reason
 from prefixcache.serving.sampling import Sampler, fresh_seed
-from prefixcache.serving.scheduler import Scheduler
+from prefixcache.serving.scheduler import Scheduler, release_private
 
 log = logging.getLogger(__name__)
 
 #: How often a waiter checks that the loop thread is alive: the bound on how long a caller
 #: can wait on a loop that died without failing its requests.
 LIVENESS_POLL_SECONDS = 0.25
-
-
-def engine_fault(exc: BaseException, what: str) -> EngineFaultError:
-    """The error a caller gets for a fault it did not cause; ``exc`` stays its cause."""
-    fault = EngineFaultError(f"the batching engine failed {what}: {type(exc).__name__}: {exc}; retry")
-    fault.__cause__ = exc
-    return fault
 
 
 def _attempt(what: str, action: Callable[[], object]) -> bool:
@@ -179,6 +172,8 @@ class BatchEngine:
                ttl_seconds: float | None = None, on_token: Callable[[int], None] | None = None,
                cancel: threading.Event | None = None, stop: Callable[[list[int]], bool] | None = None) -> Request:
         """Queue one request; ``wait`` for its result. ``on_token`` and ``stop`` run on the loop's thread."""
+        if self.failure is not None:  # a fault (503, retry), not a request batching cannot serve
+            raise EngineFaultError(f"the batching loop stopped ({self.failure}); retry")
         reason = self.unservable(len(prompt), params)
         if reason is not None:
             raise UnsupportedModelError(reason)
@@ -247,7 +242,7 @@ class BatchEngine:
             self._loop()
         except BaseException as exc:  # noqa: BLE001 - the thread ends here; nobody may be left waiting
             log.critical("the batching loop stopped; calls go to the serial engine from now on", exc_info=exc)
-            fault = engine_fault(exc, "and its loop stopped")
+            fault = EngineFaultError.wrapping(exc, "and its loop stopped")
             with self._cv:  # under the lock: ``submit`` either queued before this or sees ``failure``
                 self.failure = f"{type(exc).__name__}: {exc}"
                 pending = [*self.scheduler.running, *self.scheduler.waiting]
@@ -269,7 +264,7 @@ class BatchEngine:
                     plan = sched.schedule()
                 except Exception as exc:  # noqa: BLE001 - a dead loop would leave every caller waiting
                     log.exception("planning a step failed")
-                    fault = engine_fault(exc, "planning a step")
+                    fault = EngineFaultError.wrapping(exc, "planning a step")
                     for req in [*sched.running, *sched.waiting]:  # the state that failed to plan: nobody is safe
                         self._finish(req, None, fault)
                     continue
@@ -278,7 +273,7 @@ class BatchEngine:
                     self._postprocess(plan, self.runner.run(plan))
             except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
                 log.exception("batched step failed")
-                fault = engine_fault(exc, "in a batched step")
+                fault = EngineFaultError.wrapping(exc, "in a batched step")
                 for req, _ in plan:
                     self._finish(req, None, fault)
         with self._cv:
@@ -369,8 +364,5 @@ class BatchEngine:
         with self._cv:
             self.scheduler.remove(req)
             reuse = bool(self.scheduler.waiting) and not self._closed
-        private = req.private
-        if private is not None:  # free its slot now; keep it only for a request about to reuse it
-            # Trimming reallocates the pool and can run out of memory; freeing the slot alone does not.
-            if not _attempt("trim the private KV of a finished request", lambda: private.release(trim=not reuse)):
-                _attempt("free the private KV slot of a finished request", lambda: private.release(trim=False))
+        if req.private is not None:  # free its slot now; keep it only for a request about to reuse it
+            release_private(req.private, trim=not reuse)

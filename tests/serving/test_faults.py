@@ -29,10 +29,11 @@ class LoopKilled(BaseException):
     """Not an ``Exception``: nothing in the loop may swallow it, so it ends the loop thread."""
 
 
-def _fail(times: int, make_error, real, log: list[float]):
-    """``real`` wrapped to raise ``make_error()`` on its first ``times`` calls (their times go to ``log``)."""
+def _fail(times: int, make_error, real, log: list[float], armed: threading.Event | None = None):
+    """``real`` wrapped to raise ``make_error()`` on its first ``times`` calls once ``armed`` (default:
+    at once); the times they raised go to ``log``."""
     def broken(*args, **kwargs):
-        if len(log) < times:
+        if len(log) < times and (armed is None or armed.is_set()):
             log.append(time.monotonic())
             raise make_error()
         return real(*args, **kwargs)
@@ -72,9 +73,11 @@ def test_an_allocation_error_in_the_store_at_finish_costs_the_cache_not_the_answ
     engine = make_engine(llama)
     try:
         faults: list[float] = []
+        armed = threading.Event()  # from the first token on: the fault hits the finish path, not admission
         monkeypatch.setattr(KVStore, method, _fail(1, lambda: RuntimeError("alloc"), getattr(KVStore, method),
-                                                   faults))
-        got = engine.wait(engine.submit(PROMPTS[0], NS, "t", SamplingParams(max_new_tokens=4)), timeout=30)
+                                                   faults, armed))
+        got = engine.wait(engine.submit(PROMPTS[0], NS, "t", SamplingParams(max_new_tokens=4),
+                                        on_token=lambda _t: armed.set()), timeout=30)
         assert faults and got.tokens == expected(llama, PROMPTS[0], 4)
         got = engine.wait(engine.submit(PROMPTS[1], NS, "t", SamplingParams(max_new_tokens=4)), timeout=30)
         assert got.tokens == expected(llama, PROMPTS[1], 4)
