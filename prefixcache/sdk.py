@@ -249,7 +249,8 @@ class PrefixCache:
         params, _ = self.router.route(len(prompt), None, gen, penalties)
         ns = self.namespace(tenant)
         if params is not None:
-            new, stats, reason = self.router.answer_batched(prompt, params, ns, tenant, ttl, stream, cancel, timeout)
+            new, stats, reason = self.router.answer_batched(prompt, params, ns, tenant, ttl, stream, cancel,
+                                                            timeout)
         else:
             gen.setdefault("pad_token_id", self._pad_id(None))
             new, stats, reason = self.router.answer_serial(prompt, gen, penalties, stops, cancel, ns, tenant, ttl,

@@ -173,7 +173,7 @@ class BatchEngine:
                cancel: threading.Event | None = None, stop: Callable[[list[int]], bool] | None = None) -> Request:
         """Queue one request; ``wait`` for its result. ``on_token`` and ``stop`` run on the loop's thread."""
         if self.failure is not None:  # a fault (503, retry), not a request batching cannot serve
-            raise EngineFaultError(f"the batching loop stopped ({self.failure}); retry")
+            raise self._stopped()
         reason = self.unservable(len(prompt), params)
         if reason is not None:
             raise UnsupportedModelError(reason)
@@ -188,7 +188,7 @@ class BatchEngine:
             if self._closed or self.failure is not None:
                 self.store.release(req.lease)
                 if self.failure is not None:
-                    raise EngineFaultError(f"the batching loop stopped ({self.failure}); retry")
+                    raise self._stopped()
                 raise UnsupportedModelError("the batching engine is closed")
             self.scheduler.add(req)
             self._cv.notify()
@@ -207,8 +207,7 @@ class BatchEngine:
             while not req.done.wait(LIVENESS_POLL_SECONDS if deadline is None else
                                     max(0.0, min(LIVENESS_POLL_SECONDS, deadline - time.monotonic()))):
                 if not self._thread.is_alive() and not req.done.is_set():
-                    raise EngineFaultError(f"the batching loop stopped ({self.failure or 'no reason recorded'}); "
-                                           "retry")
+                    raise self._stopped()
                 if deadline is not None and time.monotonic() >= deadline:
                     raise GenerationTimeoutError(f"the generation did not finish within {timeout:g} s and was "
                                                  "cancelled")
@@ -218,6 +217,9 @@ class BatchEngine:
         if req.error is not None:
             raise req.error
         return BatchResult(list(req.output), req.finish_reason or "length", req.stats)
+
+    def _stopped(self) -> EngineFaultError:
+        return EngineFaultError(f"the batching loop stopped ({self.failure or 'no reason recorded'}); retry")
 
     def kv_bytes(self) -> int:
         """Bytes of KV held: store snapshots plus every running request's private buffer."""
