@@ -95,7 +95,9 @@ def _disconnected(request: Request) -> Callable[[], Awaitable[None]]:
 @router.get("/healthz", response_model=Health, responses=_ERRORS, tags=["health"])
 async def healthz(request: Request) -> Health:
     """Liveness: the process answers and its batching loop runs (if it stopped, restart the process)."""
-    serving(request).check_engine()
+    srv = request.app.state.serving
+    if srv is not None:  # still loading is alive, not failed
+        srv.check_engine()
     return Health(status="ok")
 
 
