@@ -18,6 +18,8 @@ from prefixcache.errors import (
     CapacityError,
     ConfigError,
     ContextLengthExceededError,
+    EngineFaultError,
+    GenerationTimeoutError,
     InvalidRequestError,
     UnsupportedModelError,
 )
@@ -95,6 +97,10 @@ def map_exception(exc: BaseException) -> Mapped:
                                        code="invalid_value"))
     if isinstance(exc, CapacityError):  # memory pressure: a pin that does not fit now
         return Mapped(503, ErrorDetail(message=str(exc), type="server_error", code="insufficient_capacity"), True)
+    if isinstance(exc, EngineFaultError):  # not the request's doing: a retry may well succeed
+        return Mapped(503, ErrorDetail(message=str(exc), type="server_error", code="engine_fault"), True)
+    if isinstance(exc, GenerationTimeoutError):
+        return Mapped(504, ErrorDetail(message=str(exc), type="timeout_error", code="request_timeout"))
     if isinstance(exc, UnsupportedModelError):
         return Mapped(501, ErrorDetail(message=f"prefix caching is not available for this model: {exc}",
                                        type="invalid_request_error", code="not_supported"))
@@ -197,6 +203,7 @@ def install(app: FastAPI, retry_after: int, on_error: Callable[[Request, int], N
 
     app.add_exception_handler(RequestValidationError, validation)
     app.add_exception_handler(StarletteHTTPException, http_error)
-    for kind in (ProxyError, InvalidRequestError, ConfigError, CapacityError, UnsupportedModelError):
+    for kind in (ProxyError, InvalidRequestError, ConfigError, CapacityError, UnsupportedModelError, EngineFaultError,
+                 GenerationTimeoutError):
         app.add_exception_handler(kind, known)
     app.add_exception_handler(Exception, unexpected)

@@ -92,9 +92,13 @@ def _disconnected(request: Request) -> Callable[[], Awaitable[None]]:
 
 
 # -- health --------------------------------------------------------------------------
-@router.get("/healthz", response_model=Health, response_model_exclude_none=True, tags=["health"])
-async def healthz() -> Health:
-    """Liveness: the process answers."""
+@router.get("/healthz", response_model=Health, response_model_exclude_none=True, responses=_ERRORS,
+            tags=["health"])
+async def healthz(request: Request) -> Health:
+    """Liveness: the process answers and its batching loop runs (if it stopped, restart the process)."""
+    srv = request.app.state.serving
+    if srv is not None:  # still loading is alive, not failed
+        srv.check_engine()
     return Health(status="ok")
 
 
@@ -102,6 +106,7 @@ async def healthz() -> Health:
 async def readyz(request: Request) -> Health:
     """Readiness: the model is loaded, the server is not shutting down and the queue has room."""
     srv = serving(request)
+    srv.check_engine()
     if not srv.ready:
         raise UnavailableError("not ready: shutting down or the queue is full", code="not_ready")
     reason = srv.cache.batching_disabled_reason

@@ -65,6 +65,16 @@ class Serving:
         with self._lock:
             return not self.closing and self._admitted < self.capacity
 
+    def check_engine(self) -> None:
+        """Raise ``UnavailableError`` (503) if the batching loop stopped: the process needs a restart.
+
+        Calls still run meanwhile, one at a time on the serial engine.
+        """
+        failure = self.cache.engine_failure
+        if failure is not None:
+            raise UnavailableError(f"the batching loop stopped ({failure}); calls run one at a time until "
+                                   "the server is restarted", code="engine_failed")
+
     def engine_state(self) -> tuple[dict[str, Any], int, int]:
         """What /metrics reads at scrape time: cache stats of all tenants, running, waiting."""
         running, waiting = self.queue()
@@ -198,7 +208,9 @@ class Serving:
         max_new = job.max_new_tokens(len(ids), cache.max_context, self.settings.default_max_tokens)
         if emit is not None:
             emit("started", len(ids))
+        # The timeout bounds this worker thread too: a generation still running then is cancelled.
         kwargs = dict(job.options, tenant=job.tenant, max_new_tokens=max_new, cancel=cancel,
+                      timeout_seconds=self.settings.request_timeout_seconds,
                       on_text=None if emit is None else (lambda text: emit("text", text)))
         result = cache.answer(ids, **kwargs)  # the ids encoded above: no second encoding
         self.metrics.observe(job.endpoint, job.tenant, result.stats)

@@ -42,3 +42,22 @@ class CapacityError(PrefixCacheError, RuntimeError):
 
 class UnsupportedModelError(PrefixCacheError, RuntimeError):
     """The model's cache layout cannot be shared as plain per-layer KV; serve uncached."""
+
+
+class EngineFaultError(PrefixCacheError, RuntimeError):
+    """The engine failed while serving this request (a fault, not the request's doing); retry.
+
+    The original exception is the ``__cause__``. The engine goes on serving other requests,
+    or, if its loop stopped, reports itself down and calls run on the serial engine.
+    """
+
+    @classmethod
+    def wrapping(cls, exc: BaseException, what: str) -> EngineFaultError:
+        """The error a caller gets for ``exc``, raised while the engine was ``what``."""
+        fault = cls(f"the batching engine failed {what}: {type(exc).__name__}: {exc}; retry")
+        fault.__cause__ = exc
+        return fault
+
+
+class GenerationTimeoutError(PrefixCacheError, TimeoutError):
+    """A generation did not finish within the caller's timeout; it was cancelled in the engine."""

@@ -119,7 +119,15 @@ class PrefixCache:
         """Why every call runs on the serial engine (None: the batching engine serves what it reproduces)."""
         if self.batcher is None:
             return "batching is off (PrefixCache(batching=False))"
+        if self.batcher.failure is not None:
+            return f"the batching loop stopped: {self.batcher.failure}"
         return self.batcher.disabled_reason
+
+    @property
+    def engine_failure(self) -> str | None:
+        """Why the batching loop stopped (None while it runs, or without one). Calls then run on
+        the serial engine; the process should be restarted to batch again."""
+        return None if self.batcher is None else self.batcher.failure
 
     @property
     def last_call(self) -> CallStats | None:
@@ -129,8 +137,12 @@ class PrefixCache:
     # -- generate() drop-in --------------------------------------------------------
     def generate(self, input_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]] | None = None,
                  attention_mask: torch.Tensor | None = None, generation_config: GenerationConfig | None = None, *,
-                 tenant: str | None = None, ttl_seconds: float | None = None, **kwargs: Any) -> Any:
+                 tenant: str | None = None, ttl_seconds: float | None = None, timeout_seconds: float | None = None,
+                 **kwargs: Any) -> Any:
         """``model.generate()`` with prefix reuse; same arguments, same return value.
+
+        ``timeout_seconds`` bounds a call the batching engine serves: past it the call is
+        cancelled and ``GenerationTimeoutError`` raised. An engine fault raises ``EngineFaultError``.
 
         A batch (padded or not) is served row by row: each row's padding is removed using
         ``attention_mask``, the rows run concurrently on the batching engine (one after another
@@ -140,6 +152,7 @@ class PrefixCache:
         ids = self._as_ids(kwargs.pop("inputs", input_ids))
         tenant = self._tenant(tenant)
         ttl = self._ttl(ttl_seconds)
+        timeout = self._timeout(timeout_seconds)
         if attention_mask is not None and tuple(attention_mask.shape) != tuple(ids.shape):
             raise InvalidRequestError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
                                       f"{tuple(ids.shape)}", param="attention_mask")
@@ -155,7 +168,7 @@ class PrefixCache:
         routes = [self.router.route(len(r), generation_config, kwargs) for r in rows]
         if all(params is not None for params, _ in routes):
             outs, self._local.last = self.router.generate_batched(rows, [p for p, _ in routes], self.namespace(tenant),
-                                                                  tenant, ttl, kwargs)
+                                                                  tenant, ttl, kwargs, timeout)
         else:
             outs = []
             for row in rows:
@@ -188,7 +201,8 @@ class PrefixCache:
         strings, excluded from the text), ``presence_penalty``, ``frequency_penalty``,
         ``logit_bias`` (token id -> bias), ``on_text`` (callback for text deltas),
         ``cancel`` (threading.Event), ``ttl_seconds``, ``ignore_eos`` (go on past the
-        end-of-sequence token until ``max_new_tokens``), and any other ``generate()`` kwarg.
+        end-of-sequence token until ``max_new_tokens``), ``timeout_seconds`` (as ``generate``),
+        and any other ``generate()`` kwarg.
         """
         if not isinstance(prompt, str):
             raise InvalidRequestError("prompt must be a string", param="prompt")
@@ -206,7 +220,7 @@ class PrefixCache:
                presence_penalty: float | None = None, frequency_penalty: float | None = None,
                logit_bias: dict[int, float] | None = None, on_text: Callable[[str], None] | None = None,
                cancel: threading.Event | None = None, ttl_seconds: float | None = None, ignore_eos: bool = False,
-               **kwargs: Any) -> GenerationResult:
+               timeout_seconds: float | None = None, **kwargs: Any) -> GenerationResult:
         """Answer already-encoded prompt ids (from ``encode_chat``/``encode_text``); options as ``complete``."""
         if not prompt:
             raise InvalidRequestError("the prompt encodes to zero tokens", param="prompt")
@@ -221,7 +235,7 @@ class PrefixCache:
             raise InvalidRequestError("stop must be a non-empty string or a list of them", param="stop")
         for s in stops:
             check_text(s, "stop")
-        tenant, ttl = self._tenant(tenant), self._ttl(ttl_seconds)
+        tenant, ttl, timeout = self._tenant(tenant), self._ttl(ttl_seconds), self._timeout(timeout_seconds)
         gen = dict(kwargs, max_new_tokens=max_new_tokens, **openai_params(temperature, top_p, top_k, do_sample))
         if gen["do_sample"] and gen["top_k"] is None:
             gen["top_k"] = 0  # OpenAI semantics: no top-k unless asked (generate() would default to 50)
@@ -235,7 +249,8 @@ class PrefixCache:
         params, _ = self.router.route(len(prompt), None, gen, penalties)
         ns = self.namespace(tenant)
         if params is not None:
-            new, stats, reason = self.router.answer_batched(prompt, params, ns, tenant, ttl, stream, cancel)
+            new, stats, reason = self.router.answer_batched(prompt, params, ns, tenant, ttl, stream, cancel,
+                                                            timeout)
         else:
             gen.setdefault("pad_token_id", self._pad_id(None))
             new, stats, reason = self.router.answer_serial(prompt, gen, penalties, cancel, ns, tenant, ttl,
@@ -381,6 +396,15 @@ class PrefixCache:
         if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, (int, float)) or not ttl_seconds > 0:
             raise InvalidRequestError("ttl_seconds must be a number > 0 (math.inf for no expiry)", param="ttl_seconds")
         return None if math.isinf(ttl_seconds) else float(ttl_seconds)
+
+    @staticmethod
+    def _timeout(timeout_seconds: float | None) -> float | None:
+        if timeout_seconds is None:
+            return None
+        if isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, (int, float)) \
+                or not timeout_seconds > 0:
+            raise InvalidRequestError("timeout_seconds must be a number > 0", param="timeout_seconds")
+        return None if math.isinf(timeout_seconds) else float(timeout_seconds)
 
     def _pad_id(self, generation_config: GenerationConfig | None) -> int:
         for cfg in (generation_config, self.model.generation_config):

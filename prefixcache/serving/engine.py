@@ -7,11 +7,18 @@ samples, streams and finishes. Requests join between steps and leave when done; 
 leaving, their prompt + answer KV is inserted into the store and their prefix lease
 released (also on error or cancel). Stored prefix snapshots are read in place; each
 request's own KV lives in a slot of a ``PrivatePool``.
+
+Faults never leave a caller waiting: an exception in a step fails that step's requests
+with ``EngineFaultError`` and the loop goes on; a failure to cache or free a finished
+request's KV is logged and costs the cache, not the answer; if the loop thread itself
+stops (a ``BaseException``), every pending request fails at once, ``failure`` says why,
+and ``unservable`` sends later calls to the serial engine.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -19,16 +26,30 @@ import torch
 
 from prefixcache.cache.store import KVStore
 from prefixcache.config import check_int, check_positive
-from prefixcache.errors import ConfigError, UnsupportedModelError
+from prefixcache.errors import ConfigError, EngineFaultError, GenerationTimeoutError, UnsupportedModelError
 from prefixcache.model.cpu import build_step_forward
 from prefixcache.model.hf_cache import check_cascade, enable_cascade_attention, probe_layout
 from prefixcache.model.layout import KVLayout
 from prefixcache.serving.model_runner import ModelRunner
 from prefixcache.serving.request import CallStats, Request, SamplingParams, Status, finish_reason
-from prefixcache.serving.sampling import Sampler
-from prefixcache.serving.scheduler import Scheduler
+from prefixcache.serving.sampling import Sampler, fresh_seed
+from prefixcache.serving.scheduler import Scheduler, release_private
 
 log = logging.getLogger(__name__)
+
+#: How often a waiter checks that the loop thread is alive: the bound on how long a caller
+#: can wait on a loop that died without failing its requests.
+LIVENESS_POLL_SECONDS = 0.25
+
+
+def _attempt(what: str, action: Callable[[], object]) -> bool:
+    """Run one clean-up ``action``; log (never raise) an ``Exception``. Whether it succeeded."""
+    try:
+        action()
+        return True
+    except Exception:  # noqa: BLE001 - clean-up must go on, and the caller must be woken
+        log.exception("could not %s", what)
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,16 +101,20 @@ class BatchEngine:
     """Serves ``generate`` calls from many threads through one batched model loop.
 
     ``disabled_reason`` says why the model cannot be served here (then ``submit`` raises
-    ``UnsupportedModelError``); ``unservable`` why one request cannot be.
+    ``UnsupportedModelError``); ``failure`` why the loop thread stopped (then ``submit`` raises
+    ``EngineFaultError``); ``unservable`` why one request cannot be. ``entropy`` seeds sampled
+    requests that carry no seed (each gets a generator of its own).
     """
 
     def __init__(self, model: torch.nn.Module, store: KVStore, clock: Callable[[], float],
-                 config: BatchConfig | None = None, cache_generated: bool = True):
+                 config: BatchConfig | None = None, cache_generated: bool = True,
+                 entropy: Callable[[], int] = fresh_seed):
         self.model, self.store, self._clock = model, store, clock
         self.config = config or BatchConfig()
         self.cache_generated = cache_generated
         self.layout: KVLayout | None = None
         self.disabled_reason: str | None = None
+        self.failure: str | None = None  # why the loop thread stopped; set once, under ``_cv``
         self.runner: ModelRunner | None = None
         self.scheduler: Scheduler | None = None
         try:
@@ -109,13 +134,13 @@ class BatchEngine:
                 if step_forward is None:
                     log.info("no fast step forward: %s", reason)
             self.runner = ModelRunner(model, layout, step_forward)
-            self.scheduler = Scheduler(store, layout, self.config, clock, self._finish)
+            self.scheduler = Scheduler(store, layout, self.config, clock, self._finish, entropy)
         except UnsupportedModelError as exc:
             self.disabled_reason = str(exc)
             log.warning("batching disabled: %s", exc)
         self._cv = threading.Condition()
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="prefixcache-batching", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="prefixcache-batching", daemon=True)
         if self.layout is not None:
             self._thread.start()
 
@@ -133,18 +158,22 @@ class BatchEngine:
         """Why a request of ``prompt_len`` tokens with ``params`` cannot be served here, or None."""
         if self.layout is None:
             return f"batching disabled: {self.disabled_reason}"
+        if self.failure is not None:
+            return f"the batching loop stopped: {self.failure}"
         return self.layout.window_reason(prompt_len + params.max_new_tokens)
 
     def generate(self, prompt: Sequence[int], namespace: tuple[str, ...], tenant: str, params: SamplingParams,
                  ttl_seconds: float | None = None, on_token: Callable[[int], None] | None = None,
-                 cancel: threading.Event | None = None) -> BatchResult:
-        """Generate for one prompt (token ids); blocks until done. Thread-safe."""
-        return self.wait(self.submit(prompt, namespace, tenant, params, ttl_seconds, on_token, cancel))
+                 cancel: threading.Event | None = None, timeout: float | None = None) -> BatchResult:
+        """Generate for one prompt (token ids); blocks until done (see ``wait``). Thread-safe."""
+        return self.wait(self.submit(prompt, namespace, tenant, params, ttl_seconds, on_token, cancel), timeout)
 
     def submit(self, prompt: Sequence[int], namespace: tuple[str, ...], tenant: str, params: SamplingParams,
                ttl_seconds: float | None = None, on_token: Callable[[int], None] | None = None,
                cancel: threading.Event | None = None, stop: Callable[[list[int]], bool] | None = None) -> Request:
         """Queue one request; ``wait`` for its result. ``on_token`` and ``stop`` run on the loop's thread."""
+        if self.failure is not None:  # a fault (503, retry), not a request batching cannot serve
+            raise self._stopped()
         reason = self.unservable(len(prompt), params)
         if reason is not None:
             raise UnsupportedModelError(reason)
@@ -156,19 +185,41 @@ class BatchEngine:
         req.lease = self.store.acquire(namespace, tenant, req.prompt, len(req.prompt) - 1, ttl_seconds)
         req.stats.prompt_tokens, req.stats.cached_tokens = len(req.prompt), req.cached_len
         with self._cv:
-            if self._closed:
+            if self._closed or self.failure is not None:
                 self.store.release(req.lease)
+                if self.failure is not None:
+                    raise self._stopped()
                 raise UnsupportedModelError("the batching engine is closed")
             self.scheduler.add(req)
             self._cv.notify()
         return req
 
     def wait(self, req: Request, timeout: float | None = None) -> BatchResult:
-        if not req.done.wait(timeout):
-            raise TimeoutError("request still running")
+        """``req``'s result once it leaves the engine, or its error.
+
+        Raises ``EngineFaultError`` (the engine failed; also at once if the loop thread is
+        gone) or ``GenerationTimeoutError`` after ``timeout`` seconds of real time. A waiter
+        that gives up (timeout, or its thread interrupted) cancels the request: it leaves at
+        the next step, releasing what it holds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while not req.done.wait(LIVENESS_POLL_SECONDS if deadline is None else
+                                    max(0.0, min(LIVENESS_POLL_SECONDS, deadline - time.monotonic()))):
+                if not self._thread.is_alive() and not req.done.is_set():
+                    raise self._stopped()
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise GenerationTimeoutError(f"the generation did not finish within {timeout:g} s and was "
+                                                 "cancelled")
+        except BaseException:
+            req.abandoned.set()
+            raise
         if req.error is not None:
             raise req.error
         return BatchResult(list(req.output), req.finish_reason or "length", req.stats)
+
+    def _stopped(self) -> EngineFaultError:
+        return EngineFaultError(f"the batching loop stopped ({self.failure or 'no reason recorded'}); retry")
 
     def kv_bytes(self) -> int:
         """Bytes of KV held: store snapshots plus every running request's private buffer."""
@@ -187,6 +238,22 @@ class BatchEngine:
             self._thread.join(timeout=10)
 
     # -- loop: schedule → run → postprocess ------------------------------------------
+    def _run(self) -> None:
+        """The loop thread: the loop, and if it stops on an error, every pending caller failed at once."""
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - the thread ends here; nobody may be left waiting
+            log.critical("the batching loop stopped; calls go to the serial engine from now on", exc_info=exc)
+            fault = EngineFaultError.wrapping(exc, "and its loop stopped")
+            with self._cv:  # under the lock: ``submit`` either queued before this or sees ``failure``
+                self.failure = f"{type(exc).__name__}: {exc}"
+                pending = [*self.scheduler.running, *self.scheduler.waiting]
+            for req in pending:
+                try:
+                    self._finish(req, None, fault)
+                except BaseException:  # noqa: BLE001 - ``_finish`` woke the caller before re-raising
+                    log.exception("could not fail a request of the stopped loop")
+
     def _loop(self) -> None:
         sched = self.scheduler
         while True:
@@ -199,16 +266,18 @@ class BatchEngine:
                     plan = sched.schedule()
                 except Exception as exc:  # noqa: BLE001 - a dead loop would leave every caller waiting
                     log.exception("planning a step failed")
-                    for req in list(sched.running):
-                        self._finish(req, None, exc)
+                    fault = EngineFaultError.wrapping(exc, "planning a step")
+                    for req in [*sched.running, *sched.waiting]:  # the state that failed to plan: nobody is safe
+                        self._finish(req, None, fault)
                     continue
             try:
                 if plan:
                     self._postprocess(plan, self.runner.run(plan))
-            except BaseException as exc:  # noqa: BLE001 - fail this step's requests, keep serving
+            except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
                 log.exception("batched step failed")
+                fault = EngineFaultError.wrapping(exc, "in a batched step")
                 for req, _ in plan:
-                    self._finish(req, None, exc)
+                    self._finish(req, None, fault)
         with self._cv:
             for req in [*sched.running, *sched.waiting]:
                 self._finish(req, "cancelled", None)
@@ -262,7 +331,12 @@ class BatchEngine:
 
     # -- leaving -------------------------------------------------------------------
     def _finish(self, req: Request, reason: str | None, error: BaseException | None) -> None:
-        """Insert prompt + answer KV, release the lease, wake the caller. Idempotent."""
+        """Insert prompt + answer KV, release the lease and private KV, wake the caller. Idempotent.
+
+        An ``Exception`` here never escapes (it would stop the loop): failing to cache or to free
+        a finished request's KV is logged and costs the cache, never the answer, which is complete
+        by now. The caller is woken whatever happens, even on a ``BaseException``.
+        """
         if req.done.is_set():
             return
         try:
@@ -271,18 +345,26 @@ class BatchEngine:
                 tokens = (req.prompt + req.output)[:keep]
                 res = self.store.insert(req.namespace, req.tenant, tokens, req.kv_slicer(), req.ttl_seconds)
                 req.stats.stored_tokens = res.stored_tokens
-        except BaseException as exc:  # noqa: BLE001 - the answer stands even if caching it failed
+        except Exception as exc:  # noqa: BLE001 - the answer stands even if caching it failed
             log.warning("could not store KV of a finished request: %s", exc)
         finally:
-            if req.lease is not None:
-                self.store.release(req.lease)
-            with self._cv:
-                self.scheduler.remove(req)
-                reuse = bool(self.scheduler.waiting) and not self._closed
-            req.status, req.finish_reason, req.error = Status.FINISHED, reason, error
-            req.stats.completion_tokens = len(req.output)
-            req.stats.total_seconds = self._clock() - req.arrival
-            if req.private is not None:  # free its slot now; keep it only for a request about to reuse it
-                req.private.release(trim=not reuse)
-            req.private = None
-            req.done.set()
+            try:
+                self._release(req)
+            finally:
+                req.status, req.finish_reason, req.error = Status.FINISHED, reason, error
+                req.stats.completion_tokens = len(req.output)
+                req.stats.total_seconds = self._clock() - req.arrival
+                req.private = None
+                req.done.set()
+
+    def _release(self, req: Request) -> None:
+        """Unpin ``req``'s prefix, take it out of the scheduler and free its private KV slot."""
+        lease = req.lease
+        if lease is not None:  # a lease left pinned could never be evicted: one more try (releasing is idempotent)
+            if not _attempt("release a finished request's prefix lease", lambda: self.store.release(lease)):
+                _attempt("release a finished request's prefix lease (again)", lambda: self.store.release(lease))
+        with self._cv:
+            self.scheduler.remove(req)
+            reuse = bool(self.scheduler.waiting) and not self._closed
+        if req.private is not None:  # free its slot now; keep it only for a request about to reuse it
+            release_private(req.private, trim=not reuse)

@@ -114,6 +114,9 @@ class Request:
     error: BaseException | None = None
     stats: CallStats = field(default_factory=CallStats)
     done: threading.Event = field(default_factory=threading.Event)
+    #: Set when the waiter gives up (timeout, or its thread interrupted): the engine then
+    #: cancels the request at its next step, as if ``cancel`` were set.
+    abandoned: threading.Event = field(default_factory=threading.Event)
     #: Lease steps read in place at every step; the cached tokens after them were copied
     #: into the private KV at admission (None: every step is read in place).
     read_steps: int | None = None
@@ -140,7 +143,7 @@ class Request:
 
     @property
     def cancelled(self) -> bool:
-        return self.cancel is not None and self.cancel.is_set()
+        return self.abandoned.is_set() or (self.cancel is not None and self.cancel.is_set())
 
     @property
     def segments(self) -> list[tuple[torch.Tensor, int]]:

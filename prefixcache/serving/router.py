@@ -48,9 +48,10 @@ class Router:
 
     def generate_batched(self, rows: Sequence[torch.Tensor], params: Sequence[SamplingParams],
                          namespace: tuple[str, ...], tenant: str, ttl: float | None,
-                         kwargs: dict[str, Any]) -> tuple[list[torch.Tensor], CallStats]:
+                         kwargs: dict[str, Any], timeout: float | None = None) -> tuple[list[torch.Tensor], CallStats]:
         """New tokens of each row (``rows[i]``: [n_i]) and the last row's stats. The rows share the
-        engine's steps; with a streamer they run one after another, as ``generate()`` streams one."""
+        engine's steps; with a streamer they run one after another, as ``generate()`` streams one.
+        ``timeout`` bounds each row's wait; a row that fails cancels the rows still running."""
         streamer = kwargs.get("streamer")
         stop = stop_string_check(params[0].stop_strings, kwargs["tokenizer"]) if params[0].stop_strings else None
 
@@ -62,7 +63,7 @@ class Router:
             return self.batcher.submit(row.tolist(), namespace, tenant, p, ttl, on_token, None, stop)
 
         def result(req, row: torch.Tensor) -> tuple[torch.Tensor, CallStats]:
-            res = self.wait(req, tenant)
+            res = self.wait(req, tenant, timeout)
             if streamer is not None:
                 streamer.end()
             return torch.tensor(res.tokens, dtype=row.dtype, device=row.device), res.stats
@@ -71,17 +72,22 @@ class Router:
             done = [result(submit(r, p), r) for r, p in zip(rows, params)]
         else:
             reqs = [submit(r, p) for r, p in zip(rows, params)]
-            done = [result(req, r) for req, r in zip(reqs, rows)]
+            try:
+                done = [result(req, r) for req, r in zip(reqs, rows)]
+            except BaseException:
+                for req in reqs:  # nobody will read them: they leave at the next step
+                    req.abandoned.set()
+                raise
         return [tokens for tokens, _ in done], done[-1][1]
 
     def answer_batched(self, prompt: list[int], params: SamplingParams, namespace: tuple[str, ...], tenant: str,
-                       ttl: float | None, stream: TextStream,
-                       cancel: threading.Event | None) -> tuple[list[int], CallStats, str]:
+                       ttl: float | None, stream: TextStream, cancel: threading.Event | None,
+                       timeout: float | None = None) -> tuple[list[int], CallStats, str]:
         """(new tokens, stats, finish reason); a stop string seen by ``stream`` halts the request."""
         stream.put(torch.tensor(prompt))  # the stream skips the prompt, as with generate()
         req = self.batcher.submit(prompt, namespace, tenant, params, ttl, lambda t: stream.put(torch.tensor([t])),
                                   Halt(cancel, stream))
-        res = self.wait(req, tenant)
+        res = self.wait(req, tenant, timeout)
         stream.end()
         return res.tokens, res.stats, res.finish_reason
 
@@ -111,7 +117,8 @@ class Router:
         """``generate()`` on the serial engine for one prompt ``ids``: [1, n]."""
         return self.engine.generate(ids, namespace, tenant, generation_config, kwargs, ttl, self.cache_generated)
 
-    def wait(self, req, tenant: str) -> BatchResult:
-        res = self.batcher.wait(req)
+    def wait(self, req, tenant: str, timeout: float | None) -> BatchResult:
+        """The batched request's result (``BatchEngine.wait``: a timeout or fault raises, typed)."""
+        res = self.batcher.wait(req, timeout)
         self.engine.record(tenant, res.stats)
         return res

@@ -9,6 +9,7 @@ penalties as a ``LogitsProcessor`` (``OpenAIPenalties``), so both executors comp
 """
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -27,6 +28,12 @@ from transformers import (
 
 from prefixcache.errors import InvalidRequestError
 from prefixcache.serving.request import SamplingParams
+
+
+def fresh_seed() -> int:
+    """A seed for a sampled call that gave none, from the OS: never from the process's global RNG."""
+    return secrets.randbits(63)
+
 
 #: Temperatures below this are served greedily: their limit is argmax, and dividing logits
 #: by e.g. 1e-300 overflows to inf and breaks sampling.
@@ -193,6 +200,7 @@ class Sampler:
             scores = self.processors(torch.tensor([list(context)], device=logits.device), scores)
         if self.greedy:
             return int(torch.argmax(scores[0]))
+        assert generator is not None, "a sampled request draws from its own generator, never the global RNG"
         probs = torch.softmax(scores, dim=-1)
         return int(torch.multinomial(probs[0], 1, generator=generator))
 

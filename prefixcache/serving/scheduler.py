@@ -18,6 +18,7 @@ import torch
 from prefixcache.cache.runs import coalesce
 from prefixcache.cache.store import KVStore
 from prefixcache.cache.trie import common_prefix
+from prefixcache.errors import EngineFaultError
 from prefixcache.model.hf_cache import private_pool
 from prefixcache.model.layout import KVLayout
 from prefixcache.model.private_kv import PrivateKV
@@ -34,10 +35,15 @@ Finish = Callable[[Request, "str | None", "BaseException | None"], None]
 
 
 class Scheduler:
-    """Waiting and running requests, admission and step planning. Called with the engine's lock held."""
+    """Waiting and running requests, admission and step planning. Called with the engine's lock held.
 
-    def __init__(self, store: KVStore, layout: KVLayout, config, clock: Callable[[], float], finish: Finish):
+    ``entropy`` seeds the generator of a sampled request that has no seed of its own.
+    """
+
+    def __init__(self, store: KVStore, layout: KVLayout, config, clock: Callable[[], float], finish: Finish,
+                 entropy: Callable[[], int]):
         self.store, self.layout, self.config, self._clock, self._finish = store, layout, config, clock, finish
+        self._entropy = entropy
         self.pool = private_pool(layout, config.private_chunk, plan_ahead=True)  # shared by short requests
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -114,8 +120,9 @@ class Scheduler:
                     req.private.reserve(len(req.prompt) - req.base_len)
                 for snap, used in coalesce(req.copied):
                     req.private.load(snap[:, :, :, :used])
-                if req.params.seed is not None:
-                    req.generator = torch.Generator(device=self.layout.device).manual_seed(req.params.seed)
+                if not req.params.greedy:  # its own generator, seeded or not: never the global RNG others draw from
+                    seed = req.params.seed if req.params.seed is not None else self._entropy()
+                    req.generator = torch.Generator(device=self.layout.device).manual_seed(seed)
             except Exception as exc:  # noqa: BLE001 - fail this request only; the loop keeps serving
                 self._fail_admission(req, exc)
 
@@ -129,7 +136,7 @@ class Scheduler:
     def _fail_admission(self, req: Request, exc: Exception) -> None:
         log.exception("could not admit a request", exc_info=exc)
         self.remove(req)
-        self._finish(req, None, exc)
+        self._finish(req, None, EngineFaultError.wrapping(exc, "admitting the request"))
 
     def _read_in_place(self, req: Request) -> int | None:
         """How many of ``req``'s cached steps to read in place each step (None: all).
@@ -209,7 +216,7 @@ class Scheduler:
             return
         self.store.release(req.lease)
         req.lease, req.read_steps, req.private = lease, None, private
-        old.release(trim=old.pool is not self.pool)  # its own pool: freed now
+        release_private(old, trim=old.pool is not self.pool)  # its own pool: freed now
 
     def _refresh_lease(self, req: Request) -> None:
         """Re-match at admission: prefixes stored since ``submit`` (by finished or prefilled requests) count."""
@@ -220,6 +227,20 @@ class Scheduler:
             req.stats.cached_tokens = lease.cached_tokens
         else:
             self.store.release(lease)
+
+
+def release_private(private: PrivateKV, trim: bool) -> None:
+    """Free a request's private KV slot; never raises (an ``Exception`` is logged).
+
+    Trimming reallocates the pool and can run out of memory: then the slot is freed without
+    trimming, which allocates nothing. A slot that still cannot be freed stays held (logged).
+    """
+    for attempt in (trim, False) if trim else (False, False):
+        try:
+            private.release(trim=attempt)
+            return
+        except Exception:  # noqa: BLE001 - clean-up: the request's answer and the loop go on
+            log.exception("could not free a request's private KV (trim=%s)", attempt)
 
 
 def admission_order(waiting: Sequence[Request], now: float, max_wait: float) -> list[Request]:

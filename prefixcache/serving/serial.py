@@ -7,11 +7,12 @@ is counted as a bypass, so the answer is always the uncached answer.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from prefixcache.errors import UnsupportedModelError
 from prefixcache.model.hf_cache import WorkingCache, probe_layout
 from prefixcache.model.layout import KVLayout
 from prefixcache.serving.request import CallStats
+from prefixcache.serving.sampling import fresh_seed
 
 log = logging.getLogger(__name__)
 
@@ -62,11 +64,32 @@ class _FirstTokenClock(LogitsProcessor):
         return scores
 
 
+@contextlib.contextmanager
+def isolated_rng(device: torch.device, seed: int) -> Iterator[None]:
+    """Run the block with the RNG seeded to ``seed``, then restore the process's RNG state.
+
+    ``generate()`` samples from the global RNG (it takes no generator), which other tenants
+    and the host application also draw from: seeding it for one call would make their draws
+    predictable, and drawing from it would shift theirs. The CPU state and every device of
+    ``device``'s type are saved and put back (``torch.manual_seed`` seeds all of them).
+    """
+    kind = device.type
+    module = None if kind in ("cpu", "meta") else torch.get_device_module(kind)
+    devices = [] if module is None else list(range(module.device_count()))
+    with torch.random.fork_rng(devices=devices, device_type="cpu" if module is None else kind):
+        torch.manual_seed(seed)
+        yield
+
+
 class Engine:
-    def __init__(self, model: torch.nn.Module, store: KVStore, clock: Callable[[], float]):
+    """The serial engine; ``entropy`` seeds calls that give no ``seed`` (their RNG is isolated too)."""
+
+    def __init__(self, model: torch.nn.Module, store: KVStore, clock: Callable[[], float],
+                 entropy: Callable[[], int] = fresh_seed):
         self.model = model
         self.store = store
         self._clock = clock
+        self._entropy = entropy
         self._model_lock = threading.Lock()
         self._stats_lock = threading.Lock()
         self.counters: dict[str, Counter[str]] = {}
@@ -93,9 +116,9 @@ class Engine:
         max_new = effective.max_new_tokens if effective.max_new_tokens is not None else max(
             int(effective.max_length or 20) - n, 1)
         stats.bypass_reason = self._bypass_reason(effective, kwargs, n + int(max_new))
-        with self._model_lock:
-            if seed is not None:  # seeded inside the lock, so concurrent callers cannot interleave
-                torch.manual_seed(seed)
+        device = next(self.model.parameters()).device
+        # Seeded inside the model lock, so concurrent calls cannot interleave their draws.
+        with self._model_lock, isolated_rng(device, seed if seed is not None else self._entropy()):
             if stats.bypass_reason is not None:
                 out = self.model.generate(input_ids, generation_config=generation_config, **kwargs)
             else:

@@ -1,0 +1,97 @@
+"""Randomness is per request: no call reads or moves the process's global RNG, on either engine,
+and a seeded request draws the same tokens alone and among concurrent sampled requests."""
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from prefixcache import CacheConfig, PrefixCache
+from prefixcache.cache.hashing import BlockHasher
+from prefixcache.cache.store import KVStore
+from prefixcache.serving.engine import BatchConfig, BatchEngine
+from prefixcache.serving.request import SamplingParams
+from prefixcache.serving.serial import Engine
+from tests.conftest import FakeClock, build_tiny
+from tests.serving.test_batching import NS
+
+PROMPT = list(range(10, 40))
+SAMPLED = dict(max_new_tokens=10, do_sample=True, temperature=1.5, top_k=0)
+
+
+@pytest.fixture(params=["batched", "serial"])
+def cache(request):
+    model = build_tiny("llama-gqa")
+    cache = PrefixCache(model, None, CacheConfig(block_size=8, ttl_seconds=None), start_sweeper=False,
+                        batching=request.param == "batched")
+    cache.executor = request.param
+    yield cache
+    cache.close()
+
+
+def _new(cache, prompt=PROMPT, **options):
+    out = cache.generate(torch.tensor([prompt]), **SAMPLED, **options)
+    return out[0, len(prompt):].tolist()
+
+
+def test_seeded_and_unseeded_requests_leave_the_global_rng_state_alone(cache):
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    seeded, unseeded = _new(cache, seed=5), _new(cache)
+    assert cache.last_call.executor == cache.executor
+    assert torch.equal(torch.get_rng_state(), before)
+    assert _new(cache, seed=5) == seeded and len(unseeded) == SAMPLED["max_new_tokens"]
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_seeded_request_draws_the_same_alone_and_among_concurrent_sampled_requests(cache):
+    alone = _new(cache, seed=11)
+    results: dict[int, list[int]] = {}
+    start = threading.Barrier(4)
+
+    def call(i: int) -> None:
+        start.wait()
+        # Other tenants sample at the same time, unseeded or with other seeds, on other prompts.
+        options = {"seed": 11} if i == 0 else ({} if i % 2 else {"seed": 100 + i})
+        results[i] = _new(cache, PROMPT[: 20 + i] + [60 + i], **options) if i else _new(cache, **options)
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(results) == 4 and results[0] == alone
+
+
+def test_a_serial_seeded_call_draws_what_a_seeded_generate_draws():
+    model = build_tiny("llama-gqa")
+    ref = copy.deepcopy(model)
+    with PrefixCache(model, None, CacheConfig(block_size=8, ttl_seconds=None), start_sweeper=False,
+                     batching=False) as cache:
+        got = _new(cache, seed=3)
+    torch.manual_seed(3)
+    want = ref.generate(torch.tensor([PROMPT]), **SAMPLED)[0, len(PROMPT):].tolist()
+    assert got == want
+
+
+def test_an_unseeded_request_is_seeded_from_the_engines_entropy_on_both_engines():
+    """Unseeded draws come from a generator of their own, seeded by the injected entropy source."""
+    model = build_tiny("llama-gqa")
+    clock = FakeClock()
+    store = KVStore(CacheConfig(block_size=8), BlockHasher(1), clock)
+    batcher = BatchEngine(model, store, clock, BatchConfig(), entropy=lambda: 7)
+    try:
+        params = dict(max_new_tokens=8, temperature=1.5)
+        unseeded = batcher.generate(PROMPT, NS, "t", SamplingParams(**params), timeout=30).tokens
+        assert unseeded == batcher.generate(PROMPT, NS, "t", SamplingParams(**params, seed=7), timeout=30).tokens
+        assert unseeded != batcher.generate(PROMPT, NS, "t", SamplingParams(**params, seed=8), timeout=30).tokens
+    finally:
+        batcher.close()
+    serial = Engine(model, store, clock, entropy=lambda: 7)
+    ids = torch.tensor([PROMPT])
+
+    def draw(**extra):
+        out, _ = serial.generate(ids, NS, "t", None, dict(SAMPLED, **extra), None, True)
+        return out[0, len(PROMPT):].tolist()
+    assert draw() == draw(seed=7) != draw(seed=8)
