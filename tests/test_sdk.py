@@ -86,11 +86,11 @@ def test_warm_then_chat_hits_and_pin_survives_pressure(chat_llama, tokenizer, cl
     per_token = probe.bytes_per_token
     cache = PrefixCache(chat_llama, tokenizer, CacheConfig(max_bytes=per_token * 700), clock=clock,
                         start_sweeper=False)
-    warmed = cache.warm([SYSTEM], pin=True)
+    warmed = cache.warm([SYSTEM], pin=True, privileged=True)  # the operator: no pin quota, no pin TTL
     assert warmed.stored_tokens == warmed.prompt_tokens and warmed.pinned
     for i in range(6):  # unrelated traffic pushes against the budget
         cache.complete(f"unrelated {i} " * 60, max_new_tokens=2)
-        clock.advance(400)  # far past the default TTL: pins without TTL do not expire
+        clock.advance(4000)  # far past the default and the pin TTL: the operator's pins without TTL stay
     res = cache.chat([SYSTEM, {"role": "user", "content": "hello"}], max_new_tokens=2)
     assert res.usage.cached_tokens >= warmed.prompt_tokens - 1
     assert cache.unpin([SYSTEM])
