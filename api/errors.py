@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from prefixcache.errors import (
     CapacityError,
     ConfigError,
+    PinQuotaExceededError,
     ContextLengthExceededError,
     EngineFaultError,
     GenerationTimeoutError,
@@ -95,6 +96,8 @@ def map_exception(exc: BaseException) -> Mapped:
     if isinstance(exc, ConfigError):
         return Mapped(400, ErrorDetail(message=str(exc), type="invalid_request_error", param=exc.field,
                                        code="invalid_value"))
+    if isinstance(exc, PinQuotaExceededError):  # the tenant's own limit: retrying will not help until it unpins
+        return Mapped(429, ErrorDetail(message=str(exc), type="insufficient_quota", code="pin_quota_exceeded"))
     if isinstance(exc, CapacityError):  # memory pressure: a pin that does not fit now
         return Mapped(503, ErrorDetail(message=str(exc), type="server_error", code="insufficient_capacity"), True)
     if isinstance(exc, EngineFaultError):  # not the request's doing: a retry may well succeed

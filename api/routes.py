@@ -53,7 +53,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": text} for status, text in (
         (400, "Invalid request (validation, context length)"), (401, "Missing or wrong API key"),
         (403, "Needs the admin key"), (404, "Unknown model"), (413, "Body too large"),
-        (429, "Queue full (Retry-After)"),
+        (429, "Queue full (Retry-After), or a pin over the tenant's pin quota"),
         (503, "Not ready, shutting down or out of cache capacity (Retry-After)"), (504, "Timed out"))}
 _SSE = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or server-sent events if stream is true"}}
 
@@ -165,7 +165,8 @@ async def prewarm(body: PrewarmRequest, who: Caller, srv: Engine, tenant: Tenant
     target = who.target(tenant)
     prefix: Any = body.prompt if body.prompt is not None else [m.model_dump(exclude_none=True) for m in body.messages]
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    warm = await srv.prewarm(target, prefix, tools, body.pin, body.ttl_seconds)
+    # Pins are a privilege: a tenant's count against its pin quota and expire when idle; the admin's do not.
+    warm = await srv.prewarm(target, prefix, tools, body.pin, body.ttl_seconds, privileged=who.admin)
     return PrewarmResponse(tenant=target, prompt_tokens=warm.prompt_tokens, cached_tokens=warm.cached_tokens,
                            stored_tokens=warm.stored_tokens, pinned=warm.pinned)
 

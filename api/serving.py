@@ -119,9 +119,9 @@ class Serving:
         return stream
 
     async def prewarm(self, tenant: str, prefix: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                      pin: bool, ttl_seconds: float | None) -> WarmResult:
+                      pin: bool, ttl_seconds: float | None, privileged: bool = False) -> WarmResult:
         fut, cancel = self._submit(lambda c: self.cache.warm(prefix, tools=tools, tenant=tenant, pin=pin,
-                                                               ttl_seconds=ttl_seconds))
+                                                               ttl_seconds=ttl_seconds, privileged=privileged))
         return await self._wait(fut, cancel, None)
 
     # -- cache admin (store work only: no model, no queue) ----------------------------
@@ -146,8 +146,9 @@ class Serving:
             if self.closing:
                 raise UnavailableError("the server is shutting down", code="shutting_down")
             if self._admitted >= self.capacity:
-                raise QueueFullError(f"the server is busy: {self._admitted} requests are running or queued "
-                                     f"(limit {self.capacity}); retry shortly")
+                # Not how many requests are admitted: that is every tenant's load, shown to the admin only.
+                raise QueueFullError(f"the server is busy: all {self.capacity} places of its queue are taken; "
+                                     "retry shortly")
             self._admitted += 1
         cancel = threading.Event()
         enqueued = self._clock()

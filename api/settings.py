@@ -63,6 +63,12 @@ class Settings(BaseSettings):
                                       description="Idle seconds before a prefix expires. Unset/null: never.")
     tenant_quota_bytes: int | None = Field(_cache_default("tenant_quota_bytes"), ge=0,
                                            description="Per-tenant byte quota. Unset: only the budget applies.")
+    tenant_pin_quota_bytes: int | None = Field(
+        _cache_default("tenant_pin_quota_bytes"), ge=0, description="Bytes of pinned prefixes a tenant key may hold "
+        "(429 pin_quota_exceeded above); the admin key's pins are exempt. Unset: 1/8 of max_bytes.")
+    pin_ttl_seconds: float | None = Field(
+        _cache_default("pin_ttl_seconds"), gt=0, description="Idle seconds after which a tenant key's pin expires "
+        "when it asked for no TTL or a longer one; the admin key may pin without a TTL. Unset/null: no limit.")
     block_size: int = Field(_cache_default("block_size"), ge=1, le=4096, description="Tokens per hash block.")
 
     # -- scheduling ----------------------------------------------------------------
@@ -106,4 +112,5 @@ class Settings(BaseSettings):
     def cache_config(self) -> CacheConfig:
         """The SDK configuration these settings describe (raises ``ConfigError`` if out of range)."""
         return CacheConfig(max_bytes=self.max_bytes, ttl_seconds=self.ttl_seconds,
-                           tenant_quota_bytes=self.tenant_quota_bytes, block_size=self.block_size)
+                           tenant_quota_bytes=self.tenant_quota_bytes, block_size=self.block_size,
+                           tenant_pin_quota_bytes=self.tenant_pin_quota_bytes, pin_ttl_seconds=self.pin_ttl_seconds)

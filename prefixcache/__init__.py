@@ -12,6 +12,7 @@ from prefixcache.errors import (
     ContextLengthExceededError,
     InvalidRequestError,
     ModelLoadError,
+    PinQuotaExceededError,
     PrefixCacheError,
 )
 from prefixcache.loading import load_default_model, load_model
@@ -19,7 +20,7 @@ from prefixcache.sdk import GenerationResult, PrefixCache, Usage, WarmResult
 
 __all__ = [
     "CacheConfig", "CapacityError", "ConfigError", "ContextLengthExceededError", "GenerationResult",
-    "InvalidRequestError", "ModelLoadError", "PrefixCache", "PrefixCacheError", "Usage", "WarmResult",
+    "InvalidRequestError", "ModelLoadError", "PinQuotaExceededError", "PrefixCache", "PrefixCacheError", "Usage", "WarmResult",
     "load_default_model", "load_model",
 ]
 __version__ = "0.1.0"

@@ -8,6 +8,8 @@ from prefixcache.errors import ConfigError
 
 # Unicode normal forms accepted by ``CacheConfig.unicode_normalization``.
 UNICODE_FORMS = ("NFC", "NFKC", "NFD", "NFKD")
+#: Without ``tenant_pin_quota_bytes``, a tenant may pin this fraction (1/N) of ``max_bytes``.
+PIN_QUOTA_DIVISOR = 8
 
 
 @dataclass(slots=True)
@@ -28,6 +30,12 @@ class CacheConfig:
     ttl_seconds: float | None = 300.0
     #: Per-tenant byte quota. None = only the global budget applies.
     tenant_quota_bytes: int | None = None
+    #: Bytes of pinned prefixes a tenant may hold (pins by the operator, ``privileged``, are exempt).
+    #: None = ``max_bytes // PIN_QUOTA_DIVISOR`` (1/8 of the budget); set ``max_bytes`` to lift it.
+    tenant_pin_quota_bytes: int | None = None
+    #: Idle seconds after which a tenant's pin expires when it asked for no TTL or a longer one;
+    #: pins by the operator may have none. None = tenants' pins may last forever too.
+    pin_ttl_seconds: float | None = 3600.0
     #: How often the background sweeper frees expired prefixes (seconds).
     sweep_interval_seconds: float = 30.0
     #: Cache the generated answer with the prompt, so the next chat turn hits.
@@ -50,6 +58,10 @@ class CacheConfig:
             check_positive("ttl_seconds", self.ttl_seconds)
         if self.tenant_quota_bytes is not None:
             check_int("tenant_quota_bytes", self.tenant_quota_bytes, 0, None)
+        if self.tenant_pin_quota_bytes is not None:
+            check_int("tenant_pin_quota_bytes", self.tenant_pin_quota_bytes, 0, None)
+        if self.pin_ttl_seconds is not None:
+            check_positive("pin_ttl_seconds", self.pin_ttl_seconds)
         check_positive("sweep_interval_seconds", self.sweep_interval_seconds)
         if self.unicode_normalization is not None and self.unicode_normalization not in UNICODE_FORMS:
             raise ConfigError("unicode_normalization", self.unicode_normalization, f"None or one of {UNICODE_FORMS}")
@@ -57,6 +69,13 @@ class CacheConfig:
             check_int("hash_seed", self.hash_seed, 0, 2**64 - 1)
         if not all(isinstance(s, str) for s in self.namespace_extra):
             raise ConfigError("namespace_extra", self.namespace_extra, "a tuple of strings")
+
+    @property
+    def pin_quota_bytes(self) -> int:
+        """The per-tenant pin quota in force (``tenant_pin_quota_bytes`` or its default share of the budget)."""
+        if self.tenant_pin_quota_bytes is not None:
+            return self.tenant_pin_quota_bytes
+        return self.max_bytes // PIN_QUOTA_DIVISOR
 
 
 def check_int(name: str, value: object, lo: int, hi: int | None) -> None:

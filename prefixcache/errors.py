@@ -40,6 +40,19 @@ class CapacityError(PrefixCacheError, RuntimeError):
     """The cache cannot hold what was asked (for example a pin larger than the budget)."""
 
 
+class PinQuotaExceededError(CapacityError):
+    """A tenant's pin would take its pinned bytes over ``CacheConfig.pin_quota_bytes``.
+
+    The figures are the caller's own: its pinned bytes, its quota and what the pin needs.
+    """
+
+    def __init__(self, message: str, *, pinned_bytes: int, quota_bytes: int, need_bytes: int):
+        self.pinned_bytes = pinned_bytes
+        self.quota_bytes = quota_bytes
+        self.need_bytes = need_bytes
+        super().__init__(message)
+
+
 class UnsupportedModelError(PrefixCacheError, RuntimeError):
     """The model's cache layout cannot be shared as plain per-layer KV; serve uncached."""
 

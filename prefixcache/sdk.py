@@ -267,23 +267,28 @@ class PrefixCache:
     # -- cache management ----------------------------------------------------------
     def warm(self, prefix: str | Sequence[dict[str, Any]] | Sequence[int], *,
              tools: Sequence[dict[str, Any]] | None = None, tenant: str | None = None, pin: bool = False,
-             ttl_seconds: float | None = None) -> WarmResult:
+             ttl_seconds: float | None = None, privileged: bool = False) -> WarmResult:
         """Prefill and keep a prefix: chat messages, a text prompt, or token ids.
 
         Messages are encoded without the generation prompt, so any later conversation
         that starts with them hits. ``pin=True`` keeps the prefix until ``unpin``,
-        ``flush`` or its TTL (pins have no TTL unless ``ttl_seconds`` is given); a pin
-        that cannot fit the budget or quota raises ``CapacityError``.
+        ``flush`` or its TTL. A tenant's pin counts against ``config.pin_quota_bytes``
+        (over it: ``PinQuotaExceededError``, nothing stored or evicted) and is idle-limited
+        to ``config.pin_ttl_seconds`` whatever ``ttl_seconds`` asks. ``privileged`` (the
+        operator, as the proxy's admin key) lifts both: no quota, and no TTL unless given.
+        A pin that cannot fit the budget or quota raises ``CapacityError``.
         """
         tokens = self._prefix_tokens(prefix, tools)
         tenant = self._tenant(tenant)
-        ttl = self._ttl(ttl_seconds) if (ttl_seconds is not None or not pin) else None
-        stats = self.engine.prefill(tokens, self.namespace(tenant), tenant, ttl, pin)
+        ttl = self._pin_ttl(ttl_seconds, privileged) if pin else self._ttl(ttl_seconds)
+        stats = self.engine.prefill(tokens, self.namespace(tenant), tenant, ttl, pin, privileged)
         if pin and stats.stored_tokens < len(tokens):
+            # The caller's own figures only: other tenants' usage is not theirs to see.
+            mine = self.store.snapshot_stats(tenant)
             raise CapacityError(
                 f"cannot pin {len(tokens)} tokens ({len(tokens) * self.bytes_per_token} bytes): budget "
-                f"{self.config.max_bytes} bytes, tenant quota {self.config.tenant_quota_bytes}, "
-                f"pinned now {self.store.snapshot_stats()['pinned_bytes']} bytes")
+                f"{self.config.max_bytes} bytes, tenant quota {self.config.tenant_quota_bytes}; this tenant holds "
+                f"{mine['bytes']} bytes, {mine['pinned_bytes']} of them pinned")
         return WarmResult(len(tokens), stats.cached_tokens, stats.stored_tokens, pin)
 
     def unpin(self, prefix: str | Sequence[dict[str, Any]] | Sequence[int], *,
@@ -405,6 +410,14 @@ class PrefixCache:
                 or not timeout_seconds > 0:
             raise InvalidRequestError("timeout_seconds must be a number > 0", param="timeout_seconds")
         return None if math.isinf(timeout_seconds) else float(timeout_seconds)
+
+    def _pin_ttl(self, ttl_seconds: float | None, privileged: bool) -> float | None:
+        """A pin's TTL: as asked for the operator (none by default); at most ``pin_ttl_seconds`` for a tenant."""
+        ttl = None if ttl_seconds is None else self._ttl(ttl_seconds)
+        cap = self.config.pin_ttl_seconds
+        if privileged or cap is None:
+            return ttl
+        return cap if ttl is None else min(ttl, cap)
 
     def _pad_id(self, generation_config: GenerationConfig | None) -> int:
         for cfg in (generation_config, self.model.generation_config):

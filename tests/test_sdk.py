@@ -96,7 +96,7 @@ def test_warm_then_chat_hits_and_pin_survives_pressure(chat_llama, tokenizer, cl
     per_token = probe.bytes_per_token
     budget = per_token * 700
     cache = PrefixCache(chat_llama, tokenizer, CacheConfig(max_bytes=budget), clock=clock, start_sweeper=False)
-    warmed = cache.warm([SYSTEM], pin=True)
+    warmed = cache.warm([SYSTEM], pin=True, privileged=True)  # the operator: no pin quota, no pin TTL
     assert warmed.stored_tokens == warmed.prompt_tokens and warmed.pinned
     pinned = cache.stats()["pinned_bytes"]
     assert pinned == warmed.prompt_tokens * per_token
@@ -135,6 +135,39 @@ def test_pin_that_cannot_fit_is_refused(chat_llama, tokenizer):
     # and ordinary requests still succeed, uncached, under the same pressure
     res = cache.chat([SYSTEM, {"role": "user", "content": "hi"}], max_new_tokens=2)
     assert res.usage.completion_tokens >= 1
+
+
+def test_pin_errors_report_only_the_callers_own_figures(chat_llama, tokenizer):
+    per_token = PrefixCache(chat_llama, tokenizer, start_sweeper=False).bytes_per_token
+    budget = per_token * 400
+    cache = PrefixCache(chat_llama, tokenizer, CacheConfig(max_bytes=budget, tenant_pin_quota_bytes=budget),
+                        start_sweeper=False)
+    other = cache.warm([{"role": "system", "content": "Another tenant's prompt. " * 30}], tenant="t2", pin=True)
+    theirs = cache.stats("t2")["pinned_bytes"]
+    assert other.pinned and theirs > 0
+    with pytest.raises(CapacityError, match="cannot pin") as info:
+        cache.warm([SYSTEM] * 2, tenant="t1", pin=True)  # larger than what is left of the budget
+    assert str(theirs) not in str(info.value) and "0 of them pinned" in str(info.value)
+
+
+def test_a_tenants_pin_is_bounded_by_the_pin_quota_and_the_pin_ttl(chat_llama, tokenizer, clock):
+    import math
+
+    from prefixcache import PinQuotaExceededError
+
+    per_token = PrefixCache(chat_llama, tokenizer, start_sweeper=False).bytes_per_token
+    cache = PrefixCache(chat_llama, tokenizer, CacheConfig(max_bytes=per_token * 4000, pin_ttl_seconds=100),
+                        clock=clock, start_sweeper=False)
+    with pytest.raises(PinQuotaExceededError):  # the default quota: 500 tokens here
+        cache.warm([SYSTEM] * 3, tenant="t1", pin=True)
+    assert cache.stats("t1")["bytes"] == 0  # refused whole, nothing stored
+    msgs = [SYSTEM, {"role": "user", "content": "hello"}]
+    cache.warm([SYSTEM], tenant="t1", pin=True, ttl_seconds=math.inf)  # no TTL asked: the pin TTL applies
+    cache.warm([SYSTEM], tenant="t2", pin=True, privileged=True)  # the operator's pin has none
+    clock.advance(101)
+    assert cache.chat(msgs, max_new_tokens=2, tenant="t1").usage.cached_tokens == 0
+    assert cache.chat(msgs, max_new_tokens=2, tenant="t2").usage.cached_tokens > 0
+    cache.check_integrity()
 
 
 def test_ttl_override_expires_with_injected_clock(chat_llama, tokenizer, clock):

@@ -1,10 +1,13 @@
 """Eviction and expiry rules, as pure functions over trie nodes.
 
-The store calls these under its lock. LRU uses a heap built per eviction round
-rather than ``cachetools.LRUCache``: only refcount-0, unpinned *leaves* may go, and a
-parent becomes a candidate only once its last child is gone, which a flat key-value
-LRU cannot express. ``cachetools`` would also evict by key count or size without
-knowing that a node is in use.
+``evictable`` and ``ttl_freeable`` say which nodes may go; the store keeps exactly
+those nodes in incrementally maintained heaps (``keyed_heap``) and its
+``check_integrity`` recomputes them with these predicates. ``lru_order`` and
+``expired_bottom_up`` are the whole-store statements of the same rules: the tests hold
+the store's incremental eviction to them. Not ``cachetools.LRUCache``: only
+refcount-0, unpinned *leaves* may go, and a parent becomes a candidate only once its
+last child is gone, which a flat key-value LRU cannot express. ``cachetools`` would
+also evict by key count or size without knowing that a node is in use.
 """
 from __future__ import annotations
 
@@ -29,6 +32,11 @@ def is_expired(node: Node, now: float) -> bool:
 def evictable(node: Node) -> bool:
     """A leaf nobody reads and nobody pinned."""
     return node.alive and not node.is_root and node.num_children == 0 and node.refcount == 0 and node.pins == 0
+
+
+def ttl_freeable(node: Node) -> bool:
+    """A leaf nobody reads: freed once its deadline passes, pinned or not (a pin's TTL ends it)."""
+    return node.alive and not node.is_root and node.num_children == 0 and node.refcount == 0
 
 
 def lru_order(leaves: Iterable[Node], keep: Callable[[Node], bool]) -> Iterator[Node]:

@@ -4,10 +4,16 @@ A snapshot (``node.kv``) is published once, when its node is added, and never wr
 again: readers copy from it, writers create new nodes. All methods take the store's
 lock, so lookups, inserts and evictions from many threads are serialised; model work
 happens outside it.
+
+Work under the lock does not grow with what is stored: evictable leaves (by last access)
+and TTL candidates (by deadline) live in keyed heaps, and the figures ``snapshot_stats``
+reports are running totals. ``_sync(node)`` keeps both up to date and is called after
+every change to a node's refcount, pins, children, access time or deadline.
 """
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -16,10 +22,12 @@ from typing import Any
 
 from prefixcache.cache.handles import EvictHook, InsertResult, KVSlicer, Lease, evicted_snapshot
 from prefixcache.cache.hashing import BlockHasher
-from prefixcache.cache.policy import REASONS, evictable, expired_bottom_up, expiry, is_expired, lru_order
+from prefixcache.cache.keyed_heap import KeyedHeap
+from prefixcache.cache.policy import REASONS, evictable, expiry, is_expired, ttl_freeable
 from prefixcache.cache.runs import follows, storage_key
 from prefixcache.cache.trie import Node, PrefixTrie
 from prefixcache.config import CacheConfig
+from prefixcache.errors import PinQuotaExceededError
 
 
 log = logging.getLogger(__name__)
@@ -38,7 +46,20 @@ class KVStore:
         # Keyed by (tenant, reason); store-wide figures are sums over tenants.
         self._eviction_counts: Counter[tuple[str, str]] = Counter()
         self._reclaimed_counts: Counter[tuple[str, str]] = Counter()
-        self._leaves: set[Node] = set()
+        # Exactly the nodes ``evictable`` holds for, keyed by last access (all tenants, and per tenant).
+        self._lru: KeyedHeap[Node] = KeyedHeap()
+        self._lru_by_tenant: dict[str, KeyedHeap[Node]] = {}
+        # Exactly the nodes ``ttl_freeable`` holds for that have a finite deadline, keyed by it.
+        self._expiry: KeyedHeap[Node] = KeyedHeap()
+        # Running totals per tenant, so stats and admission checks never walk the trie.
+        self._entries: Counter[str] = Counter()
+        self._tokens: Counter[str] = Counter()
+        self._pinned: set[Node] = set()
+        self._pinned_bytes: Counter[str] = Counter()
+        self._leased: set[Node] = set()
+        self._leased_entries: Counter[str] = Counter()
+        self._protected: set[Node] = set()  # pinned or leased: not reclaimable now
+        self._protected_bytes: Counter[str] = Counter()
         # Run tensors (see ``_grow``): storage key -> live nodes viewing it. A run whose
         # nodes were partly freed is *dirty* until ``_compact`` re-homes the survivors,
         # so held bytes always equal accounted bytes between operations.
@@ -57,7 +78,7 @@ class KVStore:
             steps = self.trie.match(root, tokens, limit, lambda n: _usable(n, now))
             root.refcount += 1
             for step in steps:
-                step.node.refcount += 1
+                self._ref(step.node, +1)
             self._touch([s.node for s in steps], now, ttl_seconds)
             return Lease(root, steps, sum(s.used for s in steps))
 
@@ -68,7 +89,7 @@ class KVStore:
             if already or lease.root is None:
                 return
             for step in lease.steps:
-                step.node.refcount -= 1
+                self._ref(step.node, -1)
             lease.root.refcount -= 1
             now = self._clock()
             for step in reversed(lease.steps):
@@ -80,12 +101,15 @@ class KVStore:
 
     # -- write path ----------------------------------------------------------------
     def insert(self, namespace: tuple[str, ...], tenant: str, tokens: Sequence[int], slice_kv: KVSlicer,
-               ttl_seconds: float | None, pin: bool = False) -> InsertResult:
+               ttl_seconds: float | None, pin: bool = False, privileged: bool = False) -> InsertResult:
         """Store the KV of ``tokens`` (all of them) below ``namespace``, block by block.
 
         Blocks are added root-first, so what is stored is always a prefix of
         ``tokens``; under budget or quota pressure the tail is dropped, never an error.
-        With ``pin``, the whole stored path is pinned (``unpin`` undoes it).
+        With ``pin``, the whole stored path is pinned (``unpin`` undoes it). Unless
+        ``privileged``, a pin whose newly pinned bytes would take the tenant's pinned
+        bytes over ``config.pin_quota_bytes`` raises ``PinQuotaExceededError`` before
+        anything is stored or evicted.
         """
         with self._lock:
             now = self._clock()
@@ -94,28 +118,32 @@ class KVStore:
             # so eviction can never free the node we are about to attach to.
             held: list[Node] = [root]
             root.refcount += 1
+            pin_room = None if not pin or privileged else self.config.pin_quota_bytes - self._pinned_bytes[tenant]
             try:
-                new_bytes, pos = self._grow(root, tokens, slice_kv, tenant, held, now)
+                new_bytes, pos = self._grow(root, tokens, slice_kv, tenant, held, now, pin_room)
             finally:
-                for node in held:
-                    node.refcount -= 1
+                root.refcount -= 1
+                for node in held[1:]:
+                    self._ref(node, -1)
+                self.trie.drop_root_if_empty(root)
             path = held[1:]
             self._touch(path, now, ttl_seconds)
             complete = pos == len(tokens)
             if pin and complete:
                 for node in path:
                     node.pins += 1
-            self.trie.drop_root_if_empty(root)
+                    self._sync(node)
             self._compact()
             return InsertResult(pos, new_bytes, complete)
 
     def _grow(self, root: Node, tokens: Sequence[int], slice_kv: KVSlicer, tenant: str,
-              held: list[Node], now: float) -> tuple[int, int]:
+              held: list[Node], now: float, pin_room: int | None) -> tuple[int, int]:
         """Walk existing blocks, then add the missing tail; returns (new bytes, tokens covered).
 
         New blocks always form the tail of the path (a new node has no children yet), so
         their KV is sliced once into one *run* tensor and each block holds a view of it:
         consecutive blocks of a run are adjacent in memory and read as one (``coalesce``).
+        ``pin_room`` (None: no limit) bounds the bytes a pin of the whole path may newly pin.
         """
         bs, pos, attach = self.config.block_size, 0, root
         while pos < len(tokens):
@@ -123,16 +151,20 @@ class KVStore:
             node = self._covering_child(attach, chunk, now)
             if node is None:
                 break
-            node.refcount += 1
+            self._ref(node, +1)
             held.append(node)
             pos += len(chunk)
             if len(chunk) < bs or len(node.tokens) < bs:
-                return 0, pos
+                break
             attach = node
-        if pos >= len(tokens):
+        run = slice_kv(pos, len(tokens)) if pos < len(tokens) else None
+        if pin_room is not None:
+            missing = 0 if run is None else (len(tokens) - pos) * _bytes_per_token(run)
+            self._check_pin_room(held[1:], missing, pin_room)
+        if run is None or (held[1:] and len(held[-1].tokens) < bs):
             return 0, pos
-        run, first = slice_kv(pos, len(tokens)), pos
-        per_token = run[:, :, :, :1].numel() * run.element_size()
+        first = pos
+        per_token = _bytes_per_token(run)
         added: list[Node] = []
         while pos < len(tokens):
             chunk = tuple(tokens[pos : pos + bs])
@@ -143,7 +175,8 @@ class KVStore:
             node = self.trie.add_child(attach, chunk)
             node.kv, node.nbytes = run[:, :, :, pos - first : pos - first + len(chunk)], nbytes
             self._account(node, +1)
-            node.refcount += 1
+            self._sync(attach)  # no longer a leaf
+            self._ref(node, +1)
             held.append(node)
             added.append(node)
             pos += len(chunk)
@@ -155,6 +188,16 @@ class KVStore:
         if added:
             self._runs[storage_key(run)] = set(added)
         return sum(n.nbytes for n in added), pos
+
+    def _check_pin_room(self, existing: list[Node], missing: int, room: int) -> None:
+        """Refuse a pin that would newly pin more than ``room`` bytes (the tenant's own figures only)."""
+        need = missing + sum(n.nbytes for n in existing if n.pins == 0)
+        if need > room:
+            quota = self.config.pin_quota_bytes
+            raise PinQuotaExceededError(
+                f"cannot pin {need} more bytes: the tenant's pin quota is {quota} bytes and "
+                f"{quota - room} bytes are pinned already; unpin something, use a shorter prefix, or ask the "
+                f"operator (admin key) to pin it", pinned_bytes=quota - room, quota_bytes=quota, need_bytes=need)
 
     def _covering_child(self, parent: Node, chunk: tuple[int, ...], now: float) -> Node | None:
         """An existing usable block holding ``chunk`` (a partial chunk may sit inside a longer block)."""
@@ -181,50 +224,47 @@ class KVStore:
                 return 0
             for step in steps:
                 step.node.pins -= 1
+                self._sync(step.node)
             return len(tokens)
 
     # -- policy --------------------------------------------------------------------
     def _make_room(self, need: int, tenant: str) -> bool:
-        """Evict until ``need`` more bytes fit the tenant quota and the budget."""
+        """Evict until ``need`` more bytes fit the tenant quota and the budget (O(log n) per block freed)."""
         cfg = self.config
         if need > cfg.max_bytes or (cfg.tenant_quota_bytes is not None and need > cfg.tenant_quota_bytes):
             return False
         self._expire(self._clock())
-        if cfg.tenant_quota_bytes is not None and self.tenant_bytes[tenant] + need > cfg.tenant_quota_bytes:
+        if cfg.tenant_quota_bytes is not None:
             # Over its quota, a tenant evicts only its own entries.
-            for victim in lru_order(list(self._leaves), lambda n: n.tenant == tenant):
-                self._free(victim, "quota")
-                if self.tenant_bytes[tenant] + need <= cfg.tenant_quota_bytes:
-                    break
-            else:
+            own = self._lru_by_tenant.get(tenant)
+            while self.tenant_bytes[tenant] + need > cfg.tenant_quota_bytes:
+                top = None if own is None else own.peek()
+                if top is None:
+                    return False
+                self._free(top[0], "quota")
+        while self.bytes + need > cfg.max_bytes:
+            top = self._lru.peek()
+            if top is None:
                 return False
-        if self.bytes + need > cfg.max_bytes:
-            for victim in lru_order(list(self._leaves), lambda n: True):
-                self._free(victim, "lru")
-                if self.bytes + need <= cfg.max_bytes:
-                    break
-            else:
-                return False
+            self._free(top[0], "lru")
         return True
 
     def can_admit(self, need: int, tenant: str) -> bool:
         """Whether ``need`` more bytes could be stored for ``tenant`` now, evicting only what may go."""
         with self._lock:
             cfg = self.config
-            free = [n for n in self.trie.iter_nodes() if n.refcount == 0 and n.pins == 0]
-            reclaimable = sum(n.nbytes for n in free)
-            if cfg.tenant_quota_bytes is not None:
-                own = sum(n.nbytes for n in free if n.tenant == tenant)
-                if self.tenant_bytes[tenant] - own + need > cfg.tenant_quota_bytes:
-                    return False
-            return self.bytes - reclaimable + need <= cfg.max_bytes
+            # Pinned and leased nodes are closed upwards (a pin or lease covers the path from the
+            # root), so everything else can go, leaves first: only protected bytes stay.
+            if cfg.tenant_quota_bytes is not None and self._protected_bytes[tenant] + need > cfg.tenant_quota_bytes:
+                return False
+            return sum(self._protected_bytes.values()) + need <= cfg.max_bytes
 
     def _expire(self, now: float) -> int:
+        """Free expired nodes nobody reads, deepest first (a freed leaf's expired parent follows)."""
         freed = 0
-        for node in expired_bottom_up(self.trie.iter_nodes(), now):
-            if node.alive and node.num_children == 0 and node.refcount == 0:
-                freed += node.nbytes
-                self._free(node, "ttl")
+        while (top := self._expiry.peek()) is not None and top[1] <= now:
+            freed += top[0].nbytes
+            self._free(top[0], "ttl")
         return freed
 
     def sweep(self) -> int:
@@ -238,15 +278,15 @@ class KVStore:
         """Drop every prefix (of one tenant, or all). Prefixes in use die on release."""
         with self._lock:
             freed = 0
-            for node in sorted(self.trie.iter_nodes(), key=lambda n: n.start, reverse=True):
-                if tenant is not None and node.tenant != tenant:
-                    continue
+            roots = [r for r in self.trie.roots() if tenant is None or r.tenant == tenant]
+            for node in sorted(self.trie.iter_nodes(roots), key=lambda n: n.start, reverse=True):
                 node.doomed = True  # never matched again; freed here or on release
                 node.pins = 0
+                self._sync(node)
                 if node.refcount == 0 and node.num_children == 0:
                     freed += node.nbytes
                     self._free(node, "flush")
-            for root in list(self.trie.roots()):
+            for root in roots:
                 self.trie.drop_root_if_empty(root)
             self._compact()
             return freed
@@ -258,15 +298,43 @@ class KVStore:
             node.last_access = now
             # New (or expired but still in use) nodes take the new deadline; live ones keep the later one.
             node.expires_at = until if node.expires_at <= now else max(node.expires_at, until)
+            self._sync(node)
+
+    def _ref(self, node: Node, delta: int) -> None:
+        node.refcount += delta
+        self._sync(node)
+
+    def _sync(self, node: Node) -> None:
+        """Bring the indexes and running totals in line with ``node``'s current state (O(log n))."""
+        if node.is_root:
+            return
+        tenant = node.tenant
+        own = self._lru_by_tenant.get(tenant)
+        if evictable(node):
+            if own is None:
+                own = self._lru_by_tenant[tenant] = KeyedHeap()
+            self._lru.set(node, node.last_access)
+            own.set(node, node.last_access)
+        else:
+            self._lru.discard(node)
+            if own is not None:
+                own.discard(node)
+                if not own:
+                    del self._lru_by_tenant[tenant]
+        if ttl_freeable(node) and math.isfinite(node.expires_at):
+            self._expiry.set(node, node.expires_at)
+        else:
+            self._expiry.discard(node)
+        _flag(self._pinned, self._pinned_bytes, node, node.alive and node.pins > 0, node.nbytes)
+        _flag(self._leased, self._leased_entries, node, node.alive and node.refcount > 0, 1)
+        _flag(self._protected, self._protected_bytes, node, node.alive and (node.pins > 0 or node.refcount > 0),
+              node.nbytes)
 
     def _account(self, node: Node, sign: int) -> None:
         self.bytes += sign * node.nbytes
         self.tenant_bytes[node.tenant] += sign * node.nbytes
-        if sign > 0:
-            self._leaves.add(node)
-            self._leaves.discard(node.parent)
-        else:
-            self._leaves.discard(node)
+        self._entries[node.tenant] += sign
+        self._tokens[node.tenant] += sign * len(node.tokens)
 
     def _free(self, node: Node, reason: str | None) -> None:
         """Drop a leaf. ``reason`` None: superseded by a longer copy of itself, not an eviction."""
@@ -277,9 +345,8 @@ class KVStore:
                 log.exception("offload hook failed; snapshot dropped")
         self.trie.remove_leaf(node)
         self._account(node, -1)
-        parent = node.parent
-        if parent is not None and not parent.is_root and parent.num_children == 0:
-            self._leaves.add(parent)
+        self._sync(node)
+        self._sync(node.parent)  # may have become a leaf
         if reason is not None:
             self._eviction_counts[node.tenant, reason] += 1
             self._reclaimed_counts[node.tenant, reason] += node.nbytes
@@ -328,24 +395,21 @@ class KVStore:
             return _by_reason(self._eviction_counts, None)
 
     def snapshot_stats(self, tenant: str | None = None) -> dict[str, Any]:
-        """Memory figures for one tenant's entries, or (None) the whole store."""
+        """Memory figures for one tenant's entries, or (None) the whole store: running totals, O(tenants)."""
         with self._lock:
-            nodes = [n for n in self.trie.iter_nodes() if tenant is None or n.tenant == tenant]
-            evictions = _by_reason(self._eviction_counts, tenant)
-            reclaimed = _by_reason(self._reclaimed_counts, tenant)
             return {
                 "bytes": self.bytes if tenant is None else self.tenant_bytes[tenant],
                 "budget_bytes": self.config.max_bytes,
                 "tenant_quota_bytes": self.config.tenant_quota_bytes,
-                "entries": len(nodes),
-                "cached_tokens_held": sum(len(n.tokens) for n in nodes),
-                "pinned_bytes": sum(n.nbytes for n in nodes if n.pins > 0),
-                "leased_entries": sum(1 for n in nodes if n.refcount > 0),
+                "pin_quota_bytes": self.config.pin_quota_bytes,
+                "entries": _total(self._entries, tenant),
+                "cached_tokens_held": _total(self._tokens, tenant),
+                "pinned_bytes": _total(self._pinned_bytes, tenant),
+                "leased_entries": _total(self._leased_entries, tenant),
                 "tenant_bytes": {t: b for t, b in self.tenant_bytes.items() if b and (tenant in (None, t))},
-                "evictions": evictions,
-                "reclaimed_bytes": reclaimed,
+                "evictions": _by_reason(self._eviction_counts, tenant),
+                "reclaimed_bytes": _by_reason(self._reclaimed_counts, tenant),
             }
-
 
     def check_integrity(self) -> None:
         """Raise AssertionError if any invariant of the store is broken.
@@ -353,7 +417,8 @@ class KVStore:
         Bytes held equal the bytes of live snapshot tensors (overall and per tenant);
         refcounts and pins are never negative; every node is reachable from its root
         and indexed under its parent; partial blocks are leaves; a parent never
-        expires before its child; the leaf set is exact; the budget holds.
+        expires before its child; the budget holds. The eviction and expiry indexes
+        and the running totals equal a brute-force recomputation over every node.
         """
         with self._lock:
             bs, total, per_tenant = self.config.block_size, 0, Counter()
@@ -373,10 +438,8 @@ class KVStore:
                 assert node.nbytes == node.kv.numel() * node.kv.element_size()
                 assert node in self._runs.get(storage_key(node.kv), ()), "snapshot outside its run"
                 assert node.kv.shape[-2] == len(node.tokens)
-                assert (node in self._leaves) == (node.num_children == 0)
                 total += node.nbytes
                 per_tenant[node.tenant] += node.nbytes
-            assert len(self._leaves) == sum(1 for n in nodes if n.num_children == 0)
             assert not self._dirty, "partly freed run not compacted"
             # Exact memory: every run tensor is covered by the live blocks viewing it.
             for key, run in self._runs.items():
@@ -386,6 +449,54 @@ class KVStore:
             assert total == self.bytes, f"accounted {self.bytes} != live {total}"
             assert all(per_tenant[t] == b for t, b in self.tenant_bytes.items()), "tenant bytes drift"
             assert self.bytes <= self.config.max_bytes, "over budget"
+            self._check_indexes(nodes)
+
+    def _check_indexes(self, nodes: list[Node]) -> None:
+        """The incremental structures against the same facts recomputed from scratch."""
+        lru = {n: n.last_access for n in nodes if evictable(n)}
+        assert dict(self._lru.items()) == lru, "LRU index differs from the evictable leaves"
+        by_tenant: dict[str, dict[Node, float]] = {}
+        for node, key in lru.items():
+            by_tenant.setdefault(node.tenant, {})[node] = key
+        assert {t: dict(h.items()) for t, h in self._lru_by_tenant.items()} == by_tenant, "tenant LRU index drift"
+        expiring = {n: n.expires_at for n in nodes if ttl_freeable(n) and math.isfinite(n.expires_at)}
+        assert dict(self._expiry.items()) == expiring, "expiry index differs from the TTL candidates"
+        for flagged, counter, member, weight in (
+                (self._pinned, self._pinned_bytes, lambda n: n.pins > 0, lambda n: n.nbytes),
+                (self._leased, self._leased_entries, lambda n: n.refcount > 0, lambda n: 1),
+                (self._protected, self._protected_bytes, lambda n: n.pins > 0 or n.refcount > 0, lambda n: n.nbytes)):
+            assert flagged == {n for n in nodes if member(n)}, "pinned/leased set drift"
+            assert +counter == +_tally(nodes, flagged.__contains__, weight), "pinned/leased totals drift"
+        assert +self._entries == +_tally(nodes, lambda n: True, lambda n: 1), "entry count drift"
+        assert +self._tokens == +_tally(nodes, lambda n: True, lambda n: len(n.tokens)), "token count drift"
+
+
+def _tally(nodes: list[Node], member: Callable[[Node], bool], weight: Callable[[Node], int]) -> Counter[str]:
+    out: Counter[str] = Counter()
+    for node in nodes:
+        if member(node):
+            out[node.tenant] += weight(node)
+    return out
+
+
+def _flag(members: set[Node], totals: Counter[str], node: Node, on: bool, weight: int) -> None:
+    """Add ``node`` to (or drop it from) ``members``, keeping its tenant's total in step."""
+    if on and node not in members:
+        members.add(node)
+        totals[node.tenant] += weight
+    elif not on and node in members:
+        members.discard(node)
+        totals[node.tenant] -= weight
+
+
+def _total(counts: Counter[str], tenant: str | None) -> int:
+    return sum(counts.values()) if tenant is None else counts[tenant]
+
+
+def _bytes_per_token(run: Any) -> int:
+    """Bytes of one token of a run ``[L, 2, H, n, D]``."""
+    return run[:, :, :, :1].numel() * run.element_size()
+
 
 def _by_reason(counts: Counter[tuple[str, str]], tenant: str | None) -> dict[str, int]:
     """Sum (tenant, reason) counts per reason, for one tenant or (None) all."""

@@ -10,7 +10,7 @@ key is confirmed by comparing token ids.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -159,9 +159,9 @@ class PrefixTrie:
         parent.num_children -= 1
         node.alive = False
 
-    def iter_nodes(self) -> Iterator[Node]:
-        """Every non-root node, parents before children."""
-        stack = list(self.roots())
+    def iter_nodes(self, roots: Iterable[Node] | None = None) -> Iterator[Node]:
+        """Every non-root node (below ``roots``, default all), parents before children."""
+        stack = list(self.roots() if roots is None else roots)
         while stack:
             node = stack.pop()
             if not node.is_root:

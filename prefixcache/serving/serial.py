@@ -132,8 +132,11 @@ class Engine:
         return out, stats
 
     def prefill(self, tokens: list[int], namespace: tuple[str, ...], tenant: str,
-                ttl_seconds: float | None, pin: bool) -> CallStats:
-        """Compute and store the KV of ``tokens`` without generating (cache warming)."""
+                ttl_seconds: float | None, pin: bool, privileged: bool = False) -> CallStats:
+        """Compute and store the KV of ``tokens`` without generating (cache warming).
+
+        ``privileged`` exempts a pin from the tenant pin quota (``KVStore.insert``).
+        """
         if self.layout is None:
             raise UnsupportedModelError(self.unsupported_reason or "model not supported")
         stats = CallStats(prompt_tokens=len(tokens), executor="serial")
@@ -146,7 +149,8 @@ class Engine:
                     ids = torch.tensor([tokens[lease.cached_tokens :]], device=self.layout.device)
                     with torch.no_grad():  # positions follow from the cache's length
                         self.model(input_ids=ids, past_key_values=cache, use_cache=True)
-                result = self.store.insert(namespace, tenant, tokens, cache.slice, ttl_seconds, pin=pin)
+                result = self.store.insert(namespace, tenant, tokens, cache.slice, ttl_seconds, pin=pin,
+                                           privileged=privileged)
                 stats.stored_tokens = result.stored_tokens
             finally:
                 self.store.release(lease)

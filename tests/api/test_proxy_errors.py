@@ -8,7 +8,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 from prefixcache_api import create_app
-from proxy_support import ADMIN, ALPHA, MODEL, auth, leased_refs, live, make_cache, settings, wait_until
+from proxy_support import ADMIN, ALPHA, BETA, MODEL, auth, leased_refs, live, make_cache, settings, wait_until
 
 CHAT = "/v1/chat/completions"
 LONG = 1500  # tokens: seconds of generation on the tiny model, so it is still running when we look
@@ -232,13 +232,30 @@ def test_timeout_is_504_and_cancels_the_generation(tight, tokenizer):
 def test_memory_pressure_on_a_pin_is_503_with_retry_after(tiny_model, tokenizer):
     text = "A long policy document that will not fit in the cache budget. " * 40  # ~500 tokens > 64 KiB
     cache = make_cache(tiny_model, tokenizer, max_bytes=64 << 10)  # tight's budget, not its 1 s timeout:
-    with live(create_app(settings(), cache=cache)) as srv, srv.client(ALPHA) as client:  # a slow prefill is no 504
+    with live(create_app(settings(), cache=cache)) as srv, srv.client(ADMIN) as client:  # a slow prefill is no 504;
+        # the admin's pins have no pin quota: the budget is the limit
         r = client.post("/v1/cache/prewarm", json={"prompt": text, "pin": True})
         assert_error(r, 503, code="insufficient_capacity")
         assert r.headers["retry-after"] == "1"
         # Unpinned, the same prefix is simply cached as far as it fits: no error.
         assert client.post("/v1/cache/prewarm", json={"prompt": text}).status_code == 200
     cache.close()
+
+
+def test_a_tenant_pin_over_its_pin_quota_is_429_with_its_own_figures_only(tight):
+    """The pin quota (1/8 of the 64 KiB budget by default) binds tenant keys, not the admin key."""
+    with tight.client(BETA) as beta:
+        assert beta.post("/v1/cache/prewarm", json={"prompt": "Beta's short prompt", "pin": True}).status_code == 200
+    text = "A policy document longer than a tenant's pin quota. " * 3
+    with tight.client(ALPHA) as alpha:
+        r = alpha.post("/v1/cache/prewarm", json={"prompt": text, "pin": True})
+        assert_error(r, 429, code="pin_quota_exceeded")
+        assert "retry-after" not in r.headers  # retrying will not help until the tenant unpins
+        assert "0 bytes are pinned already" in r.json()["error"]["message"]  # alpha's, not beta's
+    with tight.client(ADMIN) as admin:
+        assert admin.post("/v1/cache/prewarm", params={"tenant": "alpha"},
+                          json={"prompt": text, "pin": True}).status_code == 200
+        admin.delete("/v1/cache")
 
 
 def test_errors_are_counted_by_route_and_status(server):

@@ -33,16 +33,18 @@ def lease_values(lease) -> list[float]:
 
 
 def make_store(clock, *, blocks_budget: int = 1000, block_size: int = 4, quota_blocks: int | None = None,
-               hash_fn=None) -> KVStore:
+               hash_fn=None, pin_quota_blocks: int | None = None) -> KVStore:
+    """A store of ``blocks_budget`` blocks; pins are limited only by the budget unless ``pin_quota_blocks``."""
     block = block_size * BYTES_PER_TOKEN
     cfg = CacheConfig(max_bytes=blocks_budget * block, block_size=block_size,
-                      tenant_quota_bytes=None if quota_blocks is None else quota_blocks * block)
+                      tenant_quota_bytes=None if quota_blocks is None else quota_blocks * block,
+                      tenant_pin_quota_bytes=(blocks_budget if pin_quota_blocks is None else pin_quota_blocks) * block)
     hasher = BlockHasher(1234) if hash_fn is None else BlockHasher(1234, hash_fn)
     return KVStore(cfg, hasher, clock)
 
 
-def insert(store, tenant: str, tokens, ttl=300.0, pin=False):
-    return store.insert(NS[tenant], tenant, tokens, slicer(tokens), ttl, pin=pin)
+def insert(store, tenant: str, tokens, ttl=300.0, pin=False, privileged=False):
+    return store.insert(NS[tenant], tenant, tokens, slicer(tokens), ttl, pin=pin, privileged=privileged)
 
 
 def lookup(store, tenant: str, tokens, ttl=300.0):

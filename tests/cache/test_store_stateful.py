@@ -5,6 +5,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from prefixcache.errors import PinQuotaExceededError
 from tests.cache.store_helpers import NS, insert, kv_value, lease_values, make_store
 from tests.conftest import FakeClock
 
@@ -18,14 +19,25 @@ class StoreMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.clock = FakeClock()
-        self.store = make_store(self.clock, blocks_budget=12, block_size=3, quota_blocks=7)
+        self.store = make_store(self.clock, blocks_budget=12, block_size=3, quota_blocks=7, pin_quota_blocks=2)
         self.leases: list[tuple[list[int], object]] = []
         self.pins: list[tuple[str, list[int]]] = []
 
-    @rule(tenant=TENANTS, tokens=SEQS, ttl=TTLS, pin=st.booleans())
-    def insert(self, tenant, tokens, ttl, pin):
-        result = insert(self.store, tenant, tokens, ttl=ttl, pin=pin)
+    @rule(tenant=TENANTS, tokens=SEQS, ttl=TTLS, pin=st.booleans(), privileged=st.booleans())
+    def insert(self, tenant, tokens, ttl, pin, privileged):
+        before = self.store.snapshot_stats()
+        mine = self.store.snapshot_stats(tenant)["pinned_bytes"]
+        try:
+            result = insert(self.store, tenant, tokens, ttl=ttl, pin=pin, privileged=privileged)
+        except PinQuotaExceededError:
+            assert pin and not privileged
+            after = self.store.snapshot_stats()  # refused before anything was stored or evicted
+            assert (after["tenant_bytes"], after["evictions"]) == (before["tenant_bytes"], before["evictions"])
+            return
         assert 0 <= result.stored_tokens <= len(tokens)
+        if pin and not privileged:
+            assert self.store.snapshot_stats(tenant)["pinned_bytes"] <= max(
+                self.store.config.pin_quota_bytes, mine)
         if pin and result.complete:
             self.pins.append((tenant, tokens))
 
