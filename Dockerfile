@@ -1,4 +1,6 @@
 # prefixcache proxy: the OpenAI-compatible server on the embedded default model (or --model / PREFIXCACHE_MODEL).
+# It binds 0.0.0.0, so it refuses to start without keys: pass them at run time, never in the image:
+#   docker run -e PREFIXCACHE_ADMIN_KEY=... -e PREFIXCACHE_API_KEYS='{"sk-team-a": "team-a"}' -p 8000:8000 prefixcache
 FROM python:3.11-slim
 
 ARG TORCH_VERSION=2.13.0

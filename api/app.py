@@ -20,7 +20,6 @@ from prefixcache import ConfigError, PrefixCache, __version__, load_default_mode
 from . import errors
 from .auth import KeyRing
 from .metrics import Metrics
-from .protocol import ErrorDetail
 from .routes import router
 from .serving import Serving
 from .settings import Settings
@@ -73,7 +72,6 @@ def create_app(settings: Settings | None = None, *, cache: PrefixCache | None = 
     errors.install(app, settings.retry_after_seconds, lambda request, status: metrics.error(_route(request), status))
     app.include_router(router)
     app.add_middleware(InternalErrors, on_error=lambda scope: metrics.error(_route(scope), 500))
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, retry_after=settings.retry_after_seconds)
     return app
 
 
@@ -110,31 +108,3 @@ class InternalErrors:
             self.on_error(scope)
             await errors.error_response(errors.map_exception(exc), 0)(scope, receive, send)
 
-
-class BodyLimit:
-    """Refuse bodies over ``limit`` bytes before anything reads them (413)."""
-
-    def __init__(self, app: ASGIApp, limit: int, retry_after: int):
-        self.app, self.limit, self.retry_after = app, limit, retry_after
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        length = dict(scope.get("headers") or []).get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.limit:
-            detail = ErrorDetail(message=f"the request body is larger than {self.limit} bytes",
-                                 type="invalid_request_error", code="payload_too_large")
-            await errors.error_response(errors.Mapped(413, detail), self.retry_after)(scope, receive, send)
-            return
-        seen = 0
-
-        async def limited() -> dict:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b"")) if message["type"] == "http.request" else 0
-            if seen > self.limit:  # chunked upload without a length: FastAPI turns this into a 400
-                raise ValueError(f"the request body is larger than {self.limit} bytes")
-            return message
-
-        await self.app(scope, limited, send)

@@ -57,6 +57,16 @@ class NotFoundError(ProxyError):
     status, type, code = 404, "invalid_request_error", "not_found"
 
 
+class LimitExceededError(ProxyError):
+    """An input over one of the configured limits (``code`` says which kind, as OpenAI's do)."""
+
+    status, type, code = 400, "invalid_request_error", "limit_exceeded"
+
+
+class PayloadTooLargeError(ProxyError):
+    status, type, code = 413, "invalid_request_error", "payload_too_large"
+
+
 class QueueFullError(ProxyError):
     status, type, code, retry = 429, "rate_limit_error", "queue_full", True
 

@@ -1,7 +1,9 @@
 """HTTP routes: authenticate, turn the request into a job, hand it to ``Serving``, shape the answer.
 
-Handlers stay thin: tenancy lives in ``auth``, parameter handling in ``sampling``,
-queueing and cancellation in ``serving``, error mapping in ``errors``.
+Handlers stay thin: tenancy lives in ``auth``, input bounds in ``limits``, parameter
+handling in ``sampling``, queueing and cancellation in ``serving``, error mapping in
+``errors``. Every route is a ``GuardedRoute``: the caller is authenticated before the
+body is read, and the body is read with a cap before FastAPI parses it.
 """
 from __future__ import annotations
 
@@ -10,18 +12,21 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request, Security
+from fastapi.dependencies.models import Dependant
 from fastapi.responses import Response, StreamingResponse
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from prefixcache import GenerationResult
 
 from .auth import Principal
 from .errors import NotFoundError, UnavailableError, map_exception
+from .limits import check_chat, check_completion, check_prewarm, read_body
 from .metrics import CONTENT_TYPE
 from .protocol import (
     CacheStats,
@@ -47,7 +52,6 @@ from .sampling import chat_job, completion_job
 from .serving import Serving, TextStream
 
 log = logging.getLogger(__name__)
-router = APIRouter()
 _bearer = HTTPBearer(auto_error=False, description="A tenant's API key, or the admin key.")
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": text} for status, text in (
@@ -60,8 +64,52 @@ _SSE = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or ser
 
 # -- dependencies --------------------------------------------------------------------
 def principal(request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)]) -> Principal:
-    """The caller's tenant, from the bearer key only (the ``Security`` parameter documents the scheme)."""
-    return request.app.state.keyring.authenticate(request.headers.get("authorization"))
+    """The caller's tenant, from the bearer key only (the ``Security`` parameter documents the scheme).
+
+    ``GuardedRoute`` has already authenticated the request, before reading its body.
+    """
+    return request.state.principal
+
+
+class GuardedRoute(APIRoute):
+    """A route that authenticates before anything reads the body, then reads it within the limits.
+
+    FastAPI reads and parses a body before it solves dependencies, so a dependency
+    alone would parse a stranger's body (and answer 400 or 413 instead of 401).
+    """
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        authenticated = _depends_on(self.dependant, principal)
+        has_body = self.body_field is not None
+
+        async def guarded(request: Request) -> Response:
+            state = request.app.state
+            if authenticated:
+                request.state.principal = state.keyring.authenticate(request.headers.get("authorization"))
+            if has_body:
+                request = _ReadRequest(request, await read_body(request, state.settings))
+            return await handler(request)
+
+        return guarded
+
+
+class _ReadRequest(Request):
+    """A request whose body the route has read (bounded); FastAPI's parser takes it from here."""
+
+    def __init__(self, request: Request, body: bytes):
+        super().__init__(request.scope, request.receive)
+        self._read = body
+
+    async def body(self) -> bytes:
+        return self._read
+
+
+def _depends_on(dependant: Dependant, call: Callable[..., Any]) -> bool:
+    return any(dep.call is call or _depends_on(dep, call) for dep in dependant.dependencies)
+
+
+router = APIRouter(route_class=GuardedRoute)
 
 
 def serving(request: Request) -> Serving:
@@ -129,6 +177,7 @@ async def get_model(model: str, who: Caller, srv: Engine) -> ModelCard:
 @router.post("/v1/chat/completions", response_model=ChatCompletion, responses={**_ERRORS, **_SSE}, tags=["openai"])
 async def chat_completions(body: ChatCompletionRequest, request: Request, who: Caller, srv: Engine) -> Any:
     _check_model(srv, body.model)
+    check_chat(body, srv.settings)
     job = chat_job(body, who.tenant, srv.settings, srv.vocab_size)
     meta = _Meta.new("chatcmpl", srv)
     if body.stream:
@@ -144,6 +193,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, who: C
 @router.post("/v1/completions", response_model=Completion, responses={**_ERRORS, **_SSE}, tags=["openai"])
 async def completions(body: CompletionRequest, request: Request, who: Caller, srv: Engine) -> Any:
     _check_model(srv, body.model)
+    check_completion(body, srv.settings)
     job = completion_job(body, who.tenant, srv.settings, srv.vocab_size)
     meta = _Meta.new("cmpl", srv)
     if body.stream:
@@ -162,6 +212,7 @@ async def completions(body: CompletionRequest, request: Request, who: Caller, sr
 async def prewarm(body: PrewarmRequest, who: Caller, srv: Engine, tenant: TenantQuery = None) -> PrewarmResponse:
     """Prefill and keep a prefix for the caller's tenant (admin: any tenant via ?tenant=)."""
     _check_model(srv, body.model)
+    check_prewarm(body, srv.settings)
     target = who.target(tenant)
     prefix: Any = body.prompt if body.prompt is not None else [m.model_dump(exclude_none=True) for m in body.messages]
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None

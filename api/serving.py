@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import xxhash
 
 from prefixcache import GenerationResult, PrefixCache, WarmResult
-from prefixcache.errors import InvalidRequestError
+from prefixcache.errors import ContextLengthExceededError, InvalidRequestError
 
 from .errors import ClientClosedError, QueueFullError, RequestTimeoutError, UnavailableError
 from .metrics import Metrics
@@ -120,9 +120,27 @@ class Serving:
 
     async def prewarm(self, tenant: str, prefix: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                       pin: bool, ttl_seconds: float | None, privileged: bool = False) -> WarmResult:
-        fut, cancel = self._submit(lambda c: self.cache.warm(prefix, tools=tools, tenant=tenant, pin=pin,
-                                                               ttl_seconds=ttl_seconds, privileged=privileged))
+        """Encode the prefix, refuse it over ``max_prewarm_tokens`` (or the context), then prefill it."""
+        def warm(cancel: threading.Event) -> WarmResult:
+            ids = self._prefix_ids(prefix, tools)
+            return self.cache.warm(ids, tenant=tenant, pin=pin, ttl_seconds=ttl_seconds, privileged=privileged)
+
+        fut, cancel = self._submit(warm)
         return await self._wait(fut, cancel, None)
+
+    def _prefix_ids(self, prefix: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        """Worker thread: the prefix's ids, as ``PrefixCache.warm`` would encode it (no generation prompt)."""
+        cache = self.cache
+        if isinstance(prefix, str) or cache.canonicalizer is None:  # the latter: encode_text says why not
+            ids, param = cache.encode_text(prefix), "prompt"
+        else:
+            ids = list(cache.canonicalizer.encode_chat(prefix, tools, add_generation_prompt=False).token_ids)
+            param = "messages"
+        limit = min(self.settings.max_prewarm_tokens or cache.max_context, cache.max_context)
+        if len(ids) > limit:
+            raise ContextLengthExceededError(f"the prefix is {len(ids)} tokens; a prewarm fills at most {limit} "
+                                             f"(the model's context is {cache.max_context})", param=param)
+        return ids
 
     # -- cache admin (store work only: no model, no queue) ----------------------------
     async def stats(self, tenant: str | None) -> dict[str, Any]:

@@ -7,6 +7,7 @@ the env var names are all derived from this class. Cache defaults come from
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from typing import Any, Literal
 
 from pydantic import Field, SecretStr, model_validator
@@ -45,7 +46,11 @@ class Settings(BaseSettings):
     # -- network -------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="Bind address (0.0.0.0 in a container).")
     port: int = Field(8000, ge=0, le=65535, description="Bind port.")
-    max_body_bytes: int = Field(4 << 20, ge=1024, description="Largest request body accepted (413 above).")
+    max_body_bytes: int = Field(4 << 20, ge=1024, description="Largest request body accepted (413 above), with "
+                                "or without a Content-Length: a chunked body is read only up to it.")
+    allow_insecure_no_auth: bool = Field(False, description="Allow binding a non-loopback host with no API keys "
+                                         "and no admin key (every caller would be admin). Off: such a server "
+                                         "refuses to start.")
 
     # -- tenancy -------------------------------------------------------------------
     api_keys: dict[str, str] = Field(default_factory=dict, repr=False, description=(
@@ -88,6 +93,21 @@ class Settings(BaseSettings):
                                          "(400 above). Unset: only the context bounds it.")
     default_temperature: float = Field(1.0, ge=0, le=2, description="temperature when a request omits it "
                                        "(OpenAI's default is 1; 0 = greedy).")
+
+    # -- input limits (checked before any work; 400 naming the parameter) ----------
+    max_json_depth: int = Field(64, ge=4, le=512, description="Deepest nesting of objects and arrays in a "
+                                "request body.")
+    max_messages: int = Field(2048, ge=1, description="Most chat messages in one request (or prewarm).")
+    max_content_bytes: int = Field(1 << 20, ge=1, description="Most UTF-8 bytes of text in one request: message "
+                                   "contents, names and tool-call arguments, or the prompt.")
+    max_tools: int = Field(128, ge=0, description="Most tool definitions in one request.")
+    max_tool_schema_bytes: int = Field(32 << 10, ge=64, description="Largest tool definition, as compact JSON "
+                                       "(name, description and parameters schema).")
+    max_tool_schema_depth: int = Field(16, ge=1, description="Deepest nesting of a tool's parameters schema.")
+    max_stop_chars: int = Field(256, ge=1, description="Longest stop string, in characters (at most 4 of them).")
+    max_logit_bias: int = Field(300, ge=0, description="Most logit_bias entries in one request.")
+    max_prewarm_tokens: int | None = Field(None, ge=1, description="Longest prefix a prewarm may fill, in tokens "
+                                           "(400 above). Unset: the model's context length.")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")
 
     @model_validator(mode="after")
@@ -102,6 +122,11 @@ class Settings(BaseSettings):
                 raise ValueError("api_keys: a tenant key equals the admin key")
             if tenant == self.admin_tenant:
                 raise ValueError(f"api_keys: tenant {tenant!r} is the admin tenant's name")
+        if self.local_mode and not _loopback(self.host) and not self.allow_insecure_no_auth:
+            raise ValueError(
+                f"refusing to serve on {self.host} without API keys: every caller would be admin. Set "
+                f"{ENV_PREFIX}ADMIN_KEY and/or {ENV_PREFIX}API_KEYS (--admin-key, --api-key KEY=TENANT), bind "
+                f"127.0.0.1, or pass --allow-insecure-no-auth ({ENV_PREFIX}ALLOW_INSECURE_NO_AUTH=true) to accept it")
         return self
 
     @property
@@ -114,3 +139,13 @@ class Settings(BaseSettings):
         return CacheConfig(max_bytes=self.max_bytes, ttl_seconds=self.ttl_seconds,
                            tenant_quota_bytes=self.tenant_quota_bytes, block_size=self.block_size,
                            tenant_pin_quota_bytes=self.tenant_pin_quota_bytes, pin_ttl_seconds=self.pin_ttl_seconds)
+
+
+def _loopback(host: str) -> bool:
+    """Whether ``host`` only accepts connections from this machine (an empty host binds every interface)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a hostname other than localhost may resolve to anything

@@ -35,6 +35,9 @@ CANON_VERSION = "canon-1"
 # fingerprints its behaviour beyond the vocab size.
 _PROBE = "Hello, world! 123 \u00fcn\u00efc\u00f6d\u00e9\n\tx  y"
 _HSPACE = re.compile(r"[ \t]+")
+# Partial renders may add up to this many times the full render's length (plus the
+# allowance, so short conversations are always located exactly); see ``_Cutter``.
+_RENDER_BUDGET, _RENDER_ALLOWANCE = 4, 64 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +133,7 @@ class Canonicalizer:
             raise InvalidRequestError("this model's chat template does not support tools", param="tools")
         full, cuts, ends, drift = self._plan(msgs, tools, add_generation_prompt)
         spans = [full[a:b] for a, b in zip(cuts, cuts[1:])]
-        encoded = self._tok(spans, add_special_tokens=False)["input_ids"] if spans else []
+        encoded = self._tokenize_spans(spans)
         ids = [tid for span in encoded for tid in span]
         # Templates usually write BOS themselves; if this one does not but the tokenizer
         # adds one by default, the model expects it: keep it rather than silently drop it.
@@ -141,35 +144,37 @@ class Canonicalizer:
             token_at[cut] = pos
         return CanonicalPrompt(tuple(prefix + ids), tuple(token_at[e] for e in ends), drift)
 
+    def _tokenize_spans(self, spans: list[str]) -> list[list[int]]:
+        """Each span's ids, tokenizing each distinct span once (headers and short turns repeat)."""
+        distinct = list(dict.fromkeys(spans))
+        ids = self._tok(distinct, add_special_tokens=False)["input_ids"] if distinct else []
+        table = dict(zip(distinct, ids))
+        return [table[span] for span in spans]
+
     def _plan(self, msgs: list[dict], tools: list[dict] | None,
               add_generation_prompt: bool) -> tuple[str, list[int], list[int], bool]:
-        """Render the request and choose its cuts: character offsets where spans split.
+        """Render the request once and choose its cuts: character offsets where spans split.
 
-        A cut is taken where a partial render is a string prefix of the full render, not
-        before the previous cut; anything else is drift and merges into the next span.
-        Returns (full text, cuts from 0 to len(full), each message's end cut, drift).
+        Returns (full text, cuts from 0 to len(full), each message's end cut, drift). The
+        work is linear in the conversation: see ``_Cutter``.
         """
         full = self._render(msgs, tools, add_generation_prompt, strict=True)
-        cuts, ends, drift = [0], [], False
+        cutter = _Cutter(full, lambda part, gen: self._render(part, tools, gen))
+        ends: list[int | None] = []
         for i, msg in enumerate(msgs):
-            candidates = []
+            prev = ends[-1] if ends else 0
             if msg["role"] == "assistant" and i > 0:  # the header alone: last turn's generation prompt
-                candidates.append((self._render(msgs[:i], tools, True), False))
+                cutter.header(msgs, i, prev)
             last = i + 1 == len(msgs) and not add_generation_prompt
-            candidates.append((full if last else self._render(msgs[:i + 1], tools, False), True))
-            for text, is_end in candidates:
-                ok = text is not None and full.startswith(text) and len(text) >= cuts[-1]
-                drift |= not ok
-                if ok and len(text) > cuts[-1]:
-                    cuts.append(len(text))
-                if is_end:
-                    ends.append(len(text) if ok else None)
+            ends.append(cutter.end(msgs, i, prev, last))
+        cutter.verify(msgs, ends)
+        cuts = cutter.cuts
         if cuts[-1] != len(full):
             cuts.append(len(full))
         after = len(full)  # a message whose end is no cut ends where the next located end does
         for i in range(len(ends) - 1, -1, -1):
             after = ends[i] = after if ends[i] is None else ends[i]
-        return full, cuts, ends, drift
+        return full, cuts, ends, cutter.drift
 
     def _render(self, msgs: list[dict], tools: list[dict] | None, gen: bool, strict: bool = False) -> str | None:
         try:
@@ -188,6 +193,86 @@ class Canonicalizer:
             text = _HSPACE.sub(" ", text.replace("\r\n", "\n").replace("\r", "\n"))
             text = "\n".join(line.rstrip(" ") for line in text.split("\n")).strip()
         return text
+
+
+class _Cutter:
+    """Finds where each message's text ends in the full render, in time linear in the conversation.
+
+    A cut is where the render of ``messages[:i+1]`` ends (or, before an assistant message,
+    where ``messages[:i]`` with the generation prompt ends), so the text before it depends
+    on those messages only. Rendering every partial conversation would be quadratic.
+    Instead each message is first matched in place: the frame its role had the last time
+    it was located by a partial render (the text before and after the content), around
+    this message's content, must be the next text of the full render. Only where no
+    frame matches is a partial render made: it places the cut and teaches the role's
+    frame (the first message of a role, or one the template frames differently). Partial
+    renders are bounded in total to ``_RENDER_BUDGET`` times the full render (plus a fixed
+    allowance); a partial render that is not a prefix of the full one, that the template
+    refuses, or that is over budget is drift, and that message merges into the next span.
+    """
+
+    def __init__(self, full: str, render: Callable[[list[dict], bool], str | None]):
+        self.full, self._render = full, render
+        self.cuts, self.drift = [0], False
+        self._budget = _RENDER_BUDGET * len(full) + _RENDER_ALLOWANCE
+        self._frames: dict[str, tuple[str, str]] = {}  # role -> (text before, text after) its content
+        self._header: str | None = None  # the generation prompt, after a message's end
+        self._matched = False
+
+    def header(self, msgs: list[dict], i: int, prev: int | None) -> None:
+        """Cut after the generation prompt that precedes assistant message ``i``."""
+        if prev is not None and self._header is not None and self.full.startswith(self._header, prev):
+            self._matched = True
+            self._cut(prev + len(self._header))
+            return
+        text = self._partial(msgs, i, True)
+        if text is not None and prev is not None:
+            self._header = text[prev:]
+        self._cut(None if text is None else len(text))
+
+    def end(self, msgs: list[dict], i: int, prev: int | None, last: bool) -> int | None:
+        """The cut where message ``i`` ends, or None (drift: it merges into the next span)."""
+        if last:  # the full render is that of msgs[:i+1]
+            return self._cut(len(self.full))
+        msg = msgs[i]
+        frame = self._frames.get(msg["role"])
+        if prev is not None and frame is not None:
+            piece = frame[0] + msg["content"] + frame[1]
+            if self.full.startswith(piece, prev):
+                self._matched = True
+                return self._cut(prev + len(piece))
+        text = self._partial(msgs, i + 1, False)
+        if text is not None and prev is not None:
+            own, content = text[prev:], msg["content"]
+            if content and own.count(content) == 1:  # where the content sits is unambiguous
+                at = own.index(content)
+                self._frames[msg["role"]] = (own[:at], own[at + len(content):])
+        return self._cut(None if text is None else len(text))
+
+    def verify(self, msgs: list[dict], ends: list[int | None]) -> None:
+        """Where frames placed cuts, check the one that matters most (the previous turn) by rendering it."""
+        if not self._matched or len(msgs) < 2 or ends[-2] is None:
+            return
+        text = self._render(msgs[:-1], False)
+        if text is None or len(text) != ends[-2] or not self.full.startswith(text):
+            self.drift = True
+
+    def _partial(self, msgs: list[dict], count: int, gen: bool) -> str | None:
+        """The render of ``msgs[:count]`` if it is a prefix of the full one and not before the last cut, else None."""
+        if self._budget < 0:  # checked before slicing: a slice per message would be quadratic too
+            return None
+        text = self._render(msgs[:count], gen)
+        self._budget -= len(text or "")
+        if text is None or not self.full.startswith(text) or len(text) < self.cuts[-1]:
+            return None
+        return text
+
+    def _cut(self, at: int | None) -> int | None:
+        if at is None:
+            self.drift = True
+        elif at > self.cuts[-1]:
+            self.cuts.append(at)
+        return at
 
 
 def _auto_prefix_ids(tokenizer: Any) -> list[int]:

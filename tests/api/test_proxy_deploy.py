@@ -151,3 +151,55 @@ def test_proxy_page_documents_every_route():
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/cache/prewarm", "/v1/cache/stats",
                  "-X DELETE localhost:8000/v1/cache", "/metrics", "/healthz", "/readyz"):
         assert f"localhost:8000{path}" in proxy or path in proxy, path
+
+
+# -- fail closed: a server reachable from other hosts never runs without keys -------------------
+def _image_env() -> dict[str, str]:
+    """The ENV the Dockerfile bakes into the image (``KEY=VALUE`` pairs, continued lines joined)."""
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    env = {}
+    for line in re.findall(r"^ENV (.+)$", text, re.M):
+        for pair in shlex.split(line):
+            key, _, value = pair.partition("=")
+            env[key] = value
+    return env
+
+
+def _image_settings(monkeypatch, extra_env: dict[str, str]) -> Settings:
+    """Settings as the image's entrypoint builds them: its ENV, the run-time env, then its CMD flags."""
+    from prefixcache.cli import build_parser
+
+    for name in list(Settings.model_fields):
+        monkeypatch.delenv(f"{ENV_PREFIX}{name.upper()}", raising=False)
+    for key, value in {**_image_env(), **extra_env}.items():
+        monkeypatch.setenv(key, value)
+    cmd = json.loads(re.search(r"^CMD (.+)$", (ROOT / "Dockerfile").read_text(), re.M).group(1))
+    args = build_parser().parse_args(cmd)
+    return Settings(**{k: v for k, v in vars(args).items() if k in Settings.model_fields})
+
+
+def test_image_refuses_to_run_open_and_runs_with_keys_from_the_environment(monkeypatch):
+    from pydantic import ValidationError
+
+    env = _image_env()
+    assert not any(k in env for k in ("PREFIXCACHE_API_KEYS", "PREFIXCACHE_ADMIN_KEY")), "no keys in the image"
+    assert "insecure" not in (ROOT / "Dockerfile").read_text().lower()
+    with pytest.raises(ValidationError, match="without API keys"):
+        _image_settings(monkeypatch, {})
+    settings = _image_settings(monkeypatch, {"PREFIXCACHE_ADMIN_KEY": "sk-admin",
+                                             "PREFIXCACHE_API_KEYS": '{"sk-a": "team-a"}'})
+    assert settings.host == "0.0.0.0" and not settings.local_mode and settings.api_keys == {"sk-a": "team-a"}
+
+
+def test_compose_requires_the_admin_key_and_never_runs_open(compose, monkeypatch):
+    env = compose["services"]["proxy"]["environment"]
+    assert re.fullmatch(r"\$\{PREFIXCACHE_ADMIN_KEY:\?.+\}", env["PREFIXCACHE_ADMIN_KEY"])  # compose stops without it
+    assert f"{ENV_PREFIX}ALLOW_INSECURE_NO_AUTH" not in env
+    assert "insecure" not in (ROOT / "docker-compose.yml").read_text().lower()
+    # What the proxy container gets when the keys are set: valid, authenticated, on every interface.
+    resolved = {k: re.sub(r"\$\{[A-Z_]+:[?-]([^}]*)\}", r"\1", str(v)) for k, v in env.items()}
+    resolved |= {"PREFIXCACHE_ADMIN_KEY": "sk-admin", "PREFIXCACHE_API_KEYS": ""}
+    for key, value in resolved.items():
+        monkeypatch.setenv(key, value)
+    settings = Settings()
+    assert settings.host == "0.0.0.0" and not settings.local_mode

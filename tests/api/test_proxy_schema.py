@@ -25,9 +25,16 @@ EXAMPLES = {GenerationMode.POSITIVE: 30, GenerationMode.NEGATIVE: 20}
 
 @pytest.fixture(scope="module")
 def fuzzed(tiny_model, tokenizer):
-    """A server of its own (the run flushes caches); small max_tokens keeps every generation short."""
+    """A server of its own (the run flushes caches); small max_tokens keeps every generation short.
+
+    Small input limits too, so generated requests also cross them (a 400, never a 5xx).
+    """
     cache = make_cache(tiny_model, tokenizer)
-    app = create_app(proxy_settings(max_tokens_limit=16, default_max_tokens=4, request_timeout_seconds=30), cache=cache)
+    limits = dict(max_messages=4, max_content_bytes=1024, max_tools=2, max_tool_schema_bytes=256,  # the valid chats
+                  max_tool_schema_depth=3, max_stop_chars=40, max_logit_bias=3, max_json_depth=8,  # below stay within
+                  max_prewarm_tokens=64)
+    app = create_app(proxy_settings(max_tokens_limit=16, default_max_tokens=4, request_timeout_seconds=30, **limits),
+                     cache=cache)
     with live(app) as srv:
         yield srv
     cache.close()

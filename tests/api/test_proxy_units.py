@@ -154,3 +154,29 @@ def test_openai_penalties_count_generated_tokens_only():
     out = proc(torch.tensor([[1, 1, 2, 4, 4]]), scores)  # two generated 4s
     assert out.tolist() == [[0, 0, 0, 10, -2.5]]
     assert scores.tolist() == [[0] * 5]  # the input is not modified
+
+
+# -- fail closed ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "example.org", ""])
+def test_open_server_on_a_reachable_host_is_refused(host):
+    with pytest.raises(ValidationError, match="without API keys"):
+        Settings(host=host)
+    assert Settings(host=host, allow_insecure_no_auth=True).local_mode  # said explicitly: allowed
+    assert not Settings(host=host, admin_key="sk-admin").local_mode
+    assert not Settings(host=host, api_keys={"sk-a": "a"}).local_mode
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"])
+def test_open_server_on_loopback_is_local_mode(host):
+    assert Settings(host=host).local_mode
+
+
+def test_serve_refuses_an_open_public_bind_before_loading_a_model(monkeypatch, capsys):
+    import prefixcache_api
+
+    monkeypatch.setattr(prefixcache_api, "build_cache", lambda settings: pytest.fail("loaded a model"))
+    assert main(["serve", "--host", "0.0.0.0"]) == 2
+    err = capsys.readouterr().err
+    assert "without API keys" in err and "--allow-insecure-no-auth" in err

@@ -358,3 +358,46 @@ def test_from_config_uses_config_options(tok):
     config = CacheConfig(normalize_whitespace=True, unicode_normalization="NFC")
     canon = Canonicalizer.from_config(tok, config)
     assert canon.fingerprint == template_fingerprint(tok, normalize_whitespace=True, unicode_normalization="NFC")
+
+
+# --- cost: linear in the conversation ------------------------------------------------------------
+
+def _seconds(canon, n, content):
+    """Best of three: the machine is shared, a single timing is noise."""
+    import time
+
+    messages = [msg(("user", "assistant")[i % 2], content(i)) for i in range(n)]
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        out = canon.encode_chat(messages)
+        best = min(best, time.perf_counter() - start)
+    return best, out
+
+
+@pytest.mark.parametrize("template", [None, "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] | trim }}"
+                                            "</{{ m['role'] }}>\n{% endfor %}"])
+def test_cost_is_linear_in_the_number_of_messages(tok, template):
+    # Rendering every partial conversation made this quadratic (2,000 messages took a minute).
+    # The second template trims content, so no message is matched in place: partial renders
+    # run out of budget and the rest merges, still in linear time.
+    canon = Canonicalizer(tok if template is None else with_template(tok, template))
+    n = 20_000 if template is None else 10_000
+    small, _ = _seconds(canon, n // 10, lambda i: " ab"[i % 3] + "x")
+    large, out = _seconds(canon, n, lambda i: " ab"[i % 3] + "x")
+    assert large / small < 40, (small, large)  # linear: ~10; quadratic: ~100
+    assert len(out.boundaries) == n and out.boundaries == tuple(sorted(out.boundaries))
+    assert out.drift == (template is not None)
+
+
+def test_messages_matched_in_place_equal_partial_renders(tok):
+    """Cuts placed by a role's frame are where the partial render ends, as if it had been rendered."""
+    canon = Canonicalizer(tok)
+    messages = [msg("user", "Hi"), msg("assistant", "Hello!"), msg("user", "Hi"), msg("assistant", "Bye"),
+                msg("user", "again"), msg("tool", "42"), msg("assistant", "x"), msg("user", "end")]
+    full = canon.encode_chat(messages)
+    assert not full.drift
+    for k in range(1, len(messages) + 1):
+        part = canon.encode_chat(messages[:k], add_generation_prompt=False)
+        assert full.token_ids[:len(part.token_ids)] == part.token_ids
+        assert full.boundaries[k - 1] == len(part.token_ids)

@@ -1,0 +1,164 @@
+"""Input limits: every request is measured against ``Settings`` before any work starts.
+
+Two stages. The raw body (``read_body``): at most ``max_body_bytes`` are read, with or
+without a Content-Length (413 above), and its nesting is measured before it is parsed
+(a deep body would exhaust the parser's and the validators' recursion). Then the parsed
+request (``check_chat``, ``check_completion``, ``check_prewarm``): message count, text
+bytes, tools, stop strings, logit_bias. Every refusal is a ``LimitExceededError`` (400)
+naming the parameter, or a ``PayloadTooLargeError`` (413).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+from starlette.requests import Request
+
+from .errors import LimitExceededError, PayloadTooLargeError
+from .protocol import ChatCompletionRequest, CompletionRequest, PrewarmRequest, SamplingParams, Tool
+from .settings import Settings
+
+_OPEN, _CLOSE = frozenset(b"[{"), frozenset(b"]}")
+_NOT_BRACKET = bytes(sorted(set(range(256)) - _OPEN - _CLOSE))
+_OFF_LOOP_BYTES = 64 << 10  # larger bodies are measured on a thread, not the event loop
+
+
+# -- raw body ---------------------------------------------------------------------------
+async def read_body(request: Request, settings: Settings) -> bytes:
+    """The body, read chunk by chunk and never past ``max_body_bytes``; its nesting checked.
+
+    Raises ``PayloadTooLargeError`` (a declared or actual size over the limit) or
+    ``LimitExceededError`` (nested deeper than ``max_json_depth``).
+    """
+    limit = settings.max_body_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:  # a chunked upload without a length: stop reading here
+            raise _too_large(limit)
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    depth = await asyncio.to_thread(json_depth, body) if size > _OFF_LOOP_BYTES else json_depth(body)
+    if depth > settings.max_json_depth:
+        raise LimitExceededError(f"the request body nests {depth} levels deep; at most {settings.max_json_depth} "
+                                 "are accepted", code="json_too_deep")
+    return body
+
+
+def _too_large(limit: int) -> PayloadTooLargeError:
+    return PayloadTooLargeError(f"the request body is larger than {limit} bytes")
+
+
+def json_depth(raw: bytes) -> int:
+    """Deepest nesting of arrays and objects in JSON text, in time linear in its length.
+
+    Brackets inside strings do not count. Escapes go first (an escaped backslash, then
+    an escaped quote), so the quotes left delimit strings; text outside them is every
+    other piece between quotes. Malformed text gets a number too; the parser refuses it.
+    """
+    unescaped = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    outside = b"".join(unescaped.split(b'"')[::2])
+    brackets = np.frombuffer(outside.translate(None, _NOT_BRACKET), dtype=np.uint8)
+    if not brackets.size:
+        return 0
+    steps = np.where(np.isin(brackets, list(_OPEN)), 1, -1).astype(np.int32)
+    return int(np.cumsum(steps).max())
+
+
+# -- parsed requests ----------------------------------------------------------------------
+def check_chat(req: ChatCompletionRequest, settings: Settings) -> None:
+    _check_messages(req.messages, settings)
+    _check_tools(req.tools, settings)
+    _check_sampling(req, settings)
+
+
+def check_completion(req: CompletionRequest, settings: Settings) -> None:
+    prompts = req.prompt if isinstance(req.prompt, list) else [req.prompt]
+    _check_bytes(_utf8(prompts) + _utf8([req.suffix]), settings, "prompt")
+    _check_sampling(req, settings)
+
+
+def check_prewarm(req: PrewarmRequest, settings: Settings) -> None:
+    """The prewarm's text; its length in tokens is checked once encoded (``Serving.prewarm``)."""
+    if req.messages is not None:
+        _check_messages(req.messages, settings)
+    else:
+        _check_bytes(_utf8([req.prompt]), settings, "prompt")
+    _check_tools(req.tools, settings)
+
+
+def _check_messages(messages: list[Any], settings: Settings) -> None:
+    if len(messages) > settings.max_messages:
+        raise LimitExceededError(f"messages has {len(messages)} messages; at most {settings.max_messages} are "
+                                 "accepted", param="messages", code="array_above_max_length")
+    _check_bytes(sum(_message_bytes(m) for m in messages), settings, "messages")
+
+
+def _message_bytes(message: Any) -> int:
+    content = message.content
+    texts = [content] if isinstance(content, str) else [part.text for part in content or ()]
+    texts += [message.name, getattr(message, "tool_call_id", None)]
+    calls = getattr(message, "tool_calls", None)
+    return _utf8(texts) + (_json_bytes(calls) if calls else 0)
+
+
+def _check_bytes(size: int, settings: Settings, param: str) -> None:
+    if size > settings.max_content_bytes:
+        raise LimitExceededError(f"{param} holds {size} bytes of text; at most {settings.max_content_bytes} are "
+                                 "accepted", param=param, code="string_above_max_length")
+
+
+def _check_tools(tools: list[Tool] | None, settings: Settings) -> None:
+    if not tools:
+        return
+    if len(tools) > settings.max_tools:
+        raise LimitExceededError(f"tools has {len(tools)} definitions; at most {settings.max_tools} are accepted",
+                                 param="tools", code="array_above_max_length")
+    for i, tool in enumerate(tools):
+        size = _json_bytes(tool.model_dump(exclude_none=True))
+        if size > settings.max_tool_schema_bytes:
+            raise LimitExceededError(f"tools[{i}] is {size} bytes as JSON; at most {settings.max_tool_schema_bytes} "
+                                     "are accepted", param=f"tools[{i}]", code="string_above_max_length")
+        depth = _depth(tool.function.parameters)
+        if depth > settings.max_tool_schema_depth:
+            raise LimitExceededError(f"tools[{i}].function.parameters nests {depth} levels deep; at most "
+                                     f"{settings.max_tool_schema_depth} are accepted",
+                                     param=f"tools[{i}].function.parameters", code="json_too_deep")
+
+
+def _check_sampling(req: SamplingParams, settings: Settings) -> None:
+    stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+    for i, stop in enumerate(stops):
+        if len(stop) > settings.max_stop_chars:
+            raise LimitExceededError(f"stop[{i}] is {len(stop)} characters long; at most {settings.max_stop_chars} "
+                                     "are accepted", param="stop", code="string_above_max_length")
+    if req.logit_bias is not None and len(req.logit_bias) > settings.max_logit_bias:
+        raise LimitExceededError(f"logit_bias has {len(req.logit_bias)} entries; at most {settings.max_logit_bias} "
+                                 "are accepted", param="logit_bias", code="array_above_max_length")
+
+
+def _utf8(texts: Iterable[str | None]) -> int:
+    return sum(len(t.encode("utf-8", "surrogatepass")) for t in texts if t)
+
+
+def _json_bytes(value: Any) -> int:
+    return len(json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "surrogatepass"))
+
+
+def _depth(value: Any) -> int:
+    """Nesting of dicts and lists (a scalar is 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, level)
+        stack.extend((child, level + 1) for child in children)
+    return deepest
