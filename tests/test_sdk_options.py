@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.cache.store import EvictedSnapshot
+from prefixcache.cache.handles import EvictedSnapshot
 from tests.conftest import build_tiny, untouched
 
 PROMPT = list(range(10, 50))
