@@ -18,7 +18,7 @@ import numpy as np
 from starlette.requests import Request
 
 from .errors import LimitExceededError, PayloadTooLargeError
-from .protocol import ChatCompletionRequest, CompletionRequest, PrewarmRequest, SamplingParams, Tool
+from .protocol import ChatCompletionRequest, CompletionRequest, PrewarmRequest, GenerationFields, Tool
 from .settings import Settings
 
 _OPEN, _CLOSE = frozenset(b"[{"), frozenset(b"]}")
@@ -132,7 +132,7 @@ def _check_tools(tools: list[Tool] | None, settings: Settings) -> None:
                                      param=f"tools[{i}].function.parameters", code="json_too_deep")
 
 
-def _check_sampling(req: SamplingParams, settings: Settings) -> None:
+def _check_sampling(req: GenerationFields, settings: Settings) -> None:
     stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
     for i, stop in enumerate(stops):
         if len(stop) > settings.max_stop_chars:

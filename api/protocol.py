@@ -104,7 +104,7 @@ class ResponseFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"]
 
 
-class SamplingParams(BaseModel):
+class GenerationFields(BaseModel):
     """Parameters chat and text completions share."""
 
     model_config = _REQUEST
@@ -129,13 +129,13 @@ class SamplingParams(BaseModel):
                               "tenant or cache namespace: that comes from the API key.")
 
     @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> SamplingParams:
+    def _stream_options_need_stream(self) -> GenerationFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
 
-class ChatCompletionRequest(SamplingParams):
+class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens.")
     tools: list[Tool] | None = None
@@ -147,7 +147,7 @@ class ChatCompletionRequest(SamplingParams):
     top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
-class CompletionRequest(SamplingParams):
+class CompletionRequest(GenerationFields):
     prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=1)] = Field(
         description="One prompt (a string, or a list holding one string).")
     suffix: Text | None = None

@@ -49,7 +49,7 @@ from .protocol import (
     UsageInfo,
 )
 from .sampling import chat_job, completion_job
-from .serving import Serving, TextStream
+from .serving import Serving, GenerationStream
 
 log = logging.getLogger(__name__)
 _bearer = HTTPBearer(auto_error=False, description="A tenant's API key, or the admin key.")
@@ -297,7 +297,7 @@ def _sse(events: AsyncIterator[str]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _chat_events(stream: TextStream, meta: _Meta, usage_chunk: bool, srv: Serving) -> AsyncIterator[str]:
+async def _chat_events(stream: GenerationStream, meta: _Meta, usage_chunk: bool, srv: Serving) -> AsyncIterator[str]:
     """OpenAI's chunk sequence: role, content deltas, finish_reason, [usage], [DONE].
 
     Without ``include_usage`` the usage rides on the finish chunk, so every response
@@ -322,7 +322,7 @@ async def _chat_events(stream: TextStream, meta: _Meta, usage_chunk: bool, srv: 
         stream.close()
 
 
-async def _completion_events(stream: TextStream, meta: _Meta, usage_chunk: bool, echo: str | None,
+async def _completion_events(stream: GenerationStream, meta: _Meta, usage_chunk: bool, echo: str | None,
                              srv: Serving) -> AsyncIterator[str]:
     def choice(text: str, finish: str | None = None) -> list[dict[str, Any]]:
         return [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from prefixcache.errors import ContextLengthExceededError, InvalidRequestError
 from prefixcache.serving.sampling import GREEDY_BELOW
 
-from .protocol import ChatCompletionRequest, CompletionRequest, SamplingParams
+from .protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
 from .settings import Settings
 
 
@@ -89,7 +89,7 @@ def _limit(max_tokens: int | None, settings: Settings) -> int | None:
     return max_tokens
 
 
-def _options(req: SamplingParams, settings: Settings, vocab_size: int) -> dict[str, Any]:
+def _options(req: GenerationFields, settings: Settings, vocab_size: int) -> dict[str, Any]:
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     temperature = settings.default_temperature if req.temperature is None else req.temperature
     if temperature < GREEDY_BELOW:  # logits / 1e-300 overflow to inf and sampling fails; the limit is argmax anyway

@@ -90,7 +90,7 @@ class Serving:
         finally:
             self.metrics.duration.labels(job.endpoint).observe(self._clock() - start)
 
-    async def open_stream(self, job: Job, disconnected: Callable[[], Awaitable[None]] | None = None) -> TextStream:
+    async def open_stream(self, job: Job, disconnected: Callable[[], Awaitable[None]] | None = None) -> GenerationStream:
         """Start ``job`` streaming; returns once its prompt is encoded and checked.
 
         Errors found before generation (bad messages, context length, queue full)
@@ -109,7 +109,7 @@ class Serving:
         start = self._clock()
         fut, cancel = self._submit(lambda c: self._execute(job, c, emit))
         fut.add_done_callback(lambda f: events.put_nowait(("done", f)))
-        stream = TextStream(events, cancel, loop.time() + self.settings.request_timeout_seconds,
+        stream = GenerationStream(events, cancel, loop.time() + self.settings.request_timeout_seconds,
                             lambda: self.metrics.duration.labels(job.endpoint).observe(self._clock() - start))
         try:
             await _unless_disconnected(stream.wait_started(), disconnected)
@@ -238,7 +238,7 @@ class Serving:
         return result
 
 
-class TextStream:
+class GenerationStream:
     """A streamed generation: ``prompt_tokens`` once started, then text deltas, then ``result``."""
 
     def __init__(self, events: asyncio.Queue[tuple[str, Any]], cancel: threading.Event, deadline: float,

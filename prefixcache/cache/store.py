@@ -13,7 +13,6 @@ every change to a node's refcount, pins, children, access time or deadline.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -22,8 +21,8 @@ from typing import Any
 
 from prefixcache.cache.handles import EvictHook, InsertResult, KVSlicer, Lease, evicted_snapshot
 from prefixcache.cache.hashing import BlockHasher
-from prefixcache.cache.keyed_heap import KeyedHeap
-from prefixcache.cache.policy import REASONS, evictable, expiry, is_expired, ttl_freeable
+from prefixcache.cache.index import StoreIndex, total
+from prefixcache.cache.policy import REASONS, evictable, expiry, is_expired
 from prefixcache.cache.runs import follows, storage_key
 from prefixcache.cache.trie import Node, PrefixTrie
 from prefixcache.config import CacheConfig
@@ -46,20 +45,8 @@ class KVStore:
         # Keyed by (tenant, reason); store-wide figures are sums over tenants.
         self._eviction_counts: Counter[tuple[str, str]] = Counter()
         self._reclaimed_counts: Counter[tuple[str, str]] = Counter()
-        # Exactly the nodes ``evictable`` holds for, keyed by last access (all tenants, and per tenant).
-        self._lru: KeyedHeap[Node] = KeyedHeap()
-        self._lru_by_tenant: dict[str, KeyedHeap[Node]] = {}
-        # Exactly the nodes ``ttl_freeable`` holds for that have a finite deadline, keyed by it.
-        self._expiry: KeyedHeap[Node] = KeyedHeap()
-        # Running totals per tenant, so stats and admission checks never walk the trie.
-        self._entries: Counter[str] = Counter()
-        self._tokens: Counter[str] = Counter()
-        self._pinned: set[Node] = set()
-        self._pinned_bytes: Counter[str] = Counter()
-        self._leased: set[Node] = set()
-        self._leased_entries: Counter[str] = Counter()
-        self._protected: set[Node] = set()  # pinned or leased: not reclaimable now
-        self._protected_bytes: Counter[str] = Counter()
+        # Eviction and expiry candidates and per-tenant totals, kept in step with every node change.
+        self.index = StoreIndex()
         # Run tensors (see ``_grow``): storage key -> live nodes viewing it. A run whose
         # nodes were partly freed is *dirty* until ``_compact`` re-homes the survivors,
         # so held bytes always equal accounted bytes between operations.
@@ -118,7 +105,7 @@ class KVStore:
             # so eviction can never free the node we are about to attach to.
             held: list[Node] = [root]
             root.refcount += 1
-            pin_room = None if not pin or privileged else self.config.pin_quota_bytes - self._pinned_bytes[tenant]
+            pin_room = None if not pin or privileged else self.config.pin_quota_bytes - self.index.pinned_bytes[tenant]
             try:
                 new_bytes, pos = self._grow(root, tokens, slice_kv, tenant, held, now, pin_room)
             finally:
@@ -236,14 +223,14 @@ class KVStore:
         self._expire(self._clock())
         if cfg.tenant_quota_bytes is not None:
             # Over its quota, a tenant evicts only its own entries.
-            own = self._lru_by_tenant.get(tenant)
+            own = self.index.lru_by_tenant.get(tenant)
             while self.tenant_bytes[tenant] + need > cfg.tenant_quota_bytes:
                 top = None if own is None else own.peek()
                 if top is None:
                     return False
                 self._free(top[0], "quota")
         while self.bytes + need > cfg.max_bytes:
-            top = self._lru.peek()
+            top = self.index.lru.peek()
             if top is None:
                 return False
             self._free(top[0], "lru")
@@ -255,14 +242,14 @@ class KVStore:
             cfg = self.config
             # Pinned and leased nodes are closed upwards (a pin or lease covers the path from the
             # root), so everything else can go, leaves first: only protected bytes stay.
-            if cfg.tenant_quota_bytes is not None and self._protected_bytes[tenant] + need > cfg.tenant_quota_bytes:
+            if cfg.tenant_quota_bytes is not None and self.index.protected_bytes[tenant] + need > cfg.tenant_quota_bytes:
                 return False
-            return sum(self._protected_bytes.values()) + need <= cfg.max_bytes
+            return sum(self.index.protected_bytes.values()) + need <= cfg.max_bytes
 
     def _expire(self, now: float) -> int:
         """Free expired nodes nobody reads, deepest first (a freed leaf's expired parent follows)."""
         freed = 0
-        while (top := self._expiry.peek()) is not None and top[1] <= now:
+        while (top := self.index.expiry.peek()) is not None and top[1] <= now:
             freed += top[0].nbytes
             self._free(top[0], "ttl")
         return freed
@@ -305,36 +292,12 @@ class KVStore:
         self._sync(node)
 
     def _sync(self, node: Node) -> None:
-        """Bring the indexes and running totals in line with ``node``'s current state (O(log n))."""
-        if node.is_root:
-            return
-        tenant = node.tenant
-        own = self._lru_by_tenant.get(tenant)
-        if evictable(node):
-            if own is None:
-                own = self._lru_by_tenant[tenant] = KeyedHeap()
-            self._lru.set(node, node.last_access)
-            own.set(node, node.last_access)
-        else:
-            self._lru.discard(node)
-            if own is not None:
-                own.discard(node)
-                if not own:
-                    del self._lru_by_tenant[tenant]
-        if ttl_freeable(node) and math.isfinite(node.expires_at):
-            self._expiry.set(node, node.expires_at)
-        else:
-            self._expiry.discard(node)
-        _flag(self._pinned, self._pinned_bytes, node, node.alive and node.pins > 0, node.nbytes)
-        _flag(self._leased, self._leased_entries, node, node.alive and node.refcount > 0, 1)
-        _flag(self._protected, self._protected_bytes, node, node.alive and (node.pins > 0 or node.refcount > 0),
-              node.nbytes)
+        self.index.sync(node)
 
     def _account(self, node: Node, sign: int) -> None:
         self.bytes += sign * node.nbytes
         self.tenant_bytes[node.tenant] += sign * node.nbytes
-        self._entries[node.tenant] += sign
-        self._tokens[node.tenant] += sign * len(node.tokens)
+        self.index.count(node, sign)
 
     def _free(self, node: Node, reason: str | None) -> None:
         """Drop a leaf. ``reason`` None: superseded by a longer copy of itself, not an eviction."""
@@ -402,10 +365,10 @@ class KVStore:
                 "budget_bytes": self.config.max_bytes,
                 "tenant_quota_bytes": self.config.tenant_quota_bytes,
                 "pin_quota_bytes": self.config.pin_quota_bytes,
-                "entries": _total(self._entries, tenant),
-                "cached_tokens_held": _total(self._tokens, tenant),
-                "pinned_bytes": _total(self._pinned_bytes, tenant),
-                "leased_entries": _total(self._leased_entries, tenant),
+                "entries": total(self.index.entries, tenant),
+                "cached_tokens_held": total(self.index.tokens, tenant),
+                "pinned_bytes": total(self.index.pinned_bytes, tenant),
+                "leased_entries": total(self.index.leased_entries, tenant),
                 "tenant_bytes": {t: b for t, b in self.tenant_bytes.items() if b and (tenant in (None, t))},
                 "evictions": _by_reason(self._eviction_counts, tenant),
                 "reclaimed_bytes": _by_reason(self._reclaimed_counts, tenant),
@@ -449,48 +412,7 @@ class KVStore:
             assert total == self.bytes, f"accounted {self.bytes} != live {total}"
             assert all(per_tenant[t] == b for t, b in self.tenant_bytes.items()), "tenant bytes drift"
             assert self.bytes <= self.config.max_bytes, "over budget"
-            self._check_indexes(nodes)
-
-    def _check_indexes(self, nodes: list[Node]) -> None:
-        """The incremental structures against the same facts recomputed from scratch."""
-        lru = {n: n.last_access for n in nodes if evictable(n)}
-        assert dict(self._lru.items()) == lru, "LRU index differs from the evictable leaves"
-        by_tenant: dict[str, dict[Node, float]] = {}
-        for node, key in lru.items():
-            by_tenant.setdefault(node.tenant, {})[node] = key
-        assert {t: dict(h.items()) for t, h in self._lru_by_tenant.items()} == by_tenant, "tenant LRU index drift"
-        expiring = {n: n.expires_at for n in nodes if ttl_freeable(n) and math.isfinite(n.expires_at)}
-        assert dict(self._expiry.items()) == expiring, "expiry index differs from the TTL candidates"
-        for flagged, counter, member, weight in (
-                (self._pinned, self._pinned_bytes, lambda n: n.pins > 0, lambda n: n.nbytes),
-                (self._leased, self._leased_entries, lambda n: n.refcount > 0, lambda n: 1),
-                (self._protected, self._protected_bytes, lambda n: n.pins > 0 or n.refcount > 0, lambda n: n.nbytes)):
-            assert flagged == {n for n in nodes if member(n)}, "pinned/leased set drift"
-            assert +counter == +_tally(nodes, flagged.__contains__, weight), "pinned/leased totals drift"
-        assert +self._entries == +_tally(nodes, lambda n: True, lambda n: 1), "entry count drift"
-        assert +self._tokens == +_tally(nodes, lambda n: True, lambda n: len(n.tokens)), "token count drift"
-
-
-def _tally(nodes: list[Node], member: Callable[[Node], bool], weight: Callable[[Node], int]) -> Counter[str]:
-    out: Counter[str] = Counter()
-    for node in nodes:
-        if member(node):
-            out[node.tenant] += weight(node)
-    return out
-
-
-def _flag(members: set[Node], totals: Counter[str], node: Node, on: bool, weight: int) -> None:
-    """Add ``node`` to (or drop it from) ``members``, keeping its tenant's total in step."""
-    if on and node not in members:
-        members.add(node)
-        totals[node.tenant] += weight
-    elif not on and node in members:
-        members.discard(node)
-        totals[node.tenant] -= weight
-
-
-def _total(counts: Counter[str], tenant: str | None) -> int:
-    return sum(counts.values()) if tenant is None else counts[tenant]
+            self.index.check(nodes)
 
 
 def _bytes_per_token(run: Any) -> int:

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from prefixcache_api import create_app
-from proxy_support import ALPHA, MODEL, live, make_cache, settings
+from proxy_support import ALPHA, MODEL, live, make_cache, settings, wait_until
 
 from prefixcache.model.private_kv import PrivateKV
 
@@ -84,6 +84,8 @@ def test_a_killed_loop_fails_callers_fast_reports_unhealthy_and_calls_are_served
     with fresh.client(ALPHA) as client, ThreadPoolExecutor(2) as pool:
         pending = [pool.submit(client.post, CHAT, json=chat(i)) for i in range(2)]
         assert entered.wait(30)
+        # both requests in the engine (one in the step, one waiting) before the loop dies
+        wait_until(lambda: len(engine.scheduler.running) + len(engine.scheduler.waiting) == 2, timeout=30)
         killed_at = time.monotonic()
         go.set()
         replies = [f.result(timeout=30) for f in pending]

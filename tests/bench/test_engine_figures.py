@@ -87,7 +87,7 @@ def test_packing_ab_on_a_tiny_model():
     assert _positive(got["single_step_s"], *(got[f"batch4_{arm}_step_s"] for arm in arms))
     for arm in arms:  # every ratio is its arm's median step over the single request's
         assert got[f"{arm}_ratio"] == got[f"batch4_{arm}_step_s"] / got["single_step_s"]
-    assert set(got) == {"single_step_s", "steps_per_arm", "packed_calls", "fused_steps",
+    assert set(got) == {"single_step_s", "steps_per_arm", "packed_fast_steps", "fused_fast_steps",
                         *(f"batch4_{arm}_step_s" for arm in arms), *(f"{arm}_ratio" for arm in arms)}
 
 
