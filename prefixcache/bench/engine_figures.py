@@ -101,7 +101,7 @@ def decode_step_seconds(engine: BatchEngine, prefix: list[int], batch: int, new_
 
 
 def step_times(model, prefix_len: int = 2048, batch: int = 8, new_tokens: int = 16,
-               block_size: int = 64, fast_path: bool = True) -> dict[str, float]:
+               block_size: int = 64, fast_path: bool = False) -> dict[str, float]:
     """Decode step time for ``batch`` requests vs 1 on a shared stored prefix (3 alternating runs each, best kept)."""
     engine = BatchEngine(model, _store(block_size), time.monotonic,
                          BatchConfig(max_batch=batch, token_budget=512, prefill_chunk=256, fast_path=fast_path))
@@ -176,7 +176,7 @@ def packing_ab(model, prefix_len: int = 2048, batch: int = 8, new_tokens: int = 
 
 
 def concurrent_vs_serial(model, clients: int = 16, prefix_len: int = 2048, question: int = 128,
-                         new_tokens: int = 16, block_size: int = 64, fast_path: bool = True,
+                         new_tokens: int = 16, block_size: int = 64, fast_path: bool = False,
                          rounds: int = 1) -> dict[str, object]:
     """``clients`` requests on one stored prefix: batched (all at once) vs the one-at-a-time engine.
 
@@ -238,7 +238,7 @@ def _batched_run(model, prefix: list[int], prompts: list[list[int]], new_tokens:
 
 
 def generate_threads(model, callers: int = 8, prefix_len: int = 2048, question: int = 64, new_tokens: int = 24,
-                     block_size: int = 64) -> dict[str, object]:
+                     block_size: int = 64, fast_path: bool = False) -> dict[str, object]:
     """``callers`` threads calling ``PrefixCache.generate()`` at once vs the same calls one after another.
 
     Greedy, exactly ``new_tokens`` each (``min_new_tokens``). The one-after-another calls are
@@ -249,7 +249,8 @@ def generate_threads(model, callers: int = 8, prefix_len: int = 2048, question: 
     prompts = [torch.tensor([prefix + _question(i, question, vocab)]) for i in range(callers)]
     options = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}
     config = CacheConfig(block_size=block_size, max_bytes=16 << 30, ttl_seconds=None)
-    caches = [PrefixCache(model, None, config, start_sweeper=False) for _ in range(2)]
+    batching = BatchConfig(fast_path=fast_path)
+    caches = [PrefixCache(model, None, config, start_sweeper=False, batching=batching) for _ in range(2)]
     try:
         for cache in caches:
             cache.warm(prefix)
@@ -369,12 +370,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=16, help="tokens generated per request")
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=1,
-                        help="concurrent figure: batched-then-serial rounds (medians reported, and each round)")
+                        help="concurrent and generate-threads figures: rounds (medians reported, and each round)")
     parser.add_argument("--only", choices=("step", "concurrent", "latency", "turns", "packing", "generate-threads"),
                         default=None)
     parser.add_argument("--callers", type=int, default=8, help="threads calling generate() (generate-threads)")
-    parser.add_argument("--no-fast-path", dest="fast_path", action="store_false",
-                        help="step and concurrent figures without the fast step forward (the before)")
+    parser.add_argument("--fast-path", action="store_true",
+                        help="step, concurrent and generate-threads figures with the fast step forward (off by default)")
     args = parser.parse_args(argv)
     try:
         check_int("rounds", args.rounds, 1, None)
@@ -385,8 +386,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.only in (None, "step"):
         out["step"] = step_times(model, args.prefix, args.batch, 16, args.block_size, args.fast_path)
     if args.only == "generate-threads":
-        out["generate_threads"] = generate_threads(model, args.callers, args.prefix, args.question, args.new_tokens,
-                                                   args.block_size)
+        runs = [generate_threads(model, args.callers, args.prefix, args.question, args.new_tokens, args.block_size,
+                                 args.fast_path) for _ in range(args.rounds)]
+        out["generate_threads"] = {"speedup_median": statistics.median(r["speedup"] for r in runs),
+                                   "token_identical": all(r["token_identical"] for r in runs), "rounds": runs}
     if args.only == "packing":  # not in the default set: one more engine start-up and 4 rounds
         out["packing"] = packing_ab(model, args.prefix, args.batch, block_size=args.block_size)
     if args.only in (None, "concurrent"):

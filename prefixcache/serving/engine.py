@@ -74,8 +74,9 @@ class BatchConfig:
     fold_max_tokens: int = 1024
     #: Use the device's fast step forward where one serves the model and agrees with its own
     #: forward (on CPU: MKL-packed linear weights, about one more copy of them, and a fused
-    #: Llama step), within ``fast_path_max_bytes`` of extra weights.
-    fast_path: bool = True
+    #: Llama step), within ``fast_path_max_bytes`` of extra weights. Off by default: measured
+    #: side by side it did not beat the model's own forward (docs/benchmarks.md).
+    fast_path: bool = False
     fast_path_max_bytes: int = 2 << 30
 
     def __post_init__(self) -> None:

@@ -92,7 +92,7 @@ def test_build_says_why_it_cannot_serve():
 
 def test_engine_runs_its_steps_fused_and_falls_back_to_the_models_forward_per_step():
     model, ref = build_tiny("llama-gqa"), build_tiny("llama-gqa")
-    engine = make_engine(model, max_batch=4, token_budget=16, prefill_chunk=8)
+    engine = make_engine(model, max_batch=4, token_budget=16, prefill_chunk=8, fast_path=True)
     try:
         fast = engine.runner.step_forward
         assert fast is not None and fast.kind == "fused"
@@ -121,7 +121,7 @@ def test_engine_uses_packed_modules_when_the_fused_forward_disagrees(monkeypatch
         return torch.zeros(keep.shape[0], self.lm_head.modules[0].out_features)
 
     monkeypatch.setattr(FusedLlama, "__call__", wrong)
-    engine = make_engine(build_tiny("llama-gqa"), max_batch=4)
+    engine = make_engine(build_tiny("llama-gqa"), max_batch=4, fast_path=True)
     try:
         assert engine.runner.step_forward.kind == "packed" and engine.disabled_reason is None
     finally:

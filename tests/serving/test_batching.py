@@ -44,7 +44,7 @@ def check_released(engine):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_parity_join_leave_and_two_prefixes(arch):
     model, ref = build_tiny(arch), build_tiny(arch)
-    engine = make_engine(model, max_batch=6, token_budget=24, prefill_chunk=7, private_chunk=4)
+    engine = make_engine(model, max_batch=6, token_budget=24, prefill_chunk=7, private_chunk=4, fast_path=True)
     try:
         assert engine.disabled_reason is None
         base_a, base_b = list(range(10, 60)), list(range(200, 237))
