@@ -193,38 +193,38 @@ class ResponseMessage(BaseModel):
     refusal: None = None
 
 
-class ChatChoice(BaseModel):
+class _Choice(BaseModel):
     index: int
+    finish_reason: Literal["stop", "length"]
+    logprobs: None = None
+
+
+class ChatChoice(_Choice):
     message: ResponseMessage
-    finish_reason: Literal["stop", "length"]
-    logprobs: None = None
 
 
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    system_fingerprint: str
-    choices: list[ChatChoice]
-    usage: UsageInfo
-
-
-class CompletionChoice(BaseModel):
-    index: int
+class CompletionChoice(_Choice):
     text: str
-    finish_reason: Literal["stop", "length"]
-    logprobs: None = None
 
 
-class Completion(BaseModel):
+class _Answer(BaseModel):
+    """What chat and text completions both return around their choices."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
     system_fingerprint: str
-    choices: list[CompletionChoice]
     usage: UsageInfo
+
+
+class ChatCompletion(_Answer):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+
+
+class Completion(_Answer):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
 
 
 class ModelCard(BaseModel):

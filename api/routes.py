@@ -38,6 +38,7 @@ from .protocol import (
     CompletionRequest,
     ErrorResponse,
     FlushResponse,
+    GenerationFields,
     Health,
     ModelCard,
     ModelList,
@@ -49,7 +50,7 @@ from .protocol import (
     UsageInfo,
 )
 from .sampling import chat_job, completion_job
-from .serving import Serving, GenerationStream
+from .serving import GenerationStream, Serving
 
 log = logging.getLogger(__name__)
 _bearer = HTTPBearer(auto_error=False, description="A tenant's API key, or the admin key.")
@@ -179,15 +180,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, who: C
     _check_model(srv, body.model)
     check_chat(body, srv.settings)
     job = chat_job(body, who.tenant, srv.settings, srv.vocab_size)
-    meta = _Meta.new("chatcmpl", srv)
-    if body.stream:
-        stream = await srv.open_stream(job, _disconnected(request))
-        usage_chunk = bool(body.stream_options and body.stream_options.include_usage)
-        return _sse(_chat_events(stream, meta, usage_chunk, srv))
-    result = await srv.run(job, _disconnected(request))
-    return ChatCompletion(id=meta.id, created=meta.created, model=meta.model, system_fingerprint=meta.fingerprint,
-                          choices=[ChatChoice(index=0, message=ResponseMessage(content=result.text),
-                                              finish_reason=_finish(result))], usage=_usage(result))
+
+    def answer(result: GenerationResult, meta: _Meta) -> ChatCompletion:
+        return ChatCompletion(**meta.fields(), usage=_usage(result), choices=[ChatChoice(
+            index=0, message=ResponseMessage(content=result.text), finish_reason=_finish(result))])
+    return await _respond(job, body, request, srv, "chatcmpl", answer,
+                          lambda stream, meta, usage_chunk: _chat_events(stream, meta, usage_chunk, srv))
 
 
 @router.post("/v1/completions", response_model=Completion, responses={**_ERRORS, **_SSE}, tags=["openai"])
@@ -195,16 +193,25 @@ async def completions(body: CompletionRequest, request: Request, who: Caller, sr
     _check_model(srv, body.model)
     check_completion(body, srv.settings)
     job = completion_job(body, who.tenant, srv.settings, srv.vocab_size)
-    meta = _Meta.new("cmpl", srv)
+    echo = job.prompt if job.echo else None
+
+    def answer(result: GenerationResult, meta: _Meta) -> Completion:
+        text = (echo or "") + result.text
+        return Completion(**meta.fields(), usage=_usage(result),
+                          choices=[CompletionChoice(index=0, text=text, finish_reason=_finish(result))])
+    return await _respond(job, body, request, srv, "cmpl", answer,
+                          lambda stream, meta, usage_chunk: _completion_events(stream, meta, usage_chunk, echo, srv))
+
+
+async def _respond(job, body: GenerationFields, request: Request, srv: Serving, id_prefix: str,
+                   answer: Callable[[GenerationResult, _Meta], Any],
+                   events: Callable[[GenerationStream, _Meta, bool], AsyncIterator[str]]) -> Any:
+    """Run ``job``: an SSE stream of ``events`` when the body asks for one, else ``answer`` of its result."""
+    meta = _Meta.new(id_prefix, srv)
     if body.stream:
         stream = await srv.open_stream(job, _disconnected(request))
-        usage_chunk = bool(body.stream_options and body.stream_options.include_usage)
-        return _sse(_completion_events(stream, meta, usage_chunk, job.prompt if job.echo else None, srv))
-    result = await srv.run(job, _disconnected(request))
-    text = (job.prompt or "") + result.text if job.echo else result.text
-    return Completion(id=meta.id, created=meta.created, model=meta.model, system_fingerprint=meta.fingerprint,
-                      choices=[CompletionChoice(index=0, text=text, finish_reason=_finish(result))],
-                      usage=_usage(result))
+        return _sse(events(stream, meta, bool(body.stream_options and body.stream_options.include_usage)))
+    return answer(await srv.run(job, _disconnected(request)), meta)
 
 
 # -- cache admin -------------------------------------------------------------------------
@@ -270,9 +277,12 @@ class _Meta:
     def new(cls, prefix: str, srv: Serving) -> _Meta:
         return cls(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), srv.model_name, srv.system_fingerprint)
 
+    def fields(self) -> dict[str, Any]:
+        """The fields every answer and chunk carries."""
+        return {"id": self.id, "created": self.created, "model": self.model, "system_fingerprint": self.fingerprint}
+
     def chunk(self, kind: str, choices: list[dict[str, Any]], usage: UsageInfo | None, with_usage: bool) -> str:
-        body: dict[str, Any] = {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                                "system_fingerprint": self.fingerprint, "choices": choices}
+        body: dict[str, Any] = {**self.fields(), "object": kind, "choices": choices}
         if with_usage or usage is not None:
             body["usage"] = None if usage is None else usage.model_dump()
         return _event(body)

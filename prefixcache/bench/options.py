@@ -107,21 +107,23 @@ PRESETS: dict[str, BenchOptions] = {
         concurrency=16),
 }
 
-# flag -> (dataclass path inside BenchOptions, help)
+def _flags(section: str | None, label: str, **fields: tuple[str, str]) -> dict[str, tuple[str, str]]:
+    """{flag: (dataclass path inside BenchOptions, help)} for fields of one section, given as flag=(field, help)."""
+    return {flag: (f"{section}.{field}" if section else field, label + text) for flag, (field, text) in fields.items()}
+
+
 _SIZE_FLAGS = {
-    "groups": ("shared.groups", "shared-prefix: groups G"),
-    "prompts": ("shared.prompts", "shared-prefix: prompts per group P"),
-    "system_tokens": ("shared.system_tokens", "shared-prefix: system prompt tokens S"),
-    "question_tokens": ("shared.question_tokens", "shared-prefix: question tokens Q"),
-    "users": ("multi.users", "multi-turn: users U"),
-    "rounds": ("multi.rounds", "multi-turn: rounds R per user"),
-    "turn_system_tokens": ("multi.system_tokens", "multi-turn: shared system prompt tokens"),
-    "turn_tokens": ("multi.question_tokens", "multi-turn: new user tokens per round"),
-    "unique_prompts": ("unique.prompts", "no-reuse: prompts"),
-    "unique_tokens": ("unique.prompt_tokens", "no-reuse: tokens per prompt"),
-    "output_tokens": ("output_tokens", "tokens generated per request O (EOS ignored)"),
-    "cb_max_batch_tokens": ("cb_max_batch_tokens", "generate_batch: max tokens per forward"),
-    "concurrency": ("concurrency", "prefixcache-batched and http-*: concurrent clients (closed loop)"),
+    **_flags("shared", "shared-prefix: ", groups=("groups", "groups G"), prompts=("prompts", "prompts per group P"),
+             system_tokens=("system_tokens", "system prompt tokens S"),
+             question_tokens=("question_tokens", "question tokens Q")),
+    **_flags("multi", "multi-turn: ", users=("users", "users U"), rounds=("rounds", "rounds R per user"),
+             turn_system_tokens=("system_tokens", "shared system prompt tokens"),
+             turn_tokens=("question_tokens", "new user tokens per round")),
+    **_flags("unique", "no-reuse: ", unique_prompts=("prompts", "prompts"),
+             unique_tokens=("prompt_tokens", "tokens per prompt")),
+    **_flags(None, "", output_tokens=("output_tokens", "tokens generated per request O (EOS ignored)"),
+             cb_max_batch_tokens=("cb_max_batch_tokens", "generate_batch: max tokens per forward"),
+             concurrency=("concurrency", "prefixcache-batched and http-*: concurrent clients (closed loop)")),
 }
 
 
