@@ -398,18 +398,11 @@ class PrefixCache:
     def _ttl(self, ttl_seconds: float | None) -> float | None:
         if ttl_seconds is None:
             return self.config.ttl_seconds
-        if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, (int, float)) or not ttl_seconds > 0:
-            raise InvalidRequestError("ttl_seconds must be a number > 0 (math.inf for no expiry)", param="ttl_seconds")
-        return None if math.isinf(ttl_seconds) else float(ttl_seconds)
+        return _seconds(ttl_seconds, "ttl_seconds", " (math.inf for no expiry)")
 
     @staticmethod
     def _timeout(timeout_seconds: float | None) -> float | None:
-        if timeout_seconds is None:
-            return None
-        if isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, (int, float)) \
-                or not timeout_seconds > 0:
-            raise InvalidRequestError("timeout_seconds must be a number > 0", param="timeout_seconds")
-        return None if math.isinf(timeout_seconds) else float(timeout_seconds)
+        return None if timeout_seconds is None else _seconds(timeout_seconds, "timeout_seconds")
 
     def _pin_ttl(self, ttl_seconds: float | None, privileged: bool) -> float | None:
         """A pin's TTL: as asked for the operator (none by default); at most ``pin_ttl_seconds`` for a tenant."""
@@ -425,3 +418,10 @@ class PrefixCache:
                 return int(cfg.pad_token_id)
         eos = sorted(as_id_set(self.model.generation_config.eos_token_id))
         return eos[0] if eos else 0
+
+
+def _seconds(value: Any, param: str, hint: str = "") -> float | None:
+    """A caller's duration: a number > 0; math.inf means none (None)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise InvalidRequestError(f"{param} must be a number > 0{hint}", param=param)
+    return None if math.isinf(value) else float(value)

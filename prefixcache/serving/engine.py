@@ -179,8 +179,8 @@ class BatchEngine:
         if reason is not None:
             raise UnsupportedModelError(reason)
         req = Request(list(prompt), namespace, tenant, params, ttl_seconds, self._clock(), on_token, cancel, stop)
-        if not params.plain:
-            req.sampler = Sampler(params, len(req.prompt))
+        sampler = Sampler(params, len(req.prompt))
+        req.sampler = None if sampler.argmax_only else sampler  # None: the step's one batched argmax
         # Pin the longest cached prefix now: admission order needs its length. The last
         # prompt token is always recomputed, so its logits exist.
         req.lease = self.store.acquire(namespace, tenant, req.prompt, len(req.prompt) - 1, ttl_seconds)

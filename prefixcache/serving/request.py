@@ -48,12 +48,6 @@ class SamplingParams:
     def greedy(self) -> bool:
         return not self.temperature
 
-    @property
-    def plain(self) -> bool:
-        """Greedy with nothing that changes the logits: the token is the row's argmax."""
-        return (self.greedy and self.min_new_tokens == 0 and self.repetition_penalty in (None, 1.0)
-                and not self.presence_penalty and not self.frequency_penalty and not self.logit_bias)
-
 
 @dataclass(slots=True)
 class CallStats:

@@ -193,6 +193,11 @@ class Sampler:
                 processors.append(TopPLogitsWarper(float(params.top_p)))
         self.processors, self.greedy = processors, params.greedy
 
+    @property
+    def argmax_only(self) -> bool:
+        """Greedy with nothing that changes the logits: the token is the row's first argmax."""
+        return self.greedy and not self.processors
+
     def next_token(self, logits: torch.Tensor, context: Sequence[int], generator: torch.Generator | None) -> int:
         """logits: [V] of one request; context: its prompt and output so far. Greedy = first argmax."""
         scores = logits.float().unsqueeze(0)  # [1, V], as generate() scores in float32
