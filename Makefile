@@ -6,7 +6,9 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install serve test bench clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile scripts/system-deps.sh
+	# redis-server and prometheus from Debian (apt-get as root; a clear message otherwise).
+	bash scripts/system-deps.sh
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# The pinned CPU torch first: an unpinned torch would pull a multi-GB CUDA build.
