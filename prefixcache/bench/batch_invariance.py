@@ -1,0 +1,157 @@
+"""Batch invariance: does a greedy answer depend on what else is being served?
+
+Run: ``python -m prefixcache.bench.batch_invariance [--dtype bfloat16 float32] [--callers 8]``
+(loads the embedded default model; prints one JSON object per dtype).
+
+For each dtype and each engine (``batched``: the continuous-batching engine; ``serial``:
+``PrefixCache(batching=False)``) it asks C questions after one shared system prompt, greedily:
+
+- ``alone``: one after another on a cache holding only the warmed system prompt;
+- ``together``: C threads calling ``chat()`` at the same moment on a fresh cache holding
+  only the warmed system prompt.
+
+It reports how many of the C answers are token-identical between the two, how many equal
+plain ``model.generate()`` on the whole prompt, the first position where each differing
+pair parts, and the cached-token counts each way (a different split between cached and
+computed tokens is one source of a difference). ``--probe`` adds, for the model's linear
+layers, whether a row's output bits depend on how many rows share the matrix product
+(the other source).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from prefixcache.loading import load_default_model
+from prefixcache.sdk import PrefixCache
+
+SYSTEM = (
+    "You are the support assistant of a small bicycle shop. The shop sells city bikes, "
+    "road bikes and cargo bikes, repairs every brand, rents bikes by the day and offers a "
+    "yearly maintenance plan. Opening hours are Monday to Saturday from nine to six. "
+    "Answer briefly, politely and only about the shop. "
+) * 6
+QUESTIONS = (
+    "Do you repair electric bikes?",
+    "How much does renting a cargo bike for a weekend cost?",
+    "What is included in the yearly maintenance plan?",
+    "Can I test ride a road bike before buying it?",
+    "Are you open on Sunday?",
+    "My chain keeps slipping. What should I do?",
+    "Do you sell helmets for children?",
+    "How long does a wheel truing take?",
+    "Can you deliver a bike to my home?",
+    "Do you buy used bikes?",
+    "What tyre pressure should a city bike have?",
+    "Is there a student discount?",
+)
+
+
+def _messages(question: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _answers(model: torch.nn.Module, tokenizer: Any, batching: bool, questions: Sequence[str],
+             together: bool, new_tokens: int) -> list[tuple[tuple[int, ...], int]]:
+    """(token ids, cached tokens) per question, on a cache holding only the warmed system prompt."""
+    with PrefixCache(model, tokenizer, batching=batching) as cache:
+        cache.warm([{"role": "system", "content": SYSTEM}])
+        out: list[tuple[tuple[int, ...], int]] = [((), 0)] * len(questions)
+
+        def ask(i: int, barrier: threading.Barrier | None = None) -> None:
+            if barrier is not None:
+                barrier.wait()
+            result = cache.chat(_messages(questions[i]), max_new_tokens=new_tokens, temperature=0,
+                                ignore_eos=True)
+            out[i] = (result.token_ids, result.usage.cached_tokens)
+
+        if together:
+            barrier = threading.Barrier(len(questions))
+            threads = [threading.Thread(target=ask, args=(i, barrier)) for i in range(len(questions))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        else:
+            for i in range(len(questions)):
+                ask(i)
+        return out
+
+
+def _plain(model: torch.nn.Module, tokenizer: Any, questions: Sequence[str], new_tokens: int) -> list[tuple[int, ...]]:
+    answers = []
+    for q in questions:
+        ids = tokenizer.apply_chat_template(_messages(q), add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)["input_ids"]
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                                 pad_token_id=tokenizer.pad_token_id or 0)
+        answers.append(tuple(out[0, ids.shape[1]:].tolist()))
+    return answers
+
+
+def linear_probe(model: torch.nn.Module, rows: Sequence[int] = (1, 2, 4, 8, 16)) -> dict[str, Any]:
+    """For each distinct linear shape: do row 0's output bits change with the number of rows?"""
+    seen: dict[tuple[int, int], list[int]] = {}
+    gen = torch.Generator().manual_seed(0)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            shape = (module.out_features, module.in_features)
+            if shape in seen:
+                continue
+            x = torch.randn(max(rows), module.in_features, generator=gen).to(module.weight.dtype)
+            with torch.inference_mode():
+                ref = module(x[:1])[0]
+                seen[shape] = [m for m in rows if not torch.equal(module(x[:m])[0], ref)]
+    return {f"{o}x{i}": {"row counts changing row 0": bad} for (o, i), bad in seen.items()}
+
+
+def measure(model: torch.nn.Module, tokenizer: Any, callers: int, new_tokens: int, probe: bool) -> dict[str, Any]:
+    """Agreement of alone and together answers on both engines (see the module's docstring)."""
+    questions = QUESTIONS[:callers]
+    plain = _plain(model, tokenizer, questions, new_tokens)
+    report: dict[str, Any] = {"dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+                              "callers": callers, "new_tokens": new_tokens}
+    for engine, batching in (("batched", True), ("serial", False)):
+        alone = _answers(model, tokenizer, batching, questions, False, new_tokens)
+        together = _answers(model, tokenizer, batching, questions, True, new_tokens)
+        report[engine] = {
+            "alone == together": sum(a[0] == t[0] for a, t in zip(alone, together)),
+            "alone == generate()": sum(a[0] == p for a, p in zip(alone, plain)),
+            "together == generate()": sum(t[0] == p for t, p in zip(together, plain)),
+            "first difference alone/together": [_first_difference(a[0], t[0]) for a, t in zip(alone, together)],
+            "cached tokens alone": [a[1] for a in alone],
+            "cached tokens together": [t[1] for t in together],
+        }
+    if probe:
+        report["linear probe"] = linear_probe(model)
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", nargs="+", default=["bfloat16", "float32"])
+    ap.add_argument("--callers", type=int, default=8, choices=range(1, len(QUESTIONS) + 1), metavar="N")
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--probe", action="store_true", help="also probe the linear layers' row invariance")
+    args = ap.parse_args(argv)
+    for dtype in args.dtype:
+        model, tokenizer = load_default_model(dtype=dtype)
+        print(json.dumps(measure(model, tokenizer, args.callers, args.new_tokens, args.probe)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
