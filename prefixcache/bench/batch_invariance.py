@@ -15,13 +15,17 @@ plain ``model.generate()`` on the whole prompt, the first position where each di
 pair parts, and the cached-token counts each way (a different split between cached and
 computed tokens is one source of a difference). ``--probe`` adds, for the model's linear
 layers, whether a row's output bits depend on how many rows share the matrix product
-(the other source).
+(the other source). ``--attention-cost`` times what row-invariant attention over the shared
+prefix would cost: the prefix part of one decode step for C rows as one product (what the
+cascade does) against one product per row (what a batch-invariant mode would do).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -119,6 +123,36 @@ def linear_probe(model: torch.nn.Module, rows: Sequence[int] = (1, 2, 4, 8, 16))
     return {f"{o}x{i}": {"row counts changing row 0": bad} for (o, i), bad in seen.items()}
 
 
+def prefix_attention_cost(model: torch.nn.Module, rows: int, prefix: int, repeats: int = 30) -> dict[str, float]:
+    """Median seconds of one layer's attention over a shared prefix: all rows at once vs row by row."""
+    cfg = model.config
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    group, dim = cfg.num_attention_heads // kv_heads, cfg.hidden_size // cfg.num_attention_heads
+    gen = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(kv_heads, prefix, dim, generator=gen) for _ in range(2))
+    q = torch.randn(rows, kv_heads, group, dim, generator=gen)
+
+    def together() -> object:
+        return (q.transpose(0, 1).reshape(kv_heads, rows * group, dim) @ k.transpose(1, 2)).softmax(-1) @ v
+
+    def row_by_row() -> object:
+        return [(q[r] @ k.transpose(1, 2)).softmax(-1) @ v for r in range(rows)]
+
+    def median(fn: Any) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    one, each = median(together), median(row_by_row)
+    return {"rows": rows, "prefix": prefix, "layers": cfg.num_hidden_layers, "one_product_s": one,
+            "row_by_row_s": each, "ratio": each / one, "extra_per_step_s": (each - one) * cfg.num_hidden_layers}
+
+
 def measure(model: torch.nn.Module, tokenizer: Any, callers: int, new_tokens: int, probe: bool) -> dict[str, Any]:
     """Agreement of alone and together answers on both engines (see the module's docstring)."""
     questions = QUESTIONS[:callers]
@@ -147,10 +181,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--callers", type=int, default=8, choices=range(1, len(QUESTIONS) + 1), metavar="N")
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--probe", action="store_true", help="also probe the linear layers' row invariance")
+    ap.add_argument("--attention-cost", type=int, metavar="PREFIX", default=0,
+                    help="also time the shared-prefix attention of C rows at once vs row by row")
     args = ap.parse_args(argv)
     for dtype in args.dtype:
         model, tokenizer = load_default_model(dtype=dtype)
-        print(json.dumps(measure(model, tokenizer, args.callers, args.new_tokens, args.probe)), flush=True)
+        report = measure(model, tokenizer, args.callers, args.new_tokens, args.probe)
+        if args.attention_cost:
+            report["attention cost"] = prefix_attention_cost(model, args.callers, args.attention_cost)
+        print(json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixcache.bench.batch_invariance import _first_difference, linear_probe, measure
+from prefixcache.bench.batch_invariance import _first_difference, linear_probe, measure, prefix_attention_cost
 
 
 def test_first_difference():
@@ -37,3 +37,10 @@ def test_linear_probe_reports_row_count_dependence():
     got = linear_probe(model)
     assert got["4x8"]["row counts changing row 0"] == []
     assert got["6x4"]["row counts changing row 0"] == [2, 4, 8, 16]
+
+
+def test_prefix_attention_cost_times_both_ways(llama):
+    got = prefix_attention_cost(llama, rows=4, prefix=64, repeats=3)
+    assert got["rows"] == 4 and got["prefix"] == 64 and got["layers"] == llama.config.num_hidden_layers
+    assert got["one_product_s"] > 0 and got["row_by_row_s"] > 0
+    assert got["ratio"] == got["row_by_row_s"] / got["one_product_s"]
