@@ -108,15 +108,19 @@ class KVStore:
             held: list[Node] = [root]
             root.refcount += 1
             pin_room = None if not pin or privileged else self.config.pin_quota_bytes - self.index.pinned_bytes[tenant]
+            grown = False
             try:
                 new_bytes, pos = self._grow(root, tokens, slice_kv, tenant, held, now, pin_room)
+                grown = True
             finally:
                 root.refcount -= 1
                 for node in held[1:]:
-                    self._ref(node, -1)
+                    node.refcount -= 1
+                    if not grown:
+                        self._sync(node)
                 self.trie.drop_root_if_empty(root)
             path = held[1:]
-            self._touch(path, now, ttl_seconds)
+            self._touch(path, now, ttl_seconds)  # syncs every node of the path (one sync per node, not two)
             complete = pos == len(tokens)
             if pin and complete:
                 for node in path:
