@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from prefixcache import ConfigError, PrefixCache, __version__, load_default_model, load_model
+from prefixcache.planner.request_log import RequestLog
 
 from . import errors
 from .auth import KeyRing
@@ -41,6 +42,17 @@ def build_cache(settings: Settings) -> PrefixCache:
     return PrefixCache(model, tokenizer, config)
 
 
+def open_request_log(settings: Settings, cache: PrefixCache) -> RequestLog | None:
+    """The request log the settings ask for (None: off)."""
+    if settings.request_log is None:
+        return None
+    key = settings.request_log_key
+    return RequestLog(settings.request_log, block_tokens=cache.config.block_size,
+                      kv_bytes_per_token=cache.bytes_per_token, max_bytes=settings.request_log_max_bytes,
+                      backups=settings.request_log_backups,
+                      secret=None if key is None else key.get_secret_value().encode("utf-8"))
+
+
 def create_app(settings: Settings | None = None, *, cache: PrefixCache | None = None) -> FastAPI:
     """Build the proxy. Given ``cache``, serve it (the caller closes it); else load the model at startup."""
     settings = settings if settings is not None else Settings()
@@ -54,13 +66,16 @@ def create_app(settings: Settings | None = None, *, cache: PrefixCache | None = 
                 engine.close()
             raise ConfigError("require_batching", True, f"a model the batching engine serves; it does not: "
                               f"{engine.batching_disabled_reason}")
-        srv = Serving(engine, settings, metrics)
+        request_log = open_request_log(settings, engine)
+        srv = Serving(engine, settings, metrics, request_log=request_log)
         metrics.bind(srv.engine_state)
         app.state.serving = srv
         try:
             yield
         finally:
             await srv.aclose()
+            if request_log is not None:
+                await asyncio.to_thread(request_log.close)
             if cache is None:
                 engine.close()
 

@@ -21,6 +21,7 @@ import xxhash
 
 from prefixcache import GenerationResult, PrefixCache, WarmResult
 from prefixcache.errors import ContextLengthExceededError, InvalidRequestError
+from prefixcache.planner.request_log import RequestLog
 
 from .errors import ClientClosedError, QueueFullError, RequestTimeoutError, UnavailableError
 from .metrics import Metrics
@@ -39,8 +40,9 @@ class Serving:
     """Owns the worker pool and admission for one ``PrefixCache``."""
 
     def __init__(self, cache: PrefixCache, settings: Settings, metrics: Metrics,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, request_log: RequestLog | None = None):
         self.cache, self.settings, self.metrics = cache, settings, metrics
+        self.request_log = request_log
         self._clock = clock
         self._pool = ThreadPoolExecutor(settings.workers, thread_name_prefix="prefixcache-worker")
         self._lock = threading.Lock()
@@ -233,9 +235,21 @@ class Serving:
                       on_text=None if emit is None else (lambda text: emit("text", text)))
         result = cache.answer(ids, **kwargs)  # the ids encoded above: no second encoding
         self.metrics.observe(job.endpoint, job.tenant, result.stats)
+        if self.request_log is not None:
+            self.request_log.record(job.tenant, ids, result.token_ids, result.stats.cached_tokens,
+                                    self._held_tokens(len(ids), result))
         if result.finish_reason == "cancelled" and self.closing:  # cut short by shutdown: not an answer
             raise UnavailableError("the server is shutting down; the generation was cancelled", code="shutting_down")
         return result
+
+    def _held_tokens(self, prompt_len: int, result: GenerationResult) -> int:
+        """Tokens the engine stores for a finished request: the prompt, and the answer but its last token
+        (no KV computed for it) when answers are cached; none when the request bypassed the cache."""
+        if result.stats.bypass_reason is not None:
+            return 0
+        if not self.cache.config.cache_generated:
+            return prompt_len
+        return prompt_len + max(len(result.token_ids) - 1, 0)
 
 
 class GenerationStream:

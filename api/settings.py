@@ -110,6 +110,15 @@ class Settings(BaseSettings):
                                            "(400 above). Unset: the model's context length.")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")
 
+    # -- request log (for `prefixcache plan`) --------------------------------------
+    request_log: str | None = Field(None, description="Append one JSON line per request to this file, for "
+                                    "`prefixcache plan`: time, tenant and block keys as keyed hashes, token counts; "
+                                    "never token ids or text. Written off the request path. Unset: no log.")
+    request_log_max_bytes: int = Field(100 << 20, ge=1024, description="Rotate the request log at this size.")
+    request_log_backups: int = Field(5, ge=0, description="Rotated request-log files kept (`PATH.1` ... `PATH.N`).")
+    request_log_key: SecretStr | None = Field(None, description="Secret keying the request log's hashes: keep it "
+                                              "to link logs across restarts. Unset: a random key per process.")
+
     @model_validator(mode="after")
     def _check_keys(self) -> Settings:
         admin = self.admin_key.get_secret_value() if self.admin_key is not None else None

@@ -1,4 +1,5 @@
-"""The ``prefixcache`` command: ``serve`` (the OpenAI-compatible proxy) and ``bench`` (the benchmark).
+"""The ``prefixcache`` command: ``serve`` (the OpenAI-compatible proxy), ``bench`` (the benchmark) and
+``plan`` (the capacity planner).
 
 Each subcommand is registered by one ``_add_<name>`` function on the shared subparsers.
 ``serve`` flags are generated from the proxy's ``Settings`` fields, so a flag, its
@@ -33,7 +34,21 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_serve(commands)
     _add_bench(commands)
+    _add_plan(commands)
     return parser
+
+
+# -- plan ----------------------------------------------------------------------------
+def _add_plan(commands: argparse._SubParsersAction) -> None:
+    from prefixcache.planner import cli as planner
+
+    parser = commands.add_parser(
+        "plan", help="replay a request log or a trace: hit rate against KV budget and TTL",
+        description="Replay a request log (prefixcache serve --request-log) or a Mooncake-format trace through the "
+                    "real trie and eviction policy at every budget and TTL; report token and request hit rates, "
+                    "evictions, bytes held and the smallest budget within 2 points of unlimited.")
+    planner.add_arguments(parser)
+    parser.set_defaults(handler=planner.run)
 
 
 # -- bench ---------------------------------------------------------------------------

@@ -24,6 +24,7 @@ LAYERS = {
     "prefixcache.loading": 3,
     "prefixcache.sdk": 4,
     "prefixcache": 4,  # the package's __init__: the public surface
+    "prefixcache.planner": 4,  # replays traces through cache/ (no model code); the proxy writes its request log
     "prefixcache.bench": 5,
     "prefixcache.cli": 5,
     "prefixcache_api": 5,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -21,7 +22,7 @@ class EvictedSnapshot:
     tenant: str
     tokens: tuple[int, ...]
     start: int
-    kv: torch.Tensor
+    kv: torch.Tensor  # a ``SizedKV`` when the store holds byte sizes (``cache.sized``)
     reason: str
 
 
@@ -49,15 +50,13 @@ class InsertResult:
     complete: bool  # False when the budget or quota cut the insert short
 
 
-def evicted_snapshot(node: Node, reason: str) -> EvictedSnapshot:
-    """What ``node`` hands to the eviction hook: its prefix from the namespace root and its own KV."""
+def evicted_snapshot(node: Node, reason: str, kv: Any) -> EvictedSnapshot:
+    """What ``node`` hands to the eviction hook: its prefix from the namespace root and ``kv``, its own KV
+    holding only its bytes (not a view keeping a whole run alive)."""
     chain, cur = [], node
     while cur is not None and not cur.is_root:
         chain.append(cur.tokens)
         cur = cur.parent
     tokens = tuple(t for block in reversed(chain) for t in block)
     namespace = cur.namespace if cur is not None else ()
-    kv = node.kv
-    if kv.untyped_storage().nbytes() != node.nbytes:  # a view of a run: hand over its own bytes only
-        kv = kv.clone()
     return EvictedSnapshot(namespace, node.tenant, tokens, node.start, kv, reason)

@@ -23,7 +23,7 @@ from prefixcache.cache.handles import EvictHook, InsertResult, KVSlicer, Lease, 
 from prefixcache.cache.hashing import BlockHasher
 from prefixcache.cache.index import StoreIndex, total
 from prefixcache.cache.policy import REASONS, evictable, expiry, is_expired
-from prefixcache.cache.runs import follows, storage_key
+from prefixcache.cache.runs import RunOps, TensorRuns
 from prefixcache.cache.trie import Node, PrefixTrie
 from prefixcache.config import CacheConfig
 from prefixcache.errors import PinQuotaExceededError
@@ -34,8 +34,10 @@ log = logging.getLogger(__name__)
 
 class KVStore:
     def __init__(self, config: CacheConfig, hasher: BlockHasher, clock: Callable[[], float],
-                 on_evict: EvictHook | None = None):
+                 on_evict: EvictHook | None = None, kv_ops: RunOps | None = None):
         self.config = config
+        # What snapshot payloads are: tensors by default, byte sizes for a replay (``cache.sized``).
+        self._kv: RunOps = TensorRuns() if kv_ops is None else kv_ops
         self.trie = PrefixTrie(config.block_size, hasher)
         self._clock = clock
         self._on_evict = on_evict
@@ -106,15 +108,19 @@ class KVStore:
             held: list[Node] = [root]
             root.refcount += 1
             pin_room = None if not pin or privileged else self.config.pin_quota_bytes - self.index.pinned_bytes[tenant]
+            grown = False
             try:
                 new_bytes, pos = self._grow(root, tokens, slice_kv, tenant, held, now, pin_room)
+                grown = True
             finally:
                 root.refcount -= 1
                 for node in held[1:]:
-                    self._ref(node, -1)
+                    node.refcount -= 1
+                    if not grown:
+                        self._sync(node)
                 self.trie.drop_root_if_empty(root)
             path = held[1:]
-            self._touch(path, now, ttl_seconds)
+            self._touch(path, now, ttl_seconds)  # syncs every node of the path (one sync per node, not two)
             complete = pos == len(tokens)
             if pin and complete:
                 for node in path:
@@ -146,12 +152,12 @@ class KVStore:
             attach = node
         run = slice_kv(pos, len(tokens)) if pos < len(tokens) else None
         if pin_room is not None:
-            missing = 0 if run is None else (len(tokens) - pos) * _bytes_per_token(run)
+            missing = 0 if run is None else (len(tokens) - pos) * self._kv.per_token(run)
             self._check_pin_room(held[1:], missing, pin_room)
         if run is None or (held[1:] and len(held[-1].tokens) < bs):
             return 0, pos
         first = pos
-        per_token = _bytes_per_token(run)
+        per_token = self._kv.per_token(run)
         added: list[Node] = []
         while pos < len(tokens):
             chunk = tuple(tokens[pos : pos + bs])
@@ -160,7 +166,7 @@ class KVStore:
                 break
             self._drop_superseded(attach, chunk)
             node = self.trie.add_child(attach, chunk)
-            node.kv, node.nbytes = run[:, :, :, pos - first : pos - first + len(chunk)], nbytes
+            node.kv, node.nbytes = self._kv.view(run, pos - first, pos - first + len(chunk)), nbytes
             self._account(node, +1)
             self._sync(attach)  # no longer a leaf
             self._ref(node, +1)
@@ -169,11 +175,11 @@ class KVStore:
             pos += len(chunk)
             attach = node
         if added and pos < len(tokens):  # cut short: keep only the bytes of the blocks stored
-            run = run[:, :, :, : pos - first].clone()
+            run = self._kv.copy(run, pos - first)
             for node in added:
-                node.kv = run[:, :, :, node.start - first : node.end - first]
+                node.kv = self._kv.view(run, node.start - first, node.end - first)
         if added:
-            self._runs[storage_key(run)] = set(added)
+            self._runs[self._kv.key(run)] = set(added)
         return sum(n.nbytes for n in added), pos
 
     def _check_pin_room(self, existing: list[Node], missing: int, room: int) -> None:
@@ -303,7 +309,7 @@ class KVStore:
         """Drop a leaf. ``reason`` None: superseded by a longer copy of itself, not an eviction."""
         if reason is not None and self._on_evict is not None:
             try:
-                self._on_evict(evicted_snapshot(node, reason))
+                self._on_evict(evicted_snapshot(node, reason, self._kv.own(node.kv, node.nbytes)))
             except Exception:  # a failing tier must never break eviction or a request
                 log.exception("offload hook failed; snapshot dropped")
         self.trie.remove_leaf(node)
@@ -313,7 +319,7 @@ class KVStore:
         if reason is not None:
             self._eviction_counts[node.tenant, reason] += 1
             self._reclaimed_counts[node.tenant, reason] += node.nbytes
-        key = storage_key(node.kv)
+        key = self._kv.key(node.kv)
         run = self._runs.get(key)
         if run is not None:
             run.discard(node)
@@ -336,20 +342,17 @@ class KVStore:
             nodes = sorted(self._runs.pop(self._dirty.pop(), ()), key=lambda n: n.start)
             groups: list[list[Node]] = []
             for node in nodes:
-                if groups and follows(groups[-1][-1].kv, node.kv):
+                if groups and self._kv.follows(groups[-1][-1].kv, node.kv):
                     groups[-1].append(node)
                 else:
                     groups.append([node])
             for group in groups:
-                head = group[0].kv
-                total = sum(n.kv.shape[3] for n in group)
-                span = head.as_strided((*head.shape[:3], total, head.shape[4]), head.stride(),
-                                       head.storage_offset()).clone()
+                span = self._kv.join([n.kv for n in group])
                 at = 0
                 for node in group:
-                    n = node.kv.shape[3]
-                    node.kv, at = span[:, :, :, at : at + n], at + n
-                self._runs[storage_key(span)] = set(group)
+                    n = self._kv.tokens(node.kv)
+                    node.kv, at = self._kv.view(span, at, at + n), at + n
+                self._runs[self._kv.key(span)] = set(group)
 
     @property
     def evictions(self) -> dict[str, int]:
@@ -398,26 +401,21 @@ class KVStore:
                 assert 0 < len(node.tokens) <= bs and node.tenant == parent.tenant
                 assert node.num_children == sum(1 for _ in node.children())
                 assert parent.is_root or parent.expires_at >= node.expires_at or parent.doomed
-                assert node.nbytes == node.kv.numel() * node.kv.element_size()
-                assert node in self._runs.get(storage_key(node.kv), ()), "snapshot outside its run"
-                assert node.kv.shape[-2] == len(node.tokens)
+                assert node.nbytes == self._kv.nbytes(node.kv)
+                assert node in self._runs.get(self._kv.key(node.kv), ()), "snapshot outside its run"
+                assert self._kv.tokens(node.kv) == len(node.tokens)
                 total += node.nbytes
                 per_tenant[node.tenant] += node.nbytes
             assert not self._dirty, "partly freed run not compacted"
             # Exact memory: every run tensor is covered by the live blocks viewing it.
             for key, run in self._runs.items():
                 assert run and all(n.alive for n in run)
-                storage = next(iter(run)).kv.untyped_storage()
-                assert sum(n.nbytes for n in run) == storage.nbytes(), "run holds bytes no block accounts for"
+                held = self._kv.run_nbytes(next(iter(run)).kv)
+                assert sum(n.nbytes for n in run) == held, "run holds bytes no block accounts for"
             assert total == self.bytes, f"accounted {self.bytes} != live {total}"
             assert all(per_tenant[t] == b for t, b in self.tenant_bytes.items()), "tenant bytes drift"
             assert self.bytes <= self.config.max_bytes, "over budget"
             self.index.check(nodes)
-
-
-def _bytes_per_token(run: Any) -> int:
-    """Bytes of one token of a run ``[L, 2, H, n, D]``."""
-    return run[:, :, :, :1].numel() * run.element_size()
 
 
 def _by_reason(counts: Counter[tuple[str, str]], tenant: str | None) -> dict[str, int]:
