@@ -96,6 +96,7 @@ def workload(groups: int, questions: int, max_tokens: int = 4, system_repeat: in
 def send(client: httpx.Client, url: str, call: Call, key: str) -> Answer:
     """One streamed chat call; TTFT is the time to the first content (or the end of the stream)."""
     answer = Answer(call.group, call.index)
+    finished = False
     start = time.perf_counter()
     try:
         with client.stream("POST", url + "/v1/chat/completions", json=call.body,
@@ -118,8 +119,12 @@ def send(client: httpx.Client, url: str, call: Call, key: str) -> Answer:
                 if chunk.get("usage"):
                     answer.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     answer.cached_tokens = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
-    except httpx.HTTPError as exc:
+                    finished = True
+    except httpx.HTTPError as exc:  # before any chunk: connection refused etc.; after: the stream broke off
         answer.error = f"{type(exc).__name__}: {exc}"
+    if not finished:  # a replica that died mid-answer: the router's stream stops or breaks off
+        answer.error = f"the stream ended before the answer finished (the replica serving it was lost: " \
+            f"{answer.error or 'no last chunk'})"
     return answer
 
 
