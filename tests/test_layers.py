@@ -26,6 +26,7 @@ LAYERS = {
     "prefixcache": 4,  # the package's __init__: the public surface
     "prefixcache.bench": 5,
     "prefixcache.cli": 5,
+    "prefixcache.admin": 5,  # an HTTP client of the replicas, beside the command that runs it
     "prefixcache_api": 5,
 }
 #: transformers internals that change between releases: only ``hf_cache`` may import them.

@@ -180,7 +180,8 @@ def compare(running: Fleet, calls: Sequence[Call], policies: Sequence[str] = ("c
 def table(rounds: list[list[RunResult]]) -> str:
     """Markdown: one row per system, medians over rounds; answers compared with the reference's."""
     lines = ["| system | token hit rate | vs one replica | TTFT p50 (ms) | TTFT p99 (ms) | mean TTFT (ms) | "
-             "requests per replica | groups split | answers = one replica's |", "|---|---|---|---|---|---|---|---|---|"]
+             "requests per replica (each round) | groups split | answers = one replica's |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for i, name in enumerate(r.name for r in rounds[0]):
         runs = [rs[i] for rs in rounds]
         hit = statistics.median(r.token_hit_rate for r in runs)
@@ -189,7 +190,7 @@ def table(rounds: list[list[RunResult]]) -> str:
         med = {q: statistics.median(r.ttft(q) for r in runs) * 1000 for q in (0.5, 0.99)}
         mean = statistics.median(r.mean_ttft for r in runs) * 1000
         lines.append(f"| {name} | {hit:.3f} | {hit / ref if ref else 0:.3f}x | {med[0.5]:.1f} | {med[0.99]:.1f} | "
-                     f"{mean:.1f} | {' / '.join(str(n) for n in runs[-1].per_replica)} | "
+                     f"{mean:.1f} | {', '.join(' / '.join(str(n) for n in r.per_replica) for r in runs)} | "
                      f"{max(len(r.split_groups) for r in runs)} | {'yes' if same else 'NO'} |")
     return "\n".join(lines)
 
@@ -202,18 +203,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--system-repeat", type=int, default=12, help="length of each system prompt (x ~15 words)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--model", default=None, help="model folder for every replica (default: a tiny random "
-                        "Llama saved with the default model's tokenizer)")
+    parser.add_argument("--model", default=None, help="model folder for every replica; 'default': the embedded "
+                        "SmolLM2-135M-Instruct (its converted copy); unset: a tiny random Llama saved with the "
+                        "default model's tokenizer")
     parser.add_argument("--json", default=None, help="also write every run's answers and figures here")
     args = parser.parse_args(argv)
     calls = workload(args.groups, args.questions, args.max_tokens, args.system_repeat)
-    if args.model is None:
+    if args.model in (None, "default"):
         from prefixcache.loading import load_default_model
 
-        tokenizer = load_default_model()[1]
-        with tiny_model_folder(tokenizer) as folder:
-            rounds = _rounds(folder, args, calls)
-        label = "tiny random Llama (2 layers, hidden 64) with the SmolLM2 tokenizer"
+        model, tokenizer = load_default_model()
+        if args.model == "default":
+            rounds, label = _rounds(model.name_or_path, args, calls), "SmolLM2-135M-Instruct (embedded default)"
+        else:
+            with tiny_model_folder(tokenizer) as folder:
+                rounds = _rounds(folder, args, calls)
+            label = "tiny random Llama (2 layers, hidden 64) with the SmolLM2 tokenizer"
+        del model
     else:
         rounds, label = _rounds(args.model, args, calls), args.model
     print(f"model: {label}; {args.replicas} replicas; {args.groups} groups x {args.questions} questions; "

@@ -8,7 +8,6 @@ client error, a flush), so a query that names a real metric but selects nothing
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import subprocess
 import time
