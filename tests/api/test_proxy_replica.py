@@ -44,6 +44,9 @@ def test_health_is_503_until_the_model_is_loaded(tiny_model, tokenizer):
         assert loading.get("/server_info").status_code == 503
         with TestClient(app) as up:
             assert up.get("/health").status_code == 200
+            up.app.state.serving.closing = True  # shutting down: the router must stop sending requests here
+            assert up.get("/health").status_code == 503
+            up.app.state.serving.closing = False
     finally:
         cache.close()
 
