@@ -21,6 +21,7 @@ from prefixcache.planner.request_log import RequestLog
 from . import errors
 from .auth import KeyRing
 from .metrics import Metrics
+from .replica import replica
 from .routes import router
 from .serving import Serving
 from .settings import Settings
@@ -86,6 +87,7 @@ def create_app(settings: Settings | None = None, *, cache: PrefixCache | None = 
     app.state.serving = None
     errors.install(app, settings.retry_after_seconds, lambda request, status: metrics.error(_route(request), status))
     app.include_router(router)
+    app.include_router(replica)
     app.add_middleware(InternalErrors, on_error=lambda scope: metrics.error(_route(scope), 500))
     return app
 

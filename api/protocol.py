@@ -127,6 +127,13 @@ class GenerationFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: Text | None = Field(None, description="End-user id, for the caller's records. Never selects a "
                               "tenant or cache namespace: that comes from the API key.")
+    # SGLang's fields, which sglang-router adds to every body it forwards: accepted with the
+    # values that match what this server does, refused (400) otherwise (see ``sampling``).
+    no_stop_trim: bool | None = Field(None, description="SGLang extension: only false (the stop string is "
+                                      "trimmed from the answer).")
+    skip_special_tokens: bool | None = Field(None, description="SGLang extension: only true (special tokens "
+                                             "are left out of the text).")
+    return_hidden_states: bool | None = Field(None, description="SGLang extension: only false.")
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> GenerationFields:
@@ -145,6 +152,12 @@ class ChatCompletionRequest(GenerationFields):
     response_format: ResponseFormat | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    continue_final_message: bool | None = Field(None, description="SGLang extension: only false (the answer "
+                                                "is a new assistant message).")
+    separate_reasoning: bool | None = Field(None, description="SGLang extension: accepted, no effect (no "
+                                            "reasoning parser: the whole answer is content).")
+    stream_reasoning: bool | None = Field(None, description="SGLang extension: accepted, no effect (as "
+                                          "separate_reasoning).")
 
 
 class CompletionRequest(GenerationFields):

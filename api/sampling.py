@@ -4,7 +4,10 @@ Honoured: max_tokens / max_completion_tokens, temperature, top_p, top_k and igno
 (extensions, as in vLLM), stop, seed, presence_penalty, frequency_penalty, logit_bias, echo, tools (rendered by
 the chat template; tool calls come back as text), tool_choice "none" (tools hidden).
 Refused with a 400 naming the parameter, here: logprobs, suffix, response_format
-other than text, max_tokens over the server's limit; by the schema (``protocol``):
+other than text, max_tokens over the server's limit, SGLang's extensions (which
+sglang-router adds to every chat body) with a value other than what this server does
+(``no_stop_trim``, ``skip_special_tokens``, ``return_hidden_states``,
+``continue_final_message``); by the schema (``protocol``):
 n > 1, best_of > 1, tool_choice "required" or a named tool, token-id or multi-prompt
 completions, non-text content parts.
 """
@@ -53,6 +56,7 @@ class Job:
 
 
 def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_size: int) -> Job:
+    _only_defaults(req, continue_final_message=False)
     if req.logprobs or req.top_logprobs:
         raise InvalidRequestError("logprobs are not supported by this server", param="logprobs")
     if req.response_format is not None and req.response_format.type != "text":
@@ -74,12 +78,26 @@ def completion_job(req: CompletionRequest, tenant: str, settings: Settings, voca
     prompt = req.prompt
     if isinstance(prompt, list):
         prompt = prompt[0]  # the schema allows exactly one
+    _only_defaults(req)
     if req.suffix:
         raise InvalidRequestError("suffix (insertion) is not supported", param="suffix")
     if req.logprobs is not None:
         raise InvalidRequestError("logprobs are not supported by this server", param="logprobs")
     return Job("completions", tenant, prompt=prompt, max_tokens=_limit(req.max_tokens, settings), echo=bool(req.echo),
                options=_options(req, settings, vocab_size))
+
+
+#: SGLang's extensions and the one value each may take here: what this server does anyway.
+_SGLANG_DEFAULTS = {"no_stop_trim": False, "skip_special_tokens": True, "return_hidden_states": False}
+
+
+def _only_defaults(req: GenerationFields, **more: bool) -> None:
+    """Refuse an SGLang extension set to a value that would change the answer (unset or default is fine)."""
+    for name, default in {**_SGLANG_DEFAULTS, **more}.items():
+        value = getattr(req, name)
+        if value is not None and value != default:
+            raise InvalidRequestError(f"{name}={str(value).lower()} is not supported by this server (only "
+                                      f"{str(default).lower()})", param=name)
 
 
 def _limit(max_tokens: int | None, settings: Settings) -> int | None:

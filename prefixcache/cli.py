@@ -1,5 +1,5 @@
-"""The ``prefixcache`` command: ``serve`` (the OpenAI-compatible proxy), ``bench`` (the benchmark) and
-``plan`` (the capacity planner).
+"""The ``prefixcache`` command: ``serve`` (the OpenAI-compatible proxy), ``admin`` (cache admin on
+every replica), ``bench`` (the benchmark) and ``plan`` (the capacity planner).
 
 Each subcommand is registered by one ``_add_<name>`` function on the shared subparsers.
 ``serve`` flags are generated from the proxy's ``Settings`` fields, so a flag, its
@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "causal LMs.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_serve(commands)
+    _add_admin(commands)
     _add_bench(commands)
     _add_plan(commands)
     return parser
@@ -61,6 +62,65 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
                     "table, JSON and a PNG plot.")
     bench.add_arguments(parser)
     parser.set_defaults(handler=bench.run)
+
+
+# -- admin ---------------------------------------------------------------------------
+def _add_admin(commands: argparse._SubParsersAction) -> None:
+    admin = commands.add_parser(
+        "admin", help="prewarm, flush or read stats on every replica (a router does not forward /v1/cache)",
+        description="Send one cache admin call to every replica with the admin key; print each replica's "
+                    "answer and the aggregate as JSON. Exit code 1 if any replica failed.")
+    admin.add_argument("--replicas", required=True, type=_url_list, metavar="URL,URL...",
+                       help="every replica's own base URL (not the router's)")
+    admin.add_argument("--admin-key", default=None, help="the replicas' admin key [PREFIXCACHE_ADMIN_KEY]")
+    admin.add_argument("--tenant", default=None, help="act on this tenant only (default: every tenant)")
+    admin.add_argument("--timeout", type=float, default=300.0, help="seconds per replica call")
+    actions = admin.add_subparsers(dest="action", metavar="ACTION", required=True)
+    actions.add_parser("stats", help="hit counters and bytes: per replica and summed")
+    actions.add_parser("flush", help="drop cached prefixes on every replica")
+    prewarm = actions.add_parser("prewarm", help="prefill and keep one prefix on every replica")
+    source = prewarm.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", help="a text prefix")
+    source.add_argument("--messages-file", help="a JSON file holding a list of chat messages")
+    prewarm.add_argument("--model", default=None, help="the served model name (checked by each replica)")
+    prewarm.add_argument("--pin", action="store_true", help="keep it until flushed or its TTL ends")
+    prewarm.add_argument("--ttl-seconds", type=float, default=None, help="idle expiry of this prefix")
+    admin.set_defaults(handler=_admin)
+
+
+def _admin(args: argparse.Namespace) -> int:
+    import json
+    import os
+
+    from prefixcache.admin import FanOut
+
+    key = args.admin_key or os.environ.get("PREFIXCACHE_ADMIN_KEY")
+    if not key:
+        print("prefixcache admin: give --admin-key or set PREFIXCACHE_ADMIN_KEY", file=sys.stderr)
+        return 2
+    with FanOut(args.replicas, key, timeout=args.timeout) as fan:
+        if args.action == "stats":
+            report = fan.stats(args.tenant)
+        elif args.action == "flush":
+            report = fan.flush(args.tenant)
+        else:
+            body: dict[str, Any] = {"pin": args.pin}
+            if args.prompt is not None:
+                body["prompt"] = args.prompt
+            else:
+                with open(args.messages_file, encoding="utf-8") as f:
+                    body["messages"] = json.load(f)
+            body |= {k: v for k, v in (("model", args.model), ("ttl_seconds", args.ttl_seconds)) if v is not None}
+            report = fan.prewarm(body, args.tenant)
+    print(json.dumps(report, indent=2))
+    return 0 if report["ok"] else 1
+
+
+def _url_list(text: str) -> list[str]:
+    urls = [u.strip() for u in text.split(",") if u.strip()]
+    if not urls or not all(u.startswith(("http://", "https://")) for u in urls):
+        raise argparse.ArgumentTypeError(f"expected comma-separated http(s) URLs, got {text!r}")
+    return urls
 
 
 # -- serve ---------------------------------------------------------------------------

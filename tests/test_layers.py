@@ -27,6 +27,7 @@ LAYERS = {
     "prefixcache.planner": 4,  # replays traces through cache/ (no model code); the proxy writes its request log
     "prefixcache.bench": 5,
     "prefixcache.cli": 5,
+    "prefixcache.admin": 5,  # an HTTP client of the replicas, beside the command that runs it
     "prefixcache_api": 5,
 }
 #: transformers internals that change between releases: only ``hf_cache`` may import them.

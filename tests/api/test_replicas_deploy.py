@@ -1,0 +1,142 @@
+"""The replicas deployment (deploy/replicas/), parsed and cross-checked: no Docker engine runs here.
+
+Replica commands are parsed by ``prefixcache serve``'s own parser and the router's by
+sglang-router's. The shared tier's flags (``TIER_FLAGS``) are checked by the parser as
+soon as ``prefixcache serve --help`` lists them; until then they are set aside.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from prefixcache_api.settings import ENV_PREFIX, Settings
+
+from prefixcache.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = ROOT / "deploy" / "replicas"
+#: The shared Redis tier's serve flags and their env var names.
+TIER_FLAGS = ("--tier-redis", "--tier-redis-bytes", "--hash-secret")
+TIER_ENV = {f"{ENV_PREFIX}{f[2:].replace('-', '_').upper()}" for f in TIER_FLAGS}
+SMG_METRIC = re.compile(r"\bsmg_[a-z_]+\b")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((HERE / "compose.yml").read_text())
+
+
+def _replicas(compose: dict) -> dict[str, dict]:
+    return {name: s for name, s in compose["services"].items() if name.startswith("replica-")}
+
+
+def _serve_flags() -> set[str]:
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    return {opt for action in serve._actions for opt in action.option_strings}
+
+
+def _without_missing_tier_flags(argv: list[str]) -> list[str]:
+    """``argv`` minus any tier flag (and its value) the CLI does not have yet."""
+    known, out, skip = _serve_flags(), [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        flag = arg.split("=", 1)[0]
+        if flag in TIER_FLAGS and flag not in known:
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    return out
+
+
+def test_services(compose):
+    services = compose["services"]
+    assert set(services) == {"redis", "replica-1", "replica-2", "router", "prometheus", "grafana"}
+    assert len(_replicas(compose)) >= 2
+    assert "30000:30000" in services["router"]["ports"]
+    for name in _replicas(compose):
+        assert services["router"]["depends_on"][name]["condition"] == "service_healthy"
+        assert "ports" not in services[name]  # clients go through the router
+
+
+def test_replica_commands_parse_and_share_one_tier_and_one_secret(compose):
+    replicas = _replicas(compose)
+    assert len({json.dumps(r, sort_keys=True) for r in replicas.values()}) == 1  # identical replicas
+    for name, replica in replicas.items():
+        argv = replica["command"]
+        assert argv[0] == "serve"
+        # The tier's flags are given, pointing at the compose Redis.
+        tier = argv[argv.index("--tier-redis") + 1]
+        assert re.fullmatch(r"redis://redis:6379/\d+", tier), tier
+        assert int(argv[argv.index("--tier-redis-bytes") + 1]) > 0
+        args = build_parser().parse_args(_without_missing_tier_flags(argv))
+        assert args.host == "0.0.0.0" and args.port == 8000, name
+        for flag in set(TIER_FLAGS) & _serve_flags():  # once they exist, they parse to their values
+            assert getattr(args, flag[2:].replace("-", "_")) is not None, flag
+        env = replica["environment"]
+        fields = {f"{ENV_PREFIX}{n.upper()}" for n in Settings.model_fields}
+        assert set(env) <= fields | TIER_ENV, set(env) - fields - TIER_ENV
+        # The admin key and the hash secret are required, never defaulted, never in the file.
+        for key in ("PREFIXCACHE_ADMIN_KEY", "PREFIXCACHE_HASH_SECRET"):
+            assert re.fullmatch(rf"\$\{{{key}:\?.+\}}", env[key]), key
+    redis = compose["services"]["redis"]["command"]
+    assert redis[redis.index("--maxmemory-policy") + 1] == "allkeys-lru"
+
+
+def test_router_command_parses_with_explicit_workers_and_loopback_free_binds(compose):
+    from sglang_router.launch_router import parse_router_args
+
+    router = compose["services"]["router"]
+    args = parse_router_args(router["command"])
+    assert args.worker_urls == [f"http://{name}:8000" for name in _replicas(compose)]
+    assert args.policy == "cache_aware" and args.balance_abs_threshold < 64  # see docs/deployment.md
+    assert args.host == "0.0.0.0" and args.prometheus_host == "0.0.0.0"  # reachable from the other containers
+    assert f"{args.port}:{args.port}" in router["ports"]
+    dockerfile = (HERE / router["build"]["dockerfile"]).read_text()
+    pinned = re.search(r'"sglang-router==([\w.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert re.search(rf"^ARG SGLANG_ROUTER_VERSION={re.escape(pinned)}$", dockerfile, re.M)
+    assert router["image"].endswith(f":{pinned}")
+    assert json.loads(re.search(r"^ENTRYPOINT (.+)$", dockerfile, re.M).group(1))[-1] == "sglang_router.launch_router"
+
+
+def test_prometheus_scrapes_every_replica_and_the_router(compose):
+    config = yaml.safe_load((HERE / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    replicas = jobs["prefixcache"]
+    assert replicas["static_configs"][0]["targets"] == [f"{name}:8000" for name in _replicas(compose)]
+    assert replicas["authorization"] == {"type": "Bearer", "credentials_file": "/run/secrets/admin_key"}
+    assert compose["secrets"]["admin_key"]["environment"] == "PREFIXCACHE_ADMIN_KEY"
+    assert "admin_key" in compose["services"]["prometheus"]["secrets"]
+    args_port = compose["services"]["router"]["command"]
+    metrics_port = args_port[args_port.index("--prometheus-port") + 1]
+    assert jobs["sglang-router"]["static_configs"][0]["targets"] == [f"router:{metrics_port}"]
+    mounts = dict(v.split(":")[1::-1] for v in compose["services"]["prometheus"]["volumes"])
+    assert (HERE / mounts["/etc/prometheus/prometheus.yml"]).resolve() == (HERE / "prometheus.yml").resolve()
+
+
+def test_grafana_has_the_per_replica_panels_and_the_router_dashboard(compose):
+    grafana = compose["services"]["grafana"]
+    mounts = {container: (HERE / host).resolve() for host, container in
+              (v.split(":")[:2] for v in grafana["volumes"])}
+    assert mounts["/etc/grafana/provisioning"] == ROOT / "deploy/grafana/provisioning"
+    dashboards = mounts["/var/lib/grafana/dashboards"]
+    main = json.loads((dashboards / "prefixcache.json").read_text())
+    per_replica = [p for p in main["panels"] if "per replica" in p["title"]]
+    assert len(per_replica) >= 2
+    assert all("by (instance)" in t["expr"] for p in per_replica for t in p["targets"])
+    router = json.loads((dashboards / "router.json").read_text())
+    assert router["uid"] != main["uid"]
+    for panel in router["panels"]:
+        for target in panel["targets"]:
+            assert SMG_METRIC.search(target["expr"]), target["expr"]
+
+
+def test_deployment_page_documents_the_replicas(compose):
+    page = (ROOT / "docs" / "deployment.md").read_text()
+    for text in ("deploy/replicas/compose.yml", "prefixcache admin --replicas", "--balance-abs-threshold",
+                 "python -m prefixcache.bench.replicas"):
+        assert text in page, text
