@@ -2,7 +2,8 @@
 
 Two stages. The raw body (``read_body``): at most ``max_body_bytes`` are read, with or
 without a Content-Length (413 above), and its nesting is measured before it is parsed
-(a deep body would exhaust the parser's and the validators' recursion). Then the parsed
+(a deep body would exhaust the parser's and the validators' recursion); it is parsed once,
+here, so an integer too long for Python to convert is refused naming its parameter. Then the parsed
 request (``check_chat``, ``check_completion``, ``check_prewarm``): message count, text
 bytes, tools, stop strings, logit_bias. Every refusal is a ``LimitExceededError`` (400)
 naming the parameter, or a ``PayloadTooLargeError`` (413).
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,11 +29,12 @@ _OFF_LOOP_BYTES = 64 << 10  # larger bodies are measured on a thread, not the ev
 
 
 # -- raw body ---------------------------------------------------------------------------
-async def read_body(request: Request, settings: Settings) -> bytes:
-    """The body, read chunk by chunk and never past ``max_body_bytes``; its nesting checked.
+async def read_body(request: Request, settings: Settings) -> tuple[bytes, Any]:
+    """The body, read chunk by chunk and never past ``max_body_bytes``; its nesting checked; and
+    the JSON it holds (``NOT_JSON`` if it holds none: the route's parser then says why).
 
     Raises ``PayloadTooLargeError`` (a declared or actual size over the limit) or
-    ``LimitExceededError`` (nested deeper than ``max_json_depth``).
+    ``LimitExceededError`` (nested deeper than ``max_json_depth``, or a number too long to parse).
     """
     limit = settings.max_body_bytes
     declared = request.headers.get("content-length", "")
@@ -48,7 +51,54 @@ async def read_body(request: Request, settings: Settings) -> bytes:
     if depth > settings.max_json_depth:
         raise LimitExceededError(f"the request body nests {depth} levels deep; at most {settings.max_json_depth} "
                                  "are accepted", code="json_too_deep")
-    return body
+    return body, await asyncio.to_thread(parse_json, body) if size > _OFF_LOOP_BYTES else parse_json(body)
+
+
+NOT_JSON = object()
+
+
+class _HugeInt:
+    """An integer literal longer than Python converts (``sys.get_int_max_str_digits``)."""
+
+    def __init__(self, digits: int):
+        self.digits = digits
+
+
+def parse_json(raw: bytes) -> Any:
+    """``json.loads(raw)``, except that an integer too long to convert is a ``LimitExceededError``
+    naming where it is (json.loads would raise a bare ``ValueError``); ``NOT_JSON`` if not JSON."""
+    limit = sys.get_int_max_str_digits()
+    huge: list[_HugeInt] = []
+
+    def parse_int(text: str) -> int | _HugeInt:
+        if limit and len(text.lstrip("-")) > limit:
+            huge.append(_HugeInt(len(text.lstrip("-"))))
+            return huge[-1]
+        return int(text)
+
+    try:
+        value = json.loads(raw, parse_int=parse_int)
+    except ValueError:  # malformed (JSONDecodeError) or not UTF-8: FastAPI's parser reports it
+        return NOT_JSON
+    if huge:
+        where, number = _find(value, huge[0])
+        raise LimitExceededError(f"{where or 'the body'}: the number has {number.digits} digits; it cannot be a "
+                                 "valid value", param=where, code="number_too_large")
+    return value
+
+
+def _find(value: Any, target: _HugeInt) -> tuple[str | None, _HugeInt]:
+    """The path of ``target`` in parsed JSON, spelled as errors name parameters (``messages[0].content``)."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, path = stack.pop()
+        if item is target:
+            return path or None, target
+        if isinstance(item, dict):
+            stack.extend((v, f"{path}.{k}" if path else str(k)) for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(item))
+    return None, target
 
 
 def _too_large(limit: int) -> PayloadTooLargeError:

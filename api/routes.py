@@ -26,7 +26,7 @@ from prefixcache import GenerationResult
 
 from .auth import Principal
 from .errors import NotFoundError, UnavailableError, map_exception
-from .limits import check_chat, check_completion, check_prewarm, read_body
+from .limits import NOT_JSON, check_chat, check_completion, check_prewarm, read_body
 from .metrics import CONTENT_TYPE
 from .protocol import (
     CacheStats,
@@ -89,7 +89,7 @@ class GuardedRoute(APIRoute):
             if authenticated:
                 request.state.principal = state.keyring.authenticate(request.headers.get("authorization"))
             if has_body:
-                request = _ReadRequest(request, await read_body(request, state.settings))
+                request = _ReadRequest(request, *await read_body(request, state.settings))
             return await handler(request)
 
         return guarded
@@ -98,9 +98,11 @@ class GuardedRoute(APIRoute):
 class _ReadRequest(Request):
     """A request whose body the route has read (bounded); FastAPI's parser takes it from here."""
 
-    def __init__(self, request: Request, body: bytes):
+    def __init__(self, request: Request, body: bytes, parsed: Any):
         super().__init__(request.scope, request.receive)
         self._read = body
+        if parsed is not NOT_JSON:
+            self._json = parsed  # parsed once, by ``read_body``: Starlette's ``json()`` returns it
 
     async def body(self) -> bytes:
         return self._read
