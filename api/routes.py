@@ -155,9 +155,11 @@ async def healthz(request: Request) -> Health:
 
 @router.get("/readyz", response_model=Health, responses=_ERRORS, tags=["health"])
 async def readyz(request: Request) -> Health:
-    """Readiness: the model is loaded, the server is not shutting down and the queue has room."""
+    """Readiness: the model is loaded, the server is not shutting down, the queue has room and the
+    batching engine's recent steps do not all fail."""
     srv = serving(request)
     srv.check_engine()
+    srv.check_steps()
     if not srv.ready:
         raise UnavailableError("not ready: shutting down or the queue is full", code="not_ready")
     reason = srv.cache.batching_disabled_reason

@@ -75,6 +75,13 @@ class Serving:
             raise UnavailableError(f"the batching loop stopped ({failure}); calls run one at a time until "
                                    "the server is restarted", code="engine_failed")
 
+    def check_steps(self) -> None:
+        """Raise ``UnavailableError`` (503) while the batching loop's recent steps all fail (not ready:
+        a balancer should send requests elsewhere); it clears after a good step or a quiet window."""
+        faulting = self.cache.engine_faulting
+        if faulting is not None:
+            raise UnavailableError(f"not ready: {faulting}", code="engine_faulting")
+
     def engine_state(self) -> tuple[dict[str, Any], int, int]:
         """What /metrics reads at scrape time: cache stats of all tenants, running, waiting."""
         running, waiting = self.queue()

@@ -130,6 +130,11 @@ class PrefixCache:
         return None if self.batcher is None else self.batcher.failure
 
     @property
+    def engine_faulting(self) -> str | None:
+        """Why the running batching loop counts as faulting (its recent steps all failed), or None."""
+        return None if self.batcher is None else self.batcher.faulting
+
+    @property
     def last_call(self) -> CallStats | None:
         """Stats of this thread's last call (``cached_tokens`` is the reused-token count)."""
         return getattr(self._local, "last", None)
