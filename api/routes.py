@@ -220,7 +220,8 @@ async def _respond(job, body: GenerationFields, request: Request, srv: Serving, 
 
 # -- cache admin -------------------------------------------------------------------------
 @router.post("/v1/cache/prewarm", response_model=PrewarmResponse, responses=_ERRORS, tags=["cache"])
-async def prewarm(body: PrewarmRequest, who: Caller, srv: Engine, tenant: TenantQuery = None) -> PrewarmResponse:
+async def prewarm(body: PrewarmRequest, request: Request, who: Caller, srv: Engine,
+                  tenant: TenantQuery = None) -> PrewarmResponse:
     """Prefill and keep a prefix for the caller's tenant (admin: any tenant via ?tenant=)."""
     _check_model(srv, body.model)
     check_prewarm(body, srv.settings)
@@ -228,7 +229,8 @@ async def prewarm(body: PrewarmRequest, who: Caller, srv: Engine, tenant: Tenant
     prefix: Any = body.prompt if body.prompt is not None else [m.model_dump(exclude_none=True) for m in body.messages]
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     # Pins are a privilege: a tenant's count against its pin quota and expire when idle; the admin's do not.
-    warm = await srv.prewarm(target, prefix, tools, body.pin, body.ttl_seconds, privileged=who.admin)
+    warm = await srv.prewarm(target, prefix, tools, body.pin, body.ttl_seconds, privileged=who.admin,
+                             disconnected=_disconnected(request))
     return PrewarmResponse(tenant=target, prompt_tokens=warm.prompt_tokens, cached_tokens=warm.cached_tokens,
                            stored_tokens=warm.stored_tokens, pinned=warm.pinned)
 

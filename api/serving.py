@@ -126,14 +126,18 @@ class Serving:
         return stream
 
     async def prewarm(self, tenant: str, prefix: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                      pin: bool, ttl_seconds: float | None, privileged: bool = False) -> WarmResult:
-        """Encode the prefix, refuse it over ``max_prewarm_tokens`` (or the context), then prefill it."""
+                      pin: bool, ttl_seconds: float | None, privileged: bool = False,
+                      disconnected: Callable[[], Awaitable[None]] | None = None) -> WarmResult:
+        """Encode the prefix, refuse it over ``max_prewarm_tokens`` (or the context), then prefill it:
+        a queue place as a generation, and cancelled likewise (timeout 504, disconnect 499)."""
         def warm(cancel: threading.Event) -> WarmResult:
             ids = self._prefix_ids(prefix, tools)
-            return self.cache.warm(ids, tenant=tenant, pin=pin, ttl_seconds=ttl_seconds, privileged=privileged)
+            # Cancelled (between prefill chunks) by a disconnect, the timeout or shutdown, as a generation.
+            return self.cache.warm(ids, tenant=tenant, pin=pin, ttl_seconds=ttl_seconds, privileged=privileged,
+                                   cancel=cancel, timeout_seconds=self.settings.request_timeout_seconds)
 
         fut, cancel = self._submit(warm)
-        return await self._wait(fut, cancel, None)
+        return await self._wait(fut, cancel, disconnected)
 
     def _prefix_ids(self, prefix: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
         """Worker thread: the prefix's ids, as ``PrefixCache.warm`` would encode it (no generation prompt)."""

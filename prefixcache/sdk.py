@@ -15,7 +15,7 @@ from prefixcache.cache.hashing import BlockHasher, HashFn, xxh3_64
 from prefixcache.cache.handles import EvictHook
 from prefixcache.cache.store import KVStore
 from prefixcache.config import CacheConfig
-from prefixcache.errors import CapacityError, ContextLengthExceededError, InvalidRequestError
+from prefixcache.errors import CapacityError, ContextLengthExceededError, InvalidRequestError, PinQuotaExceededError
 from prefixcache.loading import model_fingerprint
 from prefixcache.serving.canonicalize import Canonicalizer, check_text
 from prefixcache.serving.engine import BatchConfig, BatchEngine
@@ -272,7 +272,8 @@ class PrefixCache:
     # -- cache management ----------------------------------------------------------
     def warm(self, prefix: str | Sequence[dict[str, Any]] | Sequence[int], *,
              tools: Sequence[dict[str, Any]] | None = None, tenant: str | None = None, pin: bool = False,
-             ttl_seconds: float | None = None, privileged: bool = False) -> WarmResult:
+             ttl_seconds: float | None = None, privileged: bool = False, cancel: threading.Event | None = None,
+             timeout_seconds: float | None = None) -> WarmResult:
         """Prefill and keep a prefix: chat messages, a text prompt, or token ids.
 
         Messages are encoded without the generation prompt, so any later conversation
@@ -281,12 +282,20 @@ class PrefixCache:
         (over it: ``PinQuotaExceededError``, nothing stored or evicted) and is idle-limited
         to ``config.pin_ttl_seconds`` whatever ``ttl_seconds`` asks. ``privileged`` (the
         operator, as the proxy's admin key) lifts both: no quota, and no TTL unless given.
-        A pin that cannot fit the budget or quota raises ``CapacityError``.
+        A pin that cannot fit the budget or quota raises ``CapacityError``; one larger than the
+        pin quota is refused before any work. The prefill stops between chunks once ``cancel``
+        is set (``RequestCancelledError``) or after ``timeout_seconds`` (``GenerationTimeoutError``);
+        then nothing is stored.
         """
         tokens = self._prefix_tokens(prefix, tools)
         tenant = self._tenant(tenant)
         ttl = self._pin_ttl(ttl_seconds, privileged) if pin else self._ttl(ttl_seconds)
-        stats = self.engine.prefill(tokens, self.namespace(tenant), tenant, ttl, pin, privileged)
+        timeout = self._timeout(timeout_seconds)
+        need = len(tokens) * self.bytes_per_token
+        if pin and not privileged and need > self.config.pin_quota_bytes:
+            raise PinQuotaExceededError.of(self.store.snapshot_stats(tenant)["pinned_bytes"],
+                                           self.config.pin_quota_bytes, need)
+        stats = self.engine.prefill(tokens, self.namespace(tenant), tenant, ttl, pin, privileged, cancel, timeout)
         if pin and stats.stored_tokens < len(tokens):
             # The caller's own figures only: other tenants' usage is not theirs to see.
             mine = self.store.snapshot_stats(tenant)

@@ -181,10 +181,7 @@ class KVStore:
         need = missing + sum(n.nbytes for n in existing if n.pins == 0)
         if need > room:
             quota = self.config.pin_quota_bytes
-            raise PinQuotaExceededError(
-                f"cannot pin {need} more bytes: the tenant's pin quota is {quota} bytes and "
-                f"{quota - room} bytes are pinned already; unpin something, use a shorter prefix, or ask the "
-                f"operator (admin key) to pin it", pinned_bytes=quota - room, quota_bytes=quota, need_bytes=need)
+            raise PinQuotaExceededError.of(quota - room, quota, need)
 
     def _covering_child(self, parent: Node, chunk: tuple[int, ...], now: float) -> Node | None:
         """An existing usable block holding ``chunk`` (a partial chunk may sit inside a longer block)."""
