@@ -25,7 +25,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prefixcache import GenerationResult
 
 from .auth import Principal
-from .errors import NotFoundError, UnavailableError, map_exception
+from .errors import NotFoundError, PermissionDeniedError, UnavailableError, map_exception
 from .limits import NOT_JSON, check_chat, check_completion, check_prewarm, read_body
 from .metrics import CONTENT_TYPE
 from .protocol import (
@@ -243,7 +243,10 @@ async def flush(who: Caller, srv: Engine, tenant: TenantQuery = None) -> FlushRe
 
 
 @router.get("/v1/cache/stats", response_model=CacheStats, responses=_ERRORS, tags=["cache"])
-async def cache_stats(who: Caller, srv: Engine, tenant: TenantQuery = None) -> CacheStats:
+async def cache_stats(who: Caller, srv: Engine, tenant: TenantQuery = None,
+                      audit: Annotated[bool, Query(description="Admin only: also walk the store to count the "
+                                                   "bytes of live snapshot tensors and the refcounts held "
+                                                   "(time grows with the entries).")] = False) -> CacheStats:
     """Hit rate and memory of the caller's tenant; with the admin key of all tenants (or ?tenant=)."""
     scope = who.scope(tenant)
     s = await srv.stats(scope)
@@ -257,7 +260,14 @@ async def cache_stats(who: Caller, srv: Engine, tenant: TenantQuery = None) -> C
         stats = stats.model_copy(update={
             "tenant_bytes": s["tenant_bytes"], "extra_weight_bytes": s.get("extra_weight_bytes"),
             "batching_enabled": s.get("batching_enabled"), "batching_disabled_reason": s.get("batching_disabled_reason"),
+            "kv_bytes": s.get("kv_bytes"), "kv_total_bytes": s.get("kv_total_bytes"),
             "queue": QueueInfo(running=running, waiting=waiting, capacity=srv.capacity)})
+    if audit:
+        if not who.admin:
+            raise PermissionDeniedError("audit=true needs the admin key")
+        counted = await asyncio.to_thread(srv.cache.audit)
+        stats = stats.model_copy(update={"live_tensor_bytes": counted["live_tensor_bytes"],
+                                         "refcounts": counted["refcounts"]})
     return stats
 
 

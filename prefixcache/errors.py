@@ -61,6 +61,11 @@ class PinQuotaExceededError(CapacityError):
                    need_bytes=need_bytes)
 
 
+class KVMemoryError(CapacityError):
+    """A request's KV does not fit the total all KV memory may use (``CacheConfig.kv_total_bytes``),
+    even after evicting the snapshots that may go, within the bounded wait; retry later."""
+
+
 class UnsupportedModelError(PrefixCacheError, RuntimeError):
     """The model's cache layout cannot be shared as plain per-layer KV; serve uncached."""
 

@@ -333,7 +333,9 @@ class PrefixCache:
             "token_hit_rate": c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
         }
         out.update(mem)
-        if tenant is None:  # not a tenant's: the batching engine's state and the weights its fast path copies
+        if tenant is None:  # not a tenant's: all KV memory, the batching engine's state, the fast path's weights
+            out["kv_bytes"] = self.store.ledger.held()  # stored, and reserved per kind of request buffer
+            out["kv_total_bytes"] = self.store.ledger.total
             out["extra_weight_bytes"] = self.batcher.extra_weight_bytes if self.batcher is not None else 0
             out["batching_enabled"] = self.batching_disabled_reason is None
             out["batching_disabled_reason"] = self.batching_disabled_reason
@@ -349,6 +351,11 @@ class PrefixCache:
 
     def check_integrity(self) -> None:
         self.store.check_integrity()
+
+    def audit(self) -> dict[str, int]:
+        """Walk the store (O(entries)): accounted bytes, bytes of live snapshot tensors, refcounts held.
+        At idle the first two are equal and refcounts 0."""
+        return self.store.audit()
 
     def close(self) -> None:
         self._closed.set()

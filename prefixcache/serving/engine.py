@@ -297,12 +297,17 @@ class BatchEngine:
                 if plan:
                     self._postprocess(plan, self.runner.run(plan))
                     self._faults = []
+                elif sched.waiting:  # nothing runs and the head waits for KV memory: poll, do not spin
+                    with self._cv:
+                        self._cv.wait(0.01)
             except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
                 log.exception("batched step failed")
                 self._step_failed(exc)
                 fault = EngineFaultError.wrapping(exc, "in a batched step")
                 for req, _ in plan:
                     self._finish(req, None, fault)
+            if plan:
+                self._account_private()  # pools change shape within a step (a leader rebased onto its prompt)
         with self._cv:
             for req in [*sched.running, *sched.waiting]:
                 self._finish(req, "cancelled", None)
@@ -393,3 +398,9 @@ class BatchEngine:
             reuse = bool(self.scheduler.waiting) and not self._closed
         if req.private is not None:  # free its slot now; keep it only for a request about to reuse it
             release_private(req.private, trim=not reuse)
+        self._account_private()
+
+    def _account_private(self) -> None:
+        """Bring the KV ledger's private reservation in line with the running requests' pools."""
+        with self._cv:
+            _attempt("account private KV", lambda: self.store.ledger.force("private", self.scheduler.private_bound()))

@@ -122,8 +122,11 @@ class Engine:
             int(effective.max_length or 20) - n, 1)
         stats.bypass_reason = self._bypass_reason(effective, kwargs, n + int(max_new))
         device = next(self.model.parameters()).device
-        # Seeded inside the model lock, so concurrent calls cannot interleave their draws.
-        with self._model_lock, isolated_rng(device, seed if seed is not None else self._entropy()):
+        # Its working cache (or generate()'s own) holds the whole sequence: reserved against the KV
+        # total first (bounded wait, or ``KVMemoryError``). Seeded inside the model lock, so
+        # concurrent calls cannot interleave their draws.
+        with self.store.ledger.reserve("serial", self._bytes(n + int(max_new))), self._model_lock, \
+                isolated_rng(device, seed if seed is not None else self._entropy()):
             if stats.bypass_reason is not None:
                 out = self.model.generate(input_ids, generation_config=generation_config, **kwargs)
             else:
@@ -150,7 +153,7 @@ class Engine:
             raise UnsupportedModelError(self.unsupported_reason or "model not supported")
         deadline = None if timeout is None else time.monotonic() + timeout
         stats = CallStats(prompt_tokens=len(tokens), executor="serial")
-        with self._model_lock:
+        with self.store.ledger.reserve("prewarm", self._bytes(len(tokens)), cancel), self._model_lock:
             lease = self.store.acquire(namespace, tenant, tokens, len(tokens), ttl_seconds)
             try:
                 stats.cached_tokens = lease.cached_tokens
@@ -167,6 +170,10 @@ class Engine:
             finally:
                 self.store.release(lease)
         return stats
+
+    def _bytes(self, tokens: int) -> int:
+        """KV bytes of ``tokens`` tokens (0 for a model whose layout is unknown)."""
+        return 0 if self.layout is None else tokens * self.layout.bytes_per_token
 
     def tenant_counters(self, tenant: str | None) -> Counter[str]:
         with self._stats_lock:
