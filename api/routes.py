@@ -26,7 +26,7 @@ from prefixcache import GenerationResult
 
 from .auth import Principal
 from .errors import NotFoundError, PermissionDeniedError, UnavailableError, map_exception
-from .limits import NOT_JSON, check_chat, check_completion, check_prewarm, read_body
+from .limits import NOT_JSON, check_chat, check_counts, check_completion, check_prewarm, read_body
 from .metrics import CONTENT_TYPE
 from .protocol import (
     CacheStats,
@@ -89,7 +89,9 @@ class GuardedRoute(APIRoute):
             if authenticated:
                 request.state.principal = state.keyring.authenticate(request.headers.get("authorization"))
             if has_body:
-                request = _ReadRequest(request, *await read_body(request, state.settings))
+                body, parsed = await read_body(request, state.settings)
+                check_counts(parsed, state.settings)
+                request = _ReadRequest(request, body, parsed)
             return await handler(request)
 
         return guarded

@@ -99,8 +99,8 @@ def _chat(model: str, **extra: Any) -> dict:
     return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
 
 
-def _raw(path: str, text: str | bytes, key: str | None = EVIL) -> dict:
-    headers = {"content-type": "application/json", **({"authorization": f"Bearer {key}"} if key else {})}
+def _raw(path: str, text: str | bytes, key: str = EVIL) -> dict:
+    headers = {"content-type": "application/json", "authorization": f"Bearer {key}"}
     return {"method": "POST", "url": path, "content": text, "headers": headers}
 
 
@@ -138,7 +138,7 @@ def hostile_cases(model: str, context: int) -> dict[str, Callable[[int], dict]]:
                                            % (model, "9" * 5000)),
         "float-overflow": lambda i: _raw(chat, '{"model": "%s", "messages": [{"role": "user", "content": "x"}], '
                                          '"max_tokens": 1e999}' % model),
-        "unauthenticated-body": lambda i: _raw(chat, b'{"prompt": "' + b"x" * (2 << 20) + b'"}', key=None),
+        "unauthenticated-body": lambda i: _raw(chat, b'{"prompt": "' + b"x" * (2 << 20) + b'"}', key="sk-not-a-key"),
         "many-tools": lambda i: {"method": "POST", "url": chat, "json": _chat(model, tools=[
             {"type": "function", "function": {"name": f"f{k}", "parameters": {"type": "object"}}} for k in range(200)])},
     }
@@ -175,9 +175,9 @@ def disconnect_mid_stream(client: httpx.Client, model: str, i: int, tally: Tally
 
 # -- the run ---------------------------------------------------------------------------------
 def run_phase(url: str, model: str, good_requests: int, hostile_requests: int, context: int,
-              deadline: float, seed: int) -> tuple[Tally, Tally]:
-    """The good tenant's ``good_requests`` chats (2 clients), with the hostile tenant's traffic (2 clients)
-    running alongside until both are done when ``hostile_requests`` > 0."""
+              deadline: float, seed: int, hostile_clients: int) -> tuple[Tally, Tally]:
+    """The good tenant's ``good_requests`` chats (2 clients), with the hostile tenant's traffic
+    (``hostile_clients``) running alongside, when ``hostile_requests`` > 0, until both are done."""
     good, evil = Tally(), Tally()
     cases = list(hostile_cases(model, context).items())
     counter = itertools.count()
@@ -197,8 +197,8 @@ def run_phase(url: str, model: str, good_requests: int, hostile_requests: int, c
                 else:
                     hostile_request(client, cases[kind][1], i, evil, deadline)
 
-    with ThreadPoolExecutor(4) as pool:
-        evils = [pool.submit(evil_worker) for _ in range(2 if hostile_requests else 0)]
+    with ThreadPoolExecutor(2 + hostile_clients) as pool:
+        evils = [pool.submit(evil_worker) for _ in range(hostile_clients if hostile_requests else 0)]
         goods = [pool.submit(good_worker, range(k, good_requests, 2)) for k in range(2)]
         for f in goods:
             f.result()
@@ -273,10 +273,11 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         good_n = max(2, opts.requests // 4)
         hostile_n = max(0, opts.requests - 2 * good_n)
         started = time.perf_counter()
-        alone, _ = run_phase(server.url, "soak", good_n, 0, context, opts.deadline, opts.seed)
+        alone, _ = run_phase(server.url, "soak", good_n, 0, context, opts.deadline, opts.seed, 0)
         with httpx.Client(base_url=server.url, headers={"authorization": f"Bearer {ADMIN}"}, timeout=60) as admin:
             admin.delete("/v1/cache", params={"tenant": "good"})  # both phases start cold
-        mixed, evil = run_phase(server.url, "soak", good_n, hostile_n, context, opts.deadline, opts.seed)
+        mixed, evil = run_phase(server.url, "soak", good_n, hostile_n, context, opts.deadline, opts.seed,
+                                opts.hostile_clients)
         seconds = time.perf_counter() - started
         audit = idle_audit(server.url)
         rss = peak_rss_bytes(server.proc.pid)
@@ -313,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--context", type=int, default=8192, help="the model's context (for the cases beyond it)")
     parser.add_argument("--max-bytes", type=int, default=None, help="the server's store budget (default: 16 MiB "
                         "for tiny, 512 MiB otherwise; a tenant may pin 1/8 of it)")
+    parser.add_argument("--hostile-clients", type=int, default=2, help="concurrent clients of the hostile "
+                        "tenant (the well-behaved one has 2)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the report here too")
     return parser
