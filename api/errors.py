@@ -22,6 +22,7 @@ from prefixcache.errors import (
     EngineFaultError,
     GenerationTimeoutError,
     InvalidRequestError,
+    RequestCancelledError,
     UnsupportedModelError,
 )
 
@@ -114,6 +115,8 @@ def map_exception(exc: BaseException) -> Mapped:
         return Mapped(503, ErrorDetail(message=str(exc), type="server_error", code="engine_fault"), True)
     if isinstance(exc, GenerationTimeoutError):
         return Mapped(504, ErrorDetail(message=str(exc), type="timeout_error", code="request_timeout"))
+    if isinstance(exc, RequestCancelledError):  # the client left (or the server shuts down): nobody reads this
+        return Mapped(499, ErrorDetail(message=str(exc), type="invalid_request_error", code="client_closed_request"))
     if isinstance(exc, UnsupportedModelError):
         return Mapped(501, ErrorDetail(message=f"prefix caching is not available for this model: {exc}",
                                        type="invalid_request_error", code="not_supported"))
@@ -217,6 +220,6 @@ def install(app: FastAPI, retry_after: int, on_error: Callable[[Request, int], N
     app.add_exception_handler(RequestValidationError, validation)
     app.add_exception_handler(StarletteHTTPException, http_error)
     for kind in (ProxyError, InvalidRequestError, ConfigError, CapacityError, UnsupportedModelError, EngineFaultError,
-                 GenerationTimeoutError):
+                 GenerationTimeoutError, RequestCancelledError):
         app.add_exception_handler(kind, known)
     app.add_exception_handler(Exception, unexpected)

@@ -2,7 +2,8 @@
 
 Two stages. The raw body (``read_body``): at most ``max_body_bytes`` are read, with or
 without a Content-Length (413 above), and its nesting is measured before it is parsed
-(a deep body would exhaust the parser's and the validators' recursion). Then the parsed
+(a deep body would exhaust the parser's and the validators' recursion); it is parsed once,
+here, so an integer too long for Python to convert is refused naming its parameter. Then the parsed
 request (``check_chat``, ``check_completion``, ``check_prewarm``): message count, text
 bytes, tools, stop strings, logit_bias. Every refusal is a ``LimitExceededError`` (400)
 naming the parameter, or a ``PayloadTooLargeError`` (413).
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,11 +29,12 @@ _OFF_LOOP_BYTES = 64 << 10  # larger bodies are measured on a thread, not the ev
 
 
 # -- raw body ---------------------------------------------------------------------------
-async def read_body(request: Request, settings: Settings) -> bytes:
-    """The body, read chunk by chunk and never past ``max_body_bytes``; its nesting checked.
+async def read_body(request: Request, settings: Settings) -> tuple[bytes, Any]:
+    """The body, read chunk by chunk and never past ``max_body_bytes``; its nesting checked; and
+    the JSON it holds (``NOT_JSON`` if it holds none: the route's parser then says why).
 
     Raises ``PayloadTooLargeError`` (a declared or actual size over the limit) or
-    ``LimitExceededError`` (nested deeper than ``max_json_depth``).
+    ``LimitExceededError`` (nested deeper than ``max_json_depth``, or a number too long to parse).
     """
     limit = settings.max_body_bytes
     declared = request.headers.get("content-length", "")
@@ -48,7 +51,54 @@ async def read_body(request: Request, settings: Settings) -> bytes:
     if depth > settings.max_json_depth:
         raise LimitExceededError(f"the request body nests {depth} levels deep; at most {settings.max_json_depth} "
                                  "are accepted", code="json_too_deep")
-    return body
+    return body, await asyncio.to_thread(parse_json, body) if size > _OFF_LOOP_BYTES else parse_json(body)
+
+
+NOT_JSON = object()
+
+
+class _HugeInt:
+    """An integer literal longer than Python converts (``sys.get_int_max_str_digits``)."""
+
+    def __init__(self, digits: int):
+        self.digits = digits
+
+
+def parse_json(raw: bytes) -> Any:
+    """``json.loads(raw)``, except that an integer too long to convert is a ``LimitExceededError``
+    naming where it is (json.loads would raise a bare ``ValueError``); ``NOT_JSON`` if not JSON."""
+    limit = sys.get_int_max_str_digits()
+    huge: list[_HugeInt] = []
+
+    def parse_int(text: str) -> int | _HugeInt:
+        if limit and len(text.lstrip("-")) > limit:
+            huge.append(_HugeInt(len(text.lstrip("-"))))
+            return huge[-1]
+        return int(text)
+
+    try:
+        value = json.loads(raw, parse_int=parse_int)
+    except ValueError:  # malformed (JSONDecodeError) or not UTF-8: FastAPI's parser reports it
+        return NOT_JSON
+    if huge:
+        where, number = _find(value, huge[0])
+        raise LimitExceededError(f"{where or 'the body'}: the number has {number.digits} digits; it cannot be a "
+                                 "valid value", param=where, code="number_too_large")
+    return value
+
+
+def _find(value: Any, target: _HugeInt) -> tuple[str | None, _HugeInt]:
+    """The path of ``target`` in parsed JSON, spelled as errors name parameters (``messages[0].content``)."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, path = stack.pop()
+        if item is target:
+            return path or None, target
+        if isinstance(item, dict):
+            stack.extend((v, f"{path}.{k}" if path else str(k)) for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(item))
+    return None, target
 
 
 def _too_large(limit: int) -> PayloadTooLargeError:
@@ -93,10 +143,26 @@ def check_prewarm(req: PrewarmRequest, settings: Settings) -> None:
     _check_tools(req.tools, settings)
 
 
+def check_counts(body: Any, settings: Settings) -> None:
+    """The array sizes of a parsed body, before it is validated: validating 20,000 messages (or
+    tools, logit_bias entries) costs far more than refusing them."""
+    if not isinstance(body, dict):
+        return
+    for param, limit in (("messages", settings.max_messages), ("tools", settings.max_tools),
+                         ("logit_bias", settings.max_logit_bias)):
+        value = body.get(param)
+        if isinstance(value, (list, dict)):
+            _check_count(param, len(value), limit)
+
+
+def _check_count(param: str, count: int, limit: int) -> None:
+    if count > limit:
+        raise LimitExceededError(f"{param} has {count} entries; at most {limit} are accepted", param=param,
+                                 code="array_above_max_length")
+
+
 def _check_messages(messages: list[Any], settings: Settings) -> None:
-    if len(messages) > settings.max_messages:
-        raise LimitExceededError(f"messages has {len(messages)} messages; at most {settings.max_messages} are "
-                                 "accepted", param="messages", code="array_above_max_length")
+    _check_count("messages", len(messages), settings.max_messages)
     _check_bytes(sum(_message_bytes(m) for m in messages), settings, "messages")
 
 
@@ -117,9 +183,7 @@ def _check_bytes(size: int, settings: Settings, param: str) -> None:
 def _check_tools(tools: list[Tool] | None, settings: Settings) -> None:
     if not tools:
         return
-    if len(tools) > settings.max_tools:
-        raise LimitExceededError(f"tools has {len(tools)} definitions; at most {settings.max_tools} are accepted",
-                                 param="tools", code="array_above_max_length")
+    _check_count("tools", len(tools), settings.max_tools)
     for i, tool in enumerate(tools):
         size = _json_bytes(tool.model_dump(exclude_none=True))
         if size > settings.max_tool_schema_bytes:
@@ -138,9 +202,8 @@ def _check_sampling(req: GenerationFields, settings: Settings) -> None:
         if len(stop) > settings.max_stop_chars:
             raise LimitExceededError(f"stop[{i}] is {len(stop)} characters long; at most {settings.max_stop_chars} "
                                      "are accepted", param="stop", code="string_above_max_length")
-    if req.logit_bias is not None and len(req.logit_bias) > settings.max_logit_bias:
-        raise LimitExceededError(f"logit_bias has {len(req.logit_bias)} entries; at most {settings.max_logit_bias} "
-                                 "are accepted", param="logit_bias", code="array_above_max_length")
+    if req.logit_bias is not None:
+        _check_count("logit_bias", len(req.logit_bias), settings.max_logit_bias)
 
 
 def _utf8(texts: Iterable[str | None]) -> int:

@@ -36,6 +36,8 @@ BUDGET_BYTES = "prefixcache_cache_budget_bytes"  # gauge
 PINNED_BYTES = "prefixcache_cache_pinned_bytes"  # gauge
 TENANT_BYTES = "prefixcache_cache_tenant_bytes"  # gauge{tenant}
 ENTRIES = "prefixcache_cache_entries"  # gauge
+KV_BYTES = "prefixcache_kv_bytes"  # gauge{kind}: stored | private | serial | prewarm
+KV_TOTAL = "prefixcache_kv_total_bytes"  # gauge: the bound on all KV memory
 EVICTIONS = "prefixcache_evictions"  # counter{reason}
 RECLAIMED = "prefixcache_reclaimed_bytes"  # counter{reason}
 BATCHING = "prefixcache_batching_enabled"  # gauge: 1 when the batching engine serves, 0 when every call is serial
@@ -45,7 +47,7 @@ RUNNING = "prefixcache_requests_running"  # gauge
 
 COUNTERS = (REQUESTS, EXECUTOR, ERRORS, PROMPT_TOKENS, CACHED_TOKENS, COMPLETION_TOKENS, EVICTIONS, RECLAIMED)
 HISTOGRAMS = (TTFT, TPOT, LOOKUP, QUEUE_WAIT, DURATION)
-GAUGES = (HIT_RATIO, CACHE_BYTES, BUDGET_BYTES, PINNED_BYTES, TENANT_BYTES, ENTRIES, BATCHING, EXTRA_WEIGHT_BYTES, QUEUE_DEPTH,
+GAUGES = (HIT_RATIO, CACHE_BYTES, BUDGET_BYTES, PINNED_BYTES, TENANT_BYTES, ENTRIES, KV_BYTES, KV_TOTAL, BATCHING, EXTRA_WEIGHT_BYTES, QUEUE_DEPTH,
           RUNNING)
 NAMES = COUNTERS + HISTOGRAMS + GAUGES
 
@@ -138,6 +140,14 @@ class _EngineCollector:
             per_tenant.add_metric([tenant], nbytes)
         yield per_tenant
         yield GaugeMetricFamily(ENTRIES, "Cached blocks (trie nodes).", value=s["entries"])
+        kv = GaugeMetricFamily(KV_BYTES, "All KV memory, by kind: stored snapshots, and what running requests "
+                               "reserve for their buffers (private: batching pools; serial: working caches; prewarm).",
+                               labels=["kind"])
+        for kind, nbytes in s["kv_bytes"].items():
+            kv.add_metric([kind], nbytes)
+        yield kv
+        yield GaugeMetricFamily(KV_TOTAL, "The bound on all KV memory together (max_kv_bytes_total).",
+                                value=s["kv_total_bytes"])
         for name, key, doc in ((EVICTIONS, "evictions", "Blocks evicted, by reason."),
                                (RECLAIMED, "reclaimed_bytes", "Bytes freed by eviction, by reason.")):
             family = CounterMetricFamily(name, doc, labels=["reason"])

@@ -306,6 +306,13 @@ class CacheStats(BaseModel):
     #: Admin: whether the batching engine serves the model, and why not.
     batching_enabled: bool | None = None
     batching_disabled_reason: str | None = None
+    #: Admin, all tenants: all KV memory by kind (stored, private, serial, prewarm) and its bound.
+    kv_bytes: dict[str, int] | None = None
+    kv_total_bytes: int | None = None
+    #: Admin with ``audit=true`` (walks the store): bytes of live snapshot tensors and refcounts held;
+    #: at idle ``live_tensor_bytes == bytes`` and ``refcounts == 0``.
+    live_tensor_bytes: int | None = None
+    refcounts: int | None = None
 
 
 class Health(BaseModel):

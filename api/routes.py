@@ -25,8 +25,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prefixcache import GenerationResult
 
 from .auth import Principal
-from .errors import NotFoundError, UnavailableError, map_exception
-from .limits import check_chat, check_completion, check_prewarm, read_body
+from .errors import NotFoundError, PermissionDeniedError, UnavailableError, map_exception
+from .limits import NOT_JSON, check_chat, check_counts, check_completion, check_prewarm, read_body
 from .metrics import CONTENT_TYPE
 from .protocol import (
     CacheStats,
@@ -89,7 +89,9 @@ class GuardedRoute(APIRoute):
             if authenticated:
                 request.state.principal = state.keyring.authenticate(request.headers.get("authorization"))
             if has_body:
-                request = _ReadRequest(request, await read_body(request, state.settings))
+                body, parsed = await read_body(request, state.settings)
+                check_counts(parsed, state.settings)
+                request = _ReadRequest(request, body, parsed)
             return await handler(request)
 
         return guarded
@@ -98,9 +100,11 @@ class GuardedRoute(APIRoute):
 class _ReadRequest(Request):
     """A request whose body the route has read (bounded); FastAPI's parser takes it from here."""
 
-    def __init__(self, request: Request, body: bytes):
+    def __init__(self, request: Request, body: bytes, parsed: Any):
         super().__init__(request.scope, request.receive)
         self._read = body
+        if parsed is not NOT_JSON:
+            self._json = parsed  # parsed once, by ``read_body``: Starlette's ``json()`` returns it
 
     async def body(self) -> bytes:
         return self._read
@@ -153,9 +157,11 @@ async def healthz(request: Request) -> Health:
 
 @router.get("/readyz", response_model=Health, responses=_ERRORS, tags=["health"])
 async def readyz(request: Request) -> Health:
-    """Readiness: the model is loaded, the server is not shutting down and the queue has room."""
+    """Readiness: the model is loaded, the server is not shutting down, the queue has room and the
+    batching engine's recent steps do not all fail."""
     srv = serving(request)
     srv.check_engine()
+    srv.check_steps()
     if not srv.ready:
         raise UnavailableError("not ready: shutting down or the queue is full", code="not_ready")
     reason = srv.cache.batching_disabled_reason
@@ -216,7 +222,8 @@ async def _respond(job, body: GenerationFields, request: Request, srv: Serving, 
 
 # -- cache admin -------------------------------------------------------------------------
 @router.post("/v1/cache/prewarm", response_model=PrewarmResponse, responses=_ERRORS, tags=["cache"])
-async def prewarm(body: PrewarmRequest, who: Caller, srv: Engine, tenant: TenantQuery = None) -> PrewarmResponse:
+async def prewarm(body: PrewarmRequest, request: Request, who: Caller, srv: Engine,
+                  tenant: TenantQuery = None) -> PrewarmResponse:
     """Prefill and keep a prefix for the caller's tenant (admin: any tenant via ?tenant=)."""
     _check_model(srv, body.model)
     check_prewarm(body, srv.settings)
@@ -224,7 +231,8 @@ async def prewarm(body: PrewarmRequest, who: Caller, srv: Engine, tenant: Tenant
     prefix: Any = body.prompt if body.prompt is not None else [m.model_dump(exclude_none=True) for m in body.messages]
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     # Pins are a privilege: a tenant's count against its pin quota and expire when idle; the admin's do not.
-    warm = await srv.prewarm(target, prefix, tools, body.pin, body.ttl_seconds, privileged=who.admin)
+    warm = await srv.prewarm(target, prefix, tools, body.pin, body.ttl_seconds, privileged=who.admin,
+                             disconnected=_disconnected(request))
     return PrewarmResponse(tenant=target, prompt_tokens=warm.prompt_tokens, cached_tokens=warm.cached_tokens,
                            stored_tokens=warm.stored_tokens, pinned=warm.pinned)
 
@@ -237,7 +245,10 @@ async def flush(who: Caller, srv: Engine, tenant: TenantQuery = None) -> FlushRe
 
 
 @router.get("/v1/cache/stats", response_model=CacheStats, responses=_ERRORS, tags=["cache"])
-async def cache_stats(who: Caller, srv: Engine, tenant: TenantQuery = None) -> CacheStats:
+async def cache_stats(who: Caller, srv: Engine, tenant: TenantQuery = None,
+                      audit: Annotated[bool, Query(description="Admin only: also walk the store to count the "
+                                                   "bytes of live snapshot tensors and the refcounts held "
+                                                   "(time grows with the entries).")] = False) -> CacheStats:
     """Hit rate and memory of the caller's tenant; with the admin key of all tenants (or ?tenant=)."""
     scope = who.scope(tenant)
     s = await srv.stats(scope)
@@ -251,7 +262,14 @@ async def cache_stats(who: Caller, srv: Engine, tenant: TenantQuery = None) -> C
         stats = stats.model_copy(update={
             "tenant_bytes": s["tenant_bytes"], "extra_weight_bytes": s.get("extra_weight_bytes"),
             "batching_enabled": s.get("batching_enabled"), "batching_disabled_reason": s.get("batching_disabled_reason"),
+            "kv_bytes": s.get("kv_bytes"), "kv_total_bytes": s.get("kv_total_bytes"),
             "queue": QueueInfo(running=running, waiting=waiting, capacity=srv.capacity)})
+    if audit:
+        if not who.admin:
+            raise PermissionDeniedError("audit=true needs the admin key")
+        counted = await asyncio.to_thread(srv.cache.audit)
+        stats = stats.model_copy(update={"live_tensor_bytes": counted["live_tensor_bytes"],
+                                         "refcounts": counted["refcounts"]})
     return stats
 
 

@@ -77,6 +77,13 @@ class Serving:
             raise UnavailableError(f"the batching loop stopped ({failure}); calls run one at a time until "
                                    "the server is restarted", code="engine_failed")
 
+    def check_steps(self) -> None:
+        """Raise ``UnavailableError`` (503) while the batching loop's recent steps all fail (not ready:
+        a balancer should send requests elsewhere); it clears after a good step or a quiet window."""
+        faulting = self.cache.engine_faulting
+        if faulting is not None:
+            raise UnavailableError(f"not ready: {faulting}", code="engine_faulting")
+
     def engine_state(self) -> tuple[dict[str, Any], int, int]:
         """What /metrics reads at scrape time: cache stats of all tenants, running, waiting."""
         running, waiting = self.queue()
@@ -121,14 +128,18 @@ class Serving:
         return stream
 
     async def prewarm(self, tenant: str, prefix: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                      pin: bool, ttl_seconds: float | None, privileged: bool = False) -> WarmResult:
-        """Encode the prefix, refuse it over ``max_prewarm_tokens`` (or the context), then prefill it."""
+                      pin: bool, ttl_seconds: float | None, privileged: bool = False,
+                      disconnected: Callable[[], Awaitable[None]] | None = None) -> WarmResult:
+        """Encode the prefix, refuse it over ``max_prewarm_tokens`` (or the context), then prefill it:
+        a queue place as a generation, and cancelled likewise (timeout 504, disconnect 499)."""
         def warm(cancel: threading.Event) -> WarmResult:
             ids = self._prefix_ids(prefix, tools)
-            return self.cache.warm(ids, tenant=tenant, pin=pin, ttl_seconds=ttl_seconds, privileged=privileged)
+            # Cancelled (between prefill chunks) by a disconnect, the timeout or shutdown, as a generation.
+            return self.cache.warm(ids, tenant=tenant, pin=pin, ttl_seconds=ttl_seconds, privileged=privileged,
+                                   cancel=cancel, timeout_seconds=self.settings.request_timeout_seconds)
 
         fut, cancel = self._submit(warm)
-        return await self._wait(fut, cancel, None)
+        return await self._wait(fut, cancel, disconnected)
 
     def _prefix_ids(self, prefix: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
         """Worker thread: the prefix's ids, as ``PrefixCache.warm`` would encode it (no generation prompt)."""

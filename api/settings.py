@@ -75,6 +75,13 @@ class Settings(BaseSettings):
         _cache_default("pin_ttl_seconds"), gt=0, description="Idle seconds after which a tenant key's pin expires "
         "when it asked for no TTL or a longer one; the admin key may pin without a TTL. Unset/null: no limit.")
     block_size: int = Field(_cache_default("block_size"), ge=1, le=4096, description="Tokens per hash block.")
+    max_kv_bytes_total: int | None = Field(
+        _cache_default("max_kv_bytes_total"), ge=0, description="All KV memory together: stored snapshots plus the "
+        "buffers running requests compute into. Snapshots nobody reads are evicted first; then a request waits "
+        "up to kv_wait_seconds and is answered 503 with Retry-After. Unset: max_bytes + the larger of max_bytes/2 "
+        "and 256 MiB.")
+    kv_wait_seconds: float = Field(_cache_default("kv_wait_seconds"), gt=0, description="Longest a request "
+                                   "waits for KV memory before its 503 (insufficient_capacity).")
 
     # -- scheduling ----------------------------------------------------------------
     workers: int = Field(16, ge=1, le=64, description="Requests served at once, one thread each: their "
@@ -147,7 +154,8 @@ class Settings(BaseSettings):
         """The SDK configuration these settings describe (raises ``ConfigError`` if out of range)."""
         return CacheConfig(max_bytes=self.max_bytes, ttl_seconds=self.ttl_seconds,
                            tenant_quota_bytes=self.tenant_quota_bytes, block_size=self.block_size,
-                           tenant_pin_quota_bytes=self.tenant_pin_quota_bytes, pin_ttl_seconds=self.pin_ttl_seconds)
+                           tenant_pin_quota_bytes=self.tenant_pin_quota_bytes, pin_ttl_seconds=self.pin_ttl_seconds,
+                           max_kv_bytes_total=self.max_kv_bytes_total, kv_wait_seconds=self.kv_wait_seconds)
 
 
 def _loopback(host: str) -> bool:

@@ -8,6 +8,9 @@ from prefixcache.errors import ConfigError
 
 # Unicode normal forms accepted by ``CacheConfig.unicode_normalization``.
 UNICODE_FORMS = ("NFC", "NFKC", "NFD", "NFKD")
+#: Without ``max_kv_bytes_total``, running requests may hold this much KV beside a full store at
+#: least (more with a large budget: half of it), so a small budget never starves requests.
+MIN_REQUEST_KV_BYTES = 256 << 20
 #: Without ``tenant_pin_quota_bytes``, a tenant may pin this fraction (1/N) of ``max_bytes``.
 PIN_QUOTA_DIVISOR = 8
 
@@ -36,6 +39,13 @@ class CacheConfig:
     #: Idle seconds after which a tenant's pin expires when it asked for no TTL or a longer one;
     #: pins by the operator may have none. None = tenants' pins may last forever too.
     pin_ttl_seconds: float | None = 3600.0
+    #: All KV memory together: stored snapshots plus what running requests compute into (the batching
+    #: engine's private pools, the serial engine's working caches, prewarm buffers). Stored snapshots
+    #: give way (unpinned, unread ones are evicted) before a request is made to wait or refused.
+    #: None = ``max_bytes`` + the larger of half of it and ``MIN_REQUEST_KV_BYTES`` (256 MiB).
+    max_kv_bytes_total: int | None = None
+    #: Longest a request waits for KV memory before it is refused (``KVMemoryError``, HTTP 503).
+    kv_wait_seconds: float = 5.0
     #: How often the background sweeper frees expired prefixes (seconds).
     sweep_interval_seconds: float = 30.0
     #: Cache the generated answer with the prompt, so the next chat turn hits.
@@ -62,6 +72,9 @@ class CacheConfig:
             check_int("tenant_pin_quota_bytes", self.tenant_pin_quota_bytes, 0, None)
         if self.pin_ttl_seconds is not None:
             check_positive("pin_ttl_seconds", self.pin_ttl_seconds)
+        if self.max_kv_bytes_total is not None:
+            check_int("max_kv_bytes_total", self.max_kv_bytes_total, 0, None)
+        check_positive("kv_wait_seconds", self.kv_wait_seconds)
         check_positive("sweep_interval_seconds", self.sweep_interval_seconds)
         if self.unicode_normalization is not None and self.unicode_normalization not in UNICODE_FORMS:
             raise ConfigError("unicode_normalization", self.unicode_normalization, f"None or one of {UNICODE_FORMS}")
@@ -69,6 +82,13 @@ class CacheConfig:
             check_int("hash_seed", self.hash_seed, 0, 2**64 - 1)
         if not all(isinstance(s, str) for s in self.namespace_extra):
             raise ConfigError("namespace_extra", self.namespace_extra, "a tuple of strings")
+
+    @property
+    def kv_total_bytes(self) -> int:
+        """The bound on all KV memory in force (``max_kv_bytes_total``, or room for requests beside a full store)."""
+        if self.max_kv_bytes_total is not None:
+            return self.max_kv_bytes_total
+        return self.max_bytes + max(self.max_bytes // 2, MIN_REQUEST_KV_BYTES)
 
     @property
     def pin_quota_bytes(self) -> int:

@@ -52,6 +52,19 @@ class PinQuotaExceededError(CapacityError):
         self.need_bytes = need_bytes
         super().__init__(message)
 
+    @classmethod
+    def of(cls, pinned_bytes: int, quota_bytes: int, need_bytes: int) -> PinQuotaExceededError:
+        """The error for a pin of ``need_bytes`` more, with the tenant's own figures in the message."""
+        return cls(f"cannot pin {need_bytes} more bytes: the tenant's pin quota is {quota_bytes} bytes and "
+                   f"{pinned_bytes} bytes are pinned already; unpin something, use a shorter prefix, or ask the "
+                   f"operator (admin key) to pin it", pinned_bytes=pinned_bytes, quota_bytes=quota_bytes,
+                   need_bytes=need_bytes)
+
+
+class KVMemoryError(CapacityError):
+    """A request's KV does not fit the total all KV memory may use (``CacheConfig.kv_total_bytes``),
+    even after evicting the snapshots that may go, within the bounded wait; retry later."""
+
 
 class UnsupportedModelError(PrefixCacheError, RuntimeError):
     """The model's cache layout cannot be shared as plain per-layer KV; serve uncached."""
@@ -74,3 +87,7 @@ class EngineFaultError(PrefixCacheError, RuntimeError):
 
 class GenerationTimeoutError(PrefixCacheError, TimeoutError):
     """A generation did not finish within the caller's timeout; it was cancelled in the engine."""
+
+
+class RequestCancelledError(PrefixCacheError):
+    """The caller cancelled the work (its ``cancel`` event was set) before it finished; nothing was kept."""

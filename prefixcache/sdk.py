@@ -15,7 +15,7 @@ from prefixcache.cache.hashing import BlockHasher, HashFn, xxh3_64
 from prefixcache.cache.handles import EvictHook
 from prefixcache.cache.store import KVStore
 from prefixcache.config import CacheConfig
-from prefixcache.errors import CapacityError, ContextLengthExceededError, InvalidRequestError
+from prefixcache.errors import CapacityError, ContextLengthExceededError, InvalidRequestError, PinQuotaExceededError
 from prefixcache.loading import model_fingerprint
 from prefixcache.serving.canonicalize import Canonicalizer, check_text
 from prefixcache.serving.engine import BatchConfig, BatchEngine
@@ -128,6 +128,11 @@ class PrefixCache:
         """Why the batching loop stopped (None while it runs, or without one). Calls then run on
         the serial engine; the process should be restarted to batch again."""
         return None if self.batcher is None else self.batcher.failure
+
+    @property
+    def engine_faulting(self) -> str | None:
+        """Why the running batching loop counts as faulting (its recent steps all failed), or None."""
+        return None if self.batcher is None else self.batcher.faulting
 
     @property
     def last_call(self) -> CallStats | None:
@@ -267,7 +272,8 @@ class PrefixCache:
     # -- cache management ----------------------------------------------------------
     def warm(self, prefix: str | Sequence[dict[str, Any]] | Sequence[int], *,
              tools: Sequence[dict[str, Any]] | None = None, tenant: str | None = None, pin: bool = False,
-             ttl_seconds: float | None = None, privileged: bool = False) -> WarmResult:
+             ttl_seconds: float | None = None, privileged: bool = False, cancel: threading.Event | None = None,
+             timeout_seconds: float | None = None) -> WarmResult:
         """Prefill and keep a prefix: chat messages, a text prompt, or token ids.
 
         Messages are encoded without the generation prompt, so any later conversation
@@ -276,12 +282,20 @@ class PrefixCache:
         (over it: ``PinQuotaExceededError``, nothing stored or evicted) and is idle-limited
         to ``config.pin_ttl_seconds`` whatever ``ttl_seconds`` asks. ``privileged`` (the
         operator, as the proxy's admin key) lifts both: no quota, and no TTL unless given.
-        A pin that cannot fit the budget or quota raises ``CapacityError``.
+        A pin that cannot fit the budget or quota raises ``CapacityError``; one larger than the
+        pin quota is refused before any work. The prefill stops between chunks once ``cancel``
+        is set (``RequestCancelledError``) or after ``timeout_seconds`` (``GenerationTimeoutError``);
+        then nothing is stored.
         """
         tokens = self._prefix_tokens(prefix, tools)
         tenant = self._tenant(tenant)
         ttl = self._pin_ttl(ttl_seconds, privileged) if pin else self._ttl(ttl_seconds)
-        stats = self.engine.prefill(tokens, self.namespace(tenant), tenant, ttl, pin, privileged)
+        timeout = self._timeout(timeout_seconds)
+        need = len(tokens) * self.bytes_per_token
+        if pin and not privileged and need > self.config.pin_quota_bytes:
+            raise PinQuotaExceededError.of(self.store.snapshot_stats(tenant)["pinned_bytes"],
+                                           self.config.pin_quota_bytes, need)
+        stats = self.engine.prefill(tokens, self.namespace(tenant), tenant, ttl, pin, privileged, cancel, timeout)
         if pin and stats.stored_tokens < len(tokens):
             # The caller's own figures only: other tenants' usage is not theirs to see.
             mine = self.store.snapshot_stats(tenant)
@@ -319,7 +333,9 @@ class PrefixCache:
             "token_hit_rate": c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
         }
         out.update(mem)
-        if tenant is None:  # not a tenant's: the batching engine's state and the weights its fast path copies
+        if tenant is None:  # not a tenant's: all KV memory, the batching engine's state, the fast path's weights
+            out["kv_bytes"] = self.store.ledger.held()  # stored, and reserved per kind of request buffer
+            out["kv_total_bytes"] = self.store.ledger.total
             out["extra_weight_bytes"] = self.batcher.extra_weight_bytes if self.batcher is not None else 0
             out["batching_enabled"] = self.batching_disabled_reason is None
             out["batching_disabled_reason"] = self.batching_disabled_reason
@@ -335,6 +351,11 @@ class PrefixCache:
 
     def check_integrity(self) -> None:
         self.store.check_integrity()
+
+    def audit(self) -> dict[str, int]:
+        """Walk the store (O(entries)): accounted bytes, bytes of live snapshot tensors, refcounts held.
+        At idle the first two are equal and refcounts 0."""
+        return self.store.audit()
 
     def close(self) -> None:
         self._closed.set()

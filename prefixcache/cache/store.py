@@ -22,6 +22,7 @@ from typing import Any
 from prefixcache.cache.handles import EvictHook, InsertResult, KVSlicer, Lease, evicted_snapshot
 from prefixcache.cache.hashing import BlockHasher
 from prefixcache.cache.index import StoreIndex, total
+from prefixcache.cache.ledger import KVLedger
 from prefixcache.cache.policy import REASONS, evictable, expiry, is_expired
 from prefixcache.cache.runs import RunOps, TensorRuns
 from prefixcache.cache.trie import Node, PrefixTrie
@@ -38,6 +39,8 @@ class KVStore:
         self.config = config
         # What snapshot payloads are: tensors by default, byte sizes for a replay (``cache.sized``).
         self._kv: RunOps = TensorRuns() if kv_ops is None else kv_ops
+        # All KV memory: these snapshots plus what running requests reserve (``ledger.reserved``).
+        self.ledger = KVLedger(config.kv_total_bytes, config.kv_wait_seconds)
         self.trie = PrefixTrie(config.block_size, hasher)
         self._clock = clock
         self._on_evict = on_evict
@@ -54,6 +57,7 @@ class KVStore:
         # so held bytes always equal accounted bytes between operations.
         self._runs: dict[int, set[Node]] = {}
         self._dirty: set[int] = set()
+        self.ledger.attach(self)
 
     # -- read path -----------------------------------------------------------------
     def acquire(self, namespace: tuple[str, ...], tenant: str, tokens: Sequence[int], limit: int,
@@ -187,10 +191,7 @@ class KVStore:
         need = missing + sum(n.nbytes for n in existing if n.pins == 0)
         if need > room:
             quota = self.config.pin_quota_bytes
-            raise PinQuotaExceededError(
-                f"cannot pin {need} more bytes: the tenant's pin quota is {quota} bytes and "
-                f"{quota - room} bytes are pinned already; unpin something, use a shorter prefix, or ask the "
-                f"operator (admin key) to pin it", pinned_bytes=quota - room, quota_bytes=quota, need_bytes=need)
+            raise PinQuotaExceededError.of(quota - room, quota, need)
 
     def _covering_child(self, parent: Node, chunk: tuple[int, ...], now: float) -> Node | None:
         """An existing usable block holding ``chunk`` (a partial chunk may sit inside a longer block)."""
@@ -221,10 +222,14 @@ class KVStore:
             return len(tokens)
 
     # -- policy --------------------------------------------------------------------
+    def _limit(self) -> int:
+        """Bytes the snapshots may take now: the budget, less room for what running requests reserve."""
+        return min(self.config.max_bytes, self.ledger.total - self.ledger.reserved)
+
     def _make_room(self, need: int, tenant: str) -> bool:
-        """Evict until ``need`` more bytes fit the tenant quota and the budget (O(log n) per block freed)."""
+        """Evict until ``need`` more bytes fit the tenant quota, the budget and the KV total (O(log n) per block freed)."""
         cfg = self.config
-        if need > cfg.max_bytes or (cfg.tenant_quota_bytes is not None and need > cfg.tenant_quota_bytes):
+        if need > self._limit() or (cfg.tenant_quota_bytes is not None and need > cfg.tenant_quota_bytes):
             return False
         self._expire(self._clock())
         if cfg.tenant_quota_bytes is not None:
@@ -235,12 +240,27 @@ class KVStore:
                 if top is None:
                     return False
                 self._free(top[0], "quota")
-        while self.bytes + need > cfg.max_bytes:
+        return self._evict_to(self._limit() - need)
+
+    def _evict_to(self, limit: int) -> bool:
+        """Evict least recently used leaves until at most ``limit`` bytes are held; whether it got there."""
+        while self.bytes > limit:
             top = self.index.lru.peek()
             if top is None:
                 return False
             self._free(top[0], "lru")
         return True
+
+    def reclaim(self, limit: int) -> bool:
+        """Give way to a request's KV: free expired, then unpinned unread snapshots until at most ``limit``
+        bytes are stored. Whether that was reached (pinned and leased ones stay)."""
+        with self._lock:
+            if self.bytes <= limit:
+                return True
+            self._expire(self._clock())
+            done = self._evict_to(limit)
+            self._compact()
+            return done
 
     def can_admit(self, need: int, tenant: str) -> bool:
         """Whether ``need`` more bytes could be stored for ``tenant`` now, evicting only what may go."""
@@ -250,7 +270,7 @@ class KVStore:
             # root), so everything else can go, leaves first: only protected bytes stay.
             if cfg.tenant_quota_bytes is not None and self.index.protected_bytes[tenant] + need > cfg.tenant_quota_bytes:
                 return False
-            return sum(self.index.protected_bytes.values()) + need <= cfg.max_bytes
+            return sum(self.index.protected_bytes.values()) + need <= self._limit()
 
     def _expire(self, now: float) -> int:
         """Free expired nodes nobody reads, deepest first (a freed leaf's expired parent follows)."""
@@ -376,6 +396,15 @@ class KVStore:
                 "evictions": _by_reason(self._eviction_counts, tenant),
                 "reclaimed_bytes": _by_reason(self._reclaimed_counts, tenant),
             }
+
+    def audit(self) -> dict[str, int]:
+        """Recount by walking every node (O(n), for checks, not for stats): bytes of live snapshot
+        tensors and refcounts held, beside the accounted bytes."""
+        with self._lock:
+            nodes = list(self.trie.iter_nodes())
+            return {"accounted_bytes": self.bytes,
+                    "live_tensor_bytes": sum(n.kv.numel() * n.kv.element_size() for n in nodes if n.kv is not None),
+                    "refcounts": sum(n.refcount for n in nodes) + sum(r.refcount for r in self.trie.roots())}
 
     def check_integrity(self) -> None:
         """Raise AssertionError if any invariant of the store is broken.

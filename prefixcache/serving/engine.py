@@ -78,11 +78,18 @@ class BatchConfig:
     #: side by side it did not beat the model's own forward (docs/benchmarks.md).
     fast_path: bool = False
     fast_path_max_bytes: int = 2 << 30
+    #: Consecutive failed steps (no successful step between them) after which the engine reports
+    #: itself faulting (``faulting``; the proxy's /readyz then says not ready) ...
+    fault_streak: int = 3
+    #: ... until a step succeeds or this many seconds pass without another fault.
+    fault_window_seconds: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "token_budget", "prefill_chunk", "idle_prefill_chunk", "private_chunk",
                      "max_private_tokens"):
             check_int(name, getattr(self, name), 1, None)
+        check_int("fault_streak", self.fault_streak, 1, None)
+        check_positive("fault_window_seconds", self.fault_window_seconds)
         check_int("pool_max_tokens", self.pool_max_tokens, 0, None)
         check_int("fold_max_tokens", self.fold_max_tokens, 0, None)
         check_int("fast_path_max_bytes", self.fast_path_max_bytes, 0, None)
@@ -116,6 +123,7 @@ class BatchEngine:
         self.layout: KVLayout | None = None
         self.disabled_reason: str | None = None
         self.failure: str | None = None  # why the loop thread stopped; set once, under ``_cv``
+        self._faults: list[tuple[float, str]] = []  # (when, what) of the failed steps since the last good one
         self.runner: ModelRunner | None = None
         self.scheduler: Scheduler | None = None
         try:
@@ -154,6 +162,19 @@ class BatchEngine:
     def extra_weight_bytes(self) -> int:
         """Bytes of weights the fast path keeps an extra copy of (0 without one; not KV)."""
         return 0 if self.runner is None else self.runner.extra_weight_bytes
+
+    @property
+    def faulting(self) -> str | None:
+        """Why the engine counts as faulting while its loop lives, or None: ``fault_streak`` steps in a
+        row failed, the last within ``fault_window_seconds``. A good step ends it; so does a quiet window."""
+        faults, cfg = list(self._faults), self.config
+        if len(faults) < cfg.fault_streak or self._clock() - faults[-1][0] > cfg.fault_window_seconds:
+            return None
+        return f"the last {len(faults)} batched steps failed (last: {faults[-1][1]})"
+
+    def _step_failed(self, exc: BaseException) -> None:
+        """Count a failed step (only the last ``fault_streak`` are kept: ``faulting`` needs no more)."""
+        self._faults = [*self._faults, (self._clock(), f"{type(exc).__name__}: {exc}")][-self.config.fault_streak:]
 
     def unservable(self, prompt_len: int, params: SamplingParams) -> str | None:
         """Why a request of ``prompt_len`` tokens with ``params`` cannot be served here, or None."""
@@ -267,6 +288,7 @@ class BatchEngine:
                     plan = sched.schedule()
                 except Exception as exc:  # noqa: BLE001 - a dead loop would leave every caller waiting
                     log.exception("planning a step failed")
+                    self._step_failed(exc)
                     fault = EngineFaultError.wrapping(exc, "planning a step")
                     for req in [*sched.running, *sched.waiting]:  # the state that failed to plan: nobody is safe
                         self._finish(req, None, fault)
@@ -274,11 +296,18 @@ class BatchEngine:
             try:
                 if plan:
                     self._postprocess(plan, self.runner.run(plan))
+                    self._faults = []
+                elif sched.waiting:  # nothing runs and the head waits for KV memory: poll, do not spin
+                    with self._cv:
+                        self._cv.wait(0.01)
             except Exception as exc:  # noqa: BLE001 - fail this step's requests, keep serving
                 log.exception("batched step failed")
+                self._step_failed(exc)
                 fault = EngineFaultError.wrapping(exc, "in a batched step")
                 for req, _ in plan:
                     self._finish(req, None, fault)
+            if plan:
+                self._account_private()  # pools change shape within a step (a leader rebased onto its prompt)
         with self._cv:
             for req in [*sched.running, *sched.waiting]:
                 self._finish(req, "cancelled", None)
@@ -369,3 +398,9 @@ class BatchEngine:
             reuse = bool(self.scheduler.waiting) and not self._closed
         if req.private is not None:  # free its slot now; keep it only for a request about to reuse it
             release_private(req.private, trim=not reuse)
+        self._account_private()
+
+    def _account_private(self) -> None:
+        """Bring the KV ledger's private reservation in line with the running requests' pools."""
+        with self._cv:
+            _attempt("account private KV", lambda: self.store.ledger.force("private", self.scheduler.private_bound()))

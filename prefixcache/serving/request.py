@@ -114,6 +114,8 @@ class Request:
     #: Lease steps read in place at every step; the cached tokens after them were copied
     #: into the private KV at admission (None: every step is read in place).
     read_steps: int | None = None
+    #: When admission first found no KV memory for it (it fails after ``kv_wait_seconds``).
+    memory_wait_since: float | None = None
 
     @property
     def cached_len(self) -> int:

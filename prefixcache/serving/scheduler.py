@@ -18,7 +18,7 @@ import torch
 from prefixcache.cache.runs import coalesce
 from prefixcache.cache.store import KVStore
 from prefixcache.cache.trie import common_prefix
-from prefixcache.errors import EngineFaultError
+from prefixcache.errors import EngineFaultError, KVMemoryError
 from prefixcache.model.hf_cache import private_pool
 from prefixcache.model.layout import KVLayout
 from prefixcache.model.private_kv import PrivateKV
@@ -85,6 +85,10 @@ class Scheduler:
                 req.read_steps = self._read_in_place(req)
                 if self.running and reserved + req.private_need > cfg.max_private_tokens:
                     break  # keep order: the head of the queue is never overtaken for memory
+                if not self.store.ledger.try_set("private", self.private_bound([*joining, req])):
+                    if self._out_of_memory(req):
+                        continue
+                    break  # it waits (bounded) for running requests to give KV memory back
                 self.waiting.remove(req)
             except Exception as exc:  # noqa: BLE001 - fail this request only; the loop keeps serving
                 self._fail_admission(req, exc)
@@ -94,6 +98,43 @@ class Scheduler:
             self.running.append(req)
             joining.append(req)
         self._join(joining)
+
+    def _out_of_memory(self, req: Request) -> bool:
+        """Fail ``req`` if its KV cannot fit the total even alone, or it waited ``kv_wait_seconds`` for it."""
+        ledger, now = self.store.ledger, self._clock()
+        if req.memory_wait_since is None:
+            req.memory_wait_since = now
+        alone = self.private_bound([req], alone=True)
+        if alone <= ledger.total and now - req.memory_wait_since < ledger.wait_seconds:
+            return False
+        self.waiting.remove(req)
+        self._finish(req, None, KVMemoryError(
+            f"no room for this request's {alone} bytes of KV (prompt and answer): all KV memory may use "
+            f"{ledger.total} bytes, and running requests and pinned prefixes hold it; retry"))
+        return True
+
+    def private_bound(self, joining: Sequence[Request] = (), alone: bool = False) -> int:
+        """The most bytes the private KV of the running requests plus ``joining`` may take (``alone``:
+        of ``joining`` only, in empty pools): an upper bound of the pools' size as they grow.
+
+        The shared pool holds a slot per request at the capacity of its largest need (free slots kept
+        for reuse count); a pool of its own holds at most its request's need, rounded to a chunk.
+        """
+        chunk, bpt = self.config.private_chunk, self.layout.bytes_per_token
+        members = list(joining) if alone else [*self.running, *joining]
+
+        def shared(r: Request) -> bool:
+            return r.private.pool is self.pool if r.private is not None else r.private_need <= self.config.pool_max_tokens
+
+        short = [r for r in members if shared(r)]
+        new_slots = sum(1 for r in short if r.private is None)
+        live = 0 if alone else sum(1 for o in self.pool.owners if o is not None)
+        slots = max(0 if alone else len(self.pool.owners), live + new_slots)
+        needs = [r.private_need for r in short] + [r.private.need for r in short if r.private is not None]
+        capacity = max(0 if alone else self.pool.capacity, _round(max(needs, default=0), chunk))
+        own = sum(max(_round(r.private_need, chunk) * bpt, 0 if r.private is None else r.private.pool.nbytes)
+                  for r in members if not shared(r))
+        return slots * capacity * bpt + own
 
     def _join(self, joining: list[Request]) -> None:
         """Give just admitted (running) requests their private KV; one that cannot have it fails.
@@ -241,6 +282,10 @@ def release_private(private: PrivateKV, trim: bool) -> None:
             return
         except Exception:  # noqa: BLE001 - clean-up: the request's answer and the loop go on
             log.exception("could not free a request's private KV (trim=%s)", attempt)
+
+
+def _round(tokens: int, chunk: int) -> int:
+    return -(-tokens // chunk) * chunk
 
 
 def admission_order(waiting: Sequence[Request], now: float, max_wait: float) -> list[Request]:

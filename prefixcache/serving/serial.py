@@ -11,6 +11,7 @@ import contextlib
 import copy
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,7 +20,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria
 
 from prefixcache.cache.store import KVStore
-from prefixcache.errors import UnsupportedModelError
+from prefixcache.errors import GenerationTimeoutError, RequestCancelledError, UnsupportedModelError
 from prefixcache.model.hf_cache import WorkingCache, probe_layout
 from prefixcache.model.layout import KVLayout
 from prefixcache.serving.request import CallStats
@@ -38,6 +39,9 @@ _BYPASS_CONFIG = {
     "use_cache": lambda v: v is False,
     "cache_implementation": lambda v: v is not None,
 }
+#: Tokens a prewarm computes per forward; it checks for cancellation and its deadline between them.
+PREWARM_CHUNK_TOKENS = 256
+
 #: generate() keyword arguments that are not config fields but also bypass the cache.
 _BYPASS_KWARGS = ("assistant_model", "past_key_values", "assistant_tokenizer")
 
@@ -91,6 +95,7 @@ class Engine:
         self._clock = clock
         self._entropy = entropy
         self._model_lock = threading.Lock()
+        self.prewarm_chunk = PREWARM_CHUNK_TOKENS
         self._stats_lock = threading.Lock()
         self.counters: dict[str, Counter[str]] = {}
         try:
@@ -117,8 +122,11 @@ class Engine:
             int(effective.max_length or 20) - n, 1)
         stats.bypass_reason = self._bypass_reason(effective, kwargs, n + int(max_new))
         device = next(self.model.parameters()).device
-        # Seeded inside the model lock, so concurrent calls cannot interleave their draws.
-        with self._model_lock, isolated_rng(device, seed if seed is not None else self._entropy()):
+        # Its working cache (or generate()'s own) holds the whole sequence: reserved against the KV
+        # total first (bounded wait, or ``KVMemoryError``). Seeded inside the model lock, so
+        # concurrent calls cannot interleave their draws.
+        with self.store.ledger.reserve("serial", self._bytes(n + int(max_new))), self._model_lock, \
+                isolated_rng(device, seed if seed is not None else self._entropy()):
             if stats.bypass_reason is not None:
                 out = self.model.generate(input_ids, generation_config=generation_config, **kwargs)
             else:
@@ -132,29 +140,40 @@ class Engine:
         return out, stats
 
     def prefill(self, tokens: list[int], namespace: tuple[str, ...], tenant: str,
-                ttl_seconds: float | None, pin: bool, privileged: bool = False) -> CallStats:
+                ttl_seconds: float | None, pin: bool, privileged: bool = False,
+                cancel: threading.Event | None = None, timeout: float | None = None) -> CallStats:
         """Compute and store the KV of ``tokens`` without generating (cache warming).
 
+        The suffix after the cached prefix is computed ``PREWARM_CHUNK_TOKENS`` at a time; between
+        chunks a set ``cancel`` raises ``RequestCancelledError`` and ``timeout`` seconds (real time)
+        ``GenerationTimeoutError``. Either way nothing is stored and the lease is released.
         ``privileged`` exempts a pin from the tenant pin quota (``KVStore.insert``).
         """
         if self.layout is None:
             raise UnsupportedModelError(self.unsupported_reason or "model not supported")
+        deadline = None if timeout is None else time.monotonic() + timeout
         stats = CallStats(prompt_tokens=len(tokens), executor="serial")
-        with self._model_lock:
+        with self.store.ledger.reserve("prewarm", self._bytes(len(tokens)), cancel), self._model_lock:
             lease = self.store.acquire(namespace, tenant, tokens, len(tokens), ttl_seconds)
             try:
                 stats.cached_tokens = lease.cached_tokens
                 cache = WorkingCache(self.layout, [(s.node.kv, s.used) for s in lease.steps], len(tokens))
-                if lease.cached_tokens < len(tokens):
-                    ids = torch.tensor([tokens[lease.cached_tokens :]], device=self.layout.device)
+                for start in range(lease.cached_tokens, len(tokens), self.prewarm_chunk):
+                    _check_stop(cancel, deadline, timeout)
+                    ids = torch.tensor([tokens[start : start + self.prewarm_chunk]], device=self.layout.device)
                     with torch.no_grad():  # positions follow from the cache's length
                         self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+                _check_stop(cancel, deadline, timeout)
                 result = self.store.insert(namespace, tenant, tokens, cache.slice, ttl_seconds, pin=pin,
                                            privileged=privileged)
                 stats.stored_tokens = result.stored_tokens
             finally:
                 self.store.release(lease)
         return stats
+
+    def _bytes(self, tokens: int) -> int:
+        """KV bytes of ``tokens`` tokens (0 for a model whose layout is unknown)."""
+        return 0 if self.layout is None else tokens * self.layout.bytes_per_token
 
     def tenant_counters(self, tenant: str | None) -> Counter[str]:
         with self._stats_lock:
@@ -215,3 +234,11 @@ class Engine:
             c["cached_tokens"] += stats.cached_tokens
             c["completion_tokens"] += stats.completion_tokens
             c["bypassed" if stats.bypass_reason else stats.outcome] += 1
+
+
+def _check_stop(cancel: threading.Event | None, deadline: float | None, timeout: float | None) -> None:
+    if cancel is not None and cancel.is_set():
+        raise RequestCancelledError("the prewarm was cancelled; nothing was stored")
+    if deadline is not None and time.monotonic() >= deadline:
+        raise GenerationTimeoutError(f"the prewarm did not finish within {timeout:g} s and was cancelled; nothing "
+                                     "was stored")

@@ -99,3 +99,27 @@ def test_a_killed_loop_fails_callers_fast_reports_unhealthy_and_calls_are_served
         served = client.post(CHAT, json=chat(3))
         assert served.status_code == 200, served.text
         assert fresh.cache.stats()["batching_enabled"] is False
+
+
+def test_an_engine_whose_every_step_fails_is_not_ready_until_steps_succeed_again(fresh, monkeypatch):
+    runner, broken = fresh.cache.batcher.runner, threading.Event()
+    real = runner.run
+
+    def run(plan):
+        if broken.is_set():
+            raise torch.OutOfMemoryError("alloc")
+        return real(plan)
+    monkeypatch.setattr(runner, "run", run)
+    streak = fresh.cache.batcher.config.fault_streak
+    with fresh.client(ALPHA) as client:
+        broken.set()
+        for i in range(streak):
+            assert client.get("/readyz").status_code == 200  # fewer than a streak of failed steps: ready
+            assert client.post(CHAT, json=chat(i)).status_code == 503
+        r = client.get("/readyz")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_faulting", r.text
+        assert r.headers.get("Retry-After") and "alloc" in r.json()["error"]["message"]
+        assert client.get("/healthz").status_code == 200  # the loop lives: not a restart
+        broken.clear()
+        assert client.post(CHAT, json=chat(9)).status_code == 200  # requests still reach the engine
+        assert client.get("/readyz").status_code == 200  # one good step ends the streak

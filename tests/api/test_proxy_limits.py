@@ -137,12 +137,20 @@ def test_deep_body_is_400_before_parsing(http, server):
                          code="json_too_deep")
 
 
-def test_numbers_a_parser_refuses_are_400_not_500(server):
+@pytest.mark.parametrize("field,number,code", [
+    ("seed", "9" * 5000, "number_too_large"), ("max_tokens", "-" + "9" * 5000, "number_too_large"),
+    ("max_tokens", "1e999", "invalid_value"), ("temperature", "1e999", "invalid_value")])
+def test_numbers_too_large_to_parse_are_400_naming_the_parameter(server, field, number, code):
+    raw = '{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "%s": %s}' % (field, number)
     with server.client(ALPHA) as client:
-        for raw in ('{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "seed": ' + "9" * 5000
-                    + "}", '{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1e999}'):
-            r = client.post(CHAT, content=raw, headers={"content-type": "application/json"})
-            assert_error(r, 400)
+        r = client.post(CHAT, content=raw, headers={"content-type": "application/json"})
+        err = assert_error(r, 400, code=code, param=field)
+        assert "parsing the body" not in err["message"] and field in err["message"]
+        nested = ('{"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1, '
+                  '"metadata": {"k": [0, %s]}}' % number)
+        if code == "number_too_large":
+            assert_error(client.post(CHAT, content=nested, headers={"content-type": "application/json"}), 400,
+                         code=code, param="metadata.k[1]")
 
 
 @pytest.mark.parametrize("raw,depth", [

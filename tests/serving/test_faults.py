@@ -172,3 +172,25 @@ def test_the_sdk_passes_its_timeout_to_the_engine(llama):
         assert cache.batcher.steps > 0  # it was served (and cancelled) by the batching engine
     finally:
         cache.close()
+
+
+def test_a_streak_of_failed_steps_marks_the_engine_faulting_until_a_quiet_window_or_a_good_step(llama, monkeypatch):
+    engine = make_engine(llama, fault_streak=2, fault_window_seconds=10.0)
+    try:
+        clock = engine._clock
+        faults: list[float] = []
+        monkeypatch.setattr(engine.runner, "run", _fail(3, lambda: RuntimeError("bad step"), engine.runner.run, faults))
+        for i in range(2):
+            assert engine.faulting is None
+            with pytest.raises(EngineFaultError):
+                engine.generate(PROMPTS[i], NS, "t", SamplingParams(max_new_tokens=2), timeout=30)
+        assert "bad step" in engine.faulting
+        clock.advance(11.0)  # no fault for a window: a probe may come in again
+        assert engine.faulting is None
+        with pytest.raises(EngineFaultError):
+            engine.generate(PROMPTS[2], NS, "t", SamplingParams(max_new_tokens=2), timeout=30)
+        assert engine.faulting is not None  # the streak goes on: the third fault follows the second
+        engine.generate(PROMPTS[3], NS, "t", SamplingParams(max_new_tokens=2), timeout=30)
+        assert engine.faulting is None  # a good step ends it
+    finally:
+        engine.close()

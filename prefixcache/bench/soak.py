@@ -1,0 +1,339 @@
+"""Soak: ``prefixcache serve`` with two tenant keys, one well-behaved and one hostile.
+
+``python -m prefixcache.bench.soak [--model tiny|default|PATH] [--requests N]`` starts the
+proxy as a subprocess on loopback and runs two phases in one invocation:
+
+1. **alone**: the well-behaved tenant's streamed chats on a shared system prompt;
+2. **mixed**: the same chats again (its cache flushed first, so both phases start cold)
+   while the hostile tenant cycles through every hostile case (``HOSTILE``: the cases the
+   hardening work was built against) and drops streams mid-way.
+
+Every request has a client deadline. The report: responses by status (5xx must be 0),
+hung requests (0), the well-behaved tenant's token hit rate and TTFT p50 per phase and
+their ratio, what the admin stats audit reads at idle (refcounts 0, stored bytes equal to
+live tensor bytes, nothing reserved in flight), and the server's peak RSS (``VmHWM``).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from prefixcache.bench.servers import Server, free_port
+
+KEYS = {"sk-soak-good": "good", "sk-soak-evil": "evil"}
+GOOD, EVIL, ADMIN = "sk-soak-good", "sk-soak-evil", "sk-soak-admin"
+SYSTEM = ("You are the support assistant of a parcel delivery company. Answer in one short sentence, "
+          "politely, and never promise a delivery date. ") * 12
+QUESTIONS = ["Where is my parcel?", "How long do refunds take?", "Can I change the address?",
+             "Do you deliver on Sundays?", "What does the tracking code mean?", "Who signs for the parcel?"]
+
+
+@dataclass(slots=True)
+class Tally:
+    """Outcomes of one phase; ``lock`` guards every field."""
+
+    statuses: Counter[str] = field(default_factory=Counter)
+    hung: int = 0
+    ttft: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def status(self, label: str | int) -> None:
+        with self.lock:
+            self.statuses[str(label)] += 1
+
+
+# -- the well-behaved tenant -------------------------------------------------------------
+def good_chat(client: httpx.Client, model: str, i: int, tally: Tally, deadline: float) -> None:
+    body = {"model": model, "max_tokens": 8, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "system", "content": SYSTEM},
+                         {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]}
+    start = time.perf_counter()
+    first, usage = None, None
+    try:
+        with client.stream("POST", "/v1/chat/completions", json=body, timeout=deadline) as r:
+            if r.status_code != 200:
+                r.read()
+                tally.status(r.status_code)
+                return
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    tally.status(f"stream-error-{event['error'].get('code')}")
+                    return
+                if first is None and any(c.get("delta", {}).get("content") for c in event.get("choices", [])):
+                    first = time.perf_counter() - start
+                usage = event.get("usage") or usage
+    except httpx.TimeoutException:
+        with tally.lock:
+            tally.hung += 1
+        return
+    tally.status(200)
+    with tally.lock:
+        if first is not None:
+            tally.ttft.append(first)
+        if usage:
+            tally.prompt_tokens += usage["prompt_tokens"]
+            tally.cached_tokens += usage["prompt_tokens_details"]["cached_tokens"]
+
+
+# -- the hostile tenant --------------------------------------------------------------------
+def _chat(model: str, **extra: Any) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
+
+
+def _raw(path: str, text: str | bytes, key: str = EVIL) -> dict:
+    headers = {"content-type": "application/json", "authorization": f"Bearer {key}"}
+    return {"method": "POST", "url": path, "content": text, "headers": headers}
+
+
+def _chunked(size: int):
+    piece = b'{"model": "m", "prompt": "' + b"x" * 65536
+    sent = 0
+    while sent < size:
+        yield piece
+        sent += len(piece)
+
+
+def hostile_cases(model: str, context: int) -> dict[str, Callable[[int], dict]]:
+    """Each hostile case: request ``i`` of it as ``httpx.Client.request`` keyword arguments."""
+    chat, prewarm = "/v1/chat/completions", "/v1/cache/prewarm"
+    return {
+        "huge-prewarm": lambda i: {"method": "POST", "url": prewarm, "json": {"prompt": "word " * 300_000}},
+        "prewarm-over-context": lambda i: {"method": "POST", "url": prewarm,
+                                           "json": {"prompt": "word " * (context + 64)}},
+        "20000-messages": lambda i: {"method": "POST", "url": chat,
+                                     "json": {"model": model, "max_tokens": 4,
+                                              "messages": [{"role": "user", "content": "a"}] * 20_000}},
+        "long-stop-strings": lambda i: {"method": "POST", "url": chat,
+                                        "json": _chat(model, stop=["x" * 40_000] * 4)},
+        "oversized-chunked-body": lambda i: {"method": "POST", "url": chat, "content": _chunked(6 << 20),
+                                             "headers": {"content-type": "application/json"}},
+        "pin-without-ttl": lambda i: {"method": "POST", "url": prewarm,
+                                      "json": {"prompt": f"Pinned policy {i}. " + "clause " * 300, "pin": True}},
+        "seeded-sampled": lambda i: {"method": "POST", "url": chat,
+                                     "json": _chat(model, temperature=1.0, seed=i, max_tokens=8)},
+        "deep-json": lambda i: _raw(chat, "[" * 100_000 + "]" * 100_000),
+        "huge-logit-bias": lambda i: {"method": "POST", "url": chat,
+                                      "json": _chat(model, logit_bias={str(t): 1 for t in range(5000)})},
+        "max-tokens-beyond-context": lambda i: {"method": "POST", "url": chat, "json": _chat(model, max_tokens=context * 4)},
+        "number-too-large": lambda i: _raw(chat, '{"model": "%s", "messages": [], "max_tokens": %s}'
+                                           % (model, "9" * 5000)),
+        "float-overflow": lambda i: _raw(chat, '{"model": "%s", "messages": [{"role": "user", "content": "x"}], '
+                                         '"max_tokens": 1e999}' % model),
+        "unauthenticated-body": lambda i: _raw(chat, b'{"prompt": "' + b"x" * (2 << 20) + b'"}', key="sk-not-a-key"),
+        "many-tools": lambda i: {"method": "POST", "url": chat, "json": _chat(model, tools=[
+            {"type": "function", "function": {"name": f"f{k}", "parameters": {"type": "object"}}} for k in range(200)])},
+    }
+
+
+def hostile_request(client: httpx.Client, case: Callable[[int], dict], i: int, tally: Tally, deadline: float) -> None:
+    try:
+        r = client.request(**case(i), timeout=deadline)
+        tally.status(r.status_code)
+    except httpx.TimeoutException:
+        with tally.lock:
+            tally.hung += 1
+    except httpx.TransportError:  # the server answered (413) and closed while the body was still going out
+        tally.status("closed-while-sending")
+
+
+def disconnect_mid_stream(client: httpx.Client, model: str, i: int, tally: Tally, deadline: float) -> None:
+    body = _chat(model, stream=True, max_tokens=64, temperature=0,
+                 messages=[{"role": "user", "content": f"Tell me a long story number {i}."}])
+    try:
+        with client.stream("POST", "/v1/chat/completions", json=body, timeout=deadline) as r:
+            if r.status_code != 200:
+                r.read()
+                tally.status(r.status_code)
+                return
+            for n, _line in enumerate(r.iter_lines()):
+                if n >= 1 + i % 3:
+                    break  # leave: the response is closed unread
+        tally.status("disconnected")
+    except httpx.TimeoutException:
+        with tally.lock:
+            tally.hung += 1
+
+
+# -- the run ---------------------------------------------------------------------------------
+def run_phase(url: str, model: str, good_requests: int, hostile_requests: int, context: int,
+              deadline: float, seed: int, hostile_clients: int) -> tuple[Tally, Tally]:
+    """The good tenant's ``good_requests`` chats (2 clients), with the hostile tenant's traffic
+    (``hostile_clients``) running alongside, when ``hostile_requests`` > 0, until both are done."""
+    good, evil = Tally(), Tally()
+    cases = list(hostile_cases(model, context).items())
+    counter = itertools.count()
+    done = threading.Event()
+
+    def good_worker(ids: range) -> None:
+        with httpx.Client(base_url=url, headers={"authorization": f"Bearer {GOOD}"}) as client:
+            for i in ids:
+                good_chat(client, model, i, good, deadline)
+
+    def evil_worker() -> None:
+        with httpx.Client(base_url=url, headers={"authorization": f"Bearer {EVIL}"}) as client:
+            while (i := next(counter)) < hostile_requests or not done.is_set():
+                kind = (i * 7 + seed) % (len(cases) + 1)
+                if kind == len(cases):
+                    disconnect_mid_stream(client, model, i, evil, deadline)
+                else:
+                    hostile_request(client, cases[kind][1], i, evil, deadline)
+
+    with ThreadPoolExecutor(2 + hostile_clients) as pool:
+        evils = [pool.submit(evil_worker) for _ in range(hostile_clients if hostile_requests else 0)]
+        goods = [pool.submit(good_worker, range(k, good_requests, 2)) for k in range(2)]
+        for f in goods:
+            f.result()
+        done.set()
+        for f in evils:
+            f.result()
+    return good, evil
+
+
+def phase_report(good: Tally) -> dict[str, Any]:
+    return {"requests": sum(good.statuses.values()) + good.hung, "statuses": dict(good.statuses), "hung": good.hung,
+            "token_hit_rate": good.cached_tokens / good.prompt_tokens if good.prompt_tokens else 0.0,
+            "ttft_p50_s": statistics.median(good.ttft) if good.ttft else None}
+
+
+def idle_audit(url: str) -> dict[str, Any]:
+    """The admin stats once the server is idle (queue empty), with the store walked."""
+    with httpx.Client(base_url=url, headers={"authorization": f"Bearer {ADMIN}"}, timeout=60) as admin:
+        for _ in range(600):
+            stats = admin.get("/v1/cache/stats", params={"audit": "true"}).json()
+            if stats["queue"]["running"] == 0 and stats["queue"]["waiting"] == 0 and stats["refcounts"] == 0:
+                break
+            time.sleep(0.1)
+    in_flight = {k: v for k, v in stats["kv_bytes"].items() if k != "stored"}
+    return {"refcounts": stats["refcounts"], "stored_bytes": stats["bytes"],
+            "live_tensor_bytes": stats["live_tensor_bytes"], "in_flight_kv_bytes": in_flight,
+            "pinned_bytes": stats["pinned_bytes"], "tenant_bytes": stats["tenant_bytes"]}
+
+
+def peak_rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def tiny_model_folder(folder: str) -> None:
+    """A 2-layer random Llama over the default model's tokenizer (chat template included), saved to ``folder``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from prefixcache.loading import load_default_model
+
+    base, tokenizer = load_default_model()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    del base
+
+
+def run(opts: argparse.Namespace) -> dict[str, Any]:
+    tmp = tempfile.TemporaryDirectory(prefix="prefixcache-soak-") if opts.model == "tiny" else None
+    port = free_port()
+    max_bytes = opts.max_bytes or ((16 << 20) if opts.model == "tiny" else (512 << 20))
+    argv = [sys.executable, "-m", "prefixcache.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
+            "--served-model-name", "soak", "--log-level", "warning", "--request-timeout-seconds",
+            str(opts.deadline / 2), "--max-bytes", str(max_bytes)]
+    if tmp is not None:
+        tiny_model_folder(tmp.name)
+        argv += ["--model", tmp.name]
+    elif opts.model != "default":
+        argv += ["--model", opts.model]
+    server = Server("prefixcache serve", argv, "/readyz")
+    server.env.update(PREFIXCACHE_API_KEYS=json.dumps(KEYS), PREFIXCACHE_ADMIN_KEY=ADMIN)
+    try:
+        server.start(port)
+        context = 2048 if opts.model == "tiny" else opts.context
+        good_n = max(2, opts.requests // 4)
+        hostile_n = max(0, opts.requests - 2 * good_n)
+        started = time.perf_counter()
+        alone, _ = run_phase(server.url, "soak", good_n, 0, context, opts.deadline, opts.seed, 0)
+        with httpx.Client(base_url=server.url, headers={"authorization": f"Bearer {ADMIN}"}, timeout=60) as admin:
+            admin.delete("/v1/cache", params={"tenant": "good"})  # both phases start cold
+        mixed, evil = run_phase(server.url, "soak", good_n, hostile_n, context, opts.deadline, opts.seed,
+                                opts.hostile_clients)
+        seconds = time.perf_counter() - started
+        audit = idle_audit(server.url)
+        rss = peak_rss_bytes(server.proc.pid)
+        if not server.alive():
+            raise RuntimeError(f"the server died during the soak{server.tail()}")
+    finally:
+        server.stop()
+        if tmp is not None:
+            tmp.cleanup()
+    statuses = Counter(alone.statuses) + Counter(mixed.statuses) + Counter(evil.statuses)
+    a, m = phase_report(alone), phase_report(mixed)
+    return {
+        "model": opts.model, "seconds": round(seconds, 1),
+        "requests": sum(statuses.values()) + alone.hung + mixed.hung + evil.hung,
+        "statuses": dict(sorted(statuses.items())),
+        "responses_5xx": sum(n for s, n in statuses.items() if s.isdigit() and int(s) >= 500),
+        "hung": alone.hung + mixed.hung + evil.hung,
+        "hostile": {"requests": sum(evil.statuses.values()) + evil.hung, "statuses": dict(sorted(evil.statuses.items()))},
+        "good_alone": a, "good_mixed": m,
+        "hit_rate_ratio": m["token_hit_rate"] / a["token_hit_rate"] if a["token_hit_rate"] else None,
+        "ttft_p50_ratio": m["ttft_p50_s"] / a["ttft_p50_s"] if a["ttft_p50_s"] and m["ttft_p50_s"] else None,
+        "idle": audit, "server_peak_rss_bytes": rss,
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m prefixcache.bench.soak", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny", help="tiny (a 2-layer random Llama, CI scale), default (the "
+                        "embedded SmolLM2-135M) or a model folder")
+    parser.add_argument("--requests", type=int, default=1000, help="requests in all: a quarter are the "
+                        "well-behaved tenant's per phase, the rest hostile")
+    parser.add_argument("--deadline", type=float, default=120.0, help="client deadline per request (s); the "
+                        "server's request timeout is half of it")
+    parser.add_argument("--context", type=int, default=8192, help="the model's context (for the cases beyond it)")
+    parser.add_argument("--max-bytes", type=int, default=None, help="the server's store budget (default: 16 MiB "
+                        "for tiny, 512 MiB otherwise; a tenant may pin 1/8 of it)")
+    parser.add_argument("--hostile-clients", type=int, default=2, help="concurrent clients of the hostile "
+                        "tenant (the well-behaved one has 2)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="write the report here too")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = build_parser().parse_args(argv)
+    report = run(opts)
+    text = json.dumps(report, indent=1)
+    print(text)
+    if opts.json:
+        with open(opts.json, "w") as f:
+            f.write(text + "\n")
+    idle = report["idle"]
+    ok = (report["responses_5xx"] == 0 and report["hung"] == 0 and idle["refcounts"] == 0
+          and idle["stored_bytes"] == idle["live_tensor_bytes"] and not any(idle["in_flight_kv_bytes"].values()))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
