@@ -38,6 +38,10 @@ class CacheConfig:
     pin_ttl_seconds: float | None = 3600.0
     #: How often the background sweeper frees expired prefixes (seconds).
     sweep_interval_seconds: float = 30.0
+    #: Shortest prefix, in tokens, a cache breakpoint (``cache_control`` on a block) keeps for its
+    #: TTL; a breakpoint closing a shorter prefix writes nothing and fails nothing. Automatic
+    #: prefix reuse is not bounded by it.
+    breakpoint_min_tokens: int = 1024
     #: Cache the generated answer with the prompt, so the next chat turn hits.
     cache_generated: bool = True
     #: Before tokenizing message content: line breaks become ``\n``, runs of spaces and tabs one
@@ -63,6 +67,7 @@ class CacheConfig:
         if self.pin_ttl_seconds is not None:
             check_positive("pin_ttl_seconds", self.pin_ttl_seconds)
         check_positive("sweep_interval_seconds", self.sweep_interval_seconds)
+        check_int("breakpoint_min_tokens", self.breakpoint_min_tokens, 1, None)
         if self.unicode_normalization is not None and self.unicode_normalization not in UNICODE_FORMS:
             raise ConfigError("unicode_normalization", self.unicode_normalization, f"None or one of {UNICODE_FORMS}")
         if self.hash_seed is not None:

@@ -1,6 +1,7 @@
 """What the store hands out: leases on matched prefixes, insert results, evicted snapshots."""
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,6 +16,9 @@ class EvictedSnapshot:
 
     ``kv`` (``[L, 2, H, n, D]``) covers ``tokens[start:]``; ``tokens`` is the whole
     prefix from the namespace root, since a block's KV is only valid after it.
+    ``expires_at`` is the block's deadline on the store's clock (``math.inf``: none): an
+    entry asked to live long (a 1-hour breakpoint, a 24-hour retention) outlives the
+    memory tier, so a tier behind this hook keeps it in its lowest persistent level.
     """
 
     namespace: tuple[str, ...]
@@ -23,6 +27,7 @@ class EvictedSnapshot:
     start: int
     kv: torch.Tensor
     reason: str
+    expires_at: float = math.inf
 
 
 #: Called once per snapshot just before it is dropped: the one place a tier can take it over.
@@ -60,4 +65,4 @@ def evicted_snapshot(node: Node, reason: str) -> EvictedSnapshot:
     kv = node.kv
     if kv.untyped_storage().nbytes() != node.nbytes:  # a view of a run: hand over its own bytes only
         kv = kv.clone()
-    return EvictedSnapshot(namespace, node.tenant, tokens, node.start, kv, reason)
+    return EvictedSnapshot(namespace, node.tenant, tokens, node.start, kv, reason, node.expires_at)
