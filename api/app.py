@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from prefixcache import ConfigError, PrefixCache, __version__, load_default_model, load_model
 
 from . import errors
+from .anthropic.routes import router as anthropic_router
 from .auth import KeyRing
 from .metrics import Metrics
 from .routes import router
@@ -71,6 +72,7 @@ def create_app(settings: Settings | None = None, *, cache: PrefixCache | None = 
     app.state.serving = None
     errors.install(app, settings.retry_after_seconds, lambda request, status: metrics.error(_route(request), status))
     app.include_router(router)
+    app.include_router(anthropic_router)
     app.add_middleware(InternalErrors, on_error=lambda scope: metrics.error(_route(scope), 500))
     return app
 
@@ -106,5 +108,5 @@ class InternalErrors:
                 raise  # too late for an error response
             log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
             self.on_error(scope)
-            await errors.error_response(errors.map_exception(exc), 0)(scope, receive, send)
+            await errors.error_response(errors.map_exception(exc), 0, scope.get("path", ""))(scope, receive, send)
 

@@ -127,6 +127,13 @@ class GenerationFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: Text | None = Field(None, description="End-user id, for the caller's records. Never selects a "
                               "tenant or cache namespace: that comes from the API key.")
+    prompt_cache_key: Text | None = Field(None, max_length=256, description="A hint grouping requests that share "
+                                          "prefixes, counted in metrics. Matching stays inside the API key's "
+                                          "tenant and finds every shared prefix there with or without it; the key "
+                                          "never reaches another tenant's entries.")
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(
+        None, description="How long this request's prefix is kept when idle: in_memory = the server's TTL, "
+        "24h = 24 hours (in the lowest persistent tier where tiers are configured).")
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> GenerationFields:
@@ -287,6 +294,8 @@ class CacheStats(BaseModel):
     tenant_bytes: dict[str, int] | None = None
     evictions: dict[str, int] | None = None
     reclaimed_bytes: dict[str, int] | None = None
+    #: Cache breakpoints (Anthropic's cache_control) by TTL: reads, writes, short, dropped, read/write tokens.
+    breakpoints: dict[str, dict[str, int]] | None = None
     queue: QueueInfo | None = None
     #: Admin, all tenants: bytes of weights the batching engine's fast path keeps an extra copy of (not KV).
     extra_weight_bytes: int | None = None

@@ -75,6 +75,9 @@ class Settings(BaseSettings):
         _cache_default("pin_ttl_seconds"), gt=0, description="Idle seconds after which a tenant key's pin expires "
         "when it asked for no TTL or a longer one; the admin key may pin without a TTL. Unset/null: no limit.")
     block_size: int = Field(_cache_default("block_size"), ge=1, le=4096, description="Tokens per hash block.")
+    breakpoint_min_tokens: int = Field(_cache_default("breakpoint_min_tokens"), ge=1, description="Shortest "
+                                       "prefix, in tokens, a cache breakpoint (Anthropic's cache_control) keeps for "
+                                       "its TTL; a shorter one writes nothing and fails nothing.")
 
     # -- scheduling ----------------------------------------------------------------
     workers: int = Field(16, ge=1, le=64, description="Requests served at once, one thread each: their "
@@ -138,7 +141,8 @@ class Settings(BaseSettings):
         """The SDK configuration these settings describe (raises ``ConfigError`` if out of range)."""
         return CacheConfig(max_bytes=self.max_bytes, ttl_seconds=self.ttl_seconds,
                            tenant_quota_bytes=self.tenant_quota_bytes, block_size=self.block_size,
-                           tenant_pin_quota_bytes=self.tenant_pin_quota_bytes, pin_ttl_seconds=self.pin_ttl_seconds)
+                           tenant_pin_quota_bytes=self.tenant_pin_quota_bytes, pin_ttl_seconds=self.pin_ttl_seconds,
+                           breakpoint_min_tokens=self.breakpoint_min_tokens)
 
 
 def _loopback(host: str) -> bool:
