@@ -19,6 +19,7 @@ from prefixcache import ConfigError, PrefixCache, __version__, load_default_mode
 from prefixcache.planner.request_log import RequestLog
 
 from . import errors
+from .anthropic.routes import router as anthropic_router
 from .auth import KeyRing
 from .metrics import Metrics
 from .replica import replica
@@ -88,6 +89,7 @@ def create_app(settings: Settings | None = None, *, cache: PrefixCache | None = 
     errors.install(app, settings.retry_after_seconds, lambda request, status: metrics.error(_route(request), status))
     app.include_router(router)
     app.include_router(replica)
+    app.include_router(anthropic_router)
     app.add_middleware(InternalErrors, on_error=lambda scope: metrics.error(_route(scope), 500))
     return app
 
@@ -123,5 +125,5 @@ class InternalErrors:
                 raise  # too late for an error response
             log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
             self.on_error(scope)
-            await errors.error_response(errors.map_exception(exc), 0)(scope, receive, send)
+            await errors.error_response(errors.map_exception(exc), 0, scope.get("path", ""))(scope, receive, send)
 

@@ -47,14 +47,20 @@ class KeyRing:
         self._admin = None if settings.admin_key is None else _digest(settings.admin_key.get_secret_value())
         self._admin_tenant = settings.admin_tenant
 
-    def authenticate(self, authorization: str | None) -> Principal:
-        """Resolve an ``Authorization`` header. Raises ``AuthenticationError`` (401)."""
+    def authenticate(self, authorization: str | None, api_key: str | None = None) -> Principal:
+        """Resolve an ``Authorization: Bearer`` header, or else an ``x-api-key`` header (Anthropic's).
+
+        Raises ``AuthenticationError`` (401).
+        """
         if self.local_mode:
             return Principal(LOCAL_TENANT, admin=True)
         scheme, _, token = (authorization or "").partition(" ")
         token = token.strip()
+        if not authorization and api_key:
+            scheme, token = "bearer", api_key.strip()
         if scheme.lower() != "bearer" or not token:
-            raise AuthenticationError("You didn't provide an API key. Send it as 'Authorization: Bearer KEY'.")
+            raise AuthenticationError("You didn't provide an API key. Send it as 'Authorization: Bearer KEY' "
+                                      "(or 'x-api-key: KEY').")
         given = _digest(token)
         tenant = None
         for digest, name in self._tenants:  # no early exit: timing must not depend on which key matched

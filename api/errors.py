@@ -26,6 +26,7 @@ from prefixcache.errors import (
     UnsupportedModelError,
 )
 
+from .anthropic.errors import anthropic_error, is_anthropic
 from .protocol import MESSAGE_ROLES, ErrorDetail, ErrorResponse
 
 log = logging.getLogger(__name__)
@@ -123,8 +124,12 @@ def map_exception(exc: BaseException) -> Mapped:
     return Mapped(500, ErrorDetail(message="internal server error", type="server_error", code="internal_error"))
 
 
-def error_response(mapped: Mapped, retry_after: int) -> JSONResponse:
+def error_response(mapped: Mapped, retry_after: int, path: str = "") -> JSONResponse:
+    """The error as OpenAI shapes it, or as Anthropic does on its routes (``path``)."""
     headers = {"Retry-After": str(retry_after)} if mapped.retry else None
+    if is_anthropic(path):
+        status, body = anthropic_error(mapped.status, mapped.detail.message)
+        return JSONResponse(body, status_code=status, headers=headers)
     return JSONResponse(ErrorResponse(error=mapped.detail).model_dump(), status_code=mapped.status, headers=headers)
 
 
@@ -196,7 +201,7 @@ def install(app: FastAPI, retry_after: int, on_error: Callable[[Request, int], N
 
     def respond(request: Request, mapped: Mapped) -> JSONResponse:
         on_error(request, mapped.status)
-        return error_response(mapped, retry_after)
+        return error_response(mapped, retry_after, request.url.path)
 
     async def validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         return respond(request, Mapped(400, validation_detail(exc)))

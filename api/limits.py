@@ -159,6 +159,24 @@ def _check_count(param: str, count: int, limit: int) -> None:
     if count > limit:
         raise LimitExceededError(f"{param} has {count} entries; at most {limit} are accepted", param=param,
                                  code="array_above_max_length")
+def check_anthropic(req: Any, settings: Settings) -> None:
+    """An Anthropic messages (or token counting) request: messages, text bytes, tools, stop sequences."""
+    if len(req.messages) > settings.max_messages:
+        raise LimitExceededError(f"messages has {len(req.messages)} messages; at most {settings.max_messages} are "
+                                 "accepted", param="messages", code="array_above_max_length")
+    dump = req.model_dump(exclude_none=True, include={"messages", "system"})
+    _check_bytes(_json_bytes(dump), settings, "messages")
+    tools = req.tools or []
+    if len(tools) > settings.max_tools:
+        raise LimitExceededError(f"tools has {len(tools)} definitions; at most {settings.max_tools} are accepted",
+                                 param="tools", code="array_above_max_length")
+    for i, tool in enumerate(tools):
+        _check_tool(i, tool.model_dump(exclude_none=True), tool.input_schema, "input_schema", settings)
+    for i, stop in enumerate(getattr(req, "stop_sequences", None) or []):
+        if len(stop) > settings.max_stop_chars:
+            raise LimitExceededError(f"stop_sequences[{i}] is {len(stop)} characters long; at most "
+                                     f"{settings.max_stop_chars} are accepted", param="stop_sequences",
+                                     code="string_above_max_length")
 
 
 def _check_messages(messages: list[Any], settings: Settings) -> None:
@@ -185,15 +203,19 @@ def _check_tools(tools: list[Tool] | None, settings: Settings) -> None:
         return
     _check_count("tools", len(tools), settings.max_tools)
     for i, tool in enumerate(tools):
-        size = _json_bytes(tool.model_dump(exclude_none=True))
-        if size > settings.max_tool_schema_bytes:
-            raise LimitExceededError(f"tools[{i}] is {size} bytes as JSON; at most {settings.max_tool_schema_bytes} "
-                                     "are accepted", param=f"tools[{i}]", code="string_above_max_length")
-        depth = _depth(tool.function.parameters)
-        if depth > settings.max_tool_schema_depth:
-            raise LimitExceededError(f"tools[{i}].function.parameters nests {depth} levels deep; at most "
-                                     f"{settings.max_tool_schema_depth} are accepted",
-                                     param=f"tools[{i}].function.parameters", code="json_too_deep")
+        _check_tool(i, tool.model_dump(exclude_none=True), tool.function.parameters, "function.parameters", settings)
+
+
+def _check_tool(i: int, definition: dict[str, Any], schema: Any, schema_param: str, settings: Settings) -> None:
+    size = _json_bytes(definition)
+    if size > settings.max_tool_schema_bytes:
+        raise LimitExceededError(f"tools[{i}] is {size} bytes as JSON; at most {settings.max_tool_schema_bytes} "
+                                 "are accepted", param=f"tools[{i}]", code="string_above_max_length")
+    depth = _depth(schema)
+    if depth > settings.max_tool_schema_depth:
+        raise LimitExceededError(f"tools[{i}].{schema_param} nests {depth} levels deep; at most "
+                                 f"{settings.max_tool_schema_depth} are accepted",
+                                 param=f"tools[{i}].{schema_param}", code="json_too_deep")
 
 
 def _check_sampling(req: GenerationFields, settings: Settings) -> None:

@@ -40,12 +40,17 @@ KV_BYTES = "prefixcache_kv_bytes"  # gauge{kind}: stored | private | serial | pr
 KV_TOTAL = "prefixcache_kv_total_bytes"  # gauge: the bound on all KV memory
 EVICTIONS = "prefixcache_evictions"  # counter{reason}
 RECLAIMED = "prefixcache_reclaimed_bytes"  # counter{reason}
+BREAKPOINTS = "prefixcache_breakpoints"  # counter{ttl, event}: read | write | short | dropped
+BREAKPOINT_TOKENS = "prefixcache_breakpoint_tokens"  # counter{ttl, kind}: read | write
+CACHE_KEY = "prefixcache_prompt_cache_key_requests"  # counter{tenant, outcome}: requests carrying prompt_cache_key
+RETENTION = "prefixcache_prompt_cache_retention_requests"  # counter{retention}: in_memory | 24h
 BATCHING = "prefixcache_batching_enabled"  # gauge: 1 when the batching engine serves, 0 when every call is serial
 EXTRA_WEIGHT_BYTES = "prefixcache_extra_weight_bytes"  # gauge: weights the batching fast path copies (not KV)
 QUEUE_DEPTH = "prefixcache_queue_depth"  # gauge: admitted, waiting for a worker
 RUNNING = "prefixcache_requests_running"  # gauge
 
-COUNTERS = (REQUESTS, EXECUTOR, ERRORS, PROMPT_TOKENS, CACHED_TOKENS, COMPLETION_TOKENS, EVICTIONS, RECLAIMED)
+COUNTERS = (REQUESTS, EXECUTOR, ERRORS, PROMPT_TOKENS, CACHED_TOKENS, COMPLETION_TOKENS, EVICTIONS, RECLAIMED,
+            BREAKPOINTS, BREAKPOINT_TOKENS, CACHE_KEY, RETENTION)
 HISTOGRAMS = (TTFT, TPOT, LOOKUP, QUEUE_WAIT, DURATION)
 GAUGES = (HIT_RATIO, CACHE_BYTES, BUDGET_BYTES, PINNED_BYTES, TENANT_BYTES, ENTRIES, KV_BYTES, KV_TOTAL, BATCHING, EXTRA_WEIGHT_BYTES, QUEUE_DEPTH,
           RUNNING)
@@ -86,6 +91,10 @@ class Metrics:
         self.lookup = Histogram(LOOKUP, "Prefix lookup and pin time.", buckets=_LOOKUP, registry=r)
         self.queue_wait = Histogram(QUEUE_WAIT, "Time a request waited for a worker.", buckets=_LONG, registry=r)
         self.duration = Histogram(DURATION, "Request time, queue included.", ["endpoint"], buckets=_LONG, registry=r)
+        self.cache_key = Counter(CACHE_KEY, "OpenAI requests carrying a prompt_cache_key, by cache outcome.",
+                                 ["tenant", "outcome"], registry=r)
+        self.retention = Counter(RETENTION, "OpenAI requests carrying a prompt_cache_retention, by value.",
+                                 ["retention"], registry=r)
         self._state = _EngineCollector()
         r.register(self._state)
 
@@ -105,6 +114,14 @@ class Metrics:
             self.ttft.observe(stats.ttft_seconds)
             if stats.completion_tokens > 1:
                 self.tpot.observe((stats.total_seconds - stats.ttft_seconds) / (stats.completion_tokens - 1))
+
+    def observe_cache_hints(self, tenant: str, cache_key: str | None, retention: str | None,
+                            stats: CallStats) -> None:
+        """Count a request's OpenAI cache parameters (the key itself is no label: unbounded values)."""
+        if cache_key is not None:
+            self.cache_key.labels(tenant, "bypass" if stats.bypass_reason else stats.outcome).inc()
+        if retention is not None:
+            self.retention.labels(retention).inc()
 
     def error(self, route: str, status: int) -> None:
         self.errors.labels(route, str(status)).inc()
@@ -154,6 +171,18 @@ class _EngineCollector:
             for reason, value in sorted(s[key].items()):
                 family.add_metric([reason], value)
             yield family
+        events = CounterMetricFamily(BREAKPOINTS, "Cache breakpoints (cache_control) by TTL: read (the whole prefix "
+                                     "came from the cache), write (kept now), short (below breakpoint_min_tokens), "
+                                     "dropped (not stored: memory pressure).", labels=["ttl", "event"])
+        tokens = CounterMetricFamily(BREAKPOINT_TOKENS, "Prompt tokens read from and written at cache breakpoints, "
+                                     "by TTL.", labels=["ttl", "kind"])
+        for ttl, counts in sorted(s["breakpoints"].items()):
+            for event, name in (("reads", "read"), ("writes", "write"), ("short", "short"), ("dropped", "dropped")):
+                events.add_metric([ttl, name], counts[event])
+            tokens.add_metric([ttl, "read"], counts["read_tokens"])
+            tokens.add_metric([ttl, "write"], counts["write_tokens"])
+        yield events
+        yield tokens
         yield GaugeMetricFamily(BATCHING, "1 when the batching engine serves the model, 0 when every request runs "
                                 "one at a time on the serial engine (the reason: /readyz, admin cache stats).",
                                 value=int(s["batching_enabled"]))

@@ -134,6 +134,13 @@ class GenerationFields(BaseModel):
     skip_special_tokens: bool | None = Field(None, description="SGLang extension: only true (special tokens "
                                              "are left out of the text).")
     return_hidden_states: bool | None = Field(None, description="SGLang extension: only false.")
+    prompt_cache_key: Text | None = Field(None, max_length=256, description="A hint grouping requests that share "
+                                          "prefixes, counted in metrics. Matching stays inside the API key's "
+                                          "tenant and finds every shared prefix there with or without it; the key "
+                                          "never reaches another tenant's entries.")
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(
+        None, description="How long this request's prefix is kept when idle: in_memory = the server's TTL, "
+        "24h = 24 hours (in the lowest persistent tier where tiers are configured).")
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> GenerationFields:
@@ -300,6 +307,8 @@ class CacheStats(BaseModel):
     tenant_bytes: dict[str, int] | None = None
     evictions: dict[str, int] | None = None
     reclaimed_bytes: dict[str, int] | None = None
+    #: Cache breakpoints (Anthropic's cache_control) by TTL: reads, writes, short, dropped, read/write tokens.
+    breakpoints: dict[str, dict[str, int]] | None = None
     queue: QueueInfo | None = None
     #: Admin, all tenants: bytes of weights the batching engine's fast path keeps an extra copy of (not KV).
     extra_weight_bytes: int | None = None

@@ -49,7 +49,7 @@ from .protocol import (
     ResponseMessage,
     UsageInfo,
 )
-from .sampling import chat_job, completion_job
+from .sampling import Job, chat_job, completion_job
 from .serving import GenerationStream, Serving
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,8 @@ class GuardedRoute(APIRoute):
         async def guarded(request: Request) -> Response:
             state = request.app.state
             if authenticated:
-                request.state.principal = state.keyring.authenticate(request.headers.get("authorization"))
+                request.state.principal = state.keyring.authenticate(request.headers.get("authorization"),
+                                                                     request.headers.get("x-api-key"))
             if has_body:
                 body, parsed = await read_body(request, state.settings)
                 check_counts(parsed, state.settings)
@@ -130,13 +131,13 @@ TenantQuery = Annotated[str | None, Query(description="Admin only: act on this t
                                           "name only their own.")]
 
 
-def _check_model(srv: Serving, model: str | None) -> None:
+def check_model(srv: Serving, model: str | None) -> None:
     if model is not None and model != srv.model_name:
         raise NotFoundError(f"The model `{model}` does not exist. This server serves `{srv.model_name}`.",
                             param="model", code="model_not_found")
 
 
-def _disconnected(request: Request) -> Callable[[], Awaitable[None]]:
+def disconnected(request: Request) -> Callable[[], Awaitable[None]]:
     async def wait() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             await asyncio.sleep(0.05)  # a stray body message; keep listening
@@ -177,47 +178,56 @@ async def list_models(who: Caller, srv: Engine) -> ModelList:
 
 @router.get("/v1/models/{model}", response_model=ModelCard, responses=_ERRORS, tags=["openai"])
 async def get_model(model: str, who: Caller, srv: Engine) -> ModelCard:
-    _check_model(srv, model)
+    check_model(srv, model)
     return ModelCard(id=srv.model_name, created=srv.created)
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletion, responses={**_ERRORS, **_SSE}, tags=["openai"])
 async def chat_completions(body: ChatCompletionRequest, request: Request, who: Caller, srv: Engine) -> Any:
-    _check_model(srv, body.model)
+    check_model(srv, body.model)
     check_chat(body, srv.settings)
     job = chat_job(body, who.tenant, srv.settings, srv.vocab_size)
 
-    def answer(result: GenerationResult, meta: _Meta) -> ChatCompletion:
+    def answer(result: GenerationResult, meta: Meta) -> ChatCompletion:
         return ChatCompletion(**meta.fields(), usage=_usage(result), choices=[ChatChoice(
             index=0, message=ResponseMessage(content=result.text), finish_reason=_finish(result))])
-    return await _respond(job, body, request, srv, "chatcmpl", answer,
-                          lambda stream, meta, usage_chunk: _chat_events(stream, meta, usage_chunk, srv))
+    usage_chunk = _usage_chunk(body)
+    return await respond(job, bool(body.stream), request, srv, "chatcmpl", answer,
+                         lambda stream, meta: _chat_events(stream, meta, usage_chunk, srv))
 
 
 @router.post("/v1/completions", response_model=Completion, responses={**_ERRORS, **_SSE}, tags=["openai"])
 async def completions(body: CompletionRequest, request: Request, who: Caller, srv: Engine) -> Any:
-    _check_model(srv, body.model)
+    check_model(srv, body.model)
     check_completion(body, srv.settings)
     job = completion_job(body, who.tenant, srv.settings, srv.vocab_size)
     echo = job.prompt if job.echo else None
 
-    def answer(result: GenerationResult, meta: _Meta) -> Completion:
+    def answer(result: GenerationResult, meta: Meta) -> Completion:
         text = (echo or "") + result.text
         return Completion(**meta.fields(), usage=_usage(result),
                           choices=[CompletionChoice(index=0, text=text, finish_reason=_finish(result))])
-    return await _respond(job, body, request, srv, "cmpl", answer,
-                          lambda stream, meta, usage_chunk: _completion_events(stream, meta, usage_chunk, echo, srv))
+    usage_chunk = _usage_chunk(body)
+    return await respond(job, bool(body.stream), request, srv, "cmpl", answer,
+                         lambda stream, meta: _completion_events(stream, meta, usage_chunk, echo, srv))
 
 
-async def _respond(job, body: GenerationFields, request: Request, srv: Serving, id_prefix: str,
-                   answer: Callable[[GenerationResult, _Meta], Any],
-                   events: Callable[[GenerationStream, _Meta, bool], AsyncIterator[str]]) -> Any:
-    """Run ``job``: an SSE stream of ``events`` when the body asks for one, else ``answer`` of its result."""
-    meta = _Meta.new(id_prefix, srv)
-    if body.stream:
-        stream = await srv.open_stream(job, _disconnected(request))
-        return _sse(events(stream, meta, bool(body.stream_options and body.stream_options.include_usage)))
-    return answer(await srv.run(job, _disconnected(request)), meta)
+def _usage_chunk(body: GenerationFields) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
+
+
+async def respond(job: Job, stream: bool, request: Request, srv: Serving, id_prefix: str,
+                  answer: Callable[[GenerationResult, Meta], Any],
+                  events: Callable[[GenerationStream, Meta], AsyncIterator[str]]) -> Any:
+    """Run ``job``: an SSE stream of ``events`` when asked for one, else ``answer`` of its result.
+
+    The one generation path of every API the proxy speaks (OpenAI's and Anthropic's).
+    """
+    meta = Meta.new(id_prefix, srv)
+    if stream:
+        handle = await srv.open_stream(job, disconnected(request))
+        return sse(events(handle, meta))
+    return answer(await srv.run(job, disconnected(request)), meta)
 
 
 # -- cache admin -------------------------------------------------------------------------
@@ -225,7 +235,7 @@ async def _respond(job, body: GenerationFields, request: Request, srv: Serving, 
 async def prewarm(body: PrewarmRequest, request: Request, who: Caller, srv: Engine,
                   tenant: TenantQuery = None) -> PrewarmResponse:
     """Prefill and keep a prefix for the caller's tenant (admin: any tenant via ?tenant=)."""
-    _check_model(srv, body.model)
+    check_model(srv, body.model)
     check_prewarm(body, srv.settings)
     target = who.target(tenant)
     prefix: Any = body.prompt if body.prompt is not None else [m.model_dump(exclude_none=True) for m in body.messages]
@@ -256,7 +266,7 @@ async def cache_stats(who: Caller, srv: Engine, tenant: TenantQuery = None,
                        **{k: s[k] for k in ("queries", "hits", "partial_hits", "misses", "bypassed", "prompt_tokens",
                                             "cached_tokens", "completion_tokens", "hit_rate", "token_hit_rate",
                                             "bytes", "budget_bytes", "entries", "pinned_bytes", "evictions",
-                                            "reclaimed_bytes")})
+                                            "reclaimed_bytes", "breakpoints")})
     if who.admin:  # other tenants' bytes and the shared queue are not a tenant's business
         running, waiting = srv.queue()
         stats = stats.model_copy(update={
@@ -285,14 +295,14 @@ async def metrics(request: Request) -> Response:
 
 # -- response shaping --------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
-class _Meta:
+class Meta:
     id: str
     created: int
     model: str
     fingerprint: str
 
     @classmethod
-    def new(cls, prefix: str, srv: Serving) -> _Meta:
+    def new(cls, prefix: str, srv: Serving) -> Meta:
         return cls(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), srv.model_name, srv.system_fingerprint)
 
     def fields(self) -> dict[str, Any]:
@@ -320,12 +330,12 @@ def _event(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
-def _sse(events: AsyncIterator[str]) -> StreamingResponse:
+def sse(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _chat_events(stream: GenerationStream, meta: _Meta, usage_chunk: bool, srv: Serving) -> AsyncIterator[str]:
+async def _chat_events(stream: GenerationStream, meta: Meta, usage_chunk: bool, srv: Serving) -> AsyncIterator[str]:
     """OpenAI's chunk sequence: role, content deltas, finish_reason, [usage], [DONE].
 
     Without ``include_usage`` the usage rides on the finish chunk, so every response
@@ -350,7 +360,7 @@ async def _chat_events(stream: GenerationStream, meta: _Meta, usage_chunk: bool,
         stream.close()
 
 
-async def _completion_events(stream: GenerationStream, meta: _Meta, usage_chunk: bool, echo: str | None,
+async def _completion_events(stream: GenerationStream, meta: Meta, usage_chunk: bool, echo: str | None,
                              srv: Serving) -> AsyncIterator[str]:
     def choice(text: str, finish: str | None = None) -> list[dict[str, Any]]:
         return [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from prefixcache.errors import ContextLengthExceededError, InvalidRequestError
+from prefixcache.serving.breakpoints import RETENTION_SECONDS
 from prefixcache.serving.sampling import GREEDY_BELOW
 
 from .protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
@@ -27,11 +28,15 @@ from .settings import Settings
 class Job:
     """One generation as the engine sees it. Built from a request; read by ``serving``."""
 
-    endpoint: Literal["chat", "completions"]
+    endpoint: Literal["chat", "completions", "messages"]
     tenant: str
     messages: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     prompt: str | None = None
+    #: ``messages``: the Anthropic-shaped prompt (``PrefixCache.encode_messages`` keyword arguments).
+    anthropic: dict[str, Any] | None = None
+    cache_key: str | None = None  # OpenAI's prompt_cache_key, counted in metrics
+    retention: str | None = None  # OpenAI's prompt_cache_retention, counted in metrics
     max_tokens: int | None = None  # None: the default, capped to what fits (see ``max_new_tokens``)
     echo: bool = False
     options: dict[str, Any] = field(default_factory=dict)  # PrefixCache.chat/complete keyword arguments
@@ -43,7 +48,7 @@ class Job:
         (the SDK would refuse it too, but only once the response is streaming).
         """
         room = max_context - prompt_tokens
-        param = "messages" if self.endpoint == "chat" else "prompt"
+        param = "prompt" if self.endpoint == "completions" else "messages"
         if self.max_tokens is not None and self.max_tokens > room:
             raise ContextLengthExceededError(
                 f"prompt ({prompt_tokens} tokens) + max_tokens ({self.max_tokens}) exceeds the model's context of "
@@ -70,8 +75,9 @@ def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_
         tools = [t.model_dump(exclude_none=True) for t in req.tools]
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return Job("chat", tenant, messages=messages, tools=tools, max_tokens=_limit(max_tokens, settings),
-               options=_options(req, settings, vocab_size))
+    return Job("chat", tenant, messages=messages, tools=tools, max_tokens=limit_max_tokens(max_tokens, settings),
+               options=_options(req, settings, vocab_size), cache_key=req.prompt_cache_key,
+               retention=req.prompt_cache_retention)
 
 
 def completion_job(req: CompletionRequest, tenant: str, settings: Settings, vocab_size: int) -> Job:
@@ -83,8 +89,10 @@ def completion_job(req: CompletionRequest, tenant: str, settings: Settings, voca
         raise InvalidRequestError("suffix (insertion) is not supported", param="suffix")
     if req.logprobs is not None:
         raise InvalidRequestError("logprobs are not supported by this server", param="logprobs")
-    return Job("completions", tenant, prompt=prompt, max_tokens=_limit(req.max_tokens, settings), echo=bool(req.echo),
-               options=_options(req, settings, vocab_size))
+    return Job("completions", tenant, prompt=prompt, max_tokens=limit_max_tokens(req.max_tokens, settings),
+               echo=bool(req.echo),
+               options=_options(req, settings, vocab_size), cache_key=req.prompt_cache_key,
+               retention=req.prompt_cache_retention)
 
 
 #: SGLang's extensions and the one value each may take here: what this server does anyway.
@@ -100,23 +108,30 @@ def _only_defaults(req: GenerationFields, **more: bool) -> None:
                                       f"{str(default).lower()})", param=name)
 
 
-def _limit(max_tokens: int | None, settings: Settings) -> int | None:
+def limit_max_tokens(max_tokens: int | None, settings: Settings) -> int | None:
     cap = settings.max_tokens_limit
     if max_tokens is not None and cap is not None and max_tokens > cap:
         raise InvalidRequestError(f"max_tokens is {max_tokens}; this server allows at most {cap}", param="max_tokens")
     return max_tokens
 
 
+def server_temperature(temperature: float | None, settings: Settings) -> float:
+    """The request's temperature, or the server default; below ``GREEDY_BELOW`` it is greedy (0)."""
+    temperature = settings.default_temperature if temperature is None else temperature
+    # logits / 1e-300 overflow to inf and sampling fails; the limit is argmax anyway
+    return 0.0 if temperature < GREEDY_BELOW else temperature
+
+
 def _options(req: GenerationFields, settings: Settings, vocab_size: int) -> dict[str, Any]:
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    temperature = settings.default_temperature if req.temperature is None else req.temperature
-    if temperature < GREEDY_BELOW:  # logits / 1e-300 overflow to inf and sampling fails; the limit is argmax anyway
-        temperature = 0.0
-    options: dict[str, Any] = {"temperature": temperature, "top_p": req.top_p, "top_k": req.top_k or None,
+    options: dict[str, Any] = {"temperature": server_temperature(req.temperature, settings), "top_p": req.top_p, "top_k": req.top_k or None,
                                "seed": req.seed, "stop": [s for s in stops if s] or None,
                                "ignore_eos": bool(req.ignore_eos)}
     options.update(presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                    logit_bias=_logit_bias(req.logit_bias, vocab_size) or None)
+    ttl = RETENTION_SECONDS.get(req.prompt_cache_retention or "in_memory")
+    if ttl is not None:
+        options["ttl_seconds"] = ttl
     return options
 
 

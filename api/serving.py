@@ -22,6 +22,7 @@ import xxhash
 from prefixcache import GenerationResult, PrefixCache, WarmResult
 from prefixcache.errors import ContextLengthExceededError, InvalidRequestError
 from prefixcache.planner.request_log import RequestLog
+from prefixcache import CacheUsage
 
 from .errors import ClientClosedError, QueueFullError, RequestTimeoutError, UnavailableError
 from .metrics import Metrics
@@ -233,22 +234,31 @@ class Serving:
     def _execute(self, job: Job, cancel: threading.Event, emit: Emit | None) -> GenerationResult:
         """Worker thread: encode, check the context, generate, record metrics."""
         cache = self.cache
+        prompt = None
         try:
-            ids = cache.encode_chat(job.messages, job.tools) if job.endpoint == "chat" else cache.encode_text(job.prompt)
+            if job.endpoint == "messages":
+                prompt = cache.encode_messages(**job.anthropic)
+                ids = list(prompt.token_ids)
+            else:
+                ids = cache.encode_chat(job.messages, job.tools) if job.endpoint == "chat" else cache.encode_text(job.prompt)
         except UnicodeError as exc:  # protocol validation should have caught it; never a 500
             raise InvalidRequestError(f"the text cannot be encoded: {exc}") from exc
         max_new = job.max_new_tokens(len(ids), cache.max_context, self.settings.default_max_tokens)
-        if emit is not None:
-            emit("started", len(ids))
+        if emit is not None:  # a messages stream reports its cache usage up front, as Anthropic's does
+            predicted = None if prompt is None else cache.breakpoints.predict(
+                cache.namespace(job.tenant), job.tenant, ids, prompt.breakpoints)
+            emit("started", (len(ids), predicted))
         # The timeout bounds this worker thread too: a generation still running then is cancelled.
         kwargs = dict(job.options, tenant=job.tenant, max_new_tokens=max_new, cancel=cancel,
                       timeout_seconds=self.settings.request_timeout_seconds,
                       on_text=None if emit is None else (lambda text: emit("text", text)))
-        result = cache.answer(ids, **kwargs)  # the ids encoded above: no second encoding
+        # The ids encoded above: no second encoding.
+        result = cache.answer(ids, **kwargs) if prompt is None else cache.answer_messages(prompt, **kwargs)
         self.metrics.observe(job.endpoint, job.tenant, result.stats)
         if self.request_log is not None:
             self.request_log.record(job.tenant, ids, result.token_ids, result.stats.cached_tokens,
                                     self._held_tokens(len(ids), result))
+        self.metrics.observe_cache_hints(job.tenant, job.cache_key, job.retention, result.stats)
         if result.finish_reason == "cancelled" and self.closing:  # cut short by shutdown: not an answer
             raise UnavailableError("the server is shutting down; the generation was cancelled", code="shutting_down")
         return result
@@ -264,19 +274,21 @@ class Serving:
 
 
 class GenerationStream:
-    """A streamed generation: ``prompt_tokens`` once started, then text deltas, then ``result``."""
+    """A streamed generation: ``prompt_tokens`` (and a messages request's ``predicted`` cache usage) once
+    started, then text deltas, then ``result``."""
 
     def __init__(self, events: asyncio.Queue[tuple[str, Any]], cancel: threading.Event, deadline: float,
                  on_close: Callable[[], None]):
         self._events, self._cancel, self._deadline, self._on_close = events, cancel, deadline, on_close
         self._closed = False
         self.prompt_tokens = 0
+        self.predicted: CacheUsage | None = None
         self.result: GenerationResult | None = None
 
     async def wait_started(self) -> None:
         kind, value = await self._next()
         if kind == "started":
-            self.prompt_tokens = value
+            self.prompt_tokens, self.predicted = value
         else:  # the job ended before it started: it failed
             _unwrap(value)
             raise UnavailableError("the generation ended before it started")

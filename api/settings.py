@@ -82,6 +82,9 @@ class Settings(BaseSettings):
         "and 256 MiB.")
     kv_wait_seconds: float = Field(_cache_default("kv_wait_seconds"), gt=0, description="Longest a request "
                                    "waits for KV memory before its 503 (insufficient_capacity).")
+    breakpoint_min_tokens: int = Field(_cache_default("breakpoint_min_tokens"), ge=1, description="Shortest "
+                                       "prefix, in tokens, a cache breakpoint (Anthropic's cache_control) keeps for "
+                                       "its TTL; a shorter one writes nothing and fails nothing.")
 
     # -- scheduling ----------------------------------------------------------------
     workers: int = Field(16, ge=1, le=64, description="Requests served at once, one thread each: their "
@@ -155,7 +158,8 @@ class Settings(BaseSettings):
         return CacheConfig(max_bytes=self.max_bytes, ttl_seconds=self.ttl_seconds,
                            tenant_quota_bytes=self.tenant_quota_bytes, block_size=self.block_size,
                            tenant_pin_quota_bytes=self.tenant_pin_quota_bytes, pin_ttl_seconds=self.pin_ttl_seconds,
-                           max_kv_bytes_total=self.max_kv_bytes_total, kv_wait_seconds=self.kv_wait_seconds)
+                           max_kv_bytes_total=self.max_kv_bytes_total, kv_wait_seconds=self.kv_wait_seconds,
+                           breakpoint_min_tokens=self.breakpoint_min_tokens)
 
 
 def _loopback(host: str) -> bool:

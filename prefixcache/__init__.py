@@ -17,10 +17,12 @@ from prefixcache.errors import (
 )
 from prefixcache.loading import load_default_model, load_model
 from prefixcache.sdk import GenerationResult, PrefixCache, Usage, WarmResult
+from prefixcache.serving.breakpoints import CacheUsage
+from prefixcache.serving.messages import MessagesPrompt
 
 __all__ = [
-    "CacheConfig", "CapacityError", "ConfigError", "ContextLengthExceededError", "GenerationResult",
-    "InvalidRequestError", "ModelLoadError", "PinQuotaExceededError", "PrefixCache", "PrefixCacheError", "Usage", "WarmResult",
+    "CacheConfig", "CacheUsage", "CapacityError", "ConfigError", "ContextLengthExceededError", "GenerationResult",
+    "InvalidRequestError", "MessagesPrompt", "ModelLoadError", "PinQuotaExceededError", "PrefixCache", "PrefixCacheError", "Usage", "WarmResult",
     "load_default_model", "load_model",
 ]
 __version__ = "0.1.0"

@@ -48,6 +48,10 @@ class CacheConfig:
     kv_wait_seconds: float = 5.0
     #: How often the background sweeper frees expired prefixes (seconds).
     sweep_interval_seconds: float = 30.0
+    #: Shortest prefix, in tokens, a cache breakpoint (``cache_control`` on a block) keeps for its
+    #: TTL; a breakpoint closing a shorter prefix writes nothing and fails nothing. Automatic
+    #: prefix reuse is not bounded by it.
+    breakpoint_min_tokens: int = 1024
     #: Cache the generated answer with the prompt, so the next chat turn hits.
     cache_generated: bool = True
     #: Before tokenizing message content: line breaks become ``\n``, runs of spaces and tabs one
@@ -76,6 +80,7 @@ class CacheConfig:
             check_int("max_kv_bytes_total", self.max_kv_bytes_total, 0, None)
         check_positive("kv_wait_seconds", self.kv_wait_seconds)
         check_positive("sweep_interval_seconds", self.sweep_interval_seconds)
+        check_int("breakpoint_min_tokens", self.breakpoint_min_tokens, 1, None)
         if self.unicode_normalization is not None and self.unicode_normalization not in UNICODE_FORMS:
             raise ConfigError("unicode_normalization", self.unicode_normalization, f"None or one of {UNICODE_FORMS}")
         if self.hash_seed is not None:

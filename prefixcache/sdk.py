@@ -1,6 +1,7 @@
 """The public SDK: ``PrefixCache`` wraps a model's ``generate()`` with prefix reuse."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -17,8 +18,10 @@ from prefixcache.cache.store import KVStore
 from prefixcache.config import CacheConfig
 from prefixcache.errors import CapacityError, ContextLengthExceededError, InvalidRequestError, PinQuotaExceededError
 from prefixcache.loading import model_fingerprint
+from prefixcache.serving.breakpoints import Breakpoints, CacheUsage
 from prefixcache.serving.canonicalize import Canonicalizer, check_text
 from prefixcache.serving.engine import BatchConfig, BatchEngine
+from prefixcache.serving.messages import MessagesPrompt, encode_messages
 from prefixcache.serving.request import CallStats
 from prefixcache.serving.router import Router
 from prefixcache.serving.sampling import as_id_set, openai_params, penalty_params
@@ -48,6 +51,8 @@ class GenerationResult:
     finish_reason: str  # "stop", "length" or "cancelled"
     usage: Usage
     stats: CallStats
+    #: ``messages()``: the input tokens as Anthropic counts them (read, written at breakpoints, the rest).
+    cache: CacheUsage | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +86,7 @@ class PrefixCache:
             unicode_normalization=self.config.unicode_normalization)
         self.store = KVStore(self.config, BlockHasher(self.config.hash_seed, hash_fn), clock, on_evict)
         self.engine = Engine(self.model, self.store, clock)
+        self.breakpoints = Breakpoints(self.store, self.config.breakpoint_min_tokens)
         # Every call the batching engine reproduces exactly runs there (continuous batching with
         # cascade attention over shared prefixes); the rest runs on the serial engine (``Router``).
         self.batcher: BatchEngine | None = None
@@ -213,6 +219,34 @@ class PrefixCache:
             raise InvalidRequestError("prompt must be a string", param="prompt")
         return self.answer(list(self._canon().encode_text(prompt).token_ids), **options)
 
+    def messages(self, messages: Sequence[dict[str, Any]], *, max_tokens: int, system: Any = None,
+                 tools: Sequence[dict[str, Any]] | None = None, tool_choice: dict[str, Any] | None = None,
+                 stop_sequences: Sequence[str] | None = None, **options: Any) -> GenerationResult:
+        """Answer an Anthropic-shaped request, honouring its ``cache_control`` breakpoints.
+
+        ``system`` is a string or text blocks; ``messages`` hold strings or text, ``tool_use`` and
+        ``tool_result`` blocks; ``tools`` are ``{name, description, input_schema}``. A block with
+        ``cache_control={"type": "ephemeral", "ttl": "5m" | "1h"}`` keeps the prefix up to it for
+        that TTL (rules: ``serving/breakpoints.py``). ``result.cache`` holds the usage as Anthropic
+        counts it. Other options as ``complete``.
+        """
+        prompt = self.encode_messages(messages, system=system, tools=tools, tool_choice=tool_choice)
+        return self.answer_messages(prompt, max_new_tokens=max_tokens, stop=stop_sequences, **options)
+
+    def encode_messages(self, messages: Sequence[dict[str, Any]], *, system: Any = None,
+                        tools: Sequence[dict[str, Any]] | None = None,
+                        tool_choice: dict[str, Any] | None = None) -> MessagesPrompt:
+        """An Anthropic-shaped request's canonical ids and breakpoints (see ``messages``)."""
+        return encode_messages(self._canon(), messages, system, tools, tool_choice)
+
+    def answer_messages(self, prompt: MessagesPrompt, *, tenant: str | None = None, **options: Any) -> GenerationResult:
+        """Answer an encoded messages request, then keep its breakpoints' prefixes (options as ``answer``)."""
+        tenant = self._tenant(tenant)
+        result = self.answer(list(prompt.token_ids), tenant=tenant, **options)
+        usage = self.breakpoints.settle(self.namespace(tenant), tenant, prompt.token_ids, prompt.breakpoints,
+                                        result.usage.cached_tokens)
+        return dataclasses.replace(result, cache=usage)
+
     def encode_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
         return list(self._canon().encode_chat(list(messages), tools=tools).token_ids)
 
@@ -333,6 +367,7 @@ class PrefixCache:
             "token_hit_rate": c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
         }
         out.update(mem)
+        out["breakpoints"] = self.breakpoints.stats(tenant)
         if tenant is None:  # not a tenant's: all KV memory, the batching engine's state, the fast path's weights
             out["kv_bytes"] = self.store.ledger.held()  # stored, and reserved per kind of request buffer
             out["kv_total_bytes"] = self.store.ledger.total

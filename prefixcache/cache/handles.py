@@ -1,6 +1,7 @@
 """What the store hands out: leases on matched prefixes, insert results, evicted snapshots."""
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,9 @@ class EvictedSnapshot:
 
     ``kv`` (``[L, 2, H, n, D]``) covers ``tokens[start:]``; ``tokens`` is the whole
     prefix from the namespace root, since a block's KV is only valid after it.
+    ``expires_at`` is the block's deadline on the store's clock (``math.inf``: none): an
+    entry asked to live long (a 1-hour breakpoint, a 24-hour retention) outlives the
+    memory tier, so a tier behind this hook keeps it in its lowest persistent level.
     """
 
     namespace: tuple[str, ...]
@@ -24,6 +28,7 @@ class EvictedSnapshot:
     start: int
     kv: torch.Tensor  # a ``SizedKV`` when the store holds byte sizes (``cache.sized``)
     reason: str
+    expires_at: float = math.inf
 
 
 #: Called once per snapshot just before it is dropped: the one place a tier can take it over.
@@ -59,4 +64,4 @@ def evicted_snapshot(node: Node, reason: str, kv: Any) -> EvictedSnapshot:
         cur = cur.parent
     tokens = tuple(t for block in reversed(chain) for t in block)
     namespace = cur.namespace if cur is not None else ()
-    return EvictedSnapshot(namespace, node.tenant, tokens, node.start, kv, reason)
+    return EvictedSnapshot(namespace, node.tenant, tokens, node.start, kv, reason, node.expires_at)

@@ -75,6 +75,31 @@ class KVStore:
             self._touch([s.node for s in steps], now, ttl_seconds)
             return Lease(root, steps, sum(s.used for s in steps))
 
+    def peek(self, namespace: tuple[str, ...], tenant: str, tokens: Sequence[int], limit: int) -> int:
+        """Tokens of ``tokens[:limit]`` a lookup would match now; pins, touches and frees nothing."""
+        with self._lock:
+            now = self._clock()
+            root = self.trie.root(namespace, tenant, create=False)
+            if root is None or limit <= 0:
+                return 0
+            return sum(s.used for s in self.trie.match(root, tokens, limit, lambda n: _usable(n, now)))
+
+    def retain(self, namespace: tuple[str, ...], tenant: str, tokens: Sequence[int], ttl_seconds: float | None) -> int:
+        """Keep the stored path of ``tokens`` for at least ``ttl_seconds`` more (a later deadline stays).
+
+        Returns the tokens of ``tokens`` the path covers (fewer when part of it is not stored).
+        The blocks are touched root-first, as a lookup touches them, so a parent never expires
+        before its child.
+        """
+        with self._lock:
+            now = self._clock()
+            root = self.trie.root(namespace, tenant, create=False)
+            if root is None or not tokens:
+                return 0
+            steps = self.trie.match(root, tokens, len(tokens), lambda n: _usable(n, now))
+            self._touch([s.node for s in steps], now, ttl_seconds)
+            return sum(s.used for s in steps)
+
     def release(self, lease: Lease) -> None:
         """Drop a lease's refcounts; nodes flushed or expired meanwhile are freed now."""
         with self._lock:

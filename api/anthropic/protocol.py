@@ -1,0 +1,163 @@
+"""Request and response schemas of Anthropic's Messages API, as the official SDK sends and reads them.
+
+Requests refuse unknown top-level fields (Anthropic answers them with a 400). Content
+blocks are a union tagged by ``type``: text, tool_use and tool_result are served; image
+and document blocks parse, so the refusal names them (``serving/messages.py``).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..protocol import JSONObject, Text
+
+_REQUEST = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class CacheControl(BaseModel):
+    model_config = _REQUEST
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = Field(None, description="How long the prefix up to this block is kept, "
+                                            "refreshed on use. Unset: 5m.")
+
+
+class _Block(BaseModel):
+    model_config = _REQUEST
+    cache_control: CacheControl | None = Field(None, description="A cache breakpoint: keep the prefix up to "
+                                               "and including this block.")
+
+
+class TextBlock(_Block):
+    type: Literal["text"]
+    text: Text
+    citations: list[JSONObject] | None = Field(None, description="Accepted and ignored (echoed responses).")
+
+
+class ToolUseBlock(_Block):
+    type: Literal["tool_use"]
+    id: Text = Field(min_length=1)
+    name: Text = Field(min_length=1)
+    input: JSONObject
+
+
+class ToolResultBlock(_Block):
+    type: Literal["tool_result"]
+    tool_use_id: Text = Field(min_length=1)
+    content: Text | list[TextBlock] | None = None
+    is_error: bool | None = None
+
+
+class UnsupportedBlock(_Block):
+    """Parsed so the answer can say what is not supported (a text-only model has no use for them)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["image", "document", "search_result", "thinking", "redacted_thinking", "server_tool_use",
+                  "web_search_tool_result", "container_upload"]
+
+
+ContentBlock = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | UnsupportedBlock, Field(discriminator="type")]
+
+
+class InputMessage(BaseModel):
+    model_config = _REQUEST
+    role: Literal["user", "assistant"]
+    content: Text | list[ContentBlock]
+
+
+class ToolDefinition(BaseModel):
+    model_config = _REQUEST
+    name: Text = Field(min_length=1, max_length=128, pattern=r"^[a-zA-Z0-9_-]{1,128}$")
+    description: Text | None = None
+    input_schema: JSONObject
+    type: Literal["custom"] | None = None
+    cache_control: CacheControl | None = None
+
+
+class ToolChoice(BaseModel):
+    model_config = _REQUEST
+    type: Literal["auto", "any", "tool", "none"]
+    name: Text | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Metadata(BaseModel):
+    model_config = _REQUEST
+    user_id: Text | None = Field(None, max_length=256, description="The caller's end-user id, for its records. "
+                                 "Never selects a tenant or cache namespace: that comes from the API key.")
+
+
+class _Prompt(BaseModel):
+    """What Messages and token counting share: the model and the prompt."""
+
+    model_config = _REQUEST
+    model: Text = Field(description="The served model name (see /v1/models).")
+    messages: list[InputMessage] = Field(min_length=1)
+    system: Text | list[TextBlock] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+
+    def prompt(self) -> dict[str, Any]:
+        """Keyword arguments of ``PrefixCache.encode_messages``: plain dicts, cache_control kept."""
+        dump = self.model_dump(exclude_none=True, include={"messages", "system", "tools", "tool_choice"})
+        return {"messages": dump["messages"], "system": dump.get("system"), "tools": dump.get("tools"),
+                "tool_choice": dump.get("tool_choice")}
+
+
+class MessagesRequest(_Prompt):
+    max_tokens: int = Field(ge=1, description="Most tokens to generate.")
+    stop_sequences: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(max_length=8)] | None = Field(
+        None, description="Up to 8 strings; generation stops before the first one (stop_reason stop_sequence).")
+    temperature: float | None = Field(None, ge=0, le=1, description="0 = greedy. Unset: the server default.")
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    stream: bool | None = False
+    metadata: Metadata | None = None
+
+
+class CountTokensRequest(_Prompt):
+    pass
+
+
+# -- responses ---------------------------------------------------------------------
+class CacheCreation(BaseModel):
+    ephemeral_5m_input_tokens: int
+    ephemeral_1h_input_tokens: int
+
+
+class Usage(BaseModel):
+    input_tokens: int = Field(description="Prompt tokens neither read from the cache nor written at a breakpoint.")
+    output_tokens: int
+    cache_creation_input_tokens: int = Field(description="Tokens written at this request's breakpoints.")
+    cache_read_input_tokens: int = Field(description="Prompt tokens read from the cache.")
+    cache_creation: CacheCreation
+
+
+class ResponseText(BaseModel):
+    type: Literal["text"] = "text"
+    text: str
+
+
+class Message(BaseModel):
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    content: list[ResponseText]
+    model: str
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence"] | None
+    stop_sequence: str | None
+    usage: Usage
+
+
+class TokenCount(BaseModel):
+    input_tokens: int
+
+
+class ErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class ErrorResponse(BaseModel):
+    type: Literal["error"] = "error"
+    error: ErrorDetail

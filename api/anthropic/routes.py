@@ -1,0 +1,126 @@
+"""Anthropic's Messages API: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
+
+Same tenancy (``x-api-key`` or Bearer, authenticated before the body is read), limits,
+queue and generation path as the OpenAI routes (``routes.respond``); only the shapes
+differ. ``cache_control`` breakpoints are the library's (``PrefixCache.encode_messages``,
+``serving/breakpoints.py``); errors take Anthropic's shape (``anthropic/errors.py``).
+A stream sends ``message_start`` (with the usage known before generation),
+``content_block_start``, ``ping``, text deltas, ``content_block_stop``, ``message_delta``
+(stop reason, output tokens and the final input figures), ``message_stop``, or an
+``error`` event if the generation fails once the stream has begun.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from prefixcache import CacheUsage, GenerationResult
+
+from ..errors import map_exception
+from ..limits import check_anthropic
+from ..routes import Caller, Engine, GuardedRoute, Meta, check_model, respond
+from ..sampling import Job, limit_max_tokens, server_temperature
+from ..serving import GenerationStream, Serving
+from ..settings import Settings
+from .errors import anthropic_error
+from .protocol import CacheCreation, CountTokensRequest, ErrorResponse, Message, MessagesRequest, ResponseText, \
+    TokenCount, Usage
+
+log = logging.getLogger(__name__)
+router = APIRouter(route_class=GuardedRoute, tags=["anthropic"])
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": text} for status, text in (
+        (400, "invalid_request_error"), (401, "authentication_error"), (403, "permission_error"),
+        (404, "not_found_error: unknown model"), (413, "request_too_large"), (429, "rate_limit_error: queue full"),
+        (500, "api_error"), (504, "timeout_error"), (529, "overloaded_error: not ready or shutting down"))}
+_SSE = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or server-sent events if stream is true"}}
+
+
+@router.post("/v1/messages", response_model=Message, responses={**_ERRORS, **_SSE})
+async def messages(body: MessagesRequest, request: Request, who: Caller, srv: Engine) -> Any:
+    """Anthropic's Messages API; ``cache_control`` breakpoints keep their prefixes for their TTL."""
+    check_model(srv, body.model)
+    check_anthropic(body, srv.settings)
+    job = messages_job(body, who.tenant, srv.settings)
+    stops = body.stop_sequences or []
+
+    def answer(result: GenerationResult, meta: Meta) -> Message:
+        reason, sequence = stop_reason(result, stops, srv)
+        return Message(id=meta.id, content=[ResponseText(text=result.text)], model=meta.model, stop_reason=reason,
+                       stop_sequence=sequence, usage=usage(result.cache, result.usage.completion_tokens))
+    return await respond(job, bool(body.stream), request, srv, "msg", answer,
+                         lambda stream, meta: _events(stream, meta, stops, srv))
+
+
+@router.post("/v1/messages/count_tokens", response_model=TokenCount, responses=_ERRORS)
+async def count_tokens(body: CountTokensRequest, who: Caller, srv: Engine) -> TokenCount:
+    """The prompt's input tokens, as ``/v1/messages`` would encode it (nothing is generated or cached)."""
+    check_model(srv, body.model)
+    check_anthropic(body, srv.settings)
+    prompt = await asyncio.to_thread(lambda: srv.cache.encode_messages(**body.prompt()))
+    return TokenCount(input_tokens=len(prompt.token_ids))
+
+
+def messages_job(req: MessagesRequest, tenant: str, settings: Settings) -> Job:
+    options = {"temperature": server_temperature(req.temperature, settings), "top_p": req.top_p,
+               "top_k": req.top_k or None, "stop": req.stop_sequences or None}
+    return Job("messages", tenant, anthropic=req.prompt(), max_tokens=limit_max_tokens(req.max_tokens, settings),
+               options=options)
+
+
+def usage(cache: CacheUsage | None, output_tokens: int) -> Usage:
+    cache = cache or CacheUsage(0, 0, 0, 0, 0)
+    return Usage(input_tokens=cache.input_tokens, output_tokens=output_tokens,
+                 cache_creation_input_tokens=cache.cache_creation_input_tokens,
+                 cache_read_input_tokens=cache.cache_read_input_tokens,
+                 cache_creation=CacheCreation(ephemeral_5m_input_tokens=cache.ephemeral_5m_input_tokens,
+                                              ephemeral_1h_input_tokens=cache.ephemeral_1h_input_tokens))
+
+
+def stop_reason(result: GenerationResult, stops: list[str], srv: Serving) -> tuple[str, str | None]:
+    """Anthropic's ``stop_reason`` and ``stop_sequence``: which stop string cut the text, if one did."""
+    if result.finish_reason == "length":
+        return "max_tokens", None
+    if stops and result.finish_reason == "stop":
+        whole = srv.cache.tokenizer.decode(list(result.token_ids), skip_special_tokens=True)
+        for stop in stops:
+            if whole.startswith(stop, len(result.text)):
+                return "stop_sequence", stop
+    return "end_turn", None
+
+
+def _event(kind: str, body: dict[str, Any]) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **body}, ensure_ascii=False)}\n\n"
+
+
+async def _events(stream: GenerationStream, meta: Meta, stops: list[str], srv: Serving) -> AsyncIterator[str]:
+    """Anthropic's event sequence; a failure after the headers becomes an ``error`` event."""
+    try:
+        start = usage(stream.predicted, 0).model_dump()
+        yield _event("message_start", {"message": {
+            "id": meta.id, "type": "message", "role": "assistant", "content": [], "model": meta.model,
+            "stop_reason": None, "stop_sequence": None, "usage": start}})
+        yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+        yield _event("ping", {})
+        async for text in stream.texts():
+            if text:
+                yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
+        result = stream.result
+        reason, sequence = stop_reason(result, stops, srv)
+        final = usage(result.cache, result.usage.completion_tokens).model_dump(exclude={"cache_creation"})
+        yield _event("content_block_stop", {"index": 0})
+        yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": final})
+        yield _event("message_stop", {})
+    except Exception as exc:  # after the headers: the error becomes the stream's last event
+        mapped = map_exception(exc)
+        if mapped.status >= 500 and mapped.detail.code == "internal_error":
+            log.error("error while streaming", exc_info=exc)
+        srv.metrics.error("/v1/messages", mapped.status)
+        yield _event("error", {"error": anthropic_error(mapped.status, mapped.detail.message)[1]["error"]})
+    finally:
+        stream.close()

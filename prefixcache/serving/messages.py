@@ -1,0 +1,226 @@
+"""Anthropic-shaped requests as canonical chat, with the positions of their cache breakpoints.
+
+Input: ``system`` (a string or text blocks), ``messages`` (role ``user`` / ``assistant``,
+content a string or blocks: ``text``, ``tool_use``, ``tool_result``) and ``tools``
+(``name``, ``description``, ``input_schema``). They become the OpenAI-shaped chat the
+canonicalizer encodes: system blocks one system message (joined with "\\n", as text parts
+are), ``tool_use`` blocks an assistant's ``tool_calls``, ``tool_result`` blocks ``tool``
+messages, tools function definitions. Other blocks (images, documents, …) are refused.
+
+A breakpoint's position is the number of leading tokens the prompt shares with the same
+request cut right after the marked block (encoded without a generation prompt): exactly
+the tokens every request that agrees up to that block starts with, whatever the chat
+template does with the text after it.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prefixcache.errors import InvalidRequestError
+from prefixcache.serving.breakpoints import DEFAULT_TTL, Breakpoint, check_breakpoints
+from prefixcache.serving.canonicalize import Canonicalizer
+
+ROLES = ("user", "assistant")
+#: Where the cut of a breakpoint falls: ("tools", i), ("system", j) or ("messages", m, k).
+Cut = tuple
+
+
+@dataclass(frozen=True, slots=True)
+class MessagesPrompt:
+    """The canonical ids of a messages request and its breakpoints (positions set), in prefix order."""
+
+    token_ids: tuple[int, ...]
+    breakpoints: tuple[Breakpoint, ...]
+
+
+def encode_messages(canon: Canonicalizer, messages: Sequence[dict[str, Any]], system: Any = None,
+                    tools: Sequence[dict[str, Any]] | None = None, tool_choice: dict[str, Any] | None = None
+                    ) -> MessagesPrompt:
+    """Encode a messages request and locate its breakpoints. Raises ``InvalidRequestError`` (with ``param``)."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list of messages", param="messages")
+    tools = list(tools or [])
+    hide_tools = _tool_choice(tool_choice, tools)
+    marks = _marks(messages, system, tools)
+    check_breakpoints([bp for bp, _ in marks])
+    chat, chat_tools = to_chat(messages, system, tools)
+    chat_tools = None if hide_tools else chat_tools
+    full = canon.encode_chat(chat, chat_tools).token_ids
+    located, floor = [], 0
+    for bp, cut in marks:
+        floor = max(floor, _position(canon, full, messages, system, tools, cut, hide_tools))
+        located.append(Breakpoint(bp.where, bp.ttl, floor))
+    return MessagesPrompt(full, tuple(located))
+
+
+def to_chat(messages: Sequence[Any], system: Any, tools: Sequence[Any]) -> tuple[list[dict], list[dict] | None]:
+    """OpenAI-shaped chat messages and tool definitions of an Anthropic-shaped request."""
+    chat: list[dict] = []
+    if system is not None and system != []:
+        chat.append({"role": "system", "content": _texts(system, "system")})
+    for i, message in enumerate(messages):
+        chat += _message(message, f"messages[{i}]")
+    defs = [_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
+    return chat, defs or None
+
+
+def _tool_choice(choice: dict[str, Any] | None, tools: list) -> bool:
+    """Whether the tools are hidden from the model (``none``); forcing a tool call is refused."""
+    if choice is None:
+        return False
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind == "none":
+        return True
+    if kind == "auto":
+        return False
+    if kind in ("any", "tool"):
+        raise InvalidRequestError(f"tool_choice type '{kind}' is not supported: this server cannot force a tool "
+                                  "call (use 'auto' or 'none')", param="tool_choice.type")
+    raise InvalidRequestError("tool_choice.type must be one of auto, any, tool, none", param="tool_choice.type")
+
+
+def _marks(messages: Sequence[Any], system: Any, tools: Sequence[Any]) -> list[tuple[Breakpoint, Cut]]:
+    """Every block with ``cache_control``, in prefix order (tools, system, messages)."""
+    found: list[tuple[Breakpoint, Cut]] = []
+
+    def visit(block: Any, where: str, cut: Cut) -> None:
+        control = block.get("cache_control") if isinstance(block, dict) else None
+        if control is None:
+            return
+        if not isinstance(control, dict) or control.get("type") != "ephemeral":
+            raise InvalidRequestError(f"{where}.cache_control.type must be 'ephemeral'",
+                                      param=f"{where}.cache_control.type")
+        ttl = control.get("ttl") or DEFAULT_TTL
+        found.append((Breakpoint(where, ttl if isinstance(ttl, str) else repr(ttl)), cut))
+
+    for i, tool in enumerate(tools):
+        visit(tool, f"tools[{i}]", ("tools", i))
+    if isinstance(system, list):
+        for j, block in enumerate(system):
+            visit(block, f"system[{j}]", ("system", j))
+    for m, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            for k, block in enumerate(content):
+                visit(block, f"messages[{m}].content[{k}]", ("messages", m, k))
+    return found
+
+
+def _position(canon: Canonicalizer, full: Sequence[int], messages: Sequence[Any], system: Any,
+              tools: list, cut: Cut, hide_tools: bool) -> int:
+    """Tokens ``full`` shares with the request cut right after the block at ``cut``."""
+    kind = cut[0]
+    if kind == "tools":
+        # Nothing after the tools: probe with two different lone user turns and keep what both share.
+        probes = [(tools[: cut[1] + 1], None, [{"role": "user", "content": text}]) for text in ("", ".")]
+    elif kind == "system":
+        probes = [(tools, system[: cut[1] + 1], [])]
+    else:
+        m, k = cut[1], cut[2]
+        last = dict(messages[m], content=messages[m]["content"][: k + 1])
+        probes = [(tools, system, [*messages[:m], last])]
+    shared = len(full)
+    for probe_tools, probe_system, probe_messages in probes:
+        chat, defs = to_chat(probe_messages, probe_system, probe_tools)
+        ids = canon.encode_chat(chat, None if hide_tools else defs, add_generation_prompt=False).token_ids
+        shared = min(shared, _common(full, ids))
+    return shared
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _texts(value: Any, where: str) -> str:
+    """A string, or text blocks joined with "\\n"."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise InvalidRequestError(f"{where} must be a string or a list of text blocks", param=where)
+    parts = []
+    for j, block in enumerate(value):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind != "text" or not isinstance(block.get("text"), str):
+            raise InvalidRequestError(f"{where}[{j}] must be a text block ({{'type': 'text', 'text': ...}}); got "
+                                      f"type {kind!r}", param=f"{where}[{j}]")
+        parts.append(block["text"])
+    return "\n".join(parts)
+
+
+def _message(message: Any, where: str) -> list[dict]:
+    """One Anthropic message as chat messages (a user turn with tool results becomes tool messages first)."""
+    if not isinstance(message, dict) or message.get("role") not in ROLES:
+        raise InvalidRequestError(f"{where}.role must be 'user' or 'assistant'", param=f"{where}.role")
+    role, content = message["role"], message.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise InvalidRequestError(f"{where}.content must be a string or a list of content blocks",
+                                  param=f"{where}.content")
+    out: list[dict] = []
+    texts: list[str] = []
+    calls: list[dict] = []
+    for k, block in enumerate(content):
+        at = f"{where}.content[{k}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "tool_use" and role == "assistant":
+            calls.append(_tool_call(block, at))
+        elif kind == "tool_result" and role == "user":
+            if texts:  # a text before a tool result: keep the order
+                out.append({"role": "user", "content": "\n".join(texts)})
+                texts = []
+            out.append({"role": "tool", "tool_call_id": _string(block, "tool_use_id", at),
+                        "content": _result_text(block.get("content"), f"{at}.content")})
+        else:
+            raise InvalidRequestError(f"{at} has type {kind!r}: a {role} message takes text"
+                                      f"{' and tool_use' if role == 'assistant' else ' and tool_result'} blocks "
+                                      "(images, documents and other blocks are not supported)", param=f"{at}.type")
+    if texts or calls or not out:
+        turn: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
+        if calls:
+            turn["tool_calls"] = calls
+        out.append(turn)
+    return out
+
+
+def _tool_call(block: dict, at: str) -> dict:
+    arguments = block.get("input")
+    if not isinstance(arguments, dict):
+        raise InvalidRequestError(f"{at}.input must be an object", param=f"{at}.input")
+    return {"id": _string(block, "id", at), "type": "function",
+            "function": {"name": _string(block, "name", at), "arguments": json.dumps(arguments, sort_keys=True)}}
+
+
+def _result_text(content: Any, at: str) -> str:
+    if content is None:
+        return ""
+    return _texts(content, at)
+
+
+def _tool(tool: Any, at: str) -> dict:
+    if not isinstance(tool, dict):
+        raise InvalidRequestError(f"{at} must be a tool definition object", param=at)
+    schema = tool.get("input_schema")
+    if not isinstance(schema, dict):
+        raise InvalidRequestError(f"{at}.input_schema must be a JSON schema object", param=f"{at}.input_schema")
+    function: dict[str, Any] = {"name": _string(tool, "name", at), "parameters": schema}
+    if tool.get("description") is not None:
+        function["description"] = _string(tool, "description", at)
+    return {"type": "function", "function": function}
+
+
+def _string(block: dict, key: str, at: str) -> str:
+    value = block.get(key)
+    if not isinstance(value, str) or not value and key != "description":
+        raise InvalidRequestError(f"{at}.{key} must be a non-empty string", param=f"{at}.{key}")
+    return value
