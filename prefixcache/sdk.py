@@ -14,6 +14,7 @@ from transformers import GenerationConfig
 from prefixcache.cache.hashing import BlockHasher, HashFn, xxh3_64
 from prefixcache.cache.handles import EvictHook
 from prefixcache.cache.store import KVStore
+from prefixcache.cache.tiers import KVShape, TierChain, build_chain
 from prefixcache.config import CacheConfig
 from prefixcache.errors import CapacityError, ContextLengthExceededError, InvalidRequestError
 from prefixcache.loading import model_fingerprint
@@ -26,6 +27,8 @@ from prefixcache.serving.serial import Engine
 from prefixcache.serving.text_stream import TextStream, first_stop
 
 DEFAULT_TENANT = "default"
+#: Most seconds ``close`` spends writing the device's blocks to the lower tiers.
+DRAIN_SECONDS = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,13 +68,15 @@ class PrefixCache:
     ``chat()`` / ``complete()`` take OpenAI-shaped input and return a ``GenerationResult``.
     All methods are thread-safe. Time comes from ``clock`` (monotonic seconds) so tests
     can drive TTLs without sleeping. ``on_evict`` receives every snapshot about to be
-    dropped (an ``EvictedSnapshot``), the hook for host, disk or Redis tiers.
+    dropped (an ``EvictedSnapshot``). The lower tiers ``config`` names (host memory, disk,
+    Redis) sit below the store; their TTLs are absolute ``wall_clock`` times, so they
+    survive a restart.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, config: CacheConfig | None = None, *,
                  clock: Callable[[], float] = time.monotonic, hash_fn: HashFn = xxh3_64,
                  start_sweeper: bool = True, on_evict: EvictHook | None = None,
-                 batching: BatchConfig | bool = True):
+                 batching: BatchConfig | bool = True, wall_clock: Callable[[], float] = time.time):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config if config is not None else CacheConfig()
@@ -88,6 +93,13 @@ class PrefixCache:
             batch_config = batching if isinstance(batching, BatchConfig) else BatchConfig()
             self.batcher = BatchEngine(self.model, self.store, clock, batch_config, self.config.cache_generated)
         self.router = Router(self.engine, self.batcher, self.config.cache_generated)
+        self.tiers: TierChain | None = None
+        layout = self.engine.layout
+        if layout is not None:
+            self.tiers = build_chain(self.config, KVShape(layout.num_layers, layout.num_kv_heads, layout.head_dim,
+                                                          self.config.block_size, layout.dtype, layout.device),
+                                     wall_clock)
+            self.store.attach(self.tiers)
         self._model_key = tuple(model_fingerprint(model))
         self._local = threading.local()
         self._closed = threading.Event()
@@ -319,6 +331,8 @@ class PrefixCache:
             "token_hit_rate": c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
         }
         out.update(mem)
+        if tenant is None and self.tiers is not None:  # server-wide figures, not a tenant's
+            out["tiers"] = self.tiers.stats()
         if tenant is None:  # not a tenant's: the batching engine's state and the weights its fast path copies
             out["extra_weight_bytes"] = self.batcher.extra_weight_bytes if self.batcher is not None else 0
             out["batching_enabled"] = self.batching_disabled_reason is None
@@ -337,11 +351,18 @@ class PrefixCache:
         self.store.check_integrity()
 
     def close(self) -> None:
+        """Stop the engines and the sweeper; with lower tiers and write-back, keep the device's blocks there."""
+        already = self._closed.is_set()
         self._closed.set()
         if self.batcher is not None:
             self.batcher.close()
         if self._sweeper is not None:
             self._sweeper.join(timeout=5)
+        if self.tiers is not None and not already:
+            if not self.tiers.write_through:
+                self.tiers.drain(self.store.snapshots(), DRAIN_SECONDS)
+            self.tiers.flush_writes(DRAIN_SECONDS)
+            self.tiers.close()
 
     def __enter__(self) -> PrefixCache:
         return self
@@ -353,6 +374,8 @@ class PrefixCache:
     def _sweep_loop(self) -> None:
         while not self._closed.wait(self.config.sweep_interval_seconds):
             self.store.sweep()
+            if self.tiers is not None:
+                self.tiers.sweep()
 
     def _canon(self) -> Canonicalizer:
         if self.canonicalizer is None:

@@ -1,8 +1,10 @@
 """What the store hands out: leases on matched prefixes, insert results, evicted snapshots."""
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -22,11 +24,29 @@ class EvictedSnapshot:
     tokens: tuple[int, ...]
     start: int
     kv: torch.Tensor
-    reason: str
+    reason: str  # an eviction reason, or "stored" (written through) / "shutdown" (kept at close)
+    expires_in: float | None = None  # seconds of TTL left (None: no TTL)
+    pinned: bool = False
 
 
 #: Called once per snapshot just before it is dropped: the one place a tier can take it over.
 EvictHook = Callable[[EvictedSnapshot], None]
+
+
+class LowerTiers(Protocol):
+    """The tier chain below the store, as the store sees it (``prefixcache.cache.tiers.TierChain``)."""
+
+    write_through: bool
+
+    def offload(self, snap: EvictedSnapshot) -> None:
+        """A block leaving the device (called under the store's lock: must not block)."""
+
+    def stored(self, snaps: Sequence[EvictedSnapshot]) -> None:
+        """Blocks just stored (write-through) or pinned (called under the store's lock: must not block)."""
+
+    def restore(self, namespace: tuple[str, ...], tokens: Sequence[int], first: int,
+                limit: int) -> tuple[int, torch.Tensor] | None:
+        """``(end, kv)``: the KV of ``tokens[first:end]`` from the tiers (``end <= limit``), or None."""
 
 #: Returns a fresh tensor holding the KV of tokens [start, end), shape [L, 2, H, end-start, D].
 KVSlicer = Callable[[int, int], torch.Tensor]
@@ -49,8 +69,9 @@ class InsertResult:
     complete: bool  # False when the budget or quota cut the insert short
 
 
-def evicted_snapshot(node: Node, reason: str) -> EvictedSnapshot:
-    """What ``node`` hands to the eviction hook: its prefix from the namespace root and its own KV."""
+def evicted_snapshot(node: Node, reason: str, now: float = 0.0, own_bytes: bool = True) -> EvictedSnapshot:
+    """What ``node`` hands to the eviction hook or the tiers: its prefix from the namespace root and its
+    own KV (with ``own_bytes``, a tensor holding only its bytes, not a view keeping a whole run alive)."""
     chain, cur = [], node
     while cur is not None and not cur.is_root:
         chain.append(cur.tokens)
@@ -58,6 +79,7 @@ def evicted_snapshot(node: Node, reason: str) -> EvictedSnapshot:
     tokens = tuple(t for block in reversed(chain) for t in block)
     namespace = cur.namespace if cur is not None else ()
     kv = node.kv
-    if kv.untyped_storage().nbytes() != node.nbytes:  # a view of a run: hand over its own bytes only
+    if own_bytes and kv.untyped_storage().nbytes() != node.nbytes:  # a view of a run: its own bytes only
         kv = kv.clone()
-    return EvictedSnapshot(namespace, node.tenant, tokens, node.start, kv, reason)
+    left = None if math.isinf(node.expires_at) else max(0.0, node.expires_at - now)
+    return EvictedSnapshot(namespace, node.tenant, tokens, node.start, kv, reason, left, node.pins > 0)

@@ -19,10 +19,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 
-from prefixcache.cache.handles import EvictHook, InsertResult, KVSlicer, Lease, evicted_snapshot
+from prefixcache.cache.handles import EvictHook, EvictedSnapshot, InsertResult, KVSlicer, Lease, LowerTiers, evicted_snapshot
 from prefixcache.cache.hashing import BlockHasher
 from prefixcache.cache.index import StoreIndex, total
-from prefixcache.cache.policy import REASONS, evictable, expiry, is_expired
+from prefixcache.cache.policy import OFFLOAD_REASONS, REASONS, evictable, expiry, is_expired
 from prefixcache.cache.runs import follows, storage_key
 from prefixcache.cache.trie import Node, PrefixTrie
 from prefixcache.config import CacheConfig
@@ -39,6 +39,7 @@ class KVStore:
         self.trie = PrefixTrie(config.block_size, hasher)
         self._clock = clock
         self._on_evict = on_evict
+        self.lower: LowerTiers | None = None  # the tier chain (``attach``)
         self._lock = threading.RLock()
         self.bytes = 0
         self.tenant_bytes: Counter[str] = Counter()
@@ -53,10 +54,40 @@ class KVStore:
         self._runs: dict[int, set[Node]] = {}
         self._dirty: set[int] = set()
 
+    def attach(self, lower: LowerTiers | None) -> None:
+        """Put ``lower`` (a tier chain) below the store: evicted blocks go down, misses look there."""
+        self.lower = lower
+
     # -- read path -----------------------------------------------------------------
     def acquire(self, namespace: tuple[str, ...], tenant: str, tokens: Sequence[int], limit: int,
-                ttl_seconds: float | None) -> Lease:
-        """Match the longest live prefix of ``tokens[:limit]`` and pin it (refcount walk)."""
+                ttl_seconds: float | None, restore: bool = False) -> Lease:
+        """Match the longest live prefix of ``tokens[:limit]`` and pin it (refcount walk).
+
+        With ``restore`` and lower tiers attached, full blocks past the device match are first
+        looked up there (outside the store's lock: this may read a disk or the network) and
+        stored, so the lease covers them too. Anything failing there leaves the device match.
+        """
+        lease = self._acquire(namespace, tenant, tokens, limit, ttl_seconds)
+        if not restore or self.lower is None:
+            return lease
+        first = lease.cached_tokens // self.config.block_size * self.config.block_size
+        if limit - first < self.config.block_size:
+            return lease
+        try:
+            found = self.lower.restore(namespace, tokens, first, limit)
+            if found is None:
+                return lease
+            end, kv = found
+            self.insert(namespace, tenant, tokens[:end], _restored_slicer(first, kv), ttl_seconds, _restoring=True)
+        except Exception as exc:  # noqa: BLE001 - a tier problem costs a recompute, never the request
+            log.warning("restoring a prefix from the lower tiers failed: %s", exc)
+            return lease
+        more = self._acquire(namespace, tenant, tokens, limit, ttl_seconds)
+        self.release(lease)
+        return more
+
+    def _acquire(self, namespace: tuple[str, ...], tenant: str, tokens: Sequence[int], limit: int,
+                 ttl_seconds: float | None) -> Lease:
         with self._lock:
             now = self._clock()
             root = self.trie.root(namespace, tenant, create=False)
@@ -88,7 +119,8 @@ class KVStore:
 
     # -- write path ----------------------------------------------------------------
     def insert(self, namespace: tuple[str, ...], tenant: str, tokens: Sequence[int], slice_kv: KVSlicer,
-               ttl_seconds: float | None, pin: bool = False, privileged: bool = False) -> InsertResult:
+               ttl_seconds: float | None, pin: bool = False, privileged: bool = False,
+               _restoring: bool = False) -> InsertResult:
         """Store the KV of ``tokens`` (all of them) below ``namespace``, block by block.
 
         Blocks are added root-first, so what is stored is always a prefix of
@@ -96,7 +128,8 @@ class KVStore:
         With ``pin``, the whole stored path is pinned (``unpin`` undoes it). Unless
         ``privileged``, a pin whose newly pinned bytes would take the tenant's pinned
         bytes over ``config.pin_quota_bytes`` raises ``PinQuotaExceededError`` before
-        anything is stored or evicted.
+        anything is stored or evicted. With lower tiers attached, new blocks (write-through
+        policy) or the whole pinned path are queued for them.
         """
         with self._lock:
             now = self._clock()
@@ -107,7 +140,7 @@ class KVStore:
             root.refcount += 1
             pin_room = None if not pin or privileged else self.config.pin_quota_bytes - self.index.pinned_bytes[tenant]
             try:
-                new_bytes, pos = self._grow(root, tokens, slice_kv, tenant, held, now, pin_room)
+                added, pos = self._grow(root, tokens, slice_kv, tenant, held, now, pin_room)
             finally:
                 root.refcount -= 1
                 for node in held[1:]:
@@ -120,12 +153,15 @@ class KVStore:
                 for node in path:
                     node.pins += 1
                     self._sync(node)
+            if self.lower is not None and not _restoring and (pin or self.lower.write_through):
+                down = path if pin and complete else added
+                self.lower.stored([evicted_snapshot(n, "stored", now, own_bytes=False) for n in down])
             self._compact()
-            return InsertResult(pos, new_bytes, complete)
+            return InsertResult(pos, sum(n.nbytes for n in added), complete)
 
     def _grow(self, root: Node, tokens: Sequence[int], slice_kv: KVSlicer, tenant: str,
-              held: list[Node], now: float, pin_room: int | None) -> tuple[int, int]:
-        """Walk existing blocks, then add the missing tail; returns (new bytes, tokens covered).
+              held: list[Node], now: float, pin_room: int | None) -> tuple[list[Node], int]:
+        """Walk existing blocks, then add the missing tail; returns (new blocks, tokens covered).
 
         New blocks always form the tail of the path (a new node has no children yet), so
         their KV is sliced once into one *run* tensor and each block holds a view of it:
@@ -149,7 +185,7 @@ class KVStore:
             missing = 0 if run is None else (len(tokens) - pos) * _bytes_per_token(run)
             self._check_pin_room(held[1:], missing, pin_room)
         if run is None or (held[1:] and len(held[-1].tokens) < bs):
-            return 0, pos
+            return [], pos
         first = pos
         per_token = _bytes_per_token(run)
         added: list[Node] = []
@@ -174,7 +210,7 @@ class KVStore:
                 node.kv = run[:, :, :, node.start - first : node.end - first]
         if added:
             self._runs[storage_key(run)] = set(added)
-        return sum(n.nbytes for n in added), pos
+        return added, pos
 
     def _check_pin_room(self, existing: list[Node], missing: int, room: int) -> None:
         """Refuse a pin that would newly pin more than ``room`` bytes (the tenant's own figures only)."""
@@ -301,11 +337,15 @@ class KVStore:
 
     def _free(self, node: Node, reason: str | None) -> None:
         """Drop a leaf. ``reason`` None: superseded by a longer copy of itself, not an eviction."""
-        if reason is not None and self._on_evict is not None:
-            try:
-                self._on_evict(evicted_snapshot(node, reason))
-            except Exception:  # a failing tier must never break eviction or a request
-                log.exception("offload hook failed; snapshot dropped")
+        lower = self.lower if reason in OFFLOAD_REASONS else None
+        if reason is not None and (self._on_evict is not None or lower is not None):
+            snap = evicted_snapshot(node, reason, self._clock())
+            for hook in (self._on_evict, None if lower is None else lower.offload):
+                try:
+                    if hook is not None:
+                        hook(snap)
+                except Exception:  # a failing tier must never break eviction or a request
+                    log.exception("offload hook failed; snapshot dropped")
         self.trie.remove_leaf(node)
         self._account(node, -1)
         self._sync(node)
@@ -350,6 +390,13 @@ class KVStore:
                     n = node.kv.shape[3]
                     node.kv, at = span[:, :, :, at : at + n], at + n
                 self._runs[storage_key(span)] = set(group)
+
+    def snapshots(self) -> list[EvictedSnapshot]:
+        """Every live block (views, no copies; snapshots never change), e.g. to keep them at shutdown."""
+        with self._lock:
+            now = self._clock()
+            return [evicted_snapshot(n, "shutdown", now, own_bytes=False) for n in self.trie.iter_nodes()
+                    if _usable(n, now)]
 
     @property
     def evictions(self) -> dict[str, int]:
@@ -423,6 +470,17 @@ def _bytes_per_token(run: Any) -> int:
 def _by_reason(counts: Counter[tuple[str, str]], tenant: str | None) -> dict[str, int]:
     """Sum (tenant, reason) counts per reason, for one tenant or (None) all."""
     return {r: sum(n for (t, reason), n in counts.items() if reason == r and tenant in (None, t)) for r in REASONS}
+
+
+def _restored_slicer(first: int, kv: Any) -> KVSlicer:
+    """Slices of ``kv`` (the KV of tokens from ``first``) as ``insert`` asks for them, each owning its bytes."""
+    def slice_kv(start: int, end: int) -> Any:
+        if start < first:  # the device lost a block meanwhile: the tiers' run no longer attaches
+            raise LookupError("a restored run no longer attaches to the device prefix")
+        if start == first and end - first == kv.shape[3]:
+            return kv
+        return kv[:, :, :, start - first : end - first].clone()
+    return slice_kv
 
 
 def _usable(node: Node, now: float) -> bool:

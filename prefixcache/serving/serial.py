@@ -141,7 +141,7 @@ class Engine:
             raise UnsupportedModelError(self.unsupported_reason or "model not supported")
         stats = CallStats(prompt_tokens=len(tokens), executor="serial")
         with self._model_lock:
-            lease = self.store.acquire(namespace, tenant, tokens, len(tokens), ttl_seconds)
+            lease = self.store.acquire(namespace, tenant, tokens, len(tokens), ttl_seconds, restore=True)
             try:
                 stats.cached_tokens = lease.cached_tokens
                 cache = WorkingCache(self.layout, [(s.node.kv, s.used) for s in lease.steps], len(tokens))
@@ -172,7 +172,7 @@ class Engine:
         prompt = input_ids[0].tolist()
         n = len(prompt)
         # At least the last prompt token is recomputed, so its logits exist.
-        lease = self.store.acquire(namespace, tenant, prompt, n - 1, ttl_seconds)
+        lease = self.store.acquire(namespace, tenant, prompt, n - 1, ttl_seconds, restore=True)
         try:
             stats.cached_tokens = lease.cached_tokens
             stats.lookup_seconds = self._clock() - start
