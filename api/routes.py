@@ -46,6 +46,7 @@ from .protocol import (
     PrewarmResponse,
     PromptTokensDetails,
     QueueInfo,
+    TierInfo,
     ResponseMessage,
     UsageInfo,
 )
@@ -251,6 +252,7 @@ async def cache_stats(who: Caller, srv: Engine, tenant: TenantQuery = None) -> C
         stats = stats.model_copy(update={
             "tenant_bytes": s["tenant_bytes"], "extra_weight_bytes": s.get("extra_weight_bytes"),
             "batching_enabled": s.get("batching_enabled"), "batching_disabled_reason": s.get("batching_disabled_reason"),
+            "tiers": None if s.get("tiers") is None else {k: TierInfo(**v) for k, v in s["tiers"].items()},
             "queue": QueueInfo(running=running, waiting=waiting, capacity=srv.capacity)})
     return stats
 
