@@ -65,7 +65,7 @@ class TierChain:
         self.queue_bytes = queue_bytes
         self._clock, self._monotonic = clock, monotonic
         self._cv = threading.Condition()
-        self._queue: deque[EvictedSnapshot] = deque()
+        self._queue: deque[tuple[EvictedSnapshot, float | None]] = deque()  # (block, wall-clock expiry)
         self._pending = 0  # bytes queued or being written
         self._closed = False
         self._thread = threading.Thread(target=self._writer, name="prefixcache-tier-writer", daemon=True)
@@ -92,7 +92,7 @@ class TierChain:
                     tier.stats.add("failed_writes")
                 return
             self._pending += nbytes
-            self._queue.append(snap)
+            self._queue.append((snap, self._expiry(snap)))
             self._cv.notify()
 
     def flush_writes(self, timeout: float | None = None) -> bool:
@@ -115,7 +115,7 @@ class TierChain:
                 log.warning("tier drain stopped at its deadline; the rest of the device cache is not kept")
                 break
             if self._full_block(snap):
-                written += self._write(snap)
+                written += self._write(snap, self._expiry(snap))
         return written
 
     def _writer(self) -> None:
@@ -125,9 +125,9 @@ class TierChain:
                     self._cv.wait()
                 if not self._queue:
                     return
-                snap = self._queue.popleft()
+                snap, expires = self._queue.popleft()
             try:
-                self._write(snap)
+                self._write(snap, expires)
             except Exception:  # noqa: BLE001 - the writer must outlive any one block
                 log.exception("tier write failed")
             finally:
@@ -135,12 +135,15 @@ class TierChain:
                     self._pending -= snap.kv.numel() * snap.kv.element_size()
                     self._cv.notify_all()
 
-    def _write(self, snap: EvictedSnapshot) -> int:
+    def _expiry(self, snap: EvictedSnapshot) -> float | None:
+        """The block's TTL as an absolute wall-clock time (it survives restarts, and waits in the queue)."""
+        return None if snap.expires_in is None else self._clock() + snap.expires_in
+
+    def _write(self, snap: EvictedSnapshot, expires: float | None) -> int:
         """Write one full block to every tier that lacks it. Returns the tiers written."""
         bs = self.shape.block_size
         index = snap.start // bs
         keys = self.keys.blocks(snap.namespace, snap.tokens, bs, index + 1)
-        expires = None if snap.expires_in is None else self._clock() + snap.expires_in
         meta = BlockMeta(keys[index + 1], keys[index], self.keys.namespace_tag(snap.namespace),
                          tuple(snap.tokens[snap.start:]), expires)
         blob: list[bytes] = []
