@@ -61,6 +61,7 @@ def create_app(settings: Settings | None = None, *, cache: PrefixCache | None = 
             yield
         finally:
             await srv.aclose()
+            await asyncio.to_thread(engine.persist)  # before the server exits (it may re-raise a signal)
             if cache is None:
                 engine.close()
 

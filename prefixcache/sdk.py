@@ -350,8 +350,18 @@ class PrefixCache:
     def check_integrity(self) -> None:
         self.store.check_integrity()
 
+    def persist(self, timeout: float = DRAIN_SECONDS) -> None:
+        """Write the device's blocks down to the lower tiers now (write-back keeps them only on eviction),
+        and wait for queued writes. A no-op without tiers; ``close`` calls it, and so does the proxy's
+        shutdown (a server stopped by a signal may never return to its caller's ``close``)."""
+        if self.tiers is None:
+            return
+        if not self.tiers.write_through:
+            self.tiers.drain(self.store.snapshots(), timeout)
+        self.tiers.flush_writes(timeout)
+
     def close(self) -> None:
-        """Stop the engines and the sweeper; with lower tiers and write-back, keep the device's blocks there."""
+        """Stop the engines and the sweeper; keep the device's blocks in the lower tiers (``persist``)."""
         already = self._closed.is_set()
         self._closed.set()
         if self.batcher is not None:
@@ -359,9 +369,7 @@ class PrefixCache:
         if self._sweeper is not None:
             self._sweeper.join(timeout=5)
         if self.tiers is not None and not already:
-            if not self.tiers.write_through:
-                self.tiers.drain(self.store.snapshots(), DRAIN_SECONDS)
-            self.tiers.flush_writes(DRAIN_SECONDS)
+            self.persist()
             self.tiers.close()
 
     def __enter__(self) -> PrefixCache:
