@@ -120,7 +120,7 @@ def chat_llama(tokenizer) -> torch.nn.Module:
 @pytest.fixture
 def redis_server(tmp_path_factory):
     """A real redis-server on a free loopback port (no persistence), stopped after the test."""
-    from tests.redis_support import RedisServer
+    from prefixcache.bench.redis_server import RedisServer
 
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server

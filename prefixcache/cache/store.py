@@ -22,8 +22,10 @@ from typing import Any
 from prefixcache.cache.handles import EvictHook, EvictedSnapshot, InsertResult, KVSlicer, Lease, LowerTiers, evicted_snapshot
 from prefixcache.cache.hashing import BlockHasher
 from prefixcache.cache.index import StoreIndex, total
+from prefixcache.cache.integrity import check_store
 from prefixcache.cache.policy import OFFLOAD_REASONS, REASONS, evictable, expiry, is_expired
 from prefixcache.cache.runs import follows, storage_key
+from prefixcache.cache.tiers.restore import restore_below
 from prefixcache.cache.trie import Node, PrefixTrie
 from prefixcache.config import CacheConfig
 from prefixcache.errors import PinQuotaExceededError
@@ -70,21 +72,7 @@ class KVStore:
         lease = self._acquire(namespace, tenant, tokens, limit, ttl_seconds)
         if not restore or self.lower is None:
             return lease
-        first = lease.cached_tokens // self.config.block_size * self.config.block_size
-        if limit - first < self.config.block_size:
-            return lease
-        try:
-            found = self.lower.restore(namespace, tokens, first, limit)
-            if found is None:
-                return lease
-            end, kv = found
-            self.insert(namespace, tenant, tokens[:end], _restored_slicer(first, kv), ttl_seconds, _restoring=True)
-        except Exception as exc:  # noqa: BLE001 - a tier problem costs a recompute, never the request
-            log.warning("restoring a prefix from the lower tiers failed: %s", exc)
-            return lease
-        more = self._acquire(namespace, tenant, tokens, limit, ttl_seconds)
-        self.release(lease)
-        return more
+        return restore_below(self, self.lower, lease, namespace, tenant, tokens, limit, ttl_seconds)
 
     def _acquire(self, namespace: tuple[str, ...], tenant: str, tokens: Sequence[int], limit: int,
                  ttl_seconds: float | None) -> Lease:
@@ -422,44 +410,8 @@ class KVStore:
             }
 
     def check_integrity(self) -> None:
-        """Raise AssertionError if any invariant of the store is broken.
-
-        Bytes held equal the bytes of live snapshot tensors (overall and per tenant);
-        refcounts and pins are never negative; every node is reachable from its root
-        and indexed under its parent; partial blocks are leaves; a parent never
-        expires before its child; the budget holds. The eviction and expiry indexes
-        and the running totals equal a brute-force recomputation over every node.
-        """
-        with self._lock:
-            bs, total, per_tenant = self.config.block_size, 0, Counter()
-            nodes = list(self.trie.iter_nodes())
-            for root in self.trie.roots():
-                assert root.alive and root.refcount >= 0 and root.namespace is not None
-            for node in nodes:
-                parent = node.parent
-                assert node.alive and node.kv is not None, "freed node still reachable"
-                assert node.refcount >= 0 and node.pins >= 0
-                assert parent is not None and parent.alive and node.start == parent.end
-                assert node in parent.by_key[node.key] and node in parent.by_first[node.tokens[0]]
-                assert parent.is_root or len(parent.tokens) == bs, "partial block with children"
-                assert 0 < len(node.tokens) <= bs and node.tenant == parent.tenant
-                assert node.num_children == sum(1 for _ in node.children())
-                assert parent.is_root or parent.expires_at >= node.expires_at or parent.doomed
-                assert node.nbytes == node.kv.numel() * node.kv.element_size()
-                assert node in self._runs.get(storage_key(node.kv), ()), "snapshot outside its run"
-                assert node.kv.shape[-2] == len(node.tokens)
-                total += node.nbytes
-                per_tenant[node.tenant] += node.nbytes
-            assert not self._dirty, "partly freed run not compacted"
-            # Exact memory: every run tensor is covered by the live blocks viewing it.
-            for key, run in self._runs.items():
-                assert run and all(n.alive for n in run)
-                storage = next(iter(run)).kv.untyped_storage()
-                assert sum(n.nbytes for n in run) == storage.nbytes(), "run holds bytes no block accounts for"
-            assert total == self.bytes, f"accounted {self.bytes} != live {total}"
-            assert all(per_tenant[t] == b for t, b in self.tenant_bytes.items()), "tenant bytes drift"
-            assert self.bytes <= self.config.max_bytes, "over budget"
-            self.index.check(nodes)
+        """Raise AssertionError if any invariant of the store is broken (``integrity.check_store``)."""
+        check_store(self)
 
 
 def _bytes_per_token(run: Any) -> int:
@@ -470,17 +422,6 @@ def _bytes_per_token(run: Any) -> int:
 def _by_reason(counts: Counter[tuple[str, str]], tenant: str | None) -> dict[str, int]:
     """Sum (tenant, reason) counts per reason, for one tenant or (None) all."""
     return {r: sum(n for (t, reason), n in counts.items() if reason == r and tenant in (None, t)) for r in REASONS}
-
-
-def _restored_slicer(first: int, kv: Any) -> KVSlicer:
-    """Slices of ``kv`` (the KV of tokens from ``first``) as ``insert`` asks for them, each owning its bytes."""
-    def slice_kv(start: int, end: int) -> Any:
-        if start < first:  # the device lost a block meanwhile: the tiers' run no longer attaches
-            raise LookupError("a restored run no longer attaches to the device prefix")
-        if start == first and end - first == kv.shape[3]:
-            return kv
-        return kv[:, :, :, start - first : end - first].clone()
-    return slice_kv
 
 
 def _usable(node: Node, now: float) -> bool:

@@ -1,4 +1,5 @@
-"""A real ``redis-server`` for the tests: loopback, a free port, a temporary directory, no persistence."""
+"""A real ``redis-server`` for the benchmark and the tests: loopback, a free port, a temporary directory,
+no persistence."""
 from __future__ import annotations
 
 import shutil
