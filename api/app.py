@@ -78,6 +78,7 @@ def create_app(settings: Settings | None = None, *, cache: PrefixCache | None = 
             await srv.aclose()
             if request_log is not None:
                 await asyncio.to_thread(request_log.close)
+            await asyncio.to_thread(engine.persist)  # before the server exits (it may re-raise a signal)
             if cache is None:
                 engine.close()
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from prefixcache.serving.request import CallStats
@@ -48,12 +48,45 @@ BATCHING = "prefixcache_batching_enabled"  # gauge: 1 when the batching engine s
 EXTRA_WEIGHT_BYTES = "prefixcache_extra_weight_bytes"  # gauge: weights the batching fast path copies (not KV)
 QUEUE_DEPTH = "prefixcache_queue_depth"  # gauge: admitted, waiting for a worker
 RUNNING = "prefixcache_requests_running"  # gauge
+# Lower tiers (host, disk, redis), each labelled {tier}: read from the tier chain at scrape time.
+TIER_BYTES = "prefixcache_tier_bytes"  # gauge{tier}
+TIER_BUDGET = "prefixcache_tier_budget_bytes"  # gauge{tier}
+TIER_ENTRIES = "prefixcache_tier_entries"  # gauge{tier}
+TIER_DEGRADED = "prefixcache_tier_degraded"  # gauge{tier}: 1 while unreachable (Redis) or full (disk)
+TIER_HITS = "prefixcache_tier_hits"  # counter{tier}
+TIER_MISSES = "prefixcache_tier_misses"  # counter{tier}
+TIER_RESTORES = "prefixcache_tier_restores"  # counter{tier}
+TIER_RESTORED_BYTES = "prefixcache_tier_restored_bytes"  # counter{tier}
+TIER_WRITE_BACKS = "prefixcache_tier_write_backs"  # counter{tier}
+TIER_FAILED_WRITES = "prefixcache_tier_failed_writes"  # counter{tier}
+TIER_CORRUPT = "prefixcache_tier_corrupt_entries"  # counter{tier}
+TIER_RESTORE_SECONDS = "prefixcache_tier_restore_seconds"  # histogram{tier}
+
+#: Tier counters: (metric name, key in the tier's stats, help).
+_TIER_COUNTERS = (
+    (TIER_HITS, "hits", "Device misses a tier served (at least one block)."),
+    (TIER_MISSES, "misses", "Device misses a tier was asked about and could not serve."),
+    (TIER_RESTORES, "restores", "Restores from a tier into the device store."),
+    (TIER_RESTORED_BYTES, "restored_bytes", "Bytes of KV restored from a tier."),
+    (TIER_WRITE_BACKS, "write_backs", "Blocks written to a tier (evicted, written through, or kept at shutdown)."),
+    (TIER_FAILED_WRITES, "failed_writes", "Blocks not written to a tier: the tier failed, or the writer's queue "
+     "was full."),
+    (TIER_CORRUPT, "corrupt_entries", "Blocks a tier held that failed verification (checksum, token ids, model, "
+     "dtype, layout or namespace), deleted and recomputed."),
+)
+_TIER_GAUGES = (
+    (TIER_BYTES, "bytes", "Bytes a tier holds."),
+    (TIER_BUDGET, "budget_bytes", "Byte budget of a tier."),
+    (TIER_ENTRIES, "entries", "Blocks a tier holds."),
+    (TIER_DEGRADED, "degraded", "1 while a tier is degraded (Redis unreachable or slow: requests recompute and it "
+     "is retried with backoff; disk full: writes stop, reads go on)."),
+)
 
 COUNTERS = (REQUESTS, EXECUTOR, ERRORS, PROMPT_TOKENS, CACHED_TOKENS, COMPLETION_TOKENS, EVICTIONS, RECLAIMED,
-            BREAKPOINTS, BREAKPOINT_TOKENS, CACHE_KEY, RETENTION)
-HISTOGRAMS = (TTFT, TPOT, LOOKUP, QUEUE_WAIT, DURATION)
-GAUGES = (HIT_RATIO, CACHE_BYTES, BUDGET_BYTES, PINNED_BYTES, TENANT_BYTES, ENTRIES, KV_BYTES, KV_TOTAL, BATCHING, EXTRA_WEIGHT_BYTES, QUEUE_DEPTH,
-          RUNNING)
+            BREAKPOINTS, BREAKPOINT_TOKENS, CACHE_KEY, RETENTION, *(name for name, _, _ in _TIER_COUNTERS))
+HISTOGRAMS = (TTFT, TPOT, LOOKUP, QUEUE_WAIT, DURATION, TIER_RESTORE_SECONDS)
+GAUGES = (HIT_RATIO, CACHE_BYTES, BUDGET_BYTES, PINNED_BYTES, TENANT_BYTES, ENTRIES, KV_BYTES, KV_TOTAL, BATCHING,
+          EXTRA_WEIGHT_BYTES, QUEUE_DEPTH, RUNNING, *(name for name, _, _ in _TIER_GAUGES))
 NAMES = COUNTERS + HISTOGRAMS + GAUGES
 
 #: Series names as they appear in the exposition (what PromQL and dashboards use).
@@ -190,3 +223,20 @@ class _EngineCollector:
                                 "extra copy of (about as much again is resident; not KV).", value=s["extra_weight_bytes"])
         yield GaugeMetricFamily(QUEUE_DEPTH, "Requests admitted and waiting for a worker.", value=waiting)
         yield GaugeMetricFamily(RUNNING, "Requests running on a worker.", value=running)
+        yield from _tier_families(s.get("tiers") or {})
+
+
+def _tier_families(tiers: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    """Per-tier gauges, counters and the restore-time histogram (families exist even with no tiers)."""
+    for kind, table in ((GaugeMetricFamily, _TIER_GAUGES), (CounterMetricFamily, _TIER_COUNTERS)):
+        for name, key, doc in table:
+            family = kind(name, doc, labels=["tier"])
+            for tier, figures in sorted(tiers.items()):
+                family.add_metric([tier], figures[key])
+            yield family
+    hist = HistogramMetricFamily(TIER_RESTORE_SECONDS, "Time to read and verify the blocks a tier restored.",
+                                 labels=["tier"])
+    for tier, figures in sorted(tiers.items()):
+        h = figures["restore_seconds"]
+        hist.add_metric([tier], buckets=list(h["buckets"].items()), sum_value=h["sum"])
+    yield hist

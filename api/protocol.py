@@ -280,6 +280,29 @@ class QueueInfo(BaseModel):
     capacity: int
 
 
+class RestoreSeconds(BaseModel):
+    buckets: dict[str, int]  # cumulative counts by upper bound ("+Inf" last)
+    sum: float
+    count: int
+
+
+class TierInfo(BaseModel):
+    """One lower tier (host, disk or redis): what it holds and what it did since start."""
+
+    bytes: int
+    budget_bytes: int
+    entries: int
+    degraded: int  # 1 while unreachable (Redis) or full (disk)
+    hits: int
+    misses: int
+    restores: int
+    restored_bytes: int
+    write_backs: int
+    failed_writes: int
+    corrupt_entries: int
+    restore_seconds: RestoreSeconds
+
+
 class CacheStats(BaseModel):
     """Hit counters of one tenant (or all, for admin) and memory figures.
 
@@ -322,6 +345,8 @@ class CacheStats(BaseModel):
     #: at idle ``live_tensor_bytes == bytes`` and ``refcounts == 0``.
     live_tensor_bytes: int | None = None
     refcounts: int | None = None
+    #: Admin: the lower tiers by name (host, disk, redis), when any is configured.
+    tiers: dict[str, TierInfo] | None = None
 
 
 class Health(BaseModel):

@@ -46,6 +46,7 @@ from .protocol import (
     PrewarmResponse,
     PromptTokensDetails,
     QueueInfo,
+    TierInfo,
     ResponseMessage,
     UsageInfo,
 )
@@ -242,7 +243,7 @@ async def prewarm(body: PrewarmRequest, request: Request, who: Caller, srv: Engi
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     # Pins are a privilege: a tenant's count against its pin quota and expire when idle; the admin's do not.
     warm = await srv.prewarm(target, prefix, tools, body.pin, body.ttl_seconds, privileged=who.admin,
-                             disconnected=_disconnected(request))
+                             disconnected=disconnected(request))
     return PrewarmResponse(tenant=target, prompt_tokens=warm.prompt_tokens, cached_tokens=warm.cached_tokens,
                            stored_tokens=warm.stored_tokens, pinned=warm.pinned)
 
@@ -273,6 +274,7 @@ async def cache_stats(who: Caller, srv: Engine, tenant: TenantQuery = None,
             "tenant_bytes": s["tenant_bytes"], "extra_weight_bytes": s.get("extra_weight_bytes"),
             "batching_enabled": s.get("batching_enabled"), "batching_disabled_reason": s.get("batching_disabled_reason"),
             "kv_bytes": s.get("kv_bytes"), "kv_total_bytes": s.get("kv_total_bytes"),
+            "tiers": None if s.get("tiers") is None else {k: TierInfo(**v) for k, v in s["tiers"].items()},
             "queue": QueueInfo(running=running, waiting=waiting, capacity=srv.capacity)})
     if audit:
         if not who.admin:

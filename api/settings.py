@@ -86,6 +86,27 @@ class Settings(BaseSettings):
                                        "prefix, in tokens, a cache breakpoint (Anthropic's cache_control) keeps for "
                                        "its TTL; a shorter one writes nothing and fails nothing.")
 
+    # -- lower tiers (blocks evicted from the device, and kept across restarts) ------
+    tier_host_bytes: int = Field(_cache_default("tier_host_bytes"), ge=0, description="Host (CPU) memory for KV "
+                                 "blocks evicted from an accelerator; 0: none. Ignored when the model is on the CPU.")
+    tier_disk: str | None = Field(_cache_default("tier_disk"), min_length=1, description="Directory of the local-disk "
+                                  "tier (created if missing). Kept across restarts: a restarted server on the same "
+                                  "model serves its prefixes as hits. Unset: no disk tier.")
+    tier_disk_bytes: int = Field(_cache_default("tier_disk_bytes"), ge=0, description="Byte budget of the disk tier "
+                                 "(least recently used blocks go first).")
+    tier_redis: SecretStr | None = Field(None, description="URL of the shared Redis tier, redis:// or rediss:// "
+                                         "(credentials in the URL). Servers with the same URL and hash secret share "
+                                         "prefixes. Needs --hash-secret. Unset: no Redis tier.")
+    tier_redis_bytes: int = Field(_cache_default("tier_redis_bytes"), ge=0, description="Byte budget of the Redis "
+                                  "tier, shared by every server using it (least recently used blocks go first).")
+    tier_write_policy: Literal["write-back", "write-through"] = Field(
+        _cache_default("tier_write_policy"), description="When blocks go to the tiers: write-back (when evicted from "
+        "the device, and at shutdown) or write-through (as soon as they are cached: other servers on a shared tier "
+        "see them at once). Pinned prefixes are always written through.")
+    hash_secret: SecretStr | None = Field(None, description="Secret of the tiers' keyed block hashes (required with "
+                                          "--tier-redis; servers sharing a tier need the same one). Unset: a disk "
+                                          "tier keeps a random one in its directory, else one per process.")
+
     # -- scheduling ----------------------------------------------------------------
     workers: int = Field(16, ge=1, le=64, description="Requests served at once, one thread each: their "
                          "decodes share each forward of the batching engine (up to its batch of 16). A model "
@@ -141,6 +162,9 @@ class Settings(BaseSettings):
                 raise ValueError("api_keys: a tenant key equals the admin key")
             if tenant == self.admin_tenant:
                 raise ValueError(f"api_keys: tenant {tenant!r} is the admin tenant's name")
+        if self.tier_redis is not None and self.hash_secret is None:
+            raise ValueError("tier_redis needs hash_secret (--hash-secret): the secret servers sharing the Redis "
+                             "tier use for their block keys")
         if self.local_mode and not _loopback(self.host) and not self.allow_insecure_no_auth:
             raise ValueError(
                 f"refusing to serve on {self.host} without API keys: every caller would be admin. Set "
@@ -159,7 +183,15 @@ class Settings(BaseSettings):
                            tenant_quota_bytes=self.tenant_quota_bytes, block_size=self.block_size,
                            tenant_pin_quota_bytes=self.tenant_pin_quota_bytes, pin_ttl_seconds=self.pin_ttl_seconds,
                            max_kv_bytes_total=self.max_kv_bytes_total, kv_wait_seconds=self.kv_wait_seconds,
-                           breakpoint_min_tokens=self.breakpoint_min_tokens)
+                           breakpoint_min_tokens=self.breakpoint_min_tokens,
+                           tier_host_bytes=self.tier_host_bytes, tier_disk=self.tier_disk,
+                           tier_disk_bytes=self.tier_disk_bytes, tier_redis=_secret(self.tier_redis),
+                           tier_redis_bytes=self.tier_redis_bytes, tier_write_policy=self.tier_write_policy,
+                           hash_secret=_secret(self.hash_secret))
+
+
+def _secret(value: SecretStr | None) -> str | None:
+    return None if value is None else value.get_secret_value()
 
 
 def _loopback(host: str) -> bool:

@@ -11,6 +11,9 @@ UNICODE_FORMS = ("NFC", "NFKC", "NFD", "NFKD")
 #: Without ``max_kv_bytes_total``, running requests may hold this much KV beside a full store at
 #: least (more with a large budget: half of it), so a small budget never starves requests.
 MIN_REQUEST_KV_BYTES = 256 << 20
+
+#: When blocks are written to the lower tiers (``CacheConfig.tier_write_policy``).
+WRITE_POLICIES = ("write-back", "write-through")
 #: Without ``tenant_pin_quota_bytes``, a tenant may pin this fraction (1/N) of ``max_bytes``.
 PIN_QUOTA_DIVISOR = 8
 
@@ -64,6 +67,25 @@ class CacheConfig:
     hash_seed: int | None = None
     #: Extra namespace component (e.g. a deployment or adapter name).
     namespace_extra: tuple[str, ...] = field(default_factory=tuple)
+    #: Bytes of host (CPU) memory for blocks evicted from an accelerator; 0 = no host tier. Ignored
+    #: when the model is on the CPU (its KV already lives in host memory).
+    tier_host_bytes: int = 0
+    #: Directory of the local-disk tier (created if missing); None = no disk tier.
+    tier_disk: str | None = None
+    #: Byte budget of the disk tier (least recently used blocks go first).
+    tier_disk_bytes: int = 16 << 30
+    #: URL of the shared Redis tier (``redis://`` or ``rediss://``, credentials in the URL); None = none.
+    tier_redis: str | None = None
+    #: Byte budget of the Redis tier, shared by every process using the server.
+    tier_redis_bytes: int = 4 << 30
+    #: When blocks go down to the tiers: ``write-back`` (on eviction and at shutdown) or ``write-through``
+    #: (as soon as they are stored). Pinned prefixes are always written through.
+    tier_write_policy: str = "write-back"
+    #: Bytes of blocks that may wait for the tier writer; beyond it a block is dropped and counted.
+    tier_queue_bytes: int = 256 << 20
+    #: Secret of the tiers' keyed block hashes; required with a Redis tier (processes with the same
+    #: secret share blocks). None: a disk tier keeps a random secret in its directory, else per process.
+    hash_secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         check_int("max_bytes", self.max_bytes, 0, None)
@@ -87,6 +109,23 @@ class CacheConfig:
             check_int("hash_seed", self.hash_seed, 0, 2**64 - 1)
         if not all(isinstance(s, str) for s in self.namespace_extra):
             raise ConfigError("namespace_extra", self.namespace_extra, "a tuple of strings")
+        self._check_tiers()
+
+    def _check_tiers(self) -> None:
+        for name in ("tier_host_bytes", "tier_disk_bytes", "tier_redis_bytes", "tier_queue_bytes"):
+            check_int(name, getattr(self, name), 0, None)
+        if self.tier_disk is not None and (not isinstance(self.tier_disk, str) or not self.tier_disk):
+            raise ConfigError("tier_disk", self.tier_disk, "None or a directory path")
+        if self.tier_redis is not None and (not isinstance(self.tier_redis, str)
+                                            or not self.tier_redis.startswith(("redis://", "rediss://"))):
+            raise ConfigError("tier_redis", "<url>", "None or a redis:// or rediss:// URL")
+        if self.tier_write_policy not in WRITE_POLICIES:
+            raise ConfigError("tier_write_policy", self.tier_write_policy, f"one of {WRITE_POLICIES}")
+        if self.hash_secret is not None and (not isinstance(self.hash_secret, str) or not self.hash_secret):
+            raise ConfigError("hash_secret", "<secret>", "None or a non-empty string")
+        if self.tier_redis is not None and self.hash_secret is None:
+            raise ConfigError("hash_secret", None, "a secret shared by the processes using the Redis tier "
+                              "(required with tier_redis)")
 
     @property
     def kv_total_bytes(self) -> int:

@@ -15,6 +15,7 @@ from transformers import GenerationConfig
 from prefixcache.cache.hashing import BlockHasher, HashFn, xxh3_64
 from prefixcache.cache.handles import EvictHook
 from prefixcache.cache.store import KVStore
+from prefixcache.cache.tiers import KVShape, TierChain, build_chain
 from prefixcache.config import CacheConfig
 from prefixcache.errors import CapacityError, ContextLengthExceededError, InvalidRequestError, PinQuotaExceededError
 from prefixcache.loading import model_fingerprint
@@ -29,6 +30,8 @@ from prefixcache.serving.serial import Engine
 from prefixcache.serving.text_stream import TextStream, first_stop
 
 DEFAULT_TENANT = "default"
+#: Most seconds ``close`` spends writing the device's blocks to the lower tiers.
+DRAIN_SECONDS = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,13 +73,15 @@ class PrefixCache:
     ``chat()`` / ``complete()`` take OpenAI-shaped input and return a ``GenerationResult``.
     All methods are thread-safe. Time comes from ``clock`` (monotonic seconds) so tests
     can drive TTLs without sleeping. ``on_evict`` receives every snapshot about to be
-    dropped (an ``EvictedSnapshot``), the hook for host, disk or Redis tiers.
+    dropped (an ``EvictedSnapshot``). The lower tiers ``config`` names (host memory, disk,
+    Redis) sit below the store; their TTLs are absolute ``wall_clock`` times, so they
+    survive a restart.
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, config: CacheConfig | None = None, *,
                  clock: Callable[[], float] = time.monotonic, hash_fn: HashFn = xxh3_64,
                  start_sweeper: bool = True, on_evict: EvictHook | None = None,
-                 batching: BatchConfig | bool = True):
+                 batching: BatchConfig | bool = True, wall_clock: Callable[[], float] = time.time):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config if config is not None else CacheConfig()
@@ -94,6 +99,13 @@ class PrefixCache:
             batch_config = batching if isinstance(batching, BatchConfig) else BatchConfig()
             self.batcher = BatchEngine(self.model, self.store, clock, batch_config, self.config.cache_generated)
         self.router = Router(self.engine, self.batcher, self.config.cache_generated)
+        self.tiers: TierChain | None = None
+        layout = self.engine.layout
+        if layout is not None:
+            self.tiers = build_chain(self.config, KVShape(layout.num_layers, layout.num_kv_heads, layout.head_dim,
+                                                          self.config.block_size, layout.dtype, layout.device),
+                                     wall_clock)
+            self.store.attach(self.tiers)
         self._model_key = tuple(model_fingerprint(model))
         self._local = threading.local()
         self._closed = threading.Event()
@@ -368,6 +380,8 @@ class PrefixCache:
         }
         out.update(mem)
         out["breakpoints"] = self.breakpoints.stats(tenant)
+        if tenant is None and self.tiers is not None:  # server-wide figures, not a tenant's
+            out["tiers"] = self.tiers.stats()
         if tenant is None:  # not a tenant's: all KV memory, the batching engine's state, the fast path's weights
             out["kv_bytes"] = self.store.ledger.held()  # stored, and reserved per kind of request buffer
             out["kv_total_bytes"] = self.store.ledger.total
@@ -392,12 +406,27 @@ class PrefixCache:
         At idle the first two are equal and refcounts 0."""
         return self.store.audit()
 
+    def persist(self, timeout: float = DRAIN_SECONDS) -> None:
+        """Write the device's blocks down to the lower tiers now (write-back keeps them only on eviction),
+        and wait for queued writes. A no-op without tiers; ``close`` calls it, and so does the proxy's
+        shutdown (a server stopped by a signal may never return to its caller's ``close``)."""
+        if self.tiers is None:
+            return
+        if not self.tiers.write_through:
+            self.tiers.drain(self.store.snapshots(), timeout)
+        self.tiers.flush_writes(timeout)
+
     def close(self) -> None:
+        """Stop the engines and the sweeper; keep the device's blocks in the lower tiers (``persist``)."""
+        already = self._closed.is_set()
         self._closed.set()
         if self.batcher is not None:
             self.batcher.close()
         if self._sweeper is not None:
             self._sweeper.join(timeout=5)
+        if self.tiers is not None and not already:
+            self.persist()
+            self.tiers.close()
 
     def __enter__(self) -> PrefixCache:
         return self
@@ -409,6 +438,8 @@ class PrefixCache:
     def _sweep_loop(self) -> None:
         while not self._closed.wait(self.config.sweep_interval_seconds):
             self.store.sweep()
+            if self.tiers is not None:
+                self.tiers.sweep()
 
     def _canon(self) -> Canonicalizer:
         if self.canonicalizer is None:

@@ -182,6 +182,13 @@ class _AnyStats(dict):
     def __missing__(self, key: str) -> _Reading:
         return _Reading(1.0)
 
+    def get(self, key: str, default: object = None) -> object:
+        if key == "tiers":  # one example tier, shaped as the tier chain reports it
+            from prefixcache.cache.tiers.base import TierStats
+
+            return {"example": {**TierStats().snapshot(), "bytes": 1, "budget_bytes": 1, "entries": 1, "degraded": 0}}
+        return super().get(key, default)
+
 
 def metric_families() -> list[tuple[str, str, str, list[str]]]:
     """(series name(s), type, help, label names) of every family the proxy exposes."""

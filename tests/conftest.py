@@ -115,3 +115,13 @@ def chat_llama(tokenizer) -> torch.nn.Module:
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return keep_untouched(model)
+
+
+@pytest.fixture
+def redis_server(tmp_path_factory):
+    """A real redis-server on a free loopback port (no persistence), stopped after the test."""
+    from prefixcache.bench.redis_server import RedisServer
+
+    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield server
+    server.stop()

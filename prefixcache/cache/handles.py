@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -17,9 +17,8 @@ class EvictedSnapshot:
 
     ``kv`` (``[L, 2, H, n, D]``) covers ``tokens[start:]``; ``tokens`` is the whole
     prefix from the namespace root, since a block's KV is only valid after it.
-    ``expires_at`` is the block's deadline on the store's clock (``math.inf``: none): an
-    entry asked to live long (a 1-hour breakpoint, a 24-hour retention) outlives the
-    memory tier, so a tier behind this hook keeps it in its lowest persistent level.
+    ``expires_in`` is the TTL the block has left (None: none), so an entry asked to live long
+    (a 1-hour breakpoint, a 24-hour retention) keeps its deadline in the lower tiers.
     """
 
     namespace: tuple[str, ...]
@@ -27,12 +26,30 @@ class EvictedSnapshot:
     tokens: tuple[int, ...]
     start: int
     kv: torch.Tensor  # a ``SizedKV`` when the store holds byte sizes (``cache.sized``)
-    reason: str
-    expires_at: float = math.inf
+    reason: str  # an eviction reason, or "stored" (written through) / "shutdown" (kept at close)
+    expires_in: float | None = None  # seconds of TTL left (None: no TTL)
+    pinned: bool = False
 
 
 #: Called once per snapshot just before it is dropped: the one place a tier can take it over.
 EvictHook = Callable[[EvictedSnapshot], None]
+
+
+class LowerTiers(Protocol):
+    """The tier chain below the store, as the store sees it (``prefixcache.cache.tiers.TierChain``)."""
+
+    write_through: bool
+
+    def offload(self, snap: EvictedSnapshot) -> None:
+        """A block leaving the device (called under the store's lock: must not block)."""
+
+    def stored(self, snaps: Sequence[EvictedSnapshot]) -> None:
+        """Blocks just stored (write-through) or pinned (called under the store's lock: must not block)."""
+
+    def restore(self, namespace: tuple[str, ...], tokens: Sequence[int], first: int,
+                limit: int) -> tuple[int, torch.Tensor] | None:
+        """``(end, kv)``: the KV of ``tokens[first:end]`` from the tiers (``end <= limit``), or None."""
+
 
 #: Returns a fresh tensor holding the KV of tokens [start, end), shape [L, 2, H, end-start, D].
 KVSlicer = Callable[[int, int], torch.Tensor]
@@ -55,13 +72,14 @@ class InsertResult:
     complete: bool  # False when the budget or quota cut the insert short
 
 
-def evicted_snapshot(node: Node, reason: str, kv: Any) -> EvictedSnapshot:
-    """What ``node`` hands to the eviction hook: its prefix from the namespace root and ``kv``, its own KV
-    holding only its bytes (not a view keeping a whole run alive)."""
+def evicted_snapshot(node: Node, reason: str, kv: Any, now: float = 0.0) -> EvictedSnapshot:
+    """What ``node`` hands to the eviction hook or the tiers: its prefix from the namespace root and
+    ``kv`` (on eviction its own KV holding only its bytes, not a view keeping a whole run alive)."""
     chain, cur = [], node
     while cur is not None and not cur.is_root:
         chain.append(cur.tokens)
         cur = cur.parent
     tokens = tuple(t for block in reversed(chain) for t in block)
     namespace = cur.namespace if cur is not None else ()
-    return EvictedSnapshot(namespace, node.tenant, tokens, node.start, kv, reason, node.expires_at)
+    left = None if math.isinf(node.expires_at) else max(0.0, node.expires_at - now)
+    return EvictedSnapshot(namespace, node.tenant, tokens, node.start, kv, reason, left, node.pins > 0)

@@ -19,6 +19,8 @@ from prefixcache.cache.trie import Node
 
 #: Eviction reasons, as reported in stats and metrics.
 REASONS = ("lru", "ttl", "quota", "flush")
+#: Reasons that send a block down to the lower tiers (an expired or flushed block is gone for good).
+OFFLOAD_REASONS = ("lru", "quota")
 
 
 def expiry(now: float, ttl_seconds: float | None) -> float:

@@ -19,12 +19,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 
-from prefixcache.cache.handles import EvictHook, InsertResult, KVSlicer, Lease, evicted_snapshot
+from prefixcache.cache.handles import EvictHook, EvictedSnapshot, InsertResult, KVSlicer, Lease, LowerTiers, evicted_snapshot
 from prefixcache.cache.hashing import BlockHasher
 from prefixcache.cache.index import StoreIndex, total
+from prefixcache.cache.integrity import check_store
 from prefixcache.cache.ledger import KVLedger
-from prefixcache.cache.policy import REASONS, evictable, expiry, is_expired
+from prefixcache.cache.policy import OFFLOAD_REASONS, REASONS, evictable, expiry, is_expired
 from prefixcache.cache.runs import RunOps, TensorRuns
+from prefixcache.cache.tiers.restore import restore_below
 from prefixcache.cache.trie import Node, PrefixTrie
 from prefixcache.config import CacheConfig
 from prefixcache.errors import PinQuotaExceededError
@@ -44,6 +46,7 @@ class KVStore:
         self.trie = PrefixTrie(config.block_size, hasher)
         self._clock = clock
         self._on_evict = on_evict
+        self.lower: LowerTiers | None = None  # the tier chain (``attach``)
         self._lock = threading.RLock()
         self.bytes = 0
         self.tenant_bytes: Counter[str] = Counter()
@@ -59,10 +62,26 @@ class KVStore:
         self._dirty: set[int] = set()
         self.ledger.attach(self)
 
+    def attach(self, lower: LowerTiers | None) -> None:
+        """Put ``lower`` (a tier chain) below the store: evicted blocks go down, misses look there."""
+        self.lower = lower
+
     # -- read path -----------------------------------------------------------------
     def acquire(self, namespace: tuple[str, ...], tenant: str, tokens: Sequence[int], limit: int,
-                ttl_seconds: float | None) -> Lease:
-        """Match the longest live prefix of ``tokens[:limit]`` and pin it (refcount walk)."""
+                ttl_seconds: float | None, restore: bool = False) -> Lease:
+        """Match the longest live prefix of ``tokens[:limit]`` and pin it (refcount walk).
+
+        With ``restore`` and lower tiers attached, full blocks past the device match are first
+        looked up there (outside the store's lock: this may read a disk or the network) and
+        stored, so the lease covers them too. Anything failing there leaves the device match.
+        """
+        lease = self._acquire(namespace, tenant, tokens, limit, ttl_seconds)
+        if not restore or self.lower is None:
+            return lease
+        return restore_below(self, self.lower, lease, namespace, tenant, tokens, limit, ttl_seconds)
+
+    def _acquire(self, namespace: tuple[str, ...], tenant: str, tokens: Sequence[int], limit: int,
+                 ttl_seconds: float | None) -> Lease:
         with self._lock:
             now = self._clock()
             root = self.trie.root(namespace, tenant, create=False)
@@ -119,7 +138,8 @@ class KVStore:
 
     # -- write path ----------------------------------------------------------------
     def insert(self, namespace: tuple[str, ...], tenant: str, tokens: Sequence[int], slice_kv: KVSlicer,
-               ttl_seconds: float | None, pin: bool = False, privileged: bool = False) -> InsertResult:
+               ttl_seconds: float | None, pin: bool = False, privileged: bool = False,
+               _restoring: bool = False) -> InsertResult:
         """Store the KV of ``tokens`` (all of them) below ``namespace``, block by block.
 
         Blocks are added root-first, so what is stored is always a prefix of
@@ -127,7 +147,8 @@ class KVStore:
         With ``pin``, the whole stored path is pinned (``unpin`` undoes it). Unless
         ``privileged``, a pin whose newly pinned bytes would take the tenant's pinned
         bytes over ``config.pin_quota_bytes`` raises ``PinQuotaExceededError`` before
-        anything is stored or evicted.
+        anything is stored or evicted. With lower tiers attached, new blocks (write-through
+        policy) or the whole pinned path are queued for them.
         """
         with self._lock:
             now = self._clock()
@@ -139,7 +160,7 @@ class KVStore:
             pin_room = None if not pin or privileged else self.config.pin_quota_bytes - self.index.pinned_bytes[tenant]
             grown = False
             try:
-                new_bytes, pos = self._grow(root, tokens, slice_kv, tenant, held, now, pin_room)
+                added, pos = self._grow(root, tokens, slice_kv, tenant, held, now, pin_room)
                 grown = True
             finally:
                 root.refcount -= 1
@@ -155,12 +176,15 @@ class KVStore:
                 for node in path:
                     node.pins += 1
                     self._sync(node)
+            if self.lower is not None and not _restoring and (pin or self.lower.write_through):
+                down = path if pin and complete else added
+                self.lower.stored([evicted_snapshot(n, "stored", n.kv, now) for n in down])
             self._compact()
-            return InsertResult(pos, new_bytes, complete)
+            return InsertResult(pos, sum(n.nbytes for n in added), complete)
 
     def _grow(self, root: Node, tokens: Sequence[int], slice_kv: KVSlicer, tenant: str,
-              held: list[Node], now: float, pin_room: int | None) -> tuple[int, int]:
-        """Walk existing blocks, then add the missing tail; returns (new bytes, tokens covered).
+              held: list[Node], now: float, pin_room: int | None) -> tuple[list[Node], int]:
+        """Walk existing blocks, then add the missing tail; returns (new blocks, tokens covered).
 
         New blocks always form the tail of the path (a new node has no children yet), so
         their KV is sliced once into one *run* tensor and each block holds a view of it:
@@ -184,7 +208,7 @@ class KVStore:
             missing = 0 if run is None else (len(tokens) - pos) * self._kv.per_token(run)
             self._check_pin_room(held[1:], missing, pin_room)
         if run is None or (held[1:] and len(held[-1].tokens) < bs):
-            return 0, pos
+            return [], pos
         first = pos
         per_token = self._kv.per_token(run)
         added: list[Node] = []
@@ -209,7 +233,7 @@ class KVStore:
                 node.kv = self._kv.view(run, node.start - first, node.end - first)
         if added:
             self._runs[self._kv.key(run)] = set(added)
-        return sum(n.nbytes for n in added), pos
+        return added, pos
 
     def _check_pin_room(self, existing: list[Node], missing: int, room: int) -> None:
         """Refuse a pin that would newly pin more than ``room`` bytes (the tenant's own figures only)."""
@@ -352,11 +376,15 @@ class KVStore:
 
     def _free(self, node: Node, reason: str | None) -> None:
         """Drop a leaf. ``reason`` None: superseded by a longer copy of itself, not an eviction."""
-        if reason is not None and self._on_evict is not None:
-            try:
-                self._on_evict(evicted_snapshot(node, reason, self._kv.own(node.kv, node.nbytes)))
-            except Exception:  # a failing tier must never break eviction or a request
-                log.exception("offload hook failed; snapshot dropped")
+        lower = self.lower if reason in OFFLOAD_REASONS else None
+        if reason is not None and (self._on_evict is not None or lower is not None):
+            snap = evicted_snapshot(node, reason, self._kv.own(node.kv, node.nbytes), self._clock())
+            for hook in (self._on_evict, None if lower is None else lower.offload):
+                try:
+                    if hook is not None:
+                        hook(snap)
+                except Exception:  # a failing tier must never break eviction or a request
+                    log.exception("offload hook failed; snapshot dropped")
         self.trie.remove_leaf(node)
         self._account(node, -1)
         self._sync(node)
@@ -399,6 +427,13 @@ class KVStore:
                     node.kv, at = self._kv.view(span, at, at + n), at + n
                 self._runs[self._kv.key(span)] = set(group)
 
+    def snapshots(self) -> list[EvictedSnapshot]:
+        """Every live block (views, no copies; snapshots never change), e.g. to keep them at shutdown."""
+        with self._lock:
+            now = self._clock()
+            return [evicted_snapshot(n, "shutdown", n.kv, now) for n in self.trie.iter_nodes()
+                    if _usable(n, now)]
+
     @property
     def evictions(self) -> dict[str, int]:
         """Blocks evicted so far, by reason, over all tenants."""
@@ -432,44 +467,8 @@ class KVStore:
                     "refcounts": sum(n.refcount for n in nodes) + sum(r.refcount for r in self.trie.roots())}
 
     def check_integrity(self) -> None:
-        """Raise AssertionError if any invariant of the store is broken.
-
-        Bytes held equal the bytes of live snapshot tensors (overall and per tenant);
-        refcounts and pins are never negative; every node is reachable from its root
-        and indexed under its parent; partial blocks are leaves; a parent never
-        expires before its child; the budget holds. The eviction and expiry indexes
-        and the running totals equal a brute-force recomputation over every node.
-        """
-        with self._lock:
-            bs, total, per_tenant = self.config.block_size, 0, Counter()
-            nodes = list(self.trie.iter_nodes())
-            for root in self.trie.roots():
-                assert root.alive and root.refcount >= 0 and root.namespace is not None
-            for node in nodes:
-                parent = node.parent
-                assert node.alive and node.kv is not None, "freed node still reachable"
-                assert node.refcount >= 0 and node.pins >= 0
-                assert parent is not None and parent.alive and node.start == parent.end
-                assert node in parent.by_key[node.key] and node in parent.by_first[node.tokens[0]]
-                assert parent.is_root or len(parent.tokens) == bs, "partial block with children"
-                assert 0 < len(node.tokens) <= bs and node.tenant == parent.tenant
-                assert node.num_children == sum(1 for _ in node.children())
-                assert parent.is_root or parent.expires_at >= node.expires_at or parent.doomed
-                assert node.nbytes == self._kv.nbytes(node.kv)
-                assert node in self._runs.get(self._kv.key(node.kv), ()), "snapshot outside its run"
-                assert self._kv.tokens(node.kv) == len(node.tokens)
-                total += node.nbytes
-                per_tenant[node.tenant] += node.nbytes
-            assert not self._dirty, "partly freed run not compacted"
-            # Exact memory: every run tensor is covered by the live blocks viewing it.
-            for key, run in self._runs.items():
-                assert run and all(n.alive for n in run)
-                held = self._kv.run_nbytes(next(iter(run)).kv)
-                assert sum(n.nbytes for n in run) == held, "run holds bytes no block accounts for"
-            assert total == self.bytes, f"accounted {self.bytes} != live {total}"
-            assert all(per_tenant[t] == b for t, b in self.tenant_bytes.items()), "tenant bytes drift"
-            assert self.bytes <= self.config.max_bytes, "over budget"
-            self.index.check(nodes)
+        """Raise AssertionError if any invariant of the store is broken (``integrity.check_store``)."""
+        check_store(self)
 
 
 def _by_reason(counts: Counter[tuple[str, str]], tenant: str | None) -> dict[str, int]:

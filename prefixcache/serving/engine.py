@@ -204,7 +204,7 @@ class BatchEngine:
         req.sampler = None if sampler.argmax_only else sampler  # None: the step's one batched argmax
         # Pin the longest cached prefix now: admission order needs its length. The last
         # prompt token is always recomputed, so its logits exist.
-        req.lease = self.store.acquire(namespace, tenant, req.prompt, len(req.prompt) - 1, ttl_seconds)
+        req.lease = self.store.acquire(namespace, tenant, req.prompt, len(req.prompt) - 1, ttl_seconds, restore=True)
         req.stats.prompt_tokens, req.stats.cached_tokens = len(req.prompt), req.cached_len
         with self._cv:
             if self._closed or self.failure is not None:

@@ -154,7 +154,7 @@ class Engine:
         deadline = None if timeout is None else time.monotonic() + timeout
         stats = CallStats(prompt_tokens=len(tokens), executor="serial")
         with self.store.ledger.reserve("prewarm", self._bytes(len(tokens)), cancel), self._model_lock:
-            lease = self.store.acquire(namespace, tenant, tokens, len(tokens), ttl_seconds)
+            lease = self.store.acquire(namespace, tenant, tokens, len(tokens), ttl_seconds, restore=True)
             try:
                 stats.cached_tokens = lease.cached_tokens
                 cache = WorkingCache(self.layout, [(s.node.kv, s.used) for s in lease.steps], len(tokens))
@@ -191,7 +191,7 @@ class Engine:
         prompt = input_ids[0].tolist()
         n = len(prompt)
         # At least the last prompt token is recomputed, so its logits exist.
-        lease = self.store.acquire(namespace, tenant, prompt, n - 1, ttl_seconds)
+        lease = self.store.acquire(namespace, tenant, prompt, n - 1, ttl_seconds, restore=True)
         try:
             stats.cached_tokens = lease.cached_tokens
             stats.lookup_seconds = self._clock() - start

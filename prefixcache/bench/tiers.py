@@ -1,0 +1,151 @@
+"""Time to first token from each tier, side by side in one run: device hit, disk restore, Redis
+restore, recompute, and what configured tiers add to a plain miss.
+
+Run: ``python -m prefixcache.bench.tiers [--rounds 3] [--prefix 2048] [--question 128]``
+(loads the embedded default model in float32; starts its own ``redis-server`` on a free
+loopback port with a temporary directory and stops it; prints one JSON object).
+
+Every round uses a new random prefix (so nothing carries over between rounds) and runs,
+on four ``PrefixCache`` instances over the one model:
+
+- ``recompute``: no tiers, prefix + question A, nothing cached (a plain miss);
+- ``tiered_miss``: disk and Redis tiers configured, write-through, the same prompt, nothing
+  cached anywhere (the order of these two alternates between rounds; the writer thread's
+  work after it is waited for before the next timing and reported apart);
+- ``device_hit``: no tiers, prefix + question B (the prefix is on the device);
+- ``disk_restore``: a disk tier only, started after the tiered instance wrote its blocks (a
+  restart: a disk tier indexes its directory at start-up), prefix + question B, its device empty;
+- ``redis_restore``: a Redis tier only, the same.
+
+TTFT is the wall time of ``generate(max_new_tokens=1)``; the tiered miss must answer as the
+recompute, and both restores as the device hit. Reported: the median of the rounds and the ratios of the medians.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from prefixcache.config import CacheConfig
+from prefixcache.sdk import PrefixCache
+
+SECRET = "bench-secret"
+SYSTEMS = ("recompute", "tiered_miss", "device_hit", "disk_restore", "redis_restore")
+
+
+def timed(cache: PrefixCache, ids: torch.Tensor) -> tuple[float, int, int]:
+    """(seconds to the first token, that token, cached tokens)."""
+    start = time.perf_counter()
+    out = cache.generate(ids, max_new_tokens=1, do_sample=False)
+    return time.perf_counter() - start, int(out[0, -1]), cache.last_call.cached_tokens
+
+
+def run(rounds: int, prefix_len: int, question_len: int, block_size: int) -> dict:
+    from prefixcache.loading import load_default_model
+    from prefixcache.bench.redis_server import RedisServer
+
+    model, tokenizer = load_default_model(dtype="float32")
+    vocab = model.get_input_embeddings().num_embeddings
+    with tempfile.TemporaryDirectory(prefix="prefixcache-bench-tiers-") as tmp:
+        redis = RedisServer(Path(tmp) / "redis")
+        (Path(tmp) / "redis").mkdir()
+        redis.start()
+        try:
+            disk = str(Path(tmp) / "disk")
+
+            def make(**tiers) -> PrefixCache:
+                cfg = CacheConfig(block_size=block_size, max_bytes=8 << 30, hash_secret=SECRET, **tiers)
+                return PrefixCache(model, tokenizer, cfg, start_sweeper=False)
+
+            caches = {"recompute": make(),
+                      "tiered_miss": make(tier_disk=disk, tier_redis=redis.url, tier_write_policy="write-through",
+                                          tier_redis_bytes=8 << 30),
+                      "redis_restore": make(tier_redis=redis.url, tier_redis_bytes=8 << 30)}
+            caches["device_hit"] = caches["recompute"]
+            try:
+                return _rounds(caches, lambda: make(tier_disk=disk), rounds, prefix_len, question_len, vocab)
+            finally:
+                for cache in {id(c): c for c in caches.values()}.values():
+                    cache.close()
+        finally:
+            redis.stop()
+
+
+def _rounds(caches: dict[str, PrefixCache], restarted_disk: Callable[[], PrefixCache], rounds: int, prefix_len: int,
+            question_len: int, vocab: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+
+    def tokens(n: int) -> torch.Tensor:
+        return torch.randint(10, vocab, (1, n), generator=g)
+
+    warm = tokens(64)
+    for cache in caches.values():  # first-call costs (threads, allocations) out of the figures
+        cache.generate(warm, max_new_tokens=1, do_sample=False)
+    times: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+    writes: list[float] = []
+    cached: dict[str, list[int]] = {s: [] for s in SYSTEMS}
+    for r in range(rounds):
+        prefix = tokens(prefix_len)
+        first = torch.cat([prefix, tokens(question_len)], dim=1)
+        second = torch.cat([prefix, tokens(question_len)], dim=1)
+        order = ("recompute", "tiered_miss") if r % 2 == 0 else ("tiered_miss", "recompute")
+        answers: dict[str, int] = {}
+        for name in order:
+            _record(name, timed(caches[name], first), times, cached, answers)
+            if name == "tiered_miss":  # its blocks go down in the background: not during the next timing
+                start = time.perf_counter()
+                caches[name].tiers.flush_writes(300)
+                writes.append(time.perf_counter() - start)
+        disk = restarted_disk()
+        disk.generate(warm, max_new_tokens=1, do_sample=False)
+        try:
+            for name, cache in (("device_hit", caches["device_hit"]), ("disk_restore", disk),
+                                ("redis_restore", caches["redis_restore"])):
+                _record(name, timed(cache, second), times, cached, answers)
+        finally:
+            disk.close()
+        if answers["tiered_miss"] != answers["recompute"] or len({answers[n] for n in SYSTEMS[2:]}) != 1:
+            raise AssertionError(f"round {r}: a tier's answer differs from the device's: {answers}")
+    summary = _summary(times, cached, rounds, prefix_len, question_len)
+    summary["background_write_seconds"] = writes  # after each tiered miss: its blocks to disk and Redis
+    return summary
+
+
+def _record(name: str, result: tuple[float, int, int], times: dict, cached: dict, answers: dict) -> None:
+    seconds, token, hit = result
+    times[name].append(seconds)
+    cached[name].append(hit)
+    answers[name] = token
+
+
+def _summary(times: dict, cached: dict, rounds: int, prefix_len: int, question_len: int) -> dict:
+    med = {name: statistics.median(v) for name, v in times.items()}
+    rec = med["recompute"]
+    return {
+        "model": "SmolLM2-135M-Instruct (embedded), float32", "rounds": rounds,
+        "prompt": f"{prefix_len}-token prefix + {question_len}-token question",
+        "ttft_median_seconds": med, "ttft_seconds": times, "cached_tokens": cached,
+        "ratio_to_recompute": {name: med[name] / rec for name in SYSTEMS},
+        "miss_overhead": med["tiered_miss"] / rec - 1.0,
+    }
+
+
+def main(argv: list[str] | None = None, out: Callable[[str], None] = print) -> int:
+    parser = argparse.ArgumentParser(prog="python -m prefixcache.bench.tiers", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prefix", type=int, default=2048, help="prefix tokens")
+    parser.add_argument("--question", type=int, default=128, help="question tokens")
+    parser.add_argument("--block-size", type=int, default=64)
+    args = parser.parse_args(argv)
+    out(json.dumps(run(args.rounds, args.prefix, args.question, args.block_size), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

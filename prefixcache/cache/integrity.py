@@ -1,0 +1,49 @@
+"""The store's invariants, checked from the outside (tests call ``KVStore.check_integrity``)."""
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prefixcache.cache.store import KVStore
+
+
+def check_store(store: KVStore) -> None:
+    """Raise AssertionError if any invariant of the store is broken.
+
+    Bytes held equal the bytes of live snapshot tensors (overall and per tenant);
+    refcounts and pins are never negative; every node is reachable from its root
+    and indexed under its parent; partial blocks are leaves; a parent never
+    expires before its child; the budget holds. The eviction and expiry indexes
+    and the running totals equal a brute-force recomputation over every node.
+    """
+    with store._lock:
+        bs, total, per_tenant = store.config.block_size, 0, Counter()
+        nodes = list(store.trie.iter_nodes())
+        for root in store.trie.roots():
+            assert root.alive and root.refcount >= 0 and root.namespace is not None
+        for node in nodes:
+            parent = node.parent
+            assert node.alive and node.kv is not None, "freed node still reachable"
+            assert node.refcount >= 0 and node.pins >= 0
+            assert parent is not None and parent.alive and node.start == parent.end
+            assert node in parent.by_key[node.key] and node in parent.by_first[node.tokens[0]]
+            assert parent.is_root or len(parent.tokens) == bs, "partial block with children"
+            assert 0 < len(node.tokens) <= bs and node.tenant == parent.tenant
+            assert node.num_children == sum(1 for _ in node.children())
+            assert parent.is_root or parent.expires_at >= node.expires_at or parent.doomed
+            assert node.nbytes == store._kv.nbytes(node.kv)
+            assert node in store._runs.get(store._kv.key(node.kv), ()), "snapshot outside its run"
+            assert store._kv.tokens(node.kv) == len(node.tokens)
+            total += node.nbytes
+            per_tenant[node.tenant] += node.nbytes
+        assert not store._dirty, "partly freed run not compacted"
+        # Exact memory: every run tensor is covered by the live blocks viewing it.
+        for key, run in store._runs.items():
+            assert run and all(n.alive for n in run)
+            held = store._kv.run_nbytes(next(iter(run)).kv)
+            assert sum(n.nbytes for n in run) == held, "run holds bytes no block accounts for"
+        assert total == store.bytes, f"accounted {store.bytes} != live {total}"
+        assert all(per_tenant[t] == b for t, b in store.tenant_bytes.items()), "tenant bytes drift"
+        assert store.bytes <= store.config.max_bytes, "over budget"
+        store.index.check(nodes)

@@ -1,0 +1,50 @@
+"""The read side of the tiers as the store uses it: on a device miss, restore the longest run below."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from prefixcache.cache.handles import KVSlicer, Lease, LowerTiers
+
+if TYPE_CHECKING:
+    from prefixcache.cache.store import KVStore
+
+log = logging.getLogger(__name__)
+
+
+def restore_below(store: KVStore, lower: LowerTiers, lease: Lease, namespace: tuple[str, ...], tenant: str,
+                  tokens: Sequence[int], limit: int, ttl_seconds: float | None) -> Lease:
+    """``lease`` (the device match), or a lease that also covers full blocks restored from ``lower``.
+
+    Called outside the store's lock: the lookup may read a disk or the network. Restored
+    blocks are stored like computed ones (``insert``), so the budget, quotas and accounting
+    hold; anything failing leaves the device match (the rest is recomputed).
+    """
+    bs = store.config.block_size
+    first = lease.cached_tokens // bs * bs
+    if limit - first < bs:
+        return lease
+    try:
+        found = lower.restore(namespace, tokens, first, limit)
+        if found is None:
+            return lease
+        end, kv = found
+        store.insert(namespace, tenant, tokens[:end], restored_slicer(first, kv), ttl_seconds, _restoring=True)
+    except Exception as exc:  # noqa: BLE001 - a tier problem costs a recompute, never the request
+        log.warning("restoring a prefix from the lower tiers failed: %s", exc)
+        return lease
+    more = store.acquire(namespace, tenant, tokens, limit, ttl_seconds)
+    store.release(lease)
+    return more
+
+
+def restored_slicer(first: int, kv: Any) -> KVSlicer:
+    """Slices of ``kv`` (the KV of tokens from ``first``) as ``insert`` asks for them, each owning its bytes."""
+    def slice_kv(start: int, end: int) -> Any:
+        if start < first:  # the device lost a block meanwhile: the restored run no longer attaches
+            raise LookupError("a restored run no longer attaches to the device prefix")
+        if start == first and end - first == kv.shape[3]:
+            return kv
+        return kv[:, :, :, start - first : end - first].clone()
+    return slice_kv

@@ -1,0 +1,124 @@
+"""Lower tiers through the proxy: restarts of ``prefixcache serve`` on a disk or Redis tier, two servers
+sharing one real redis-server, and Redis stopped mid-run.
+
+The servers are real ``prefixcache serve`` subprocesses on loopback ports, loading a tiny random
+Llama saved with the default model's tokenizer; the Redis server is a real ``redis-server``.
+"""
+from __future__ import annotations
+
+import re
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from prefixcache_api import create_app
+from proxy_support import ADMIN, MODEL, auth, live, make_cache, settings, wait_until
+
+from prefixcache.bench.servers import Server, free_port
+
+SYSTEM = "You answer questions about the tide tables of small harbours, tersely and exactly. " * 6
+QUESTION = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "When is high tide?"}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tiny_model, tokenizer):
+    folder = tmp_path_factory.mktemp("tiny-chat-llama")
+    tiny_model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def serve(model_dir, *flags: str) -> Server:
+    argv = [sys.executable, "-m", "prefixcache.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
+            "--served-model-name", MODEL, "--block-size", "16", "--default-temperature", "0", "--workers", "2",
+            "--torch-threads", "1", "--log-level", "warning", *flags]
+    server = Server("prefixcache serve", argv + ["--port", str(port := free_port())], "/readyz", threads=1)
+    server.start(port)
+    return server
+
+
+def ask(server: Server) -> tuple[str, int]:
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                   json={"model": MODEL, "messages": QUESTION, "max_tokens": 6})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_restart_on_disk_and_redis_and_sharing_by_secret(model_dir, redis_server, tmp_path):
+    """A computes a prefix and is stopped (a signal: write-back keeps its blocks on disk and in Redis).
+    Then three servers run at once: A restarted on its disk tier, B on the Redis tier with A's secret,
+    C on it with another secret. A and B report cached tokens and A's answer; C reports none."""
+    disk = ("--tier-disk", str(tmp_path / "kv"))
+    redis = ("--tier-redis", redis_server.url)
+    a = serve(model_dir, *disk, *redis, "--hash-secret", "one secret")
+    try:
+        answer, cached = ask(a)
+        assert cached == 0
+    finally:
+        a.stop()
+    flags = {"a": (*disk, "--hash-secret", "one secret"), "b": (*redis, "--hash-secret", "one secret"),
+             "c": (*redis, "--hash-secret", "another secret")}
+    with ThreadPoolExecutor(3) as pool:  # started side by side: the machine's cores load them at once
+        starts = {name: pool.submit(serve, model_dir, *f) for name, f in flags.items()}
+        servers = {}
+        try:
+            for name, started in starts.items():
+                servers[name] = started.result()
+            replies = {name: ask(server) for name, server in servers.items()}
+            assert replies["a"][1] > 0 and replies["a"][0] == answer  # restart on the disk tier
+            assert replies["b"][1] > 0 and replies["b"][0] == answer  # a prefix only A computed, via Redis
+            assert replies["c"] == (answer, 0)  # another secret never hits
+            tiers = {name: httpx.get(s.url + "/v1/cache/stats").json()["tiers"] for name, s in servers.items()}
+            assert tiers["a"]["disk"]["restores"] == 1 and tiers["b"]["redis"]["restores"] == 1
+            assert tiers["c"]["redis"]["restores"] == 0 and tiers["c"]["redis"]["misses"] == 1
+        finally:
+            for started in starts.values():
+                try:
+                    started.result().stop()
+                except Exception:  # noqa: BLE001 - a server that failed to start has nothing to stop
+                    pass
+
+
+def test_a_redis_tier_needs_a_hash_secret(model_dir):
+    from prefixcache.cli import main
+
+    assert main(["serve", "--model", str(model_dir), "--tier-redis", "redis://127.0.0.1:1/0"]) == 2
+
+
+def degraded(srv) -> float | None:
+    text = httpx.get(srv.url + "/metrics", headers=auth(ADMIN)).text
+    found = re.search(r'^prefixcache_tier_degraded\{tier="redis"\} (\S+)$', text, re.M)
+    return None if found is None else float(found.group(1))
+
+
+def test_redis_stopped_mid_run_fails_no_request_and_recovers(tiny_model, tokenizer, redis_server):
+    cache = make_cache(tiny_model, tokenizer, block_size=16, tier_redis=redis_server.url, hash_secret="s",
+                       tier_write_policy="write-through")
+    with live(create_app(settings(), cache=cache)) as srv, srv.openai("sk-alpha") as client:
+        def chat(question: str):
+            msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+            return client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4)
+
+        chat("warm up")
+        assert degraded(srv) == 0
+        redis_server.stop()
+        answers = [chat(f"question {i} while Redis is down") for i in range(4)]
+        assert all(a.choices[0].message.content is not None for a in answers)
+        cache.flush()  # the next requests must look below the device, where Redis is down
+        assert chat("after a flush").usage.prompt_tokens_details.cached_tokens == 0
+        assert degraded(srv) == 1
+        redis_server.start()
+
+        def recovered() -> bool:
+            cache.flush()
+            chat("probe")
+            return degraded(srv) == 0
+
+        wait_until(recovered, timeout=60, interval=0.5)
+        cache.tiers.flush_writes(10)
+        cache.flush()
+        again = chat("probe")  # its blocks were written through after recovery, then restored
+        assert again.usage.prompt_tokens_details.cached_tokens > 0
+    cache.close()
