@@ -126,7 +126,7 @@ def decode(blob: bytes | bytearray | memoryview, meta: BlockMeta, dtype: torch.d
     """
     header = read_header(blob)
     expect = {"key": meta.key.hex(), "parent": meta.parent.hex(), "ns": meta.namespace_tag,
-              "dtype": str(dtype).removeprefix("torch."), "shape": list(shape)}
+              "tokens": list(meta.tokens), "dtype": str(dtype).removeprefix("torch."), "shape": list(shape)}
     for field, want in expect.items():
         if header.get(field) != want:
             raise CorruptBlock(f"header field {field!r} does not match")

@@ -8,7 +8,7 @@ payload *before* its index entry and then evicts least recently used blocks unti
 tier's byte budget holds, so the budget and the LRU are shared by every process.
 
 A reader asks the index for the longest run of keys in one round trip, fetches those
-payloads in a second and verifies each (``codec.decode``). An index entry whose payload
+payloads a few blocks per reply and verifies each (``codec.decode``). An index entry whose payload
 is gone (expired, or evicted by Redis' own ``maxmemory``) is a miss and is removed.
 
 When the server is down or slow (connection error, or no answer within
@@ -36,7 +36,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 PREFIX = "prefixcache:kv:"
-TIMEOUT_SECONDS = 1.0
+TIMEOUT_SECONDS = 2.0
+#: Blocks fetched per round trip when restoring (each reply stays a few MB).
+READ_BATCH = 4
 BACKOFF_SECONDS = 0.5
 MAX_BACKOFF_SECONDS = 30.0
 
@@ -161,9 +163,13 @@ class RedisTier:
             run += 1
         if run == 0:
             return []
-        blobs = self._call("read", lambda: self._client.mget([_payload(m.key) for m in metas[:run]]), None)
-        if blobs is None:
-            return []
+        blobs: list = []
+        for at in range(0, run, READ_BATCH):  # a few blocks per reply: no reply waits on a whole prefix
+            got = self._call("read", lambda: self._client.mget([_payload(m.key) for m in metas[at : at + READ_BATCH]]),
+                             None)
+            if got is None:
+                break
+            blobs.extend(got)
         out = []
         for meta, blob in zip(metas, blobs):
             if blob is None:  # expired or evicted by the server: the index entry is stale
