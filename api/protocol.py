@@ -150,6 +150,9 @@ class GenerationFields(BaseModel):
 
 
 class ChatCompletionRequest(GenerationFields):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra={"examples": [{
+        "model": "default", "max_tokens": 16, "stream": True, "prompt_cache_key": "support",
+        "messages": [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Hello"}]}]})
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens.")
     tools: list[Tool] | None = None

@@ -175,7 +175,10 @@ class _Reading(float):
     """
 
     def items(self) -> list[tuple[str, float]]:
-        return [("example", 1.0)]
+        return [("example", _Reading(1.0))]
+
+    def __getitem__(self, key: str) -> _Reading:  # a mapping of mappings (breakpoints by TTL, then event)
+        return _Reading(1.0)
 
 
 class _AnyStats(dict):

@@ -48,12 +48,15 @@ def _operations(url: str):
 def test_openapi_lists_every_route(fuzzed):
     labels = {op.label for op in _operations(fuzzed.url)}
     assert {"POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "POST /v1/cache/prewarm",
-            "DELETE /v1/cache", "GET /v1/cache/stats", "GET /metrics", "GET /healthz", "GET /readyz"} <= labels
+            "DELETE /v1/cache", "GET /v1/cache/stats", "GET /metrics", "GET /healthz", "GET /readyz",
+            "POST /v1/messages", "POST /v1/messages/count_tokens"} <= labels
 
 
 def stream_problems(text: str, path: str) -> list[str]:
     """What is wrong with a 200 SSE body: an error event, a chunk that is not the OpenAI
     chunk shape, a missing or misplaced ``[DONE]`` (a 200 status cannot report these)."""
+    if path.endswith("/v1/messages"):
+        return anthropic_stream_problems(text)
     events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
     if not events or events[-1] != "[DONE]":
         return [f"no final [DONE]: {events[-2:]}"]
@@ -83,6 +86,28 @@ def stream_problems(text: str, path: str) -> list[str]:
     return problems
 
 
+def anthropic_stream_problems(text: str) -> list[str]:
+    """What is wrong with a 200 Anthropic event stream: an error event, an event whose data is not
+    JSON of its own type, or an order other than message_start ... message_stop."""
+    kinds, problems = [], []
+    for block in text.strip().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
+        kind = lines.get("event")
+        kinds.append(kind)
+        try:
+            data = json.loads(lines.get("data", ""))
+        except ValueError:
+            problems.append(f"not JSON: {block[:120]}")
+            continue
+        if data.get("type") != kind:
+            problems.append(f"event {kind} carries type {data.get('type')}")
+        if kind == "error":
+            problems.append(f"error event: {data}")
+    if kinds[:1] != ["message_start"] or kinds[-2:] != ["message_delta", "message_stop"]:
+        problems.append(f"events out of order: {kinds}")
+    return problems
+
+
 def test_stream_check_catches_error_events_and_bad_chunks():
     """The checker itself can fail: an error event mid-stream and a malformed chunk are caught."""
     good = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
@@ -94,6 +119,11 @@ def test_stream_check_catches_error_events_and_bad_chunks():
     broken = {**good, "choices": [{"index": "zero", "delta": 5}]}
     assert stream_problems(f"data: {json.dumps(broken)}\n\ndata: [DONE]\n\n", "/v1/chat/completions")
     assert stream_problems(f"data: {json.dumps(good)}\n\n", "/v1/chat/completions")  # no [DONE]
+    events = ["message_start", "content_block_start", "ping", "content_block_stop", "message_delta", "message_stop"]
+    ok = "".join(f"event: {e}\ndata: {json.dumps({'type': e})}\n\n" for e in events)
+    assert stream_problems(ok, "/v1/messages") == []
+    assert stream_problems(ok.replace("event: message_stop", "event: error"), "/v1/messages")
+    assert stream_problems(ok.replace('"type": "ping"', '"type": "pong"'), "/v1/messages")
 
 
 def _content_type(response) -> str:
@@ -133,11 +163,13 @@ def test_no_generated_request_gets_a_5xx(fuzzed, key, mode):
     for operation in _operations(fuzzed.url):
         _fuzz(operation, mode, key, statuses, failures)
     exercised = {label for label, _ in statuses}
-    assert {"POST /v1/chat/completions", "POST /v1/completions", "POST /v1/cache/prewarm"} <= exercised
+    assert {"POST /v1/chat/completions", "POST /v1/completions", "POST /v1/cache/prewarm", "POST /v1/messages",
+            "POST /v1/messages/count_tokens"} <= exercised
     if mode is GenerationMode.POSITIVE:  # valid requests really reached the engine
         assert statuses["POST /v1/chat/completions", 200] >= 5, statuses
         assert statuses["POST /v1/completions", 200] >= 1, statuses
-        streams = statuses["POST /v1/chat/completions", "stream"] + statuses["POST /v1/completions", "stream"]
+        assert statuses["POST /v1/messages", 200] >= 1 and statuses["POST /v1/messages/count_tokens", 200] >= 1, statuses
+        streams = sum(statuses[f"POST /v1/{path}", "stream"] for path in ("chat/completions", "completions", "messages"))
         assert streams >= 1, statuses  # streamed answers were checked too
     assert not failures, "\n".join(failures[:10])
     wait_until(lambda: fuzzed.serving.queue() == (0, 0) and leased_refs(fuzzed.cache) == 0, timeout=5)
