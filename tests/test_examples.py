@@ -7,25 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory, tokenizer) -> Path:
-    """A 2-layer random Llama over the real SmolLM2 tokenizer (chat template included), saved."""
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
-    folder = tmp_path_factory.mktemp("tiny-model")
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def run_example(name: str, *args: str, env: dict[str, str] | None = None) -> str:
