@@ -251,7 +251,7 @@ def test_a_tenant_pin_over_its_pin_quota_is_429_with_its_own_figures_only(tight)
         r = alpha.post("/v1/cache/prewarm", json={"prompt": text, "pin": True})
         assert_error(r, 429, code="pin_quota_exceeded")
         assert "retry-after" not in r.headers  # retrying will not help until the tenant unpins
-        assert "0 bytes are pinned already" in r.json()["error"]["message"]  # alpha's, not beta's
+        assert "and 0 bytes are pinned already" in r.json()["error"]["message"]  # alpha's, not beta's
     with tight.client(ADMIN) as admin:
         assert admin.post("/v1/cache/prewarm", params={"tenant": "alpha"},
                           json={"prompt": text, "pin": True}).status_code == 200
