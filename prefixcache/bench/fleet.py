@@ -25,6 +25,8 @@ from prefixcache.bench.servers import Server, ServerError, free_port
 
 #: The admin key every replica of a fleet shares (loopback only; the admin fan-out uses it).
 ADMIN_KEY = "sk-fleet-admin"
+#: Seconds a replica may take to start: generous, for a machine other jobs share.
+START_TIMEOUT = 600.0
 #: A tiny random Llama over the default tokenizer's vocabulary: chat templates work, answers take milliseconds.
 TINY_CHAT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=4096)
@@ -99,7 +101,7 @@ class Fleet:
             argv += ["--torch-threads", str(self.threads)]
         server = Server(f"replica {len(self.replicas)}", argv, "/health", self.threads)
         self.replicas.append(server)
-        server.start(port)
+        server.start(port, START_TIMEOUT)
         return server
 
     def router(self, policy: str = "cache_aware", *, balance_abs_threshold: int = 4,

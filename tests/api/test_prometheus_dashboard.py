@@ -21,13 +21,10 @@ from proxy_support import ADMIN, ALPHA, MODEL, auth
 from prefixcache.bench.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"  # Debian's, from scripts/system-deps.sh
 SCRAPE_SECONDS = 1
 #: Grafana's variables, as it would expand them for a dashboard refreshed every few seconds.
 VARIABLES = {"$__rate_interval": "30s", "$__interval": "5s", "$__range": "5m"}
-
-pytestmark = pytest.mark.skipif(not Path(PROMETHEUS).exists(), reason="Debian's prometheus is not installed "
-                                "(scripts/system-deps.sh installs it)")
 
 
 def dashboard_queries(path: Path) -> list[tuple[str, str]]:
@@ -72,16 +69,20 @@ def prometheus(server, tmp_path_factory):
         log.close()
 
 
-def _until(predicate, timeout: float, proc: subprocess.Popen, tmp: Path) -> None:
+def _until(predicate, timeout: float, proc: subprocess.Popen | None = None, tmp: Path | None = None) -> None:
+    """Poll ``predicate`` (an HTTP error counts as false); fail with Prometheus' log if ``proc`` dies or time is up."""
+    def log() -> str:
+        return (tmp / "prometheus.log").read_text()[-2000:] if tmp is not None else ""
+
     deadline = time.monotonic() + timeout
     while True:
-        assert proc.poll() is None, (tmp / "prometheus.log").read_text()[-2000:]
+        assert proc is None or proc.poll() is None, log()
         try:
             if predicate():
                 return
         except httpx.HTTPError:
             pass
-        assert time.monotonic() < deadline, (tmp / "prometheus.log").read_text()[-2000:]
+        assert time.monotonic() < deadline, log()
         time.sleep(0.3)
 
 
@@ -105,7 +106,7 @@ def test_every_dashboard_query_returns_a_series_from_a_real_prometheus(server, p
     def scraped() -> bool:
         return any(s["value"][1] == "1" for s in _query(prometheus, 'up{job="prefixcache"}'))
 
-    _until(scraped, 30, _FakeProc(), Path("."))
+    _until(scraped, 30)
     for _ in range(3):  # a series' first sample has no rate: its counter must grow after it was scraped once
         _traffic(server)
         time.sleep(SCRAPE_SECONDS * 2.5)
@@ -117,9 +118,3 @@ def test_every_dashboard_query_returns_a_series_from_a_real_prometheus(server, p
     (line,) = _query(prometheus, dict(queries)["Requests per replica"])
     assert line["metric"]["instance"] == server.url.removeprefix("http://") and float(line["value"][1]) > 0
 
-
-class _FakeProc:
-    """``_until`` checks a process is alive; here Prometheus' own fixture already watches it."""
-
-    def poll(self) -> None:
-        return None
