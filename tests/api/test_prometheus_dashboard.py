@@ -2,7 +2,7 @@
 
 The queries are read from the provisioned dashboard's JSON, Grafana's variables
 substituted, and run through Prometheus' HTTP API after some traffic (hits, a
-client error, a flush), so a query that names a real metric but selects nothing
+client error, the prompt-cache parameters, a flush and a restore from a disk tier), so a query that names a real metric but selects nothing
 (wrong label, wrong aggregation) fails here.
 """
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from proxy_support import ADMIN, ALPHA, MODEL, auth
+from prefixcache_api import create_app
+from proxy_support import ADMIN, ALPHA, MODEL, auth, live, make_cache, settings
 
 from prefixcache.bench.servers import free_port
 
@@ -38,6 +39,16 @@ def dashboard_queries(path: Path) -> list[tuple[str, str]]:
             assert "$" not in expr, (panel["title"], expr)
             out.append((panel["title"], expr))
     return out
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tokenizer, tmp_path_factory):
+    """A live proxy with a disk tier written through, so the tier panels have series too."""
+    cache = make_cache(tiny_model, tokenizer, tier_disk=str(tmp_path_factory.mktemp("tier")),
+                       tier_write_policy="write-through")
+    with live(create_app(settings(), cache=cache)) as srv:
+        yield srv
+    cache.close()
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +111,15 @@ def _traffic(server) -> None:
                     "messages": [{"role": "system", "content": system}, {"role": "user", "content": f"Ship {i}?"}]}
             assert client.post("/v1/chat/completions", json=body).status_code == 200
         assert client.post("/v1/chat/completions", json={"model": MODEL}).status_code == 400  # an error series
+        body = {"model": MODEL, "max_tokens": 3, "prompt_cache_key": "port", "prompt_cache_retention": "24h",
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Berth?"}]}
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
+    with httpx.Client(base_url=server.url, headers=auth(ADMIN), timeout=60) as admin:
+        assert admin.request("DELETE", "/v1/cache", params={"tenant": "alpha"}).status_code == 200
+    with httpx.Client(base_url=server.url, headers=auth(ALPHA), timeout=60) as client:
+        body = {"model": MODEL, "max_tokens": 3, "temperature": 0,  # a device miss the disk tier restores
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Ship 0?"}]}
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
 
 
 def test_every_dashboard_query_returns_a_series_from_a_real_prometheus(server, prometheus):
