@@ -94,7 +94,7 @@ class Settings(BaseSettings):
                                   "model serves its prefixes as hits. Unset: no disk tier.")
     tier_disk_bytes: int = Field(_cache_default("tier_disk_bytes"), ge=0, description="Byte budget of the disk tier "
                                  "(least recently used blocks go first).")
-    tier_redis: SecretStr | None = Field(None, description="URL of the shared Redis tier, redis:// or rediss:// "
+    tier_redis: SecretStr | None = Field(None, repr=False, description="URL of the shared Redis tier, redis:// or rediss:// "
                                          "(credentials in the URL). Servers with the same URL and hash secret share "
                                          "prefixes. Needs --hash-secret. Unset: no Redis tier.")
     tier_redis_bytes: int = Field(_cache_default("tier_redis_bytes"), ge=0, description="Byte budget of the Redis "
@@ -103,7 +103,7 @@ class Settings(BaseSettings):
         _cache_default("tier_write_policy"), description="When blocks go to the tiers: write-back (when evicted from "
         "the device, and at shutdown) or write-through (as soon as they are cached: other servers on a shared tier "
         "see them at once). Pinned prefixes are always written through.")
-    hash_secret: SecretStr | None = Field(None, description="Secret of the tiers' keyed block hashes (required with "
+    hash_secret: SecretStr | None = Field(None, repr=False, description="Secret of the tiers' keyed block hashes (required with "
                                           "--tier-redis; servers sharing a tier need the same one). Unset: a disk "
                                           "tier keeps a random one in its directory, else one per process.")
 
