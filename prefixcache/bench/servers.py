@@ -131,11 +131,11 @@ class Server:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, port: int) -> None:
+    def start(self, port: int, ready_timeout: float = READY_TIMEOUT) -> None:
         self.port = port
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log,
                                      env=self.env)
-        deadline = time.monotonic() + READY_TIMEOUT
+        deadline = time.monotonic() + ready_timeout
         with httpx.Client(timeout=2.0) as client:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
@@ -147,7 +147,7 @@ class Server:
                 except httpx.TransportError:
                     pass
                 time.sleep(0.2)
-        raise ServerError(f"{self.name} was not ready after {READY_TIMEOUT:.0f} s{self.tail()}")
+        raise ServerError(f"{self.name} was not ready after {ready_timeout:.0f} s{self.tail()}")
 
     def tail(self, chars: int = 2000) -> str:
         """The end of the server's combined stdout/stderr, for error messages."""
