@@ -240,9 +240,13 @@ def tiny_model_folder(folder: str) -> None:
     """A 2-layer random Llama over the default model's tokenizer (chat template included), saved to ``folder``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from prefixcache.loading import load_default_model
+    from transformers import AutoTokenizer
 
-    base, tokenizer = load_default_model()
+    from prefixcache.loading import default_cache_dir, find_default_gguf, load_default_model
+
+    # The tokenizer only: from the converted copy when it exists (loading the model costs far more).
+    folders = sorted(default_cache_dir().glob(f"{find_default_gguf().stem}-*/tokenizer_config.json"))
+    tokenizer = AutoTokenizer.from_pretrained(folders[-1].parent) if folders else load_default_model()[1]
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
@@ -250,7 +254,6 @@ def tiny_model_folder(folder: str) -> None:
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    del base
 
 
 def run(opts: argparse.Namespace) -> dict[str, Any]:
@@ -268,7 +271,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
     server = Server("prefixcache serve", argv, "/readyz")
     server.env.update(PREFIXCACHE_API_KEYS=json.dumps(KEYS), PREFIXCACHE_ADMIN_KEY=ADMIN)
     try:
-        server.start(port)
+        server.start(port, timeout=opts.ready_timeout)
         context = 2048 if opts.model == "tiny" else opts.context
         good_n = max(2, opts.requests // 4)
         hostile_n = max(0, opts.requests - 2 * good_n)
@@ -316,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "for tiny, 512 MiB otherwise; a tenant may pin 1/8 of it)")
     parser.add_argument("--hostile-clients", type=int, default=2, help="concurrent clients of the hostile "
                         "tenant (the well-behaved one has 2)")
+    parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds the server may take to start")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the report here too")
     return parser
