@@ -75,7 +75,7 @@ def test_replica_commands_parse_and_share_one_tier_and_one_secret(compose):
         assert int(argv[argv.index("--tier-redis-bytes") + 1]) > 0
         args = build_parser().parse_args(_without_missing_tier_flags(argv))
         assert args.host == "0.0.0.0" and args.port == 8000, name
-        for flag in set(TIER_FLAGS) & _serve_flags():  # once they exist, they parse to their values
+        for flag in set(TIER_FLAGS) & _serve_flags() & set(argv):  # given flags parse to their values
             assert getattr(args, flag[2:].replace("-", "_")) is not None, flag
         env = replica["environment"]
         fields = {f"{ENV_PREFIX}{n.upper()}" for n in Settings.model_fields}
