@@ -131,7 +131,8 @@ class Server:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, port: int, timeout: float = READY_TIMEOUT) -> None:
+    def start(self, port: int, timeout: float | None = None) -> None:
+        timeout = READY_TIMEOUT if timeout is None else timeout  # read at call time (tests shorten it)
         self.port = port
         self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log,
                                      env=self.env)
