@@ -106,10 +106,10 @@ class _Prompt(BaseModel):
 
 class MessagesRequest(_Prompt):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra={"examples": [{
-        "model": "default", "max_tokens": 16,
+        "model": "default", "max_tokens": 16, "stream": stream,
         "system": [{"type": "text", "text": "You are brief.", "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
         "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello", "cache_control": {
-            "type": "ephemeral"}}]}]}]})
+            "type": "ephemeral"}}]}]} for stream in (False, True)]})
     max_tokens: int = Field(ge=1, description="Most tokens to generate.")
     stop_sequences: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(max_length=8)] | None = Field(
         None, description="Up to 8 strings; generation stops before the first one (stop_reason stop_sequence).")
