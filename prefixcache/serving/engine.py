@@ -55,13 +55,13 @@ def _attempt(what: str, action: Callable[[], object]) -> bool:
 @dataclass(frozen=True, slots=True)
 class BatchConfig:
     max_batch: int = 16  # running requests per step
-    #: Packed tokens per forward: decodes first, then prefill chunks (each request at most ``prefill_chunk``).
+    #: Packed tokens per forward: decodes first, then prompt tokens, the prompts closest to their
+    #: first token first (so a burst of prompts gets first tokens one after another, and a short
+    #: question is not held behind a long document). It bounds a step's time, hence TPOT.
     token_budget: int = 512
-    prefill_chunk: int = 128  # most prompt tokens one request feeds per step
-    #: Most prompt tokens one request feeds in a step that makes nobody's token (no decode, no
-    #: prompt ending in it), e.g. a lone cold prompt. A request arriving meanwhile waits at most
-    #: one such step. ``prefill_chunk`` disables.
-    idle_prefill_chunk: int = 512
+    #: Prompt tokens the oldest prompt feeds in every step at least, however many shorter prompts
+    #: arrive after it: none starves.
+    prefill_chunk: int = 128
     private_chunk: int = 32  # private KV grows by this many tokens at a time
     #: Requests that may hold more private tokens get a pool of their own. The shared pool's slots
     #: are sized at admission for the most any of its requests may hold (so at most this many).
@@ -85,7 +85,7 @@ class BatchConfig:
     fault_window_seconds: float = 30.0
 
     def __post_init__(self) -> None:
-        for name in ("max_batch", "token_budget", "prefill_chunk", "idle_prefill_chunk", "private_chunk",
+        for name in ("max_batch", "token_budget", "prefill_chunk", "private_chunk",
                      "max_private_tokens"):
             check_int(name, getattr(self, name), 1, None)
         check_int("fault_streak", self.fault_streak, 1, None)

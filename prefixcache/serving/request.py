@@ -138,6 +138,11 @@ class Request:
         return self.held_len < len(self.prompt)
 
     @property
+    def prompt_left(self) -> int:
+        """Prompt tokens whose KV does not exist yet."""
+        return len(self.prompt) - self.held_len
+
+    @property
     def cancelled(self) -> bool:
         return self.abandoned.is_set() or (self.cancel is not None and self.cancel.is_set())
 

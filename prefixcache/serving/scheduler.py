@@ -6,7 +6,7 @@ all; within the batch and private-KV budgets. A request whose next tokens anothe
 is prefilling right now waits for them to be stored (follow); a leader with followers
 publishes its prompt early and reads the shared part in place like them (rebase); a tail
 of stored runs nobody else reads is copied once into private KV (fold). ``plan_step``
-splits the step's token budget: decodes first, then prefill chunks.
+splits the step's token budget: decodes first, then the prompts closest to their first token.
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ class Scheduler:
         """Admit what fits, then plan the step: (request, new tokens) pairs."""
         self.admit()
         cfg = self.config
-        return plan_step(self.running, cfg.token_budget, cfg.prefill_chunk, cfg.idle_prefill_chunk)
+        return plan_step(self.running, cfg.token_budget, cfg.prefill_chunk)
 
     # -- admission ---------------------------------------------------------------
     def admit(self) -> None:
@@ -297,27 +297,29 @@ def admission_order(waiting: Sequence[Request], now: float, max_wait: float) -> 
     return sorted(waiting, key=key)
 
 
-def plan_step(active: Sequence[Request], token_budget: int, prefill_chunk: int,
-              idle_chunk: int) -> list[tuple[Request, int]]:
-    """How many new tokens each request feeds this step: every decode 1, then prefill
-    chunks (oldest first) within ``token_budget``, so a long prompt cannot stall decodes.
+def plan_step(active: Sequence[Request], token_budget: int, prefill_chunk: int) -> list[tuple[Request, int]]:
+    """How many new tokens each request feeds this step: every decode 1, then prompt tokens
+    within ``token_budget``, so a long prompt cannot stall decodes.
 
-    Chunks are ``prefill_chunk`` tokens while the step makes someone's token: a decode, or a
-    prompt that ends within its chunk. A step that makes nobody's token (only long prompts
-    part-way through) keeps nobody waiting on its length, so each may feed up to ``idle_chunk``
-    (``idle_chunk = prefill_chunk``: never more), the budget split evenly among them: fewer,
-    larger steps prefill a lone cold prompt faster.
+    The prompt budget goes to the prompts closest to their first token (fewest tokens left),
+    each as much as it can take: that is the order that makes first tokens soonest (a burst
+    of equal prompts finishes them one after another instead of all at the end together, and
+    a short question is not held behind a long document). So that a long prompt is never
+    starved by a stream of shorter ones, the oldest prompt always feeds at least
+    ``prefill_chunk`` tokens.
     """
     plan = [(r, 1) for r in active if not r.prefilling]
     prefilling = sorted((r for r in active if r.prefilling), key=lambda r: r.arrival)
-    chunk = prefill_chunk
-    if prefilling and not plan and all(len(r.prompt) - r.held_len > prefill_chunk for r in prefilling):
-        chunk = max(prefill_chunk, min(idle_chunk, token_budget // len(prefilling)))  # shared: none waits
     budget = token_budget - len(plan)
-    for r in prefilling:
-        n = min(chunk, len(r.prompt) - r.held_len, budget)
-        if n <= 0:
+    if not prefilling or budget <= 0:
+        return plan
+    oldest = prefilling[0]
+    fed = {id(oldest): min(prefill_chunk, oldest.prompt_left, budget)}
+    budget -= fed[id(oldest)]
+    for r in sorted(prefilling, key=lambda r: (r.prompt_left, r.arrival)):
+        if budget <= 0:
             break
-        plan.append((r, n))
-        budget -= n
-    return plan
+        more = min(r.prompt_left - fed.get(id(r), 0), budget)
+        fed[id(r)] = fed.get(id(r), 0) + more
+        budget -= more
+    return plan + [(r, fed[id(r)]) for r in prefilling if fed.get(id(r), 0) > 0]

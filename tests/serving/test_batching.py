@@ -205,7 +205,7 @@ def test_plan_step_keeps_decodes_running_during_long_prefill():
     prefilling = _req((0, 1.0))
     prefilling.prompt = [1] * 1000
     prefilling.private = type("P", (), {"length": 0})()
-    plan = plan_step([decoding, prefilling], token_budget=64, prefill_chunk=512, idle_chunk=512)
+    plan = plan_step([decoding, prefilling], token_budget=64, prefill_chunk=512)
     assert plan == [(decoding, 1), (prefilling, 63)]
 
 
@@ -216,19 +216,24 @@ def _prompt(tokens, arrival, held=0):
     return r
 
 
-def test_plan_step_feeds_bigger_chunks_only_when_nobody_waits_on_the_step():
+def test_plan_step_feeds_the_prompts_closest_to_their_first_token_first():
     lone = _prompt(2000, 0.0)
-    assert plan_step([lone], token_budget=512, prefill_chunk=128, idle_chunk=512) == [(lone, 512)]
-    assert plan_step([lone], token_budget=512, prefill_chunk=128, idle_chunk=128) == [(lone, 128)]  # disabled
-    assert plan_step([], token_budget=512, prefill_chunk=128, idle_chunk=512) == []
-    other = _prompt(900, 1.0)  # two long prompts part-way: the budget is split, neither waits for the other
-    assert plan_step([lone, other], token_budget=512, prefill_chunk=128, idle_chunk=512) == [(lone, 256), (other, 256)]
-    ending = _prompt(100, 2.0)  # ends within its chunk: its first token waits on this step's length
-    assert plan_step([lone, ending], 512, 128, 512) == [(lone, 128), (ending, 100)]
-    decoding = _prompt(50, 3.0, held=50)  # a decode in the step: chunks stay small
-    assert plan_step([lone, decoding], 512, 128, 512) == [(decoding, 1), (lone, 128)]
-    nearly = _prompt(2000, 0.0, held=1900)  # the last 100 tokens: its own first token, small chunk
-    assert plan_step([nearly], 512, 128, 512) == [(nearly, 100)]
+    assert plan_step([lone], token_budget=512, prefill_chunk=128) == [(lone, 512)]
+    assert plan_step([], token_budget=512, prefill_chunk=128) == []
+    # a burst of equal prompts: one after another (first tokens spread out), not all in parallel
+    burst = [_prompt(576, float(i)) for i in range(8)]
+    assert plan_step(burst, 512, 128) == [(burst[0], 512)]
+    burst[0].private.length = 512
+    assert plan_step(burst, 512, 128) == [(burst[0], 64), (burst[1], 448)]
+    # a short question arriving after a long document is fed first; the document keeps its
+    # guaranteed share, so it is not starved by the questions that keep coming
+    question = _prompt(100, 1.0)
+    assert plan_step([lone, question], 512, 128) == [(lone, 412), (question, 100)]
+    questions = [_prompt(300, 1.0 + i) for i in range(3)]
+    assert plan_step([lone, *questions], 512, 128) == [(lone, 128), (questions[0], 300), (questions[1], 84)]
+    decoding = _prompt(50, 3.0, held=50)  # decodes first, then the prompts
+    assert plan_step([lone, decoding], 512, 128) == [(decoding, 1), (lone, 511)]
+    assert plan_step([decoding], 1, 128) == [(decoding, 1)]  # no budget left for prompts
 
 
 def test_a_failure_while_planning_fails_the_active_requests_and_the_loop_lives_on(monkeypatch):
@@ -271,7 +276,7 @@ def test_a_long_prompt_gets_its_own_pool_sized_for_the_prompt_at_once(monkeypatc
     """A prompt too long for the shared pool prefills in several chunks into a pool of its own:
     one allocation for the whole prompt (not one copy per chunk); only the answer grows it."""
     model = build_tiny("llama-gqa")
-    engine = make_engine(model, prefill_chunk=8, idle_prefill_chunk=8, private_chunk=4, pool_max_tokens=16)
+    engine = make_engine(model, token_budget=8, prefill_chunk=8, private_chunk=4, pool_max_tokens=16)
     sizes = _own_pool_sizes(monkeypatch, engine)
     try:
         prompt = list(range(10, 74))  # 64 tokens: 8 prefill steps
@@ -287,7 +292,7 @@ def test_a_long_prompt_own_pool_grows_by_an_eighth_for_its_answer_capped_at_its_
     """Each growth of an own pool copies the whole prompt's KV: it grows by >= 1/8 of its capacity
     (rounded to chunks), never past what its request may hold, not by one chunk at a time."""
     model = build_tiny("llama-gqa")
-    engine = make_engine(model, prefill_chunk=8, idle_prefill_chunk=64, private_chunk=4, pool_max_tokens=16)
+    engine = make_engine(model, token_budget=64, prefill_chunk=8, private_chunk=4, pool_max_tokens=16)
     sizes = _own_pool_sizes(monkeypatch, engine)
     try:
         prompt = list(range(10, 74))  # 64 tokens; the answer's 40 tokens need 64 + 40 = 104 at most
@@ -474,7 +479,7 @@ def test_a_failure_while_admitting_fails_that_request_only():
 
 
 @pytest.mark.parametrize("field,value", [("max_batch", 0), ("token_budget", -1), ("prefill_chunk", 0),
-                                         ("idle_prefill_chunk", 0),
+
                                          ("private_chunk", 1.5), ("pool_max_tokens", -1), ("fold_max_tokens", -5),
                                          ("max_private_tokens", 0), ("max_wait_seconds", 0), ("max_batch", True),
                                          ("fast_path", "yes"), ("fast_path_max_bytes", -1)])
