@@ -79,6 +79,43 @@ class Tier(Protocol):
         """Release connections and files (idempotent)."""
 
 
+class IndexedTier:
+    """A tier whose blocks this process indexes in a ``BlockIndex`` (host memory, local disk): the
+    lookups and the restore loop; a subclass reads and verifies one block in ``_load``."""
+
+    _lock: threading.Lock
+    _index: BlockIndex
+    stats: TierStats
+
+    def contains(self, key: bytes) -> bool:
+        with self._lock:
+            return key in self._index
+
+    def load_run(self, metas: Sequence[BlockMeta], dtype: torch.dtype, shape: tuple[int, ...]) -> list[torch.Tensor]:
+        out = []
+        for meta in metas:
+            with self._lock:
+                entry = self._index.get(meta.key)
+            kv = None if entry is None else self._load(meta, entry, dtype, shape)
+            if kv is None:
+                break
+            out.append(kv)
+        return out
+
+    def _load(self, meta: BlockMeta, entry: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+        """The block's KV, verified; None (the entry forgotten, and counted if corrupt) if it is not usable."""
+        raise NotImplementedError
+
+    def _forget(self, key: bytes, entry: Any) -> None:
+        """Drop ``key`` from the index if it still maps to ``entry``."""
+        with self._lock:
+            if self._index.get(key) is entry:
+                try:
+                    del self._index[key]
+                except KeyError:  # expired meanwhile: already gone
+                    pass
+
+
 class BlockIndex(TLRUCache):
     """A byte-budgeted LRU map with per-entry expiry; ``on_drop(key, value)`` runs for every entry it
     drops by itself (least recently used when over budget, or expired) so the caller frees it."""

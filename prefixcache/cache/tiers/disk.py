@@ -18,14 +18,14 @@ import secrets
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from prefixcache.cache.tiers.base import BlockIndex, TierStats
+from prefixcache.cache.tiers.base import BlockIndex, IndexedTier, TierStats
 from prefixcache.cache.tiers.codec import MAGIC, BlockMeta, CorruptBlock, decode, expires_at
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class _Entry:
     expires_at: float | None
 
 
-class DiskTier:
+class DiskTier(IndexedTier):
     name = "disk"
 
     def __init__(self, directory: str | os.PathLike, max_bytes: int, clock: Callable[[], float],
@@ -88,10 +88,6 @@ class DiskTier:
         return len(found)
 
     # -- tier interface ------------------------------------------------------------
-    def contains(self, key: bytes) -> bool:
-        with self._lock:
-            return key in self._index
-
     def put(self, meta: BlockMeta, kv: torch.Tensor, encoded: Callable[[], bytes]) -> bool:
         if self._monotonic() < self._full_until:
             return False
@@ -117,29 +113,23 @@ class DiskTier:
             self._set(meta.key, _Entry(path, len(blob), meta.expires_at))
         return True
 
-    def load_run(self, metas: Sequence[BlockMeta], dtype: torch.dtype, shape: tuple[int, ...]) -> list[torch.Tensor]:
-        out = []
-        for meta in metas:
-            with self._lock:
-                entry = self._index.get(meta.key)
-            if entry is None:
-                break
-            try:
-                with entry.path.open("rb") as f:
-                    blob = bytearray(os.fstat(f.fileno()).st_size)
-                    f.readinto(blob)
-                out.append(decode(blob, meta, dtype, shape))
-            except FileNotFoundError:  # deleted meanwhile (evicted by another thread)
-                self._forget(meta.key, entry)
-                break
-            except (OSError, CorruptBlock) as exc:
-                log.warning("disk tier: block %s refused (%s); deleted, recomputing", meta.key.hex()[:12], exc)
-                self.stats.add("corrupt_entries")
-                self._forget(meta.key, entry)
-                entry.path.unlink(missing_ok=True)
-                break
-            os.utime(entry.path)  # recency survives a restart
-        return out
+    def _load(self, meta: BlockMeta, entry: _Entry, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+        try:
+            with entry.path.open("rb") as f:
+                blob = bytearray(os.fstat(f.fileno()).st_size)
+                f.readinto(blob)
+            kv = decode(blob, meta, dtype, shape)
+        except FileNotFoundError:  # deleted meanwhile (evicted by another thread)
+            self._forget(meta.key, entry)
+            return None
+        except (OSError, CorruptBlock) as exc:
+            log.warning("disk tier: block %s refused (%s); deleted, recomputing", meta.key.hex()[:12], exc)
+            self.stats.add("corrupt_entries")
+            self._forget(meta.key, entry)
+            entry.path.unlink(missing_ok=True)
+            return None
+        os.utime(entry.path)  # recency survives a restart
+        return kv
 
     def sweep(self) -> None:
         with self._lock:
@@ -167,14 +157,6 @@ class DiskTier:
             entry.path.unlink(missing_ok=True)
         if key not in self._index:
             entry.path.unlink(missing_ok=True)
-
-    def _forget(self, key: bytes, entry: _Entry) -> None:
-        with self._lock:
-            if self._index.get(key) is entry:
-                try:
-                    del self._index[key]
-                except KeyError:  # expired meanwhile: already gone
-                    pass
 
     @staticmethod
     def _drop(key: bytes, entry: _Entry) -> None:

@@ -9,13 +9,13 @@ so no checksum is needed.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from prefixcache.cache.tiers.base import BlockIndex, TierStats
+from prefixcache.cache.tiers.base import BlockIndex, IndexedTier, TierStats
 from prefixcache.cache.tiers.codec import BlockMeta
 
 
@@ -30,7 +30,7 @@ class _Entry:
         return self.meta.expires_at
 
 
-class HostTier:
+class HostTier(IndexedTier):
     name = "host"
 
     def __init__(self, max_bytes: int, device: torch.device | str, clock: Callable[[], float]):
@@ -39,10 +39,6 @@ class HostTier:
         self._pin = self.device.type != "cpu" and torch.cuda.is_available()
         self._lock = threading.Lock()
         self._index = BlockIndex(max_bytes, clock, lambda key, entry: None)  # dropping an entry frees it
-
-    def contains(self, key: bytes) -> bool:
-        with self._lock:
-            return key in self._index
 
     def put(self, meta: BlockMeta, kv: torch.Tensor, encoded: Callable[[], bytes]) -> bool:
         nbytes = kv.numel() * kv.element_size()
@@ -54,21 +50,12 @@ class HostTier:
             self._index[meta.key] = _Entry(meta, copy, nbytes)
         return True
 
-    def load_run(self, metas: Sequence[BlockMeta], dtype: torch.dtype, shape: tuple[int, ...]) -> list[torch.Tensor]:
-        out = []
-        for meta in metas:
-            with self._lock:
-                entry = self._index.get(meta.key)
-                bad = entry is not None and (entry.meta != _fresh(meta, entry.meta) or entry.kv.dtype != dtype
-                                             or tuple(entry.kv.shape) != shape)
-                if bad:
-                    del self._index[meta.key]
-            if entry is None or bad:
-                if bad:
-                    self.stats.add("corrupt_entries")
-                break
-            out.append(entry.kv.to(self.device, non_blocking=self._pin))
-        return out
+    def _load(self, meta: BlockMeta, entry: _Entry, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+        if entry.meta != _fresh(meta, entry.meta) or entry.kv.dtype != dtype or tuple(entry.kv.shape) != shape:
+            self.stats.add("corrupt_entries")
+            self._forget(meta.key, entry)
+            return None
+        return entry.kv.to(self.device, non_blocking=self._pin)
 
     def figures(self) -> dict[str, Any]:
         with self._lock:
