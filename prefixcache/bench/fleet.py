@@ -3,8 +3,9 @@
 A ``Fleet`` starts every replica on a free 127.0.0.1 port with the same model folder,
 keys and extra flags (``replica_args``: where a shared tier's flags go), and stops them;
 ``router`` starts ``sglang-router`` in front of them with explicit worker URLs and
-loopback binds. The replicas measurement (``prefixcache.bench.replicas``) and the
-end-to-end tests both run on it.
+loopback binds. ``shared_redis`` starts the ``redis-server`` replicas share a KV tier
+through (``SharedTier``). The replicas measurement (``prefixcache.bench.replicas``) and
+the end-to-end tests both run on it.
 """
 from __future__ import annotations
 
@@ -21,12 +22,19 @@ from pathlib import Path
 import httpx
 import torch
 
+from prefixcache.bench.redis_server import RedisServer
 from prefixcache.bench.servers import Server, ServerError, free_port
 
 #: The admin key every replica of a fleet shares (loopback only; the admin fan-out uses it).
 ADMIN_KEY = "sk-fleet-admin"
 #: Seconds a replica may take to start: generous, for a machine other jobs share.
 START_TIMEOUT = 600.0
+#: The hash secret every replica of a fleet sharing a tier gets (in its environment, as in deploy/replicas/).
+HASH_SECRET = "fleet-shared-tier-secret"
+#: Replicas sharing a tier write through: a prefix reaches Redis as soon as one replica caches it.
+#: Under write-back it would go down only when evicted (or at a clean shutdown), so the other replicas
+#: would miss it meanwhile, and a killed replica would take it with it.
+TIER_WRITE_POLICY = "write-through"
 #: A tiny random Llama over the default tokenizer's vocabulary: chat templates work, answers take milliseconds.
 TINY_CHAT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=4096)
@@ -82,6 +90,7 @@ class Fleet:
     folder: str
     keys: dict[str, str]  # API key -> tenant, the same on every replica
     replica_args: Sequence[str] = ()
+    replica_env: dict[str, str] = field(default_factory=dict)  # added to every replica's environment
     workers: int = 4
     threads: int | None = 1
     replicas: list[Server] = field(default_factory=list)
@@ -100,6 +109,7 @@ class Fleet:
         if self.threads is not None:
             argv += ["--torch-threads", str(self.threads)]
         server = Server(f"replica {len(self.replicas)}", argv, "/health", self.threads)
+        server.env.update(self.replica_env)
         self.replicas.append(server)
         server.start(port, START_TIMEOUT)
         return server
@@ -155,6 +165,51 @@ def fleet(folder: str, keys: dict[str, str], replicas: int = 2, **kwargs) -> Ite
         yield running
     finally:
         running.stop()
+
+
+@dataclass(frozen=True, slots=True)
+class SharedTier:
+    """What replicas share below their devices: nothing (``server`` None), or one Redis tier."""
+
+    server: RedisServer | None = None
+
+    @property
+    def name(self) -> str:
+        return "none" if self.server is None else "redis"
+
+    @property
+    def replica_args(self) -> tuple[str, ...]:
+        if self.server is None:
+            return ()
+        return ("--tier-redis", self.server.url, "--tier-write-policy", TIER_WRITE_POLICY)
+
+    @property
+    def replica_env(self) -> dict[str, str]:
+        """The hash secret, in the environment (as a deployment passes it) rather than on a command line."""
+        return {} if self.server is None else {"PREFIXCACHE_HASH_SECRET": HASH_SECRET}
+
+    def clear(self) -> None:
+        """Drop every block of the shared tier (a run that starts from flushed caches flushes this too)."""
+        if self.server is not None:
+            client = self.server.client()
+            try:
+                client.flushdb()
+            finally:
+                client.close()
+
+
+@contextmanager
+def shared_redis(enabled: bool = True) -> Iterator[SharedTier]:
+    """A ``redis-server`` on a free loopback port in a temporary directory, stopped on exit (or no tier)."""
+    if not enabled:
+        yield SharedTier()
+        return
+    with tempfile.TemporaryDirectory(prefix="prefixcache-fleet-redis-") as tmp:
+        server = RedisServer(Path(tmp)).start()
+        try:
+            yield SharedTier(server)
+        finally:
+            server.stop()
 
 
 @contextmanager

@@ -1,13 +1,17 @@
 """Replicas behind ``sglang-router``: cache-aware vs round-robin routing, side by side in one run.
 
-    python -m prefixcache.bench.replicas --replicas 2 --groups 4 --questions 6 --rounds 3
+    python -m prefixcache.bench.replicas --replicas 2 --groups 4 --questions 6 --rounds 3 --tier-redis
 
 A workload of system-prompt groups (one tenant per group, so each replica's per-tenant
 stats say where each group ran) is sent by one client thread per group, streamed, to:
-one replica alone (the reference), then the router with each policy. Every run starts
-from flushed caches. Reported per run: token hit rate, TTFT p50/p99 and mean, requests
-per replica, the groups that ran on more than one replica, and whether the greedy
-answers equal the single replica's. Prints a markdown table (medians over rounds).
+one replica alone (the reference), then the router with each policy. With
+``--tier-redis`` a second fleet of replicas shares one Redis tier (a ``redis-server``
+started here; the same hash secret; write-through) and runs round-robin too, in the
+same rounds. Every run starts from flushed caches (the Redis tier's too). Reported per
+run: token hit rate (tier restores count as cached tokens, as the replicas report them),
+TTFT p50/p99 and mean, requests per replica, Redis tier restores per replica, the groups
+that ran on more than one replica, and whether the greedy answers equal the single
+replica's. Prints a markdown table (medians over rounds).
 """
 from __future__ import annotations
 
@@ -17,12 +21,13 @@ import statistics
 import threading
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 
 import httpx
 
 from prefixcache.admin import FanOut
-from prefixcache.bench.fleet import ADMIN_KEY, Fleet, fleet, tiny_model_folder
+from prefixcache.bench.fleet import ADMIN_KEY, Fleet, SharedTier, fleet, shared_redis, tiny_model_folder
 
 MODEL_NAME = "replica-model"
 TOPICS = ("a shipping company's parcel desk", "a public library's catalogue", "a bakery's order line",
@@ -54,6 +59,7 @@ class RunResult:
     answers: list[Answer]
     per_replica: list[int] = field(default_factory=list)  # requests each replica served
     groups_on: dict[int, list[int]] = field(default_factory=dict)  # group -> replicas it ran on
+    tier_restores: list[int] | None = None  # per replica: prefixes restored from the shared Redis tier
 
     @property
     def token_hit_rate(self) -> float:
@@ -71,6 +77,12 @@ class RunResult:
     @property
     def split_groups(self) -> list[int]:
         return sorted(g for g, on in self.groups_on.items() if len(on) > 1)
+
+    @property
+    def late_misses(self) -> list[Answer]:
+        """Answers that reused nothing although their group had been served before (each group's
+        requests are sent one after another): what a replica new to the group costs."""
+        return [a for a in self.answers if a.index > 0 and a.error is None and a.cached_tokens == 0]
 
 
 def group_keys(groups: int) -> dict[str, str]:
@@ -151,28 +163,41 @@ def drive(url: str, calls: Sequence[Call], stagger: float = 0.05, timeout: float
     return sorted(answers, key=lambda a: (a.group, a.index))
 
 
-def measure(running: Fleet, url: str, name: str, calls: Sequence[Call]) -> RunResult:
-    """Flush every replica, drive ``calls`` at ``url``, then read where each group ran."""
+def measure(running: Fleet, url: str, name: str, calls: Sequence[Call], tier: SharedTier = SharedTier()
+            ) -> RunResult:
+    """Flush every replica (and ``tier``), drive ``calls`` at ``url``, then read where each group ran."""
     groups = sorted({c.group for c in calls})
     with FanOut(running.urls, ADMIN_KEY) as fan:
         if not fan.flush()["ok"]:
             raise RuntimeError("flushing a replica failed")
+        tier.clear()
         before = [fan.stats(f"group-{g}")["replicas"] for g in groups]
+        restored = tier_restores(fan)
         result = RunResult(name, drive(url, calls))
         after = [fan.stats(f"group-{g}")["replicas"] for g in groups]
+        if tier.server is not None:
+            result.tier_restores = [n - m for n, m in zip(tier_restores(fan), restored, strict=True)]
     served = {g: [after[i][u]["queries"] - before[i][u]["queries"] for u in running.urls] for i, g in enumerate(groups)}
     result.per_replica = [sum(served[g][r] for g in groups) for r in range(len(running.urls))]
     result.groups_on = {g: [r for r, n in enumerate(served[g]) if n] for g in groups}
     return result
 
 
-def compare(running: Fleet, calls: Sequence[Call], policies: Sequence[str] = ("cache_aware", "round_robin")
-            ) -> list[RunResult]:
-    """The single-replica reference, then each routing policy, in one run on one fleet."""
-    results = [measure(running, running.urls[0], "one replica", calls)]
+def tier_restores(fan: FanOut) -> list[int]:
+    """Each replica's count of prefixes restored from its Redis tier so far (0 without one)."""
+    answers = fan.stats()["replicas"]
+    return [((answers[u].get("tiers") or {}).get("redis") or {}).get("restores", 0) for u in fan.replicas]
+
+
+def compare(running: Fleet, calls: Sequence[Call], policies: Sequence[str] = ("cache_aware", "round_robin"),
+            tier: SharedTier = SharedTier(), reference: bool = True) -> list[RunResult]:
+    """The single-replica reference (unless ``reference`` is false), then each routing policy, in one run
+    on one fleet; ``tier`` is what the fleet's replicas share (its name is added to the runs' names)."""
+    suffix = "" if tier.server is None else f" + shared {tier.name.capitalize()} tier"
+    results = [measure(running, running.urls[0], "one replica" + suffix, calls, tier)] if reference else []
     for policy in policies:
         router = running.router(policy)
-        results.append(measure(running, router.url, f"router: {policy}", calls))
+        results.append(measure(running, router.url, f"router: {policy}{suffix}", calls, tier))
         router.server.stop()
     return results
 
@@ -180,8 +205,9 @@ def compare(running: Fleet, calls: Sequence[Call], policies: Sequence[str] = ("c
 def table(rounds: list[list[RunResult]]) -> str:
     """Markdown: one row per system, medians over rounds; answers compared with the reference's."""
     lines = ["| system | token hit rate | vs one replica | TTFT p50 (ms) | TTFT p99 (ms) | mean TTFT (ms) | "
-             "requests per replica (each round) | groups split | answers = one replica's |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "requests per replica (each round) | Redis tier restores per replica (each round) | groups split | "
+             "answers = one replica's |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for i, name in enumerate(r.name for r in rounds[0]):
         runs = [rs[i] for rs in rounds]
         hit = statistics.median(r.token_hit_rate for r in runs)
@@ -189,9 +215,11 @@ def table(rounds: list[list[RunResult]]) -> str:
         same = all([a.text for a in rs[i].answers] == [a.text for a in rs[0].answers] for rs in rounds)
         med = {q: statistics.median(r.ttft(q) for r in runs) * 1000 for q in (0.5, 0.99)}
         mean = statistics.median(r.mean_ttft for r in runs) * 1000
+        restores = "-" if runs[0].tier_restores is None else \
+            ", ".join(" / ".join(str(n) for n in r.tier_restores) for r in runs)
         lines.append(f"| {name} | {hit:.3f} | {hit / ref if ref else 0:.3f}x | {med[0.5]:.1f} | {med[0.99]:.1f} | "
                      f"{mean:.1f} | {', '.join(' / '.join(str(n) for n in r.per_replica) for r in runs)} | "
-                     f"{max(len(r.split_groups) for r in runs)} | {'yes' if same else 'NO'} |")
+                     f"{restores} | {max(len(r.split_groups) for r in runs)} | {'yes' if same else 'NO'} |")
     return "\n".join(lines)
 
 
@@ -206,6 +234,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="model folder for every replica; 'default': the embedded "
                         "SmolLM2-135M-Instruct (its converted copy); unset: a tiny random Llama saved with the "
                         "default model's tokenizer")
+    parser.add_argument("--tier-redis", action="store_true", help="also run round-robin on a second fleet whose "
+                        "replicas share one Redis tier (a redis-server started here)")
     parser.add_argument("--json", default=None, help="also write every run's answers and figures here")
     args = parser.parse_args(argv)
     calls = workload(args.groups, args.questions, args.max_tokens, args.system_repeat)
@@ -223,7 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         rounds, label = _rounds(args.model, args, calls), args.model
     print(f"model: {label}; {args.replicas} replicas; {args.groups} groups x {args.questions} questions; "
-          f"{args.rounds} rounds (medians)\n")
+          f"{args.rounds} rounds (medians){'; round-robin also on replicas sharing a Redis tier' * args.tier_redis}\n")
     print(table(rounds))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
@@ -232,9 +262,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _rounds(folder: str, args: argparse.Namespace, calls: Sequence[Call]) -> list[list[RunResult]]:
-    with fleet(folder, group_keys(args.groups), args.replicas,
-               replica_args=("--served-model-name", MODEL_NAME)) as running:
-        return [compare(running, calls) for _ in range(args.rounds)]
+    """Each round: the plain fleet's runs, then (``--tier-redis``) round-robin on the fleet sharing Redis."""
+    keys, base = group_keys(args.groups), ("--served-model-name", MODEL_NAME)
+    with ExitStack() as stack:
+        plain = stack.enter_context(fleet(folder, keys, args.replicas, replica_args=base))
+        tier = stack.enter_context(shared_redis(args.tier_redis))
+        tiered = None
+        if tier.server is not None:
+            tiered = stack.enter_context(fleet(folder, keys, args.replicas, replica_args=(*base, *tier.replica_args),
+                                               replica_env=tier.replica_env))
+        rounds = []
+        for _ in range(args.rounds):
+            results = compare(plain, calls)
+            if tiered is not None:
+                results += compare(tiered, calls, ("round_robin",), tier, reference=False)
+            rounds.append(results)
+        return rounds
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The replicas deployment (deploy/replicas/), parsed and cross-checked: no Docker engine runs here.
+"""The replicas deployments (deploy/replicas/ for compose, deploy/k8s/ for Kubernetes), parsed and
+cross-checked: no Docker engine or cluster runs here.
 
 Replica commands are parsed by ``prefixcache serve``'s own parser and the router's by
 sglang-router's. The shared tier's flags (``TIER_FLAGS``) are checked by the parser as
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 import yaml
@@ -73,6 +75,8 @@ def test_replica_commands_parse_and_share_one_tier_and_one_secret(compose):
         tier = argv[argv.index("--tier-redis") + 1]
         assert re.fullmatch(r"redis://redis:6379/\d+", tier), tier
         assert int(argv[argv.index("--tier-redis-bytes") + 1]) > 0
+        # Written through: a prefix reaches Redis when cached, not when evicted (a crash would lose it).
+        assert argv[argv.index("--tier-write-policy") + 1] == "write-through"
         args = build_parser().parse_args(_without_missing_tier_flags(argv))
         assert args.host == "0.0.0.0" and args.port == 8000, name
         for flag in set(TIER_FLAGS) & _serve_flags() & set(argv):  # given flags parse to their values
@@ -140,3 +144,79 @@ def test_deployment_page_documents_the_replicas(compose):
     for text in ("deploy/replicas/compose.yml", "prefixcache admin --replicas", "--balance-abs-threshold",
                  "python -m prefixcache.bench.replicas"):
         assert text in page, text
+
+
+@pytest.fixture(scope="module")
+def k8s() -> dict[tuple[str, str], dict]:
+    """The Kubernetes objects of deploy/k8s/replicas.yaml by (kind, name)."""
+    docs = list(yaml.safe_load_all((ROOT / "deploy" / "k8s" / "replicas.yaml").read_text()))
+    objects = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    assert len(objects) == len(docs)  # no name given twice
+    return objects
+
+
+def _pod(obj: dict) -> dict:
+    """The single container of a workload, after checking its selector picks its own pods."""
+    spec = obj["spec"]
+    assert spec["selector"]["matchLabels"].items() <= spec["template"]["metadata"]["labels"].items()
+    (container,) = spec["template"]["spec"]["containers"]
+    return container
+
+
+def _service_for(k8s: dict, name: str, workload: dict) -> dict:
+    service = k8s["Service", name]
+    assert service["spec"]["selector"].items() <= workload["spec"]["template"]["metadata"]["labels"].items()
+    return service
+
+
+def test_k8s_replicas_run_the_compose_replicas_command_with_secrets_from_one_secret(k8s, compose):
+    from prefixcache_api.replica import replica
+    from prefixcache_api.routes import router
+
+    sts = k8s["StatefulSet", "prefixcache"]
+    container = _pod(sts)
+    argv = container["args"]
+    assert argv == next(iter(_replicas(compose).values()))["command"]  # one replica command for both
+    args = build_parser().parse_args(argv)
+    assert args.host == "0.0.0.0" and {p["containerPort"] for p in container["ports"]} == {args.port}
+    assert argv[argv.index("--tier-write-policy") + 1] == "write-through"
+    headless = _service_for(k8s, sts["spec"]["serviceName"], sts)
+    assert headless["spec"]["clusterIP"] == "None"  # one DNS name per replica
+    assert [p["targetPort"] for p in headless["spec"]["ports"]] == [args.port]
+    redis = urlparse(argv[argv.index("--tier-redis") + 1])
+    redis_pod = _pod(k8s["Deployment", redis.hostname])
+    assert redis.port in [p["port"] for p in _service_for(k8s, redis.hostname, k8s["Deployment", redis.hostname])
+                          ["spec"]["ports"]]
+    assert redis.port in [p["containerPort"] for p in redis_pod["ports"]]
+    assert redis_pod["args"][redis_pod["args"].index("--maxmemory-policy") + 1] == "allkeys-lru"
+    env = {e["name"]: e for e in container["env"]}
+    fields = {f"{ENV_PREFIX}{n.upper()}" for n in Settings.model_fields}
+    assert set(env) <= fields | TIER_ENV, set(env) - fields - TIER_ENV
+    secrets = {env[k]["valueFrom"]["secretKeyRef"]["name"] for k in ("PREFIXCACHE_ADMIN_KEY", "PREFIXCACHE_HASH_SECRET")}
+    assert len(secrets) == 1 and all("value" not in env[k] for k in ("PREFIXCACHE_ADMIN_KEY", "PREFIXCACHE_HASH_SECRET"))
+    assert ("Secret", secrets.pop()) not in k8s  # created from the command line, never kept in the file
+    paths = {route.path for route in [*router.routes, *replica.routes]}
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"]["path"] in paths, probe
+    # Not ready drops a replica from the headless Service's DNS: readiness is the router's own check.
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_k8s_router_lists_every_replica_by_its_stable_name(k8s):
+    from sglang_router.launch_router import parse_router_args
+
+    sts = k8s["StatefulSet", "prefixcache"]
+    port = build_parser().parse_args(_pod(sts)["args"]).port
+    deployment = k8s["Deployment", "router"]
+    container = _pod(deployment)
+    args = parse_router_args(container["args"])
+    name, service = sts["metadata"]["name"], sts["spec"]["serviceName"]
+    assert args.worker_urls == [f"http://{name}-{i}.{service}:{port}" for i in range(sts["spec"]["replicas"])]
+    assert args.policy == "cache_aware" and args.balance_abs_threshold < 64  # see docs/deployment.md
+    assert args.host == "0.0.0.0" and args.prometheus_host == "0.0.0.0"
+    assert {p["containerPort"] for p in container["ports"]} == {args.port, args.prometheus_port}
+    assert {p["targetPort"] for p in _service_for(k8s, "router", deployment)["spec"]["ports"]} == \
+        {args.port, args.prometheus_port}
+    pinned = re.search(r'"sglang-router==([\w.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert container["image"].endswith(f":{pinned}")
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readiness"
