@@ -27,7 +27,10 @@ def check_store(store: KVStore) -> None:
             assert node.alive and node.kv is not None, "freed node still reachable"
             assert node.refcount >= 0 and node.pins >= 0
             assert parent is not None and parent.alive and node.start == parent.end
-            assert node in parent.by_key[node.key] and node in parent.by_first[node.tokens[0]]
+            assert node in parent.keyed(node.key) and node in parent.starting(node.tokens[0])
+            assert (node.only is not None) == (node.num_children == 1) == (node.by_key is None and node.num_children > 0)
+            assert (node.by_key is None) == (node.by_first is None)
+            assert node.by_key is None or sum(map(len, node.by_key.values())) == node.num_children
             assert parent.is_root or len(parent.tokens) == bs, "partial block with children"
             assert 0 < len(node.tokens) <= bs and node.tenant == parent.tenant
             assert node.num_children == sum(1 for _ in node.children())

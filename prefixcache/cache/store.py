@@ -153,24 +153,15 @@ class KVStore:
         with self._lock:
             now = self._clock()
             root = self.trie.root(namespace, tenant, create=True)
-            # Every node on the path is held (refcount) while we evict to make room,
-            # so eviction can never free the node we are about to attach to.
-            held: list[Node] = [root]
-            root.refcount += 1
+            root.refcount += 1  # the root outlives the insert even if nothing is stored
             pin_room = None if not pin or privileged else self.config.pin_quota_bytes - self.index.pinned_bytes[tenant]
-            grown = False
+            path: list[Node] = []
             try:
-                added, pos = self._grow(root, tokens, slice_kv, tenant, held, now, pin_room)
-                grown = True
+                added, pos = self._grow(root, tokens, slice_kv, tenant, path, now, pin_room)
             finally:
                 root.refcount -= 1
-                for node in held[1:]:
-                    node.refcount -= 1
-                    if not grown:
-                        self._sync(node)
                 self.trie.drop_root_if_empty(root)
-            path = held[1:]
-            self._touch(path, now, ttl_seconds)  # syncs every node of the path (one sync per node, not two)
+            self._touch(path, now, ttl_seconds)
             complete = pos == len(tokens)
             if pin and complete:
                 for node in path:
@@ -183,8 +174,15 @@ class KVStore:
             return InsertResult(pos, sum(n.nbytes for n in added), complete)
 
     def _grow(self, root: Node, tokens: Sequence[int], slice_kv: KVSlicer, tenant: str,
-              held: list[Node], now: float, pin_room: int | None) -> tuple[list[Node], int]:
+              path: list[Node], now: float, pin_room: int | None) -> tuple[list[Node], int]:
         """Walk existing blocks, then add the missing tail; returns (new blocks, tokens covered).
+
+        ``path`` receives every block of the stored prefix, root-first. Eviction and expiry
+        free only leaves the indexes offer, so while blocks are added (and others evicted to
+        make room) the path is safe if its deepest walked block is held (refcount) and the new
+        blocks are not indexed yet: they enter the indexes when the insert ends (``_touch``
+        syncs the new leaf; the blocks above it have a child and belong to no index). Blocks
+        walked past cost no index update.
 
         New blocks always form the tail of the path (a new node has no children yet), so
         their KV is sliced once into one *run* tensor and each block holds a view of it:
@@ -192,42 +190,54 @@ class KVStore:
         ``pin_room`` (None: no limit) bounds the bytes a pin of the whole path may newly pin.
         """
         bs, pos, attach = self.config.block_size, 0, root
-        while pos < len(tokens):
+        n = len(tokens)
+        while pos < n:
             chunk = tuple(tokens[pos : pos + bs])
             node = self._covering_child(attach, chunk, now)
             if node is None:
                 break
-            self._ref(node, +1)
-            held.append(node)
+            path.append(node)
             pos += len(chunk)
             if len(chunk) < bs or len(node.tokens) < bs:
                 break
             attach = node
-        run = slice_kv(pos, len(tokens)) if pos < len(tokens) else None
+        run = slice_kv(pos, n) if pos < n else None
         if pin_room is not None:
-            missing = 0 if run is None else (len(tokens) - pos) * self._kv.per_token(run)
-            self._check_pin_room(held[1:], missing, pin_room)
-        if run is None or (held[1:] and len(held[-1].tokens) < bs):
+            missing = 0 if run is None else (n - pos) * self._kv.per_token(run)
+            self._check_pin_room(path, missing, pin_room)
+        if run is None or (path and len(path[-1].tokens) < bs):
             return [], pos
         first = pos
         per_token = self._kv.per_token(run)
         added: list[Node] = []
-        while pos < len(tokens):
-            chunk = tuple(tokens[pos : pos + bs])
-            nbytes = len(chunk) * per_token
-            if not self._make_room(nbytes, tenant):
-                break
-            self._drop_superseded(attach, chunk)
-            node = self.trie.add_child(attach, chunk)
-            node.kv, node.nbytes = self._kv.view(run, pos - first, pos - first + len(chunk)), nbytes
-            self._account(node, +1)
-            self._sync(attach)  # no longer a leaf
-            self._ref(node, +1)
-            held.append(node)
-            added.append(node)
-            pos += len(chunk)
-            attach = node
-        if added and pos < len(tokens):  # cut short: keep only the bytes of the blocks stored
+        walked = attach
+        self._ref(walked, +1)
+        try:
+            while pos < n:
+                chunk = tuple(tokens[pos : pos + bs])
+                nbytes = len(chunk) * per_token
+                if not self._make_room(nbytes, tenant):
+                    break
+                if len(chunk) > 1:
+                    self._drop_superseded(attach, chunk)
+                node = self.trie.add_child(attach, chunk)
+                node.kv, node.nbytes = self._kv.view(run, pos - first, pos - first + len(chunk)), nbytes
+                self._account(node, +1)
+                if attach is walked:  # it has a child now: no longer a leaf, and safe without the hold
+                    walked = None
+                    self._ref(attach, -1)
+                path.append(node)
+                added.append(node)
+                pos += len(chunk)
+                attach = node
+        except BaseException:
+            for node in added:
+                self._sync(node)
+            raise
+        finally:
+            if walked is not None:
+                self._ref(walked, -1)
+        if added and pos < n:  # cut short: keep only the bytes of the blocks stored
             run = self._kv.copy(run, pos - first)
             for node in added:
                 node.kv = self._kv.view(run, node.start - first, node.end - first)
@@ -244,7 +254,7 @@ class KVStore:
 
     def _covering_child(self, parent: Node, chunk: tuple[int, ...], now: float) -> Node | None:
         """An existing usable block holding ``chunk`` (a partial chunk may sit inside a longer block)."""
-        for child in parent.by_first.get(chunk[0], ()):
+        for child in parent.starting(chunk[0]):
             if _usable(child, now) and child.tokens[: len(chunk)] == chunk:
                 if len(child.tokens) == len(chunk) or len(chunk) < self.config.block_size:
                     return child
@@ -252,7 +262,7 @@ class KVStore:
 
     def _drop_superseded(self, parent: Node, chunk: tuple[int, ...]) -> None:
         """Copy-on-write: a new block replaces shorter partial siblings it extends, if unused."""
-        for child in list(parent.by_first.get(chunk[0], ())):
+        for child in list(parent.starting(chunk[0])):
             if len(child.tokens) < len(chunk) and chunk[: len(child.tokens)] == child.tokens and evictable(child):
                 self._free(child, None)
 
@@ -278,18 +288,22 @@ class KVStore:
     def _make_room(self, need: int, tenant: str) -> bool:
         """Evict until ``need`` more bytes fit the tenant quota, the budget and the KV total (O(log n) per block freed)."""
         cfg = self.config
-        if need > self._limit() or (cfg.tenant_quota_bytes is not None and need > cfg.tenant_quota_bytes):
+        quota = cfg.tenant_quota_bytes
+        limit = self._limit()
+        if need > limit or (quota is not None and need > quota):
             return False
-        self._expire(self._clock())
-        if cfg.tenant_quota_bytes is not None:
+        top = self.index.expiry.peek()
+        if top is not None and top[1] <= self._clock():
+            self._expire(self._clock())
+        if quota is not None:
             # Over its quota, a tenant evicts only its own entries.
             own = self.index.lru_by_tenant.get(tenant)
-            while self.tenant_bytes[tenant] + need > cfg.tenant_quota_bytes:
+            while self.tenant_bytes[tenant] + need > quota:
                 top = None if own is None else own.peek()
                 if top is None:
                     return False
                 self._free(top[0], "quota")
-        return self._evict_to(self._limit() - need)
+        return self.bytes + need <= limit or self._evict_to(limit - need)
 
     def _evict_to(self, limit: int) -> bool:
         """Evict least recently used leaves until at most ``limit`` bytes are held; whether it got there."""
@@ -355,12 +369,17 @@ class KVStore:
 
     # -- bookkeeping ---------------------------------------------------------------
     def _touch(self, nodes: list[Node], now: float, ttl_seconds: float | None) -> None:
+        """Refresh access time and deadline. Both only key the heaps, which hold leaves only, so
+        only leaves are re-indexed (callers sync any other change to a node themselves)."""
         until = expiry(now, ttl_seconds)
+        sync = self.index.sync
         for node in nodes:  # root-first, so a parent never expires before its child
             node.last_access = now
             # New (or expired but still in use) nodes take the new deadline; live ones keep the later one.
-            node.expires_at = until if node.expires_at <= now else max(node.expires_at, until)
-            self._sync(node)
+            expires = node.expires_at
+            node.expires_at = until if expires <= now else (expires if expires > until else until)
+            if not node.num_children:
+                sync(node)
 
     def _ref(self, node: Node, delta: int) -> None:
         node.refcount += delta
@@ -370,8 +389,9 @@ class KVStore:
         self.index.sync(node)
 
     def _account(self, node: Node, sign: int) -> None:
-        self.bytes += sign * node.nbytes
-        self.tenant_bytes[node.tenant] += sign * node.nbytes
+        nbytes, tenant = sign * node.nbytes, node.tenant
+        self.bytes += nbytes
+        self.tenant_bytes[tenant] += nbytes
         self.index.count(node, sign)
 
     def _free(self, node: Node, reason: str | None) -> None:
