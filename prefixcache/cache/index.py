@@ -24,9 +24,11 @@ _INF = math.inf
 
 
 class StoreIndex:
-    def __init__(self) -> None:
-        # Exactly the nodes ``evictable`` holds for, keyed by last access (all tenants, and per tenant).
+    def __init__(self, by_tenant: bool = True) -> None:
+        # Exactly the nodes ``evictable`` holds for, keyed by last access: all tenants, and (with
+        # ``by_tenant``: only quota eviction reads them) per tenant.
         self.lru: KeyedHeap[Node] = KeyedHeap()
+        self.by_tenant = by_tenant
         self.lru_by_tenant: dict[str, KeyedHeap[Node]] = {}
         # Exactly the nodes ``ttl_freeable`` holds for that have a finite deadline, keyed by it.
         self.expiry: KeyedHeap[Node] = KeyedHeap()
@@ -39,8 +41,9 @@ class StoreIndex:
 
     def count(self, node: Node, sign: int) -> None:
         """A node added (+1) or freed (-1)."""
-        self.entries[node.tenant] += sign
-        self.tokens[node.tenant] += sign * len(node.tokens)
+        tenant = node.tenant
+        self.entries[tenant] += sign
+        self.tokens[tenant] += sign * len(node.tokens)
 
     def sync(self, node: Node) -> None:
         """Bring the indexes and running totals in line with ``node``'s current state (O(log n))."""
@@ -58,17 +61,19 @@ class StoreIndex:
         else:
             state = 0
         if state & LRU:
-            own = self.lru_by_tenant.get(node.tenant)
-            if own is None:
-                own = self.lru_by_tenant[node.tenant] = KeyedHeap()
             self.lru.set(node, node.last_access)
-            own.set(node, node.last_access)
+            if self.by_tenant:
+                own = self.lru_by_tenant.get(node.tenant)
+                if own is None:
+                    own = self.lru_by_tenant[node.tenant] = KeyedHeap()
+                own.set(node, node.last_access)
         elif old & LRU:
             self.lru.discard(node)
-            own = self.lru_by_tenant[node.tenant]
-            own.discard(node)
-            if not own:
-                del self.lru_by_tenant[node.tenant]
+            if self.by_tenant:
+                own = self.lru_by_tenant[node.tenant]
+                own.discard(node)
+                if not own:
+                    del self.lru_by_tenant[node.tenant]
         if state & EXPIRY:
             self.expiry.set(node, node.expires_at)
         elif old & EXPIRY:
@@ -91,7 +96,7 @@ class StoreIndex:
         lru = {n: n.last_access for n in nodes if evictable(n)}
         assert dict(self.lru.items()) == lru, "LRU index differs from the evictable leaves"
         by_tenant: dict[str, dict[Node, float]] = {}
-        for node, key in lru.items():
+        for node, key in lru.items() if self.by_tenant else ():
             by_tenant.setdefault(node.tenant, {})[node] = key
         assert {t: dict(h.items()) for t, h in self.lru_by_tenant.items()} == by_tenant, "tenant LRU index drift"
         expiring = {n: n.expires_at for n in nodes if ttl_freeable(n) and math.isfinite(n.expires_at)}

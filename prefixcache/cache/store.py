@@ -54,7 +54,7 @@ class KVStore:
         self._eviction_counts: Counter[tuple[str, str]] = Counter()
         self._reclaimed_counts: Counter[tuple[str, str]] = Counter()
         # Eviction and expiry candidates and per-tenant totals, kept in step with every node change.
-        self.index = StoreIndex()
+        self.index = StoreIndex(by_tenant=config.tenant_quota_bytes is not None)
         # Run tensors (see ``_grow``): storage key -> live nodes viewing it. A run whose
         # nodes were partly freed is *dirty* until ``_compact`` re-homes the survivors,
         # so held bytes always equal accounted bytes between operations.
@@ -254,10 +254,11 @@ class KVStore:
 
     def _covering_child(self, parent: Node, chunk: tuple[int, ...], now: float) -> Node | None:
         """An existing usable block holding ``chunk`` (a partial chunk may sit inside a longer block)."""
+        n = len(chunk)
         for child in parent.starting(chunk[0]):
-            if _usable(child, now) and child.tokens[: len(chunk)] == chunk:
-                if len(child.tokens) == len(chunk) or len(chunk) < self.config.block_size:
-                    return child
+            tokens = child.tokens
+            if (tokens == chunk or (n < self.config.block_size and tokens[:n] == chunk)) and _usable(child, now):
+                return child
         return None
 
     def _drop_superseded(self, parent: Node, chunk: tuple[int, ...]) -> None:
@@ -407,8 +408,9 @@ class KVStore:
                     log.exception("offload hook failed; snapshot dropped")
         self.trie.remove_leaf(node)
         self._account(node, -1)
-        self._sync(node)
-        self._sync(node.parent)  # may have become a leaf
+        sync = self.index.sync
+        sync(node)
+        sync(node.parent)  # may have become a leaf
         if reason is not None:
             self._eviction_counts[node.tenant, reason] += 1
             self._reclaimed_counts[node.tenant, reason] += node.nbytes
