@@ -13,9 +13,10 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 from prefixcache.cache.keyed_heap import KeyedHeap
-from prefixcache.cache.policy import evictable, ttl_freeable
+from prefixcache.cache.policy import REASONS, evictable, ttl_freeable
 from prefixcache.cache.trie import Node
 
 #: ``Node.indexed`` bits: in the LRU heaps, in the expiry heap, counted as pinned, counted as leased.
@@ -38,12 +39,31 @@ class StoreIndex:
         self.pinned_bytes: Counter[str] = Counter()
         self.leased_entries: Counter[str] = Counter()
         self.protected_bytes: Counter[str] = Counter()  # pinned or leased: not reclaimable now
+        # Blocks freed and their bytes, keyed by (tenant, reason); store-wide figures are sums.
+        self.evictions: Counter[tuple[str, str]] = Counter()
+        self.reclaimed: Counter[tuple[str, str]] = Counter()
 
     def count(self, node: Node, sign: int) -> None:
         """A node added (+1) or freed (-1)."""
         tenant = node.tenant
         self.entries[tenant] += sign
         self.tokens[tenant] += sign * len(node.tokens)
+
+    def evicted(self, node: Node, reason: str) -> None:
+        self.evictions[node.tenant, reason] += 1
+        self.reclaimed[node.tenant, reason] += node.nbytes
+
+    def figures(self, tenant: str | None) -> dict[str, Any]:
+        """The running totals ``KVStore.snapshot_stats`` reports, for one tenant or (None) all."""
+        return {"entries": total(self.entries, tenant), "cached_tokens_held": total(self.tokens, tenant),
+                "pinned_bytes": total(self.pinned_bytes, tenant), "leased_entries": total(self.leased_entries, tenant),
+                "evictions": self.by_reason(self.evictions, tenant),
+                "reclaimed_bytes": self.by_reason(self.reclaimed, tenant)}
+
+    @staticmethod
+    def by_reason(counts: Counter[tuple[str, str]], tenant: str | None) -> dict[str, int]:
+        """Sum (tenant, reason) counts per reason, for one tenant or (None) all."""
+        return {r: sum(n for (t, why), n in counts.items() if why == r and tenant in (None, t)) for r in REASONS}
 
     def sync(self, node: Node) -> None:
         """Bring the indexes and running totals in line with ``node``'s current state (O(log n))."""

@@ -158,6 +158,21 @@ class PrefixTrie:
             break
         return steps
 
+    def covering(self, parent: Node, chunk: tuple[int, ...], usable: Callable[[Node], bool]) -> Node | None:
+        """A usable child of ``parent`` holding ``chunk`` (a partial chunk may sit inside a longer block)."""
+        n = len(chunk)
+        for child in parent.starting(chunk[0]):
+            tokens = child.tokens
+            if (tokens == chunk or (n < self.block_size and tokens[:n] == chunk)) and usable(child):
+                return child
+        return None
+
+    def superseded(self, parent: Node, chunk: tuple[int, ...]) -> list[Node]:
+        """Children of ``parent`` that ``chunk`` extends: shorter partial blocks it would replace."""
+        if len(chunk) < 2:
+            return []
+        return [c for c in parent.starting(chunk[0]) if len(c.tokens) < len(chunk) and chunk[: len(c.tokens)] == c.tokens]
+
     # -- mutation ------------------------------------------------------------------
     def add_child(self, parent: Node, tokens: tuple[int, ...]) -> Node:
         assert parent.is_root or len(parent.tokens) == self.block_size, "only full blocks have children"
