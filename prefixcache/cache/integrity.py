@@ -8,6 +8,16 @@ if TYPE_CHECKING:
     from prefixcache.cache.store import KVStore
 
 
+def audit_store(store: KVStore) -> dict[str, int]:
+    """Recount by walking every node (O(n)): bytes of live snapshot tensors and refcounts held,
+    beside the accounted bytes."""
+    with store._lock:
+        nodes = list(store.trie.iter_nodes())
+        return {"accounted_bytes": store.bytes,
+                "live_tensor_bytes": sum(n.kv.numel() * n.kv.element_size() for n in nodes if n.kv is not None),
+                "refcounts": sum(n.refcount for n in nodes) + sum(r.refcount for r in store.trie.roots())}
+
+
 def check_store(store: KVStore) -> None:
     """Raise AssertionError if any invariant of the store is broken.
 
@@ -27,22 +37,20 @@ def check_store(store: KVStore) -> None:
             assert node.alive and node.kv is not None, "freed node still reachable"
             assert node.refcount >= 0 and node.pins >= 0
             assert parent is not None and parent.alive and node.start == parent.end
-            assert node in parent.by_key[node.key] and node in parent.by_first[node.tokens[0]]
+            assert node in parent.keyed(node.key) and node in parent.starting(node.tokens[0])
+            assert (node.only is not None) == (node.num_children == 1) == (node.by_key is None and node.num_children > 0)
+            assert (node.by_key is None) == (node.by_first is None)
+            assert node.by_key is None or sum(map(len, node.by_key.values())) == node.num_children
             assert parent.is_root or len(parent.tokens) == bs, "partial block with children"
             assert 0 < len(node.tokens) <= bs and node.tenant == parent.tenant
             assert node.num_children == sum(1 for _ in node.children())
             assert parent.is_root or parent.expires_at >= node.expires_at or parent.doomed
             assert node.nbytes == store._kv.nbytes(node.kv)
-            assert node in store._runs.get(store._kv.key(node.kv), ()), "snapshot outside its run"
             assert store._kv.tokens(node.kv) == len(node.tokens)
             total += node.nbytes
             per_tenant[node.tenant] += node.nbytes
-        assert not store._dirty, "partly freed run not compacted"
         # Exact memory: every run tensor is covered by the live blocks viewing it.
-        for key, run in store._runs.items():
-            assert run and all(n.alive for n in run)
-            held = store._kv.run_nbytes(next(iter(run)).kv)
-            assert sum(n.nbytes for n in run) == held, "run holds bytes no block accounts for"
+        store.runs.check(nodes)
         assert total == store.bytes, f"accounted {store.bytes} != live {total}"
         assert all(per_tenant[t] == b for t, b in store.tenant_bytes.items()), "tenant bytes drift"
         assert store.bytes <= store.config.max_bytes, "over budget"

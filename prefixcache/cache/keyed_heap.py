@@ -38,14 +38,16 @@ class KeyedHeap(Generic[T]):
 
     def set(self, item: T, key: float) -> None:
         """Insert ``item`` or change its key (a no-op when the key is unchanged)."""
-        entry = self._live.get(item)
+        live = self._live
+        entry = live.get(item)
         if entry is not None and entry[0] == key:
             return
-        self._seq += 1
-        self._live[item] = (key, self._seq)
-        heapq.heappush(self._heap, (key, self._seq, item))
+        seq = self._seq = self._seq + 1
+        live[item] = (key, seq)
+        heap = self._heap
+        heapq.heappush(heap, (key, seq, item))
         # Stale entries pile up when keys change; rebuilding at 2x keeps pushes O(log n) amortised.
-        if len(self._heap) > 2 * len(self._live) + 32:
+        if len(heap) > 2 * len(live) + 32:
             self._heap = [(k, s, i) for i, (k, s) in self._live.items()]
             heapq.heapify(self._heap)
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class SizedKV:
-    """Tokens ``[offset, offset + tokens)`` of run ``run_id``; ``run_tokens`` is the run's length."""
+class SizedKV(NamedTuple):
+    """Tokens ``[offset, offset + tokens)`` of run ``run_id``; ``run_tokens`` is the run's length.
+
+    Immutable, like a published snapshot; a tuple because a replay makes one per block."""
 
     tokens: int
     bytes_per_token: int

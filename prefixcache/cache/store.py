@@ -7,8 +7,9 @@ happens outside it.
 
 Work under the lock does not grow with what is stored: evictable leaves (by last access)
 and TTL candidates (by deadline) live in keyed heaps, and the figures ``snapshot_stats``
-reports are running totals. ``_sync(node)`` keeps both up to date and is called after
-every change to a node's refcount, pins, children, access time or deadline.
+reports are running totals. ``index.sync(node)`` keeps both up to date and is called after
+every change to a node's refcount, pins or children, and to a leaf's access time or deadline.
+The budget, quotas and TTL are enforced by ``eviction``.
 """
 from __future__ import annotations
 
@@ -20,11 +21,13 @@ from typing import Any
 
 
 from prefixcache.cache.handles import EvictHook, EvictedSnapshot, InsertResult, KVSlicer, Lease, LowerTiers, evicted_snapshot
+from prefixcache.cache.eviction import evict_to, expire, make_room, room
 from prefixcache.cache.hashing import BlockHasher
-from prefixcache.cache.index import StoreIndex, total
-from prefixcache.cache.integrity import check_store
+from prefixcache.cache.index import StoreIndex
+from prefixcache.cache.integrity import audit_store, check_store
 from prefixcache.cache.ledger import KVLedger
-from prefixcache.cache.policy import OFFLOAD_REASONS, REASONS, evictable, expiry, is_expired
+from prefixcache.cache.policy import OFFLOAD_REASONS, evictable, expiry, is_expired
+from prefixcache.cache.run_book import RunBook
 from prefixcache.cache.runs import RunOps, TensorRuns
 from prefixcache.cache.tiers.restore import restore_below
 from prefixcache.cache.trie import Node, PrefixTrie
@@ -50,16 +53,10 @@ class KVStore:
         self._lock = threading.RLock()
         self.bytes = 0
         self.tenant_bytes: Counter[str] = Counter()
-        # Keyed by (tenant, reason); store-wide figures are sums over tenants.
-        self._eviction_counts: Counter[tuple[str, str]] = Counter()
-        self._reclaimed_counts: Counter[tuple[str, str]] = Counter()
-        # Eviction and expiry candidates and per-tenant totals, kept in step with every node change.
-        self.index = StoreIndex()
-        # Run tensors (see ``_grow``): storage key -> live nodes viewing it. A run whose
-        # nodes were partly freed is *dirty* until ``_compact`` re-homes the survivors,
-        # so held bytes always equal accounted bytes between operations.
-        self._runs: dict[int, set[Node]] = {}
-        self._dirty: set[int] = set()
+        # Eviction and expiry candidates and per-tenant totals (evictions too), kept in step with every node change.
+        self.index = StoreIndex(by_tenant=config.tenant_quota_bytes is not None)
+        # Run tensors (see ``_grow``) and the live blocks viewing each (``run_book``).
+        self.runs = RunBook(self._kv)
         self.ledger.attach(self)
 
     def attach(self, lower: LowerTiers | None) -> None:
@@ -153,24 +150,15 @@ class KVStore:
         with self._lock:
             now = self._clock()
             root = self.trie.root(namespace, tenant, create=True)
-            # Every node on the path is held (refcount) while we evict to make room,
-            # so eviction can never free the node we are about to attach to.
-            held: list[Node] = [root]
-            root.refcount += 1
+            root.refcount += 1  # the root outlives the insert even if nothing is stored
             pin_room = None if not pin or privileged else self.config.pin_quota_bytes - self.index.pinned_bytes[tenant]
-            grown = False
+            path: list[Node] = []
             try:
-                added, pos = self._grow(root, tokens, slice_kv, tenant, held, now, pin_room)
-                grown = True
+                added, pos = self._grow(root, tokens, slice_kv, tenant, path, now, pin_room)
             finally:
                 root.refcount -= 1
-                for node in held[1:]:
-                    node.refcount -= 1
-                    if not grown:
-                        self._sync(node)
                 self.trie.drop_root_if_empty(root)
-            path = held[1:]
-            self._touch(path, now, ttl_seconds)  # syncs every node of the path (one sync per node, not two)
+            self._touch(path, now, ttl_seconds)
             complete = pos == len(tokens)
             if pin and complete:
                 for node in path:
@@ -183,8 +171,15 @@ class KVStore:
             return InsertResult(pos, sum(n.nbytes for n in added), complete)
 
     def _grow(self, root: Node, tokens: Sequence[int], slice_kv: KVSlicer, tenant: str,
-              held: list[Node], now: float, pin_room: int | None) -> tuple[list[Node], int]:
+              path: list[Node], now: float, pin_room: int | None) -> tuple[list[Node], int]:
         """Walk existing blocks, then add the missing tail; returns (new blocks, tokens covered).
+
+        ``path`` receives every block of the stored prefix, root-first. Eviction and expiry
+        free only leaves the indexes offer, so while blocks are added (and others evicted to
+        make room) the path is safe if its deepest walked block is held (refcount) and the new
+        blocks are not indexed yet: they enter the indexes when the insert ends (``_touch``
+        syncs the new leaf; the blocks above it have a child and belong to no index). Blocks
+        walked past cost no index update.
 
         New blocks always form the tail of the path (a new node has no children yet), so
         their KV is sliced once into one *run* tensor and each block holds a view of it:
@@ -192,47 +187,60 @@ class KVStore:
         ``pin_room`` (None: no limit) bounds the bytes a pin of the whole path may newly pin.
         """
         bs, pos, attach = self.config.block_size, 0, root
-        while pos < len(tokens):
+        n = len(tokens)
+        while pos < n:
             chunk = tuple(tokens[pos : pos + bs])
-            node = self._covering_child(attach, chunk, now)
+            node = self.trie.covering(attach, chunk, lambda n: _usable(n, now))
             if node is None:
                 break
-            self._ref(node, +1)
-            held.append(node)
+            path.append(node)
             pos += len(chunk)
             if len(chunk) < bs or len(node.tokens) < bs:
                 break
             attach = node
-        run = slice_kv(pos, len(tokens)) if pos < len(tokens) else None
+        run = slice_kv(pos, n) if pos < n else None
         if pin_room is not None:
-            missing = 0 if run is None else (len(tokens) - pos) * self._kv.per_token(run)
-            self._check_pin_room(held[1:], missing, pin_room)
-        if run is None or (held[1:] and len(held[-1].tokens) < bs):
+            missing = 0 if run is None else (n - pos) * self._kv.per_token(run)
+            self._check_pin_room(path, missing, pin_room)
+        if run is None or (path and len(path[-1].tokens) < bs):
             return [], pos
         first = pos
         per_token = self._kv.per_token(run)
         added: list[Node] = []
-        while pos < len(tokens):
-            chunk = tuple(tokens[pos : pos + bs])
-            nbytes = len(chunk) * per_token
-            if not self._make_room(nbytes, tenant):
-                break
-            self._drop_superseded(attach, chunk)
-            node = self.trie.add_child(attach, chunk)
-            node.kv, node.nbytes = self._kv.view(run, pos - first, pos - first + len(chunk)), nbytes
-            self._account(node, +1)
-            self._sync(attach)  # no longer a leaf
-            self._ref(node, +1)
-            held.append(node)
-            added.append(node)
-            pos += len(chunk)
-            attach = node
-        if added and pos < len(tokens):  # cut short: keep only the bytes of the blocks stored
+        walked = attach
+        self._ref(walked, +1)
+        try:
+            while pos < n:
+                chunk = tuple(tokens[pos : pos + bs])
+                nbytes = len(chunk) * per_token
+                if not make_room(self, nbytes, tenant):
+                    break
+                for old in self.trie.superseded(attach, chunk):  # copy-on-write: replaced if unused
+                    if evictable(old):
+                        self._free(old, None)
+                node = self.trie.add_child(attach, chunk)
+                node.kv, node.nbytes = self._kv.view(run, pos - first, pos - first + len(chunk)), nbytes
+                self._account(node, +1)
+                if attach is walked:  # it has a child now: no longer a leaf, and safe without the hold
+                    walked = None
+                    self._ref(attach, -1)
+                path.append(node)
+                added.append(node)
+                pos += len(chunk)
+                attach = node
+        except BaseException:
+            for node in added:
+                self._sync(node)
+            raise
+        finally:
+            if walked is not None:
+                self._ref(walked, -1)
+        if added and pos < n:  # cut short: keep only the bytes of the blocks stored
             run = self._kv.copy(run, pos - first)
             for node in added:
                 node.kv = self._kv.view(run, node.start - first, node.end - first)
         if added:
-            self._runs[self._kv.key(run)] = set(added)
+            self.runs.add(run, added)
         return added, pos
 
     def _check_pin_room(self, existing: list[Node], missing: int, room: int) -> None:
@@ -241,20 +249,6 @@ class KVStore:
         if need > room:
             quota = self.config.pin_quota_bytes
             raise PinQuotaExceededError.of(quota - room, quota, need)
-
-    def _covering_child(self, parent: Node, chunk: tuple[int, ...], now: float) -> Node | None:
-        """An existing usable block holding ``chunk`` (a partial chunk may sit inside a longer block)."""
-        for child in parent.by_first.get(chunk[0], ()):
-            if _usable(child, now) and child.tokens[: len(chunk)] == chunk:
-                if len(child.tokens) == len(chunk) or len(chunk) < self.config.block_size:
-                    return child
-        return None
-
-    def _drop_superseded(self, parent: Node, chunk: tuple[int, ...]) -> None:
-        """Copy-on-write: a new block replaces shorter partial siblings it extends, if unused."""
-        for child in list(parent.by_first.get(chunk[0], ())):
-            if len(child.tokens) < len(chunk) and chunk[: len(child.tokens)] == child.tokens and evictable(child):
-                self._free(child, None)
 
     def unpin(self, namespace: tuple[str, ...], tokens: Sequence[int]) -> int:
         """Undo one ``pin`` of exactly this token path. Returns the tokens unpinned."""
@@ -271,43 +265,14 @@ class KVStore:
             return len(tokens)
 
     # -- policy --------------------------------------------------------------------
-    def _limit(self) -> int:
-        """Bytes the snapshots may take now: the budget, less room for what running requests reserve."""
-        return min(self.config.max_bytes, self.ledger.total - self.ledger.reserved)
-
-    def _make_room(self, need: int, tenant: str) -> bool:
-        """Evict until ``need`` more bytes fit the tenant quota, the budget and the KV total (O(log n) per block freed)."""
-        cfg = self.config
-        if need > self._limit() or (cfg.tenant_quota_bytes is not None and need > cfg.tenant_quota_bytes):
-            return False
-        self._expire(self._clock())
-        if cfg.tenant_quota_bytes is not None:
-            # Over its quota, a tenant evicts only its own entries.
-            own = self.index.lru_by_tenant.get(tenant)
-            while self.tenant_bytes[tenant] + need > cfg.tenant_quota_bytes:
-                top = None if own is None else own.peek()
-                if top is None:
-                    return False
-                self._free(top[0], "quota")
-        return self._evict_to(self._limit() - need)
-
-    def _evict_to(self, limit: int) -> bool:
-        """Evict least recently used leaves until at most ``limit`` bytes are held; whether it got there."""
-        while self.bytes > limit:
-            top = self.index.lru.peek()
-            if top is None:
-                return False
-            self._free(top[0], "lru")
-        return True
-
     def reclaim(self, limit: int) -> bool:
         """Give way to a request's KV: free expired, then unpinned unread snapshots until at most ``limit``
         bytes are stored. Whether that was reached (pinned and leased ones stay)."""
         with self._lock:
             if self.bytes <= limit:
                 return True
-            self._expire(self._clock())
-            done = self._evict_to(limit)
+            expire(self, self._clock())
+            done = evict_to(self, limit)
             self._compact()
             return done
 
@@ -319,20 +284,12 @@ class KVStore:
             # root), so everything else can go, leaves first: only protected bytes stay.
             if cfg.tenant_quota_bytes is not None and self.index.protected_bytes[tenant] + need > cfg.tenant_quota_bytes:
                 return False
-            return sum(self.index.protected_bytes.values()) + need <= self._limit()
-
-    def _expire(self, now: float) -> int:
-        """Free expired nodes nobody reads, deepest first (a freed leaf's expired parent follows)."""
-        freed = 0
-        while (top := self.index.expiry.peek()) is not None and top[1] <= now:
-            freed += top[0].nbytes
-            self._free(top[0], "ttl")
-        return freed
+            return sum(self.index.protected_bytes.values()) + need <= room(self)
 
     def sweep(self) -> int:
         """Free every expired prefix nobody is reading. Returns bytes freed."""
         with self._lock:
-            freed = self._expire(self._clock())
+            freed = expire(self, self._clock())
             self._compact()
             return freed
 
@@ -355,12 +312,17 @@ class KVStore:
 
     # -- bookkeeping ---------------------------------------------------------------
     def _touch(self, nodes: list[Node], now: float, ttl_seconds: float | None) -> None:
+        """Refresh access time and deadline. Both only key the heaps, which hold leaves only, so
+        only leaves are re-indexed (callers sync any other change to a node themselves)."""
         until = expiry(now, ttl_seconds)
+        sync = self.index.sync
         for node in nodes:  # root-first, so a parent never expires before its child
             node.last_access = now
             # New (or expired but still in use) nodes take the new deadline; live ones keep the later one.
-            node.expires_at = until if node.expires_at <= now else max(node.expires_at, until)
-            self._sync(node)
+            expires = node.expires_at
+            node.expires_at = until if expires <= now else (expires if expires > until else until)
+            if not node.num_children:
+                sync(node)
 
     def _ref(self, node: Node, delta: int) -> None:
         node.refcount += delta
@@ -370,8 +332,9 @@ class KVStore:
         self.index.sync(node)
 
     def _account(self, node: Node, sign: int) -> None:
-        self.bytes += sign * node.nbytes
-        self.tenant_bytes[node.tenant] += sign * node.nbytes
+        nbytes, tenant = sign * node.nbytes, node.tenant
+        self.bytes += nbytes
+        self.tenant_bytes[tenant] += nbytes
         self.index.count(node, sign)
 
     def _free(self, node: Node, reason: str | None) -> None:
@@ -387,45 +350,16 @@ class KVStore:
                     log.exception("offload hook failed; snapshot dropped")
         self.trie.remove_leaf(node)
         self._account(node, -1)
-        self._sync(node)
-        self._sync(node.parent)  # may have become a leaf
+        sync = self.index.sync
+        sync(node)
+        sync(node.parent)  # may have become a leaf
         if reason is not None:
-            self._eviction_counts[node.tenant, reason] += 1
-            self._reclaimed_counts[node.tenant, reason] += node.nbytes
-        key = self._kv.key(node.kv)
-        run = self._runs.get(key)
-        if run is not None:
-            run.discard(node)
-            if run:
-                self._dirty.add(key)
-            else:
-                del self._runs[key]
-                self._dirty.discard(key)
+            self.index.evicted(node, reason)
+        self.runs.drop(node)
         node.kv = None
 
     def _compact(self) -> None:
-        """Re-home the surviving blocks of partly freed runs into exact-size tensors.
-
-        A run's blocks are a path, freed deepest first, so survivors are contiguous; each
-        contiguous group is cloned once and its nodes repointed (same values: a snapshot's
-        content never changes). Readers still holding the old views keep them valid until
-        they drop them.
-        """
-        while self._dirty:
-            nodes = sorted(self._runs.pop(self._dirty.pop(), ()), key=lambda n: n.start)
-            groups: list[list[Node]] = []
-            for node in nodes:
-                if groups and self._kv.follows(groups[-1][-1].kv, node.kv):
-                    groups[-1].append(node)
-                else:
-                    groups.append([node])
-            for group in groups:
-                span = self._kv.join([n.kv for n in group])
-                at = 0
-                for node in group:
-                    n = self._kv.tokens(node.kv)
-                    node.kv, at = self._kv.view(span, at, at + n), at + n
-                self._runs[self._kv.key(span)] = set(group)
+        self.runs.compact()
 
     def snapshots(self) -> list[EvictedSnapshot]:
         """Every live block (views, no copies; snapshots never change), e.g. to keep them at shutdown."""
@@ -438,7 +372,7 @@ class KVStore:
     def evictions(self) -> dict[str, int]:
         """Blocks evicted so far, by reason, over all tenants."""
         with self._lock:
-            return _by_reason(self._eviction_counts, None)
+            return self.index.by_reason(self.index.evictions, None)
 
     def snapshot_stats(self, tenant: str | None = None) -> dict[str, Any]:
         """Memory figures for one tenant's entries, or (None) the whole store: running totals, O(tenants)."""
@@ -448,32 +382,17 @@ class KVStore:
                 "budget_bytes": self.config.max_bytes,
                 "tenant_quota_bytes": self.config.tenant_quota_bytes,
                 "pin_quota_bytes": self.config.pin_quota_bytes,
-                "entries": total(self.index.entries, tenant),
-                "cached_tokens_held": total(self.index.tokens, tenant),
-                "pinned_bytes": total(self.index.pinned_bytes, tenant),
-                "leased_entries": total(self.index.leased_entries, tenant),
                 "tenant_bytes": {t: b for t, b in self.tenant_bytes.items() if b and (tenant in (None, t))},
-                "evictions": _by_reason(self._eviction_counts, tenant),
-                "reclaimed_bytes": _by_reason(self._reclaimed_counts, tenant),
+                **self.index.figures(tenant),
             }
 
     def audit(self) -> dict[str, int]:
-        """Recount by walking every node (O(n), for checks, not for stats): bytes of live snapshot
-        tensors and refcounts held, beside the accounted bytes."""
-        with self._lock:
-            nodes = list(self.trie.iter_nodes())
-            return {"accounted_bytes": self.bytes,
-                    "live_tensor_bytes": sum(n.kv.numel() * n.kv.element_size() for n in nodes if n.kv is not None),
-                    "refcounts": sum(n.refcount for n in nodes) + sum(r.refcount for r in self.trie.roots())}
+        """Recount by walking every node (``integrity.audit_store``; for checks, not for stats)."""
+        return audit_store(self)
 
     def check_integrity(self) -> None:
         """Raise AssertionError if any invariant of the store is broken (``integrity.check_store``)."""
         check_store(self)
-
-
-def _by_reason(counts: Counter[tuple[str, str]], tenant: str | None) -> dict[str, int]:
-    """Sum (tenant, reason) counts per reason, for one tenant or (None) all."""
-    return {r: sum(n for (t, reason), n in counts.items() if reason == r and tenant in (None, t)) for r in REASONS}
 
 
 def _usable(node: Node, now: float) -> bool:

@@ -5,13 +5,15 @@ of ``block_size``. Only full blocks have children, so a partial block is always 
 leaf; extending one creates a full sibling (copy-on-write) instead of writing to it.
 Children are indexed two ways: by chained block key (exact full-block lookups in
 O(1)) and by first token (token-granular partial matches). Every candidate found by
-key is confirmed by comparing token ids.
+key is confirmed by comparing token ids. Most nodes of a large trie have one child
+(a conversation's blocks form a chain), so a lone child is held directly and the two
+indexes exist only from the second child on.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from prefixcache.cache.hashing import BlockHasher
@@ -28,8 +30,9 @@ class Node:
     tenant: str
     kv: Any = None
     nbytes: int = 0
-    by_key: dict[int, list[Node]] = field(default_factory=dict)
-    by_first: dict[int, list[Node]] = field(default_factory=dict)
+    only: Node | None = None  # the child, while there is exactly one
+    by_key: dict[int, list[Node]] | None = None  # children by chained key, from the second child on
+    by_first: dict[int, list[Node]] | None = None  # children by first token, likewise
     num_children: int = 0
     refcount: int = 0
     pins: int = 0
@@ -38,6 +41,7 @@ class Node:
     alive: bool = True
     doomed: bool = False  # flushed while in use: never matched, freed on release
     namespace: tuple[str, ...] | None = None  # set on roots only
+    indexed: int = 0  # which of the store's indexes hold this node (``StoreIndex.sync`` owns it)
 
     @property
     def end(self) -> int:
@@ -48,8 +52,25 @@ class Node:
         return self.parent is None
 
     def children(self) -> Iterator[Node]:
-        for bucket in self.by_first.values():
-            yield from bucket
+        if self.only is not None:
+            yield self.only
+        elif self.by_first is not None:
+            for bucket in self.by_first.values():
+                yield from bucket
+
+    def keyed(self, key: int) -> Sequence[Node]:
+        """Children whose chained key is ``key`` (candidates: confirm by token ids)."""
+        if self.by_key is not None:
+            return self.by_key.get(key, ())
+        only = self.only
+        return (only,) if only is not None and only.key == key else ()
+
+    def starting(self, token: int) -> Sequence[Node]:
+        """Children whose first token is ``token``."""
+        if self.by_first is not None:
+            return self.by_first.get(token, ())
+        only = self.only
+        return (only,) if only is not None and only.tokens[0] == token else ()
 
 
 class Step(NamedTuple):
@@ -116,7 +137,7 @@ class PrefixTrie:
             child = None
             if len(block) == bs:
                 key = self.hasher.chain(node.key, block)
-                child = next((c for c in node.by_key.get(key, ()) if c.tokens == block and usable(c)), None)
+                child = next((c for c in node.keyed(key) if c.tokens == block and usable(c)), None)
             if child is not None:
                 used = min(bs, limit - pos)
                 steps.append(Step(child, used))
@@ -127,7 +148,7 @@ class PrefixTrie:
                 continue
             best, best_len = None, 0
             want = tokens[pos:limit]
-            for cand in node.by_first.get(want[0], ()):
+            for cand in node.starting(want[0]):
                 if usable(cand):
                     n = common_prefix(cand.tokens, want)
                     if n > best_len:
@@ -137,25 +158,53 @@ class PrefixTrie:
             break
         return steps
 
+    def covering(self, parent: Node, chunk: tuple[int, ...], usable: Callable[[Node], bool]) -> Node | None:
+        """A usable child of ``parent`` holding ``chunk`` (a partial chunk may sit inside a longer block)."""
+        n = len(chunk)
+        for child in parent.starting(chunk[0]):
+            tokens = child.tokens
+            if (tokens == chunk or (n < self.block_size and tokens[:n] == chunk)) and usable(child):
+                return child
+        return None
+
+    def superseded(self, parent: Node, chunk: tuple[int, ...]) -> list[Node]:
+        """Children of ``parent`` that ``chunk`` extends: shorter partial blocks it would replace."""
+        if len(chunk) < 2:
+            return []
+        return [c for c in parent.starting(chunk[0]) if len(c.tokens) < len(chunk) and chunk[: len(c.tokens)] == c.tokens]
+
     # -- mutation ------------------------------------------------------------------
     def add_child(self, parent: Node, tokens: tuple[int, ...]) -> Node:
         assert parent.is_root or len(parent.tokens) == self.block_size, "only full blocks have children"
         assert 0 < len(tokens) <= self.block_size
         key = self.hasher.chain(parent.key, tokens)
         node = Node(key=key, tokens=tokens, start=parent.end, parent=parent, tenant=parent.tenant)
-        parent.by_key.setdefault(key, []).append(node)
-        parent.by_first.setdefault(tokens[0], []).append(node)
+        if parent.num_children == 0:
+            parent.only = node
+        else:
+            if parent.by_key is None:  # a second child: index both
+                parent.by_key, parent.by_first = {}, {}
+                _index(parent, parent.only)
+                parent.only = None
+            _index(parent, node)
         parent.num_children += 1
         return node
 
     def remove_leaf(self, node: Node) -> None:
         assert node.num_children == 0 and node.parent is not None
         parent = node.parent
-        for index, k in ((parent.by_key, node.key), (parent.by_first, node.tokens[0])):
-            bucket = index[k]
-            bucket.remove(node)
-            if not bucket:
-                del index[k]
+        if parent.by_key is None:
+            assert parent.only is node
+            parent.only = None
+        else:
+            for index, k in ((parent.by_key, node.key), (parent.by_first, node.tokens[0])):
+                bucket = index[k]
+                bucket.remove(node)
+                if not bucket:
+                    del index[k]
+            if parent.num_children == 2:  # one child left: back to holding it directly
+                parent.only = next(iter(parent.by_key.values()))[0]
+                parent.by_key = parent.by_first = None
         parent.num_children -= 1
         node.alive = False
 
@@ -167,3 +216,8 @@ class PrefixTrie:
             if not node.is_root:
                 yield node
             stack.extend(node.children())
+
+
+def _index(parent: Node, child: Node) -> None:
+    parent.by_key.setdefault(child.key, []).append(child)
+    parent.by_first.setdefault(child.tokens[0], []).append(child)

@@ -1,0 +1,58 @@
+"""Enforcing the budget, the tenant quotas and the TTL on a store: which blocks go, and when.
+
+These run inside ``KVStore`` operations (under its lock) and free blocks through
+``KVStore._free``. Victims come from the store's incremental indexes, so each block freed
+costs O(log n), whatever the store holds; ``policy`` states the same rules over whole tries.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prefixcache.cache.store import KVStore
+
+
+def room(store: KVStore) -> int:
+    """Bytes the snapshots may take now: the budget, less room for what running requests reserve."""
+    return min(store.config.max_bytes, store.ledger.total - store.ledger.reserved)
+
+
+def make_room(store: KVStore, need: int, tenant: str) -> bool:
+    """Evict until ``need`` more bytes fit the tenant quota, the budget and the KV total; whether they do.
+
+    Expired blocks go first; a tenant over its quota then evicts only its own least recently
+    used blocks; then the least recently used blocks of any tenant go.
+    """
+    quota = store.config.tenant_quota_bytes
+    limit = room(store)
+    if need > limit or (quota is not None and need > quota):
+        return False
+    expire(store, store._clock())
+    if quota is not None:
+        own = store.index.lru_by_tenant.get(tenant)
+        while store.tenant_bytes[tenant] + need > quota:
+            top = None if own is None else own.peek()
+            if top is None:
+                return False
+            store._free(top[0], "quota")
+    return evict_to(store, limit - need)
+
+
+def evict_to(store: KVStore, limit: int) -> bool:
+    """Evict least recently used leaves until at most ``limit`` bytes are held; whether it got there."""
+    lru = store.index.lru
+    while store.bytes > limit:
+        top = lru.peek()
+        if top is None:
+            return False
+        store._free(top[0], "lru")
+    return True
+
+
+def expire(store: KVStore, now: float) -> int:
+    """Free expired blocks nobody reads, deepest first (a freed leaf's expired parent follows); bytes freed."""
+    freed, heap = 0, store.index.expiry
+    while (top := heap.peek()) is not None and top[1] <= now:
+        freed += top[0].nbytes
+        store._free(top[0], "ttl")
+    return freed
