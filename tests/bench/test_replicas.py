@@ -1,9 +1,9 @@
 """Two ``prefixcache serve`` replicas behind a real ``sglang-router``: every process started here, on loopback.
 
-``shared_tier`` is what the replicas share below their devices, and every test runs once
-per kind: "none" (each replica keeps its own cache only) and "redis" (a real
-``redis-server``, the same hash secret on both replicas, write-through). Tests run in
-file order; the last one kills a replica.
+``shared_tier`` is what the replicas share below their devices, and the tests run once
+per kind (the admin fan-out only on the first): "none" (each replica keeps its own cache
+only) and "redis" (a real ``redis-server``, the same hash secret on both replicas,
+write-through). Tests run in file order; the last one kills a replica.
 """
 from __future__ import annotations
 
