@@ -1,6 +1,6 @@
 """Replicas behind ``sglang-router``: cache-aware vs round-robin routing, side by side in one run.
 
-    python -m prefixcache.bench.replicas --replicas 2 --groups 4 --questions 6 --rounds 3 --tier-redis
+    python -m prefixcache.bench.replicas --replicas 2 --groups 3 --questions 6 --rounds 3 --tier-redis
 
 A workload of system-prompt groups (one tenant per group, so each replica's per-tenant
 stats say where each group ran) is sent by one client thread per group, streamed, to:

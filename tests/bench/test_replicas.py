@@ -1,9 +1,9 @@
 """Two ``prefixcache serve`` replicas behind a real ``sglang-router``: every process started here, on loopback.
 
-``shared_tier`` is what the replicas share below their devices, and every test runs once
-per kind: "none" (each replica keeps its own cache only) and "redis" (a real
-``redis-server``, the same hash secret on both replicas, write-through). Tests run in
-file order; the last one kills a replica.
+``shared_tier`` is what the replicas share below their devices, and the tests run once
+per kind (the admin fan-out only on the first): "none" (each replica keeps its own cache
+only) and "redis" (a real ``redis-server``, the same hash secret on both replicas,
+write-through). Tests run in file order; the last one kills a replica.
 """
 from __future__ import annotations
 
@@ -166,7 +166,7 @@ def test_a_killed_replica_fails_only_its_requests_in_flight_and_its_prefixes_sur
 
     if shared_tier.server is not None:  # write-through: the victim's prefixes reach Redis before the kill
         wait_for(lambda: fan.stats()["replicas"][victim.url]["tiers"]["redis"]["write_backs"] > 0, 30,
-                 "the killed replica's prefixes to reach Redis", 0.05)
+                 "killed replica's prefixes to reach Redis", 0.05)
     # Per group: a long answer (in flight when the replica dies), then two short questions.
     calls = [c for g in range(GROUPS) for c in (Call(g, 0, {**questions[g * QUESTIONS].body, "ignore_eos": True,
                                                               "max_tokens": LONG}), *questions[g * QUESTIONS + 1:][:2])]
@@ -185,7 +185,7 @@ def test_a_killed_replica_fails_only_its_requests_in_flight_and_its_prefixes_sur
     for t in threads:
         t.start()
     wait_for(lambda: any(w.get("load", 0) > 0 for w in router.workers() if w["url"] == victim.url), 30,
-             "the replica to be killed to be busy", 0.02)
+             "replica to be killed to be busy", 0.02)
     in_flight = next(w["load"] for w in router.workers() if w["url"] == victim.url)
     survivor_before = {g: on_survivor(g) for g in dead_only}
     assert all(s["queries"] == 0 for s in survivor_before.values()), survivor_before  # only the victim had them
