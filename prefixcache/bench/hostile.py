@@ -44,6 +44,16 @@ class Tally:
         with self.lock:
             self.hung += 1
 
+    def merge(self, other: Tally) -> None:
+        """Add ``other``'s outcomes (a finished phase's) to these."""
+        with self.lock:
+            self.statuses.update(other.statuses)
+            self.hung += other.hung
+            self.ttft += other.ttft
+            self.headers += other.headers
+            self.prompt_tokens += other.prompt_tokens
+            self.cached_tokens += other.cached_tokens
+
 
 def _chat(model: str, **extra: Any) -> dict:
     return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}

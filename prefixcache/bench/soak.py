@@ -184,12 +184,27 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         context = 2048 if opts.model == "tiny" else opts.context
         good_n = max(2, opts.requests // 4)
         hostile_n = max(0, opts.requests - 2 * good_n)
+        rounds = max(1, min(opts.rounds, good_n // 2))
         started = time.perf_counter()
         pid = server.proc.pid
-        alone, _, alone_usage = run_phase(server.url, "soak", good_n, 0, context, opts, pid)
-        with httpx.Client(base_url=server.url, headers={"authorization": f"Bearer {ADMIN}"}, timeout=60) as admin:
-            admin.delete("/v1/cache", params={"tenant": "good"})  # both phases start cold
-        mixed, evil, mixed_usage = run_phase(server.url, "soak", good_n, hostile_n, context, opts, pid)
+        alone, mixed, evil = Tally(), Tally(), Tally()
+        alone_usage: Counter[str] = Counter()
+        mixed_usage: Counter[str] = Counter()
+        round_ratios = []
+        for k in range(rounds):  # alone, then mixed, in turn: a change of the machine's load hits both
+            share = good_n // rounds + (k < good_n % rounds)
+            with httpx.Client(base_url=server.url, headers={"authorization": f"Bearer {ADMIN}"}, timeout=60) as admin:
+                admin.delete("/v1/cache", params={"tenant": "good"})  # every phase starts cold
+            a, _, usage = run_phase(server.url, "soak", share, 0, context, opts, pid)
+            alone_usage.update(usage)
+            with httpx.Client(base_url=server.url, headers={"authorization": f"Bearer {ADMIN}"}, timeout=60) as admin:
+                admin.delete("/v1/cache", params={"tenant": "good"})
+            m, e, usage = run_phase(server.url, "soak", share, hostile_n // rounds, context, opts, pid)
+            mixed_usage.update(usage)
+            if a.ttft and m.ttft:
+                round_ratios.append(round(statistics.median(m.ttft) / statistics.median(a.ttft), 3))
+            for total, part in ((alone, a), (mixed, m), (evil, e)):
+                total.merge(part)
         seconds = time.perf_counter() - started
         audit = idle_audit(server.url)
         rss = peak_rss_bytes(server.proc.pid)
@@ -200,7 +215,8 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         if tmp is not None:
             tmp.cleanup()
     statuses = Counter(alone.statuses) + Counter(mixed.statuses) + Counter(evil.statuses)
-    a, m = phase_report(alone, alone_usage), phase_report(mixed, mixed_usage)
+    a = phase_report(alone, {k: round(v, 2) for k, v in alone_usage.items()})
+    m = phase_report(mixed, {k: round(v, 2) for k, v in mixed_usage.items()})
     return {
         "model": opts.model, "seconds": round(seconds, 1),
         "requests": sum(statuses.values()) + alone.hung + mixed.hung + evil.hung,
@@ -211,6 +227,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         "good_alone": a, "good_mixed": m,
         "hit_rate_ratio": m["token_hit_rate"] / a["token_hit_rate"] if a["token_hit_rate"] else None,
         "ttft_p50_ratio": m["ttft_p50_s"] / a["ttft_p50_s"] if a["ttft_p50_s"] and m["ttft_p50_s"] else None,
+        "rounds": rounds, "round_ttft_p50_ratios": round_ratios,
         "idle": audit, "server_peak_rss_bytes": rss,
     }
 
@@ -228,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "for tiny, 512 MiB otherwise; a tenant may pin 1/8 of it)")
     parser.add_argument("--hostile-clients", type=int, default=2, help="concurrent clients of the hostile "
                         "tenant (the well-behaved one has 2)")
+    parser.add_argument("--rounds", type=int, default=1, help="alternate the alone and mixed phases this many "
+                        "times (the requests shared out), so a change of a shared machine's load hits both phases")
     parser.add_argument("--hostile-cases", default=None, help="comma-separated hostile cases to send (default: "
                         f"all): {', '.join(case_names())}")
     parser.add_argument("--hostile-in-process", action="store_true", help="send the hostile tenant's requests from "

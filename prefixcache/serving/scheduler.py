@@ -11,6 +11,7 @@ splits the step's token budget: decodes first, then prefill chunks.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import torch
@@ -68,7 +69,7 @@ class Scheduler:
         cfg = self.config
         reserved = sum(r.private_need for r in self.running)
         joining: list[Request] = []  # running from now on (others' admission sees them); KV given below
-        for req in admission_order(self.waiting, self._clock(), cfg.max_wait_seconds):
+        for req in admission_order(self.waiting, self._clock(), cfg.max_wait_seconds, self.running):
             if len(self.running) >= cfg.max_batch:
                 break
             if req.cancelled:
@@ -288,19 +289,30 @@ def _round(tokens: int, chunk: int) -> int:
     return -(-tokens // chunk) * chunk
 
 
-def admission_order(waiting: Sequence[Request], now: float, max_wait: float) -> list[Request]:
+def admission_order(waiting: Sequence[Request], now: float, max_wait: float,
+                    running: Sequence[Request] = ()) -> list[Request]:
     """Starved requests first (waited > ``max_wait``, oldest first), then longest cached
-    prefix first, requests on the same prefix together, then arrival order."""
+    prefix first, requests on the same prefix together, then arrival order; tenants in turn.
+
+    In turn: within each of those two groups, a tenant's k-th request in that order ranks
+    ``k`` + its ``running`` requests, and lower ranks go first. A tenant with many requests
+    queued or running therefore never holds back another tenant's next one; one tenant's
+    requests keep their cache-aware order among themselves.
+    """
     def key(r: Request):
         starved = now - r.arrival > max_wait
         return (0, r.arrival, 0, 0) if starved else (1, -r.cached_len, r.group, r.arrival)
-    return sorted(waiting, key=key)
+    ordered = sorted(waiting, key=key)  # the starved first
+    taken = Counter(r.tenant for r in running)
+    starved = sum(1 for r in ordered if now - r.arrival > max_wait)
+    return in_turn(ordered[:starved], taken) + in_turn(ordered[starved:], taken)
 
 
 def plan_step(active: Sequence[Request], token_budget: int, prefill_chunk: int,
               idle_chunk: int) -> list[tuple[Request, int]]:
     """How many new tokens each request feeds this step: every decode 1, then prefill
-    chunks (oldest first) within ``token_budget``, so a long prompt cannot stall decodes.
+    chunks (oldest first, tenants in turn: see ``in_turn``) within ``token_budget``, so a long
+    prompt cannot stall decodes, nor one tenant's prompts another's.
 
     Chunks are ``prefill_chunk`` tokens while the step makes someone's token: a decode, or a
     prompt that ends within its chunk. A step that makes nobody's token (only long prompts
@@ -309,7 +321,7 @@ def plan_step(active: Sequence[Request], token_budget: int, prefill_chunk: int,
     larger steps prefill a lone cold prompt faster.
     """
     plan = [(r, 1) for r in active if not r.prefilling]
-    prefilling = sorted((r for r in active if r.prefilling), key=lambda r: r.arrival)
+    prefilling = in_turn(sorted((r for r in active if r.prefilling), key=lambda r: r.arrival))
     chunk = prefill_chunk
     if prefilling and not plan and all(len(r.prompt) - r.held_len > prefill_chunk for r in prefilling):
         chunk = max(prefill_chunk, min(idle_chunk, token_budget // len(prefilling)))  # shared: none waits
@@ -321,3 +333,15 @@ def plan_step(active: Sequence[Request], token_budget: int, prefill_chunk: int,
         plan.append((r, n))
         budget -= n
     return plan
+
+
+def in_turn(requests: Sequence[Request], taken: Counter[str] | None = None) -> list[Request]:
+    """``requests`` with tenants taking turns: a tenant's k-th request ranks ``k`` + ``taken[tenant]``
+    (requests it already has running), lower ranks first; ties, and one tenant's requests, keep their order."""
+    taken = taken or Counter()
+    seen: Counter[str] = Counter()
+    ranked = []
+    for i, r in enumerate(requests):
+        ranked.append((taken[r.tenant] + seen[r.tenant], i, r))
+        seen[r.tenant] += 1
+    return [r for _, _, r in sorted(ranked, key=lambda t: t[:2])]
