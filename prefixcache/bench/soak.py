@@ -5,12 +5,13 @@ proxy as a subprocess on loopback and runs two phases in one invocation:
 
 1. **alone**: the well-behaved tenant's streamed chats on a shared system prompt;
 2. **mixed**: the same chats again (its cache flushed first, so both phases start cold)
-   while the hostile tenant cycles through every hostile case (``HOSTILE``: the cases the
-   hardening work was built against) and drops streams mid-way.
+   while the hostile tenant, from a process of its own, cycles through every hostile case
+   (``bench.hostile``: the cases the hardening work was built against) and drops streams
+   mid-way. ``--rounds N`` alternates the two phases N times.
 
 Every request has a client deadline. The report: responses by status (5xx must be 0),
-hung requests (0), the well-behaved tenant's token hit rate and TTFT p50 per phase and
-their ratio, what the admin stats audit reads at idle (refcounts 0, stored bytes equal to
+hung requests (0), the well-behaved tenant's token hit rate, TTFT p50 and time to the response
+headers per phase and their ratios, the server's and the clients' CPU seconds per phase, what the admin stats audit reads at idle (refcounts 0, stored bytes equal to
 live tensor bytes, nothing reserved in flight), and the server's peak RSS (``VmHWM``).
 """
 from __future__ import annotations

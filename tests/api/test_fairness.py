@@ -58,11 +58,13 @@ def test_a_tenant_with_a_backlog_holds_back_another_tenant_by_one_item():
     assert [queue.pop()[1] for _ in range(3)] == ["e0", "g0", "e1"]
     queue.push("good", "g1")  # its turn comes before evil's, which was served last
     assert [item for _, item in queue.drain()] == ["g1", "e2", "e3", "e4"]
+    queue.push("good", "g2")
+    assert queue.pop() == ("good", "g2")  # good was served last
     for i in range(3):
         queue.push("evil", f"e{i}")
-    queue.push("good", "g2")
-    running = {"evil": 4, "good": 0}  # with its load known, the least loaded tenant goes first
-    assert [queue.pop(running.get)[1] for _ in range(2)] == ["g2", "e0"]
+    queue.push("good", "g3")
+    running = {"evil": 4, "good": 0}  # with its load known, the least loaded tenant goes first all the same
+    assert [queue.pop(running.get)[1] for _ in range(2)] == ["g3", "e0"]
     assert len(queue) == 2 and queue.waiting("evil") == 2
     list(queue.drain())
     with pytest.raises(IndexError):
