@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -21,6 +22,7 @@ from prefixcache.planner.request_log import RequestLog
 from . import errors
 from .anthropic.routes import router as anthropic_router
 from .auth import KeyRing
+from .fairness import RateLimiter
 from .metrics import Metrics
 from .replica import replica
 from .routes import router
@@ -55,8 +57,10 @@ def open_request_log(settings: Settings, cache: PrefixCache) -> RequestLog | Non
                       secret=None if key is None else key.get_secret_value().encode("utf-8"))
 
 
-def create_app(settings: Settings | None = None, *, cache: PrefixCache | None = None) -> FastAPI:
-    """Build the proxy. Given ``cache``, serve it (the caller closes it); else load the model at startup."""
+def create_app(settings: Settings | None = None, *, cache: PrefixCache | None = None,
+               clock: Callable[[], float] = time.monotonic) -> FastAPI:
+    """Build the proxy. Given ``cache``, serve it (the caller closes it); else load the model at startup.
+    ``clock`` times the tenants' request rates."""
     settings = settings if settings is not None else Settings()
     metrics = Metrics()
 
@@ -85,6 +89,7 @@ def create_app(settings: Settings | None = None, *, cache: PrefixCache | None = 
     app = FastAPI(title="prefixcache proxy", version=__version__, description=DESCRIPTION, lifespan=lifespan)
     app.state.settings = settings
     app.state.keyring = KeyRing(settings)
+    app.state.rate_limiter = RateLimiter(settings.tenant_rate_limit, settings.tenant_rate_burst, clock)
     app.state.metrics = metrics
     app.state.serving = None
     errors.install(app, settings.retry_after_seconds, lambda request, status: metrics.error(_route(request), status))

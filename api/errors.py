@@ -39,6 +39,7 @@ class ProxyError(Exception):
     type = "server_error"
     code: str | None = None
     retry: bool = False  # send Retry-After
+    retry_after: int | None = None  # its seconds when known (else the configured retry_after_seconds)
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -73,6 +74,22 @@ class QueueFullError(ProxyError):
     status, type, code, retry = 429, "rate_limit_error", "queue_full", True
 
 
+class TenantBusyError(ProxyError):
+    """The caller's key has as many requests in flight as one key may (``tenant_max_in_flight``)."""
+
+    status, type, code, retry = 429, "rate_limit_error", "tenant_busy", True
+
+
+class RateLimitedError(ProxyError):
+    """The caller's key is over its request rate (``tenant_rate_limit``); Retry-After says when it is not."""
+
+    status, type, code, retry = 429, "rate_limit_error", "rate_limit_exceeded", True
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class UnavailableError(ProxyError):
     status, type, code, retry = 503, "server_error", "unavailable", True
 
@@ -92,13 +109,14 @@ class Mapped:
     status: int
     detail: ErrorDetail
     retry: bool = False
+    retry_after: int | None = None  # None: the configured default
 
 
 def map_exception(exc: BaseException) -> Mapped:
     """The one table from exception to HTTP status and OpenAI error object."""
     if isinstance(exc, ProxyError):
         return Mapped(exc.status, ErrorDetail(message=str(exc), type=exc.type, param=exc.param, code=exc.code),
-                      exc.retry)
+                      exc.retry, exc.retry_after)
     if isinstance(exc, ContextLengthExceededError):
         return Mapped(400, ErrorDetail(message=str(exc), type="invalid_request_error", param=exc.param,
                                        code="context_length_exceeded"))
@@ -126,7 +144,7 @@ def map_exception(exc: BaseException) -> Mapped:
 
 def error_response(mapped: Mapped, retry_after: int, path: str = "") -> JSONResponse:
     """The error as OpenAI shapes it, or as Anthropic does on its routes (``path``)."""
-    headers = {"Retry-After": str(retry_after)} if mapped.retry else None
+    headers = {"Retry-After": str(mapped.retry_after or retry_after)} if mapped.retry else None
     if is_anthropic(path):
         status, body = anthropic_error(mapped.status, mapped.detail.message)
         return JSONResponse(body, status_code=status, headers=headers)

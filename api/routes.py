@@ -25,7 +25,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prefixcache import GenerationResult
 
 from .auth import Principal
-from .errors import NotFoundError, PermissionDeniedError, UnavailableError, map_exception
+from .errors import NotFoundError, PermissionDeniedError, RateLimitedError, UnavailableError, map_exception
+from .fairness import retry_after_seconds
 from .limits import NOT_JSON, check_chat, check_counts, check_completion, check_prewarm, read_body
 from .metrics import CONTENT_TYPE
 from .protocol import (
@@ -59,7 +60,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": text} for status, text in (
         (400, "Invalid request (validation, context length)"), (401, "Missing or wrong API key"),
         (403, "Needs the admin key"), (404, "Unknown model"), (413, "Body too large"),
-        (429, "Queue full (Retry-After), or a pin over the tenant's pin quota"),
+        (429, "Queue full, the key's rate or places in flight exceeded (Retry-After), or a pin over the "
+              "tenant's pin quota"),
         (503, "Not ready, shutting down or out of cache capacity (Retry-After)"), (504, "Timed out"))}
 _SSE = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or server-sent events if stream is true"}}
 
@@ -84,12 +86,15 @@ class GuardedRoute(APIRoute):
         handler = super().get_route_handler()
         authenticated = _depends_on(self.dependant, principal)
         has_body = self.body_field is not None
+        queued = self.path in QUEUED
 
         async def guarded(request: Request) -> Response:
             state = request.app.state
             if authenticated:
-                request.state.principal = state.keyring.authenticate(request.headers.get("authorization"),
-                                                                     request.headers.get("x-api-key"))
+                who = request.state.principal = state.keyring.authenticate(request.headers.get("authorization"),
+                                                                           request.headers.get("x-api-key"))
+                if not who.admin:  # a key over its rate or its places is refused before its body is read
+                    admit_tenant(state, who.tenant, queued)
             if has_body:
                 body, parsed = await read_body(request, state.settings)
                 check_counts(parsed, state.settings)
@@ -97,6 +102,23 @@ class GuardedRoute(APIRoute):
             return await handler(request)
 
         return guarded
+
+
+#: Routes whose requests take a place in the queue (``Serving``): refused before their body is read
+#: when they would not be admitted.
+QUEUED = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/cache/prewarm"})
+
+
+def admit_tenant(state: Any, tenant: str, queued: bool) -> None:
+    """Raise 429 if ``tenant`` is over its request rate, or (a request of a ``QUEUED`` route) would not
+    be admitted now (``Admission.check``)."""
+    wait = state.rate_limiter.take(tenant)
+    if wait > 0:
+        limiter = state.rate_limiter
+        raise RateLimitedError(f"this API key may send {limiter.rate:g} requests a second (bursts of "
+                               f"{limiter.burst}); retry in {wait:.2f} s", retry_after_seconds(wait))
+    if queued and state.serving is not None:
+        state.serving.admission.check(tenant)
 
 
 class _ReadRequest(Request):

@@ -1,8 +1,8 @@
-"""Serving: the engine behind a bounded queue; the event loop only ever awaits.
+"""Serving: the engine behind a bounded, fair queue; the event loop only ever awaits.
 
-At most ``workers + max_queue`` requests are admitted (more get 429). An admitted job
-waits for one of ``workers`` threads, which encodes the prompt and runs
-``PrefixCache.chat``/``complete`` (the engine itself runs one generation at a time).
+At most ``workers + max_queue`` requests are admitted (more get 429), at most
+``tenant_max_in_flight`` of one tenant key, and the tenants' queues are served in turn
+(``Admission``). A worker encodes the prompt and runs ``PrefixCache.chat``/``complete``.
 Text deltas cross into the event loop with ``call_soon_threadsafe``. Every job owns a
 ``threading.Event``: a client disconnect, a timeout or shutdown sets it, generation
 stops at the next token (a job still queued never starts), and the SDK then releases
@@ -14,7 +14,6 @@ import asyncio
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import xxhash
@@ -24,17 +23,14 @@ from prefixcache.errors import ContextLengthExceededError, InvalidRequestError
 from prefixcache.planner.request_log import RequestLog
 from prefixcache import CacheUsage
 
-from .errors import ClientClosedError, QueueFullError, RequestTimeoutError, UnavailableError
+from .admission import Admission, Skipped
+from .errors import ClientClosedError, RequestTimeoutError, UnavailableError
 from .metrics import Metrics
 from .sampling import Job
-from .settings import Settings
+from .settings import LOCAL_TENANT, Settings
 
 T = TypeVar("T")
 Emit = Callable[[str, Any], None]
-
-
-class _Skipped(Exception):
-    """A job cancelled while it waited in the queue; it never ran."""
 
 
 class Serving:
@@ -45,13 +41,11 @@ class Serving:
         self.cache, self.settings, self.metrics = cache, settings, metrics
         self.request_log = request_log
         self._clock = clock
-        self._pool = ThreadPoolExecutor(settings.workers, thread_name_prefix="prefixcache-worker")
-        self._lock = threading.Lock()
-        self._admitted = 0  # waiting + running
-        self._running = 0
-        self._active: set[threading.Event] = set()
-        self.closing = False
         self.capacity = settings.workers + settings.max_queue
+        exempt = {settings.admin_tenant} | ({LOCAL_TENANT} if settings.local_mode else set())
+        self.admission = Admission(settings.workers, self.capacity,
+                                   settings.tenant_max_in_flight or max(1, self.capacity // 2), exempt,
+                                   lambda seconds: self.metrics.queue_wait.observe(seconds), clock)
         self.model_name = settings.served_model_name or cache.model_id or "default"
         self.vocab_size = int(cache.model.config.get_text_config(decoder=True).vocab_size)
         self.system_fingerprint = "fp_" + xxhash.xxh64_hexdigest(repr(cache.namespace("")).encode())[:12]
@@ -60,13 +54,19 @@ class Serving:
     # -- state ---------------------------------------------------------------------
     def queue(self) -> tuple[int, int]:
         """(running, waiting)."""
-        with self._lock:
-            return self._running, self._admitted - self._running
+        return self.admission.counts()
+
+    @property
+    def closing(self) -> bool:
+        return self.admission.closing
+
+    @closing.setter
+    def closing(self, value: bool) -> None:
+        self.admission.closing = value
 
     @property
     def ready(self) -> bool:
-        with self._lock:
-            return not self.closing and self._admitted < self.capacity
+        return self.admission.ready
 
     def check_engine(self) -> None:
         """Raise ``UnavailableError`` (503) if the batching loop stopped: the process needs a restart.
@@ -95,7 +95,7 @@ class Serving:
         """Run ``job`` to the end; 504 after the timeout, 499 if ``disconnected`` resolves first."""
         start = self._clock()
         try:
-            fut, cancel = self._submit(lambda c: self._execute(job, c, None))
+            fut, cancel = self._submit(lambda c: self._execute(job, c, None), job.tenant)
             return await self._wait(fut, cancel, disconnected)
         finally:
             self.metrics.duration.labels(job.endpoint).observe(self._clock() - start)
@@ -117,7 +117,7 @@ class Serving:
                 pass
 
         start = self._clock()
-        fut, cancel = self._submit(lambda c: self._execute(job, c, emit))
+        fut, cancel = self._submit(lambda c: self._execute(job, c, emit), job.tenant)
         fut.add_done_callback(lambda f: events.put_nowait(("done", f)))
         stream = GenerationStream(events, cancel, loop.time() + self.settings.request_timeout_seconds,
                             lambda: self.metrics.duration.labels(job.endpoint).observe(self._clock() - start))
@@ -139,7 +139,7 @@ class Serving:
             return self.cache.warm(ids, tenant=tenant, pin=pin, ttl_seconds=ttl_seconds, privileged=privileged,
                                    cancel=cancel, timeout_seconds=self.settings.request_timeout_seconds)
 
-        fut, cancel = self._submit(warm)
+        fut, cancel = self._submit(warm, tenant, exempt=privileged)
         return await self._wait(fut, cancel, disconnected)
 
     def _prefix_ids(self, prefix: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
@@ -165,55 +165,17 @@ class Serving:
 
     async def aclose(self) -> None:
         """Refuse new work, cancel what runs, and wait for the workers to stop (one token each)."""
-        with self._lock:
-            self.closing = True
-            active = list(self._active)
-        for cancel in active:
-            cancel.set()
-        await asyncio.to_thread(self._pool.shutdown, wait=True, cancel_futures=True)
+        self.admission.close()
+        await asyncio.to_thread(self.admission.shutdown)
 
     # -- internals -----------------------------------------------------------------
-    def _submit(self, work: Callable[[threading.Event], T]) -> tuple[asyncio.Future[T], threading.Event]:
-        with self._lock:
-            if self.closing:
-                raise UnavailableError("the server is shutting down", code="shutting_down")
-            if self._admitted >= self.capacity:
-                # Not how many requests are admitted: that is every tenant's load, shown to the admin only.
-                raise QueueFullError(f"the server is busy: all {self.capacity} places of its queue are taken; "
-                                     "retry shortly")
-            self._admitted += 1
-        cancel = threading.Event()
-        enqueued = self._clock()
-
-        def task() -> T:
-            with self._lock:
-                self._running += 1
-            try:
-                if cancel.is_set():
-                    raise _Skipped()
-                self.metrics.queue_wait.observe(self._clock() - enqueued)
-                return work(cancel)
-            finally:
-                with self._lock:
-                    self._running -= 1
-                    self._admitted -= 1
-
-        try:
-            fut = asyncio.get_running_loop().run_in_executor(self._pool, task)
-        except RuntimeError as exc:  # the pool was shut down
-            with self._lock:
-                self._admitted -= 1
-            raise UnavailableError("the server is shutting down", code="shutting_down") from exc
-        with self._lock:
-            self._active.add(cancel)
-
-        def finished(f: asyncio.Future[T]) -> None:
-            with self._lock:
-                self._active.discard(cancel)
-            if not f.cancelled():
-                f.exception()  # retrieved here, so an abandoned job never logs "exception never retrieved"
-
-        fut.add_done_callback(finished)
+    def _submit(self, work: Callable[[threading.Event], T], tenant: str,
+                exempt: bool = False) -> tuple[asyncio.Future[T], threading.Event]:
+        """``Admission.submit``, awaitable."""
+        result, cancel = self.admission.submit(work, tenant, exempt)
+        fut = asyncio.wrap_future(result)
+        # Retrieved here, so an abandoned job never logs "exception never retrieved".
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         return fut, cancel
 
     async def _wait(self, fut: asyncio.Future[T], cancel: threading.Event,
@@ -355,7 +317,7 @@ def _unwrap(fut: asyncio.Future[T]) -> T:
     if fut.cancelled():
         raise UnavailableError("the server is shutting down", code="shutting_down")
     exc = fut.exception()
-    if isinstance(exc, _Skipped):
+    if isinstance(exc, Skipped):
         raise RequestTimeoutError("the request was cancelled before it started")
     if exc is not None:
         raise exc

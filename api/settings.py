@@ -115,7 +115,21 @@ class Settings(BaseSettings):
                            "with Retry-After.")
     request_timeout_seconds: float = Field(300.0, gt=0, description="Queue wait + generation limit; then 504 "
                                            "(or an error event mid-stream) and the generation is cancelled.")
-    retry_after_seconds: int = Field(1, ge=1, description="Retry-After sent with 429 and 503.")
+    retry_after_seconds: int = Field(1, ge=1, description="Retry-After sent with 429 and 503 (a rate limit's 429 "
+                                     "sends the seconds until the key may send again).")
+
+    # -- fairness between tenant keys (the admin key and local mode are exempt) -----
+    tenant_max_in_flight: int | None = Field(None, ge=1, description="Requests one tenant key may have admitted "
+                                             "at once (running and queued); more get 429 tenant_busy with "
+                                             "Retry-After, before their body is read. Queued requests are served "
+                                             "tenant by tenant in turn, whatever this is. Unset: half of workers + "
+                                             "max_queue.")
+    tenant_rate_limit: float | None = Field(None, gt=0, description="Requests a second one tenant key may send "
+                                            "(a token bucket holding tenant_rate_burst); more get 429 "
+                                            "rate_limit_exceeded with Retry-After, before their body is read. "
+                                            "Unset: no rate limit.")
+    tenant_rate_burst: int = Field(20, ge=1, description="Requests a tenant key may send at once above "
+                                   "tenant_rate_limit (the bucket's size).")
 
     # -- request defaults ----------------------------------------------------------
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request omits it (capped to "

@@ -5,56 +5,38 @@ proxy as a subprocess on loopback and runs two phases in one invocation:
 
 1. **alone**: the well-behaved tenant's streamed chats on a shared system prompt;
 2. **mixed**: the same chats again (its cache flushed first, so both phases start cold)
-   while the hostile tenant cycles through every hostile case (``HOSTILE``: the cases the
-   hardening work was built against) and drops streams mid-way.
+   while the hostile tenant, from a process of its own, cycles through every hostile case
+   (``bench.hostile``: the cases the hardening work was built against) and drops streams
+   mid-way. ``--rounds N`` alternates the two phases N times.
 
 Every request has a client deadline. The report: responses by status (5xx must be 0),
-hung requests (0), the well-behaved tenant's token hit rate and TTFT p50 per phase and
-their ratio, what the admin stats audit reads at idle (refcounts 0, stored bytes equal to
+hung requests (0), the well-behaved tenant's token hit rate, TTFT p50 and time to the response
+headers per phase and their ratios, the server's and the clients' CPU seconds per phase, what the admin stats audit reads at idle (refcounts 0, stored bytes equal to
 live tensor bytes, nothing reserved in flight), and the server's peak RSS (``VmHWM``).
 """
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
+import os
 import statistics
 import sys
 import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
+from prefixcache.bench.hostile import ADMIN, GOOD, KEYS, HostileProcess, Tally, case_names, run_hostile
 from prefixcache.bench.servers import Server, free_port
 
-KEYS = {"sk-soak-good": "good", "sk-soak-evil": "evil"}
-GOOD, EVIL, ADMIN = "sk-soak-good", "sk-soak-evil", "sk-soak-admin"
 SYSTEM = ("You are the support assistant of a parcel delivery company. Answer in one short sentence, "
           "politely, and never promise a delivery date. ") * 12
 QUESTIONS = ["Where is my parcel?", "How long do refunds take?", "Can I change the address?",
              "Do you deliver on Sundays?", "What does the tracking code mean?", "Who signs for the parcel?"]
-
-
-@dataclass(slots=True)
-class Tally:
-    """Outcomes of one phase; ``lock`` guards every field."""
-
-    statuses: Counter[str] = field(default_factory=Counter)
-    hung: int = 0
-    ttft: list[float] = field(default_factory=list)
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def status(self, label: str | int) -> None:
-        with self.lock:
-            self.statuses[str(label)] += 1
 
 
 # -- the well-behaved tenant -------------------------------------------------------------
@@ -67,6 +49,7 @@ def good_chat(client: httpx.Client, model: str, i: int, tally: Tally, deadline: 
     first, usage = None, None
     try:
         with client.stream("POST", "/v1/chat/completions", json=body, timeout=deadline) as r:
+            headers = time.perf_counter() - start  # sent once the server encoded the prompt and queued it
             if r.status_code != 200:
                 r.read()
                 tally.status(r.status_code)
@@ -82,105 +65,31 @@ def good_chat(client: httpx.Client, model: str, i: int, tally: Tally, deadline: 
                     first = time.perf_counter() - start
                 usage = event.get("usage") or usage
     except httpx.TimeoutException:
-        with tally.lock:
-            tally.hung += 1
+        tally.timed_out()
         return
     tally.status(200)
     with tally.lock:
         if first is not None:
             tally.ttft.append(first)
+            tally.headers.append(headers)
         if usage:
             tally.prompt_tokens += usage["prompt_tokens"]
             tally.cached_tokens += usage["prompt_tokens_details"]["cached_tokens"]
 
 
-# -- the hostile tenant --------------------------------------------------------------------
-def _chat(model: str, **extra: Any) -> dict:
-    return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
-
-
-def _raw(path: str, text: str | bytes, key: str = EVIL) -> dict:
-    headers = {"content-type": "application/json", "authorization": f"Bearer {key}"}
-    return {"method": "POST", "url": path, "content": text, "headers": headers}
-
-
-def _chunked(size: int):
-    piece = b'{"model": "m", "prompt": "' + b"x" * 65536
-    sent = 0
-    while sent < size:
-        yield piece
-        sent += len(piece)
-
-
-def hostile_cases(model: str, context: int) -> dict[str, Callable[[int], dict]]:
-    """Each hostile case: request ``i`` of it as ``httpx.Client.request`` keyword arguments."""
-    chat, prewarm = "/v1/chat/completions", "/v1/cache/prewarm"
-    return {
-        "huge-prewarm": lambda i: {"method": "POST", "url": prewarm, "json": {"prompt": "word " * 300_000}},
-        "prewarm-over-context": lambda i: {"method": "POST", "url": prewarm,
-                                           "json": {"prompt": "word " * (context + 64)}},
-        "20000-messages": lambda i: {"method": "POST", "url": chat,
-                                     "json": {"model": model, "max_tokens": 4,
-                                              "messages": [{"role": "user", "content": "a"}] * 20_000}},
-        "long-stop-strings": lambda i: {"method": "POST", "url": chat,
-                                        "json": _chat(model, stop=["x" * 40_000] * 4)},
-        "oversized-chunked-body": lambda i: {"method": "POST", "url": chat, "content": _chunked(6 << 20),
-                                             "headers": {"content-type": "application/json"}},
-        "pin-without-ttl": lambda i: {"method": "POST", "url": prewarm,
-                                      "json": {"prompt": f"Pinned policy {i}. " + "clause " * 300, "pin": True}},
-        "seeded-sampled": lambda i: {"method": "POST", "url": chat,
-                                     "json": _chat(model, temperature=1.0, seed=i, max_tokens=8)},
-        "deep-json": lambda i: _raw(chat, "[" * 100_000 + "]" * 100_000),
-        "huge-logit-bias": lambda i: {"method": "POST", "url": chat,
-                                      "json": _chat(model, logit_bias={str(t): 1 for t in range(5000)})},
-        "max-tokens-beyond-context": lambda i: {"method": "POST", "url": chat, "json": _chat(model, max_tokens=context * 4)},
-        "number-too-large": lambda i: _raw(chat, '{"model": "%s", "messages": [], "max_tokens": %s}'
-                                           % (model, "9" * 5000)),
-        "float-overflow": lambda i: _raw(chat, '{"model": "%s", "messages": [{"role": "user", "content": "x"}], '
-                                         '"max_tokens": 1e999}' % model),
-        "unauthenticated-body": lambda i: _raw(chat, b'{"prompt": "' + b"x" * (2 << 20) + b'"}', key="sk-not-a-key"),
-        "many-tools": lambda i: {"method": "POST", "url": chat, "json": _chat(model, tools=[
-            {"type": "function", "function": {"name": f"f{k}", "parameters": {"type": "object"}}} for k in range(200)])},
-    }
-
-
-def hostile_request(client: httpx.Client, case: Callable[[int], dict], i: int, tally: Tally, deadline: float) -> None:
-    try:
-        r = client.request(**case(i), timeout=deadline)
-        tally.status(r.status_code)
-    except httpx.TimeoutException:
-        with tally.lock:
-            tally.hung += 1
-    except httpx.TransportError:  # the server answered (413) and closed while the body was still going out
-        tally.status("closed-while-sending")
-
-
-def disconnect_mid_stream(client: httpx.Client, model: str, i: int, tally: Tally, deadline: float) -> None:
-    body = _chat(model, stream=True, max_tokens=64, temperature=0,
-                 messages=[{"role": "user", "content": f"Tell me a long story number {i}."}])
-    try:
-        with client.stream("POST", "/v1/chat/completions", json=body, timeout=deadline) as r:
-            if r.status_code != 200:
-                r.read()
-                tally.status(r.status_code)
-                return
-            for n, _line in enumerate(r.iter_lines()):
-                if n >= 1 + i % 3:
-                    break  # leave: the response is closed unread
-        tally.status("disconnected")
-    except httpx.TimeoutException:
-        with tally.lock:
-            tally.hung += 1
-
-
 # -- the run ---------------------------------------------------------------------------------
 def run_phase(url: str, model: str, good_requests: int, hostile_requests: int, context: int,
-              deadline: float, seed: int, hostile_clients: int) -> tuple[Tally, Tally]:
+              opts: argparse.Namespace, server_pid: int) -> tuple[Tally, Tally, dict[str, float]]:
     """The good tenant's ``good_requests`` chats (2 clients), with the hostile tenant's traffic
-    (``hostile_clients``) running alongside, when ``hostile_requests`` > 0, until both are done."""
-    good, evil = Tally(), Tally()
-    cases = list(hostile_cases(model, context).items())
-    counter = itertools.count()
+    (``opts.hostile_clients``) running alongside, when ``hostile_requests`` > 0, until both are done.
+    Also returns the phase's wall, server CPU and client CPU seconds."""
+    good, deadline = Tally(), opts.deadline
+    hostile = hostile_requests > 0 and opts.hostile_clients > 0
+    only = opts.hostile_cases.split(",") if opts.hostile_cases else None
+    args = (url, model, context, hostile_requests, opts.hostile_clients, deadline, opts.seed)
+    proc = HostileProcess(*args, only=only) if hostile and not opts.hostile_in_process else None
+    if proc is not None:
+        proc.start()
     done = threading.Event()
 
     def good_worker(ids: range) -> None:
@@ -188,30 +97,31 @@ def run_phase(url: str, model: str, good_requests: int, hostile_requests: int, c
             for i in ids:
                 good_chat(client, model, i, good, deadline)
 
-    def evil_worker() -> None:
-        with httpx.Client(base_url=url, headers={"authorization": f"Bearer {EVIL}"}) as client:
-            while (i := next(counter)) < hostile_requests or not done.is_set():
-                kind = (i * 7 + seed) % (len(cases) + 1)
-                if kind == len(cases):
-                    disconnect_mid_stream(client, model, i, evil, deadline)
-                else:
-                    hostile_request(client, cases[kind][1], i, evil, deadline)
-
-    with ThreadPoolExecutor(2 + hostile_clients) as pool:
-        evils = [pool.submit(evil_worker) for _ in range(hostile_clients if hostile_requests else 0)]
-        goods = [pool.submit(good_worker, range(k, good_requests, 2)) for k in range(2)]
-        for f in goods:
+    wall, server_cpu, client_cpu = time.perf_counter(), cpu_seconds(server_pid), time.process_time()
+    with ThreadPoolExecutor(3) as pool:
+        evil = pool.submit(run_hostile, *args, stop=done, only=only) if hostile and proc is None else None
+        for f in [pool.submit(good_worker, range(k, good_requests, 2)) for k in range(2)]:
             f.result()
         done.set()
-        for f in evils:
-            f.result()
-    return good, evil
+        tally, hostile_cpu = proc.result() if proc is not None else (evil.result() if evil else Tally(), 0.0)
+    usage = {"wall_s": time.perf_counter() - wall, "server_cpu_s": cpu_seconds(server_pid) - server_cpu,
+             "client_cpu_s": time.process_time() - client_cpu + hostile_cpu}
+    return good, tally, {k: round(v, 2) for k, v in usage.items()}
 
 
-def phase_report(good: Tally) -> dict[str, Any]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (every thread), from ``/proc/PID/stat``."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def phase_report(good: Tally, usage: dict[str, float]) -> dict[str, Any]:
     return {"requests": sum(good.statuses.values()) + good.hung, "statuses": dict(good.statuses), "hung": good.hung,
             "token_hit_rate": good.cached_tokens / good.prompt_tokens if good.prompt_tokens else 0.0,
-            "ttft_p50_s": statistics.median(good.ttft) if good.ttft else None}
+            "ttft_p50_s": statistics.median(good.ttft) if good.ttft else None,
+            # Headers come once the prompt is encoded and queued: before them, the proxy's admission; after, the engine.
+            "headers_p50_s": statistics.median(good.headers) if good.headers else None, **usage}
 
 
 def idle_audit(url: str) -> dict[str, Any]:
@@ -262,7 +172,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
     max_bytes = opts.max_bytes or ((16 << 20) if opts.model == "tiny" else (512 << 20))
     argv = [sys.executable, "-m", "prefixcache.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
             "--served-model-name", "soak", "--log-level", "warning", "--request-timeout-seconds",
-            str(opts.deadline / 2), "--max-bytes", str(max_bytes)]
+            str(opts.deadline / 2), "--max-bytes", str(max_bytes), *opts.server_arg]
     if tmp is not None:
         tiny_model_folder(tmp.name)
         argv += ["--model", tmp.name]
@@ -275,12 +185,27 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         context = 2048 if opts.model == "tiny" else opts.context
         good_n = max(2, opts.requests // 4)
         hostile_n = max(0, opts.requests - 2 * good_n)
+        rounds = max(1, min(opts.rounds, good_n // 2))
         started = time.perf_counter()
-        alone, _ = run_phase(server.url, "soak", good_n, 0, context, opts.deadline, opts.seed, 0)
-        with httpx.Client(base_url=server.url, headers={"authorization": f"Bearer {ADMIN}"}, timeout=60) as admin:
-            admin.delete("/v1/cache", params={"tenant": "good"})  # both phases start cold
-        mixed, evil = run_phase(server.url, "soak", good_n, hostile_n, context, opts.deadline, opts.seed,
-                                opts.hostile_clients)
+        pid = server.proc.pid
+        alone, mixed, evil = Tally(), Tally(), Tally()
+        alone_usage: Counter[str] = Counter()
+        mixed_usage: Counter[str] = Counter()
+        round_ratios = []
+        for k in range(rounds):  # alone, then mixed, in turn: a change of the machine's load hits both
+            share = good_n // rounds + (k < good_n % rounds)
+            with httpx.Client(base_url=server.url, headers={"authorization": f"Bearer {ADMIN}"}, timeout=60) as admin:
+                admin.delete("/v1/cache", params={"tenant": "good"})  # every phase starts cold
+            a, _, usage = run_phase(server.url, "soak", share, 0, context, opts, pid)
+            alone_usage.update(usage)
+            with httpx.Client(base_url=server.url, headers={"authorization": f"Bearer {ADMIN}"}, timeout=60) as admin:
+                admin.delete("/v1/cache", params={"tenant": "good"})
+            m, e, usage = run_phase(server.url, "soak", share, hostile_n // rounds, context, opts, pid)
+            mixed_usage.update(usage)
+            if a.ttft and m.ttft:
+                round_ratios.append(round(statistics.median(m.ttft) / statistics.median(a.ttft), 3))
+            for total, part in ((alone, a), (mixed, m), (evil, e)):
+                total.merge(part)
         seconds = time.perf_counter() - started
         audit = idle_audit(server.url)
         rss = peak_rss_bytes(server.proc.pid)
@@ -291,7 +216,8 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         if tmp is not None:
             tmp.cleanup()
     statuses = Counter(alone.statuses) + Counter(mixed.statuses) + Counter(evil.statuses)
-    a, m = phase_report(alone), phase_report(mixed)
+    a = phase_report(alone, {k: round(v, 2) for k, v in alone_usage.items()})
+    m = phase_report(mixed, {k: round(v, 2) for k, v in mixed_usage.items()})
     return {
         "model": opts.model, "seconds": round(seconds, 1),
         "requests": sum(statuses.values()) + alone.hung + mixed.hung + evil.hung,
@@ -302,6 +228,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         "good_alone": a, "good_mixed": m,
         "hit_rate_ratio": m["token_hit_rate"] / a["token_hit_rate"] if a["token_hit_rate"] else None,
         "ttft_p50_ratio": m["ttft_p50_s"] / a["ttft_p50_s"] if a["ttft_p50_s"] and m["ttft_p50_s"] else None,
+        "rounds": rounds, "round_ttft_p50_ratios": round_ratios,
         "idle": audit, "server_peak_rss_bytes": rss,
     }
 
@@ -319,6 +246,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "for tiny, 512 MiB otherwise; a tenant may pin 1/8 of it)")
     parser.add_argument("--hostile-clients", type=int, default=2, help="concurrent clients of the hostile "
                         "tenant (the well-behaved one has 2)")
+    parser.add_argument("--rounds", type=int, default=1, help="alternate the alone and mixed phases this many "
+                        "times (the requests shared out), so a change of a shared machine's load hits both phases")
+    parser.add_argument("--hostile-cases", default=None, help="comma-separated hostile cases to send (default: "
+                        f"all): {', '.join(case_names())}")
+    parser.add_argument("--hostile-in-process", action="store_true", help="send the hostile tenant's requests from "
+                        "threads of this process (default: a process of its own, whose GIL and CPU time building "
+                        "bodies are not those of the client timing the well-behaved tenant)")
+    parser.add_argument("--server-arg", action="append", default=[], help="one more argument for `prefixcache "
+                        "serve` (repeat it: --server-arg=--tenant-rate-limit --server-arg=20)")
     parser.add_argument("--ready-timeout", type=float, default=600.0, help="seconds the server may take to start")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write the report here too")

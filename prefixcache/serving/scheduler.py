@@ -11,6 +11,7 @@ splits the step's token budget: decodes first, then the prompts closest to their
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import torch
@@ -68,7 +69,7 @@ class Scheduler:
         cfg = self.config
         reserved = sum(r.private_need for r in self.running)
         joining: list[Request] = []  # running from now on (others' admission sees them); KV given below
-        for req in admission_order(self.waiting, self._clock(), cfg.max_wait_seconds):
+        for req in admission_order(self.waiting, self._clock(), cfg.max_wait_seconds, self.running):
             if len(self.running) >= cfg.max_batch:
                 break
             if req.cancelled:
@@ -288,13 +289,23 @@ def _round(tokens: int, chunk: int) -> int:
     return -(-tokens // chunk) * chunk
 
 
-def admission_order(waiting: Sequence[Request], now: float, max_wait: float) -> list[Request]:
+def admission_order(waiting: Sequence[Request], now: float, max_wait: float,
+                    running: Sequence[Request] = ()) -> list[Request]:
     """Starved requests first (waited > ``max_wait``, oldest first), then longest cached
-    prefix first, requests on the same prefix together, then arrival order."""
+    prefix first, requests on the same prefix together, then arrival order; tenants in turn.
+
+    In turn: within each of those two groups, a tenant's k-th request in that order ranks
+    ``k`` + its ``running`` requests, and lower ranks go first. A tenant with many requests
+    queued or running therefore never holds back another tenant's next one; one tenant's
+    requests keep their cache-aware order among themselves.
+    """
     def key(r: Request):
         starved = now - r.arrival > max_wait
         return (0, r.arrival, 0, 0) if starved else (1, -r.cached_len, r.group, r.arrival)
-    return sorted(waiting, key=key)
+    ordered = sorted(waiting, key=key)  # the starved first
+    taken = Counter(r.tenant for r in running)
+    starved = sum(1 for r in ordered if now - r.arrival > max_wait)
+    return in_turn(ordered[:starved], taken) + in_turn(ordered[starved:], taken)
 
 
 def plan_step(active: Sequence[Request], token_budget: int, prefill_chunk: int) -> list[tuple[Request, int]]:
@@ -302,10 +313,11 @@ def plan_step(active: Sequence[Request], token_budget: int, prefill_chunk: int) 
     within ``token_budget``, so a long prompt cannot stall decodes.
 
     The prompt budget goes to the prompts closest to their first token (fewest tokens left),
-    each as much as it can take: that is the order that makes first tokens soonest (a burst
-    of equal prompts finishes them one after another instead of all at the end together, and
-    a short question is not held behind a long document). So that a long prompt is never
-    starved by a stream of shorter ones, the oldest prompt always feeds at least
+    tenants in turn (see ``in_turn``), each as much as it can take: that is the order that
+    makes first tokens soonest (a burst of equal prompts finishes them one after another
+    instead of all at the end together, and a short question is not held behind a long
+    document), and one tenant's prompts do not hold back another's. So that a long prompt is
+    never starved by a stream of shorter ones, the oldest prompt always feeds at least
     ``prefill_chunk`` tokens.
     """
     plan = [(r, 1) for r in active if not r.prefilling]
@@ -316,10 +328,22 @@ def plan_step(active: Sequence[Request], token_budget: int, prefill_chunk: int) 
     oldest = prefilling[0]
     fed = {id(oldest): min(prefill_chunk, oldest.prompt_left, budget)}
     budget -= fed[id(oldest)]
-    for r in sorted(prefilling, key=lambda r: (r.prompt_left, r.arrival)):
+    for r in in_turn(sorted(prefilling, key=lambda r: (r.prompt_left, r.arrival))):
         if budget <= 0:
             break
         more = min(r.prompt_left - fed.get(id(r), 0), budget)
         fed[id(r)] = fed.get(id(r), 0) + more
         budget -= more
     return plan + [(r, fed[id(r)]) for r in prefilling if fed.get(id(r), 0) > 0]
+
+
+def in_turn(requests: Sequence[Request], taken: Counter[str] | None = None) -> list[Request]:
+    """``requests`` with tenants taking turns: a tenant's k-th request ranks ``k`` + ``taken[tenant]``
+    (requests it already has running), lower ranks first; ties, and one tenant's requests, keep their order."""
+    taken = taken or Counter()
+    seen: Counter[str] = Counter()
+    ranked = []
+    for i, r in enumerate(requests):
+        ranked.append((taken[r.tenant] + seen[r.tenant], i, r))
+        seen[r.tenant] += 1
+    return [r for _, _, r in sorted(ranked, key=lambda t: t[:2])]

@@ -1,0 +1,110 @@
+"""Fairness between tenants at the proxy's door: request-rate limits and a round-robin queue.
+
+Both are pure bookkeeping (no threads, no I/O; the clock is passed in), used by ``Serving``
+and the routes:
+
+- ``RateLimiter``: a token bucket per tenant key (``tenant_rate_limit`` requests a second,
+  ``tenant_rate_burst`` at once). A request over it is refused before its body is read, with
+  the seconds until the bucket holds a token again as its Retry-After.
+- ``FairQueue``: the requests admitted and waiting for a worker, one queue per tenant, served
+  in turn (round robin), the tenant with the fewest requests running first: however many
+  requests one tenant has queued or running, another tenant's next request does not wait
+  behind them.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class _Bucket:
+    tokens: float
+    updated: float
+
+
+class RateLimiter:
+    """A token bucket per tenant: ``rate`` tokens a second, at most ``burst`` held; a request takes one.
+
+    ``rate`` None: no limit. Buckets exist only for tenants that made requests (tenants come
+    from the configured keys only, so their number is bounded).
+    """
+
+    def __init__(self, rate: float | None, burst: int, clock: Callable[[], float]):
+        if rate is not None and rate <= 0:
+            raise ValueError(f"rate must be > 0, got {rate}")
+        if burst < 1:
+            raise ValueError(f"burst must be >= 1, got {burst}")
+        self.rate, self.burst, self._clock = rate, burst, clock
+        self._buckets: dict[str, _Bucket] = {}
+
+    def take(self, tenant: str) -> float:
+        """Take one token of ``tenant``'s bucket. Returns 0.0 if it had one, else the seconds until it
+        will (nothing is taken then)."""
+        if self.rate is None:
+            return 0.0
+        now = self._clock()
+        bucket = self._buckets.get(tenant)
+        if bucket is None:
+            bucket = self._buckets[tenant] = _Bucket(float(self.burst), now)
+        bucket.tokens = min(float(self.burst), bucket.tokens + (now - bucket.updated) * self.rate)
+        bucket.updated = now
+        if bucket.tokens >= 1.0:
+            bucket.tokens -= 1.0
+            return 0.0
+        return (1.0 - bucket.tokens) / self.rate
+
+
+def retry_after_seconds(wait: float) -> int:
+    """A Retry-After header's whole seconds for a wait of ``wait`` seconds (at least 1)."""
+    return max(1, math.ceil(wait))
+
+
+class FairQueue(Generic[T]):
+    """Items waiting per tenant, popped in turn: the tenant served longest ago (or never) that has an
+    item goes next, and its oldest item. Not thread-safe: the caller holds its own lock.
+
+    Turns are remembered when a tenant's queue empties: a tenant just served that queues again
+    still goes after one that has waited. (One entry per tenant ever seen: tenants come from the
+    configured keys.)
+    """
+
+    def __init__(self) -> None:
+        self._queues: dict[str, deque[T]] = {}  # insertion order breaks ties between tenants never served
+        self._served: dict[str, int] = {}  # tenant -> the pop that last served it
+        self._pops = 0
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    def push(self, tenant: str, item: T) -> None:
+        """Queue ``item`` for ``tenant``."""
+        self._queues.setdefault(tenant, deque()).append(item)
+
+    def pop(self, load: Callable[[str], int] | None = None) -> tuple[str, T]:
+        """The next (tenant, item). With ``load`` (a tenant's jobs already running), the tenant with the
+        least load goes first, in turn among equals. Raises ``IndexError`` if empty."""
+        if not self._queues:
+            raise IndexError("pop from an empty FairQueue")
+        tenant = min(self._queues, key=lambda t: (load(t) if load else 0, self._served.get(t, -1)))
+        queue = self._queues[tenant]
+        item = queue.popleft()
+        if not queue:
+            del self._queues[tenant]
+        self._pops += 1
+        self._served[tenant] = self._pops
+        return tenant, item
+
+    def drain(self) -> Iterator[tuple[str, T]]:
+        """Pop everything, in turn order."""
+        while self._queues:
+            yield self.pop()
+
+    def waiting(self, tenant: str) -> int:
+        queue = self._queues.get(tenant)
+        return 0 if queue is None else len(queue)
