@@ -299,13 +299,11 @@ def admission_order(waiting: Sequence[Request], now: float, max_wait: float,
     queued or running therefore never holds back another tenant's next one; one tenant's
     requests keep their cache-aware order among themselves.
     """
-    def key(r: Request):
-        starved = now - r.arrival > max_wait
-        return (0, r.arrival, 0, 0) if starved else (1, -r.cached_len, r.group, r.arrival)
-    ordered = sorted(waiting, key=key)  # the starved first
+    starved = sorted((r for r in waiting if now - r.arrival > max_wait), key=lambda r: r.arrival)
+    fresh = sorted((r for r in waiting if now - r.arrival <= max_wait),
+                   key=lambda r: (-r.cached_len, r.group, r.arrival))
     taken = Counter(r.tenant for r in running)
-    starved = sum(1 for r in ordered if now - r.arrival > max_wait)
-    return in_turn(ordered[:starved], taken) + in_turn(ordered[starved:], taken)
+    return in_turn(starved, taken) + in_turn(fresh, taken)
 
 
 def plan_step(active: Sequence[Request], token_budget: int, prefill_chunk: int) -> list[tuple[Request, int]]:
@@ -320,18 +318,19 @@ def plan_step(active: Sequence[Request], token_budget: int, prefill_chunk: int) 
     never starved by a stream of shorter ones, the oldest prompt always feeds at least
     ``prefill_chunk`` tokens.
     """
-    plan = [(r, 1) for r in active if not r.prefilling]
-    prefilling = sorted((r for r in active if r.prefilling), key=lambda r: r.arrival)
+    left = {id(r): r.prompt_left for r in active}  # read once: each read sums the request's stored runs
+    plan = [(r, 1) for r in active if left[id(r)] <= 0]
+    prefilling = sorted((r for r in active if left[id(r)] > 0), key=lambda r: r.arrival)
     budget = token_budget - len(plan)
     if not prefilling or budget <= 0:
         return plan
     oldest = prefilling[0]
-    fed = {id(oldest): min(prefill_chunk, oldest.prompt_left, budget)}
+    fed = {id(oldest): min(prefill_chunk, left[id(oldest)], budget)}
     budget -= fed[id(oldest)]
-    for r in in_turn(sorted(prefilling, key=lambda r: (r.prompt_left, r.arrival))):
+    for r in in_turn(sorted(prefilling, key=lambda r: (left[id(r)], r.arrival))):
         if budget <= 0:
             break
-        more = min(r.prompt_left - fed.get(id(r), 0), budget)
+        more = min(left[id(r)] - fed.get(id(r), 0), budget)
         fed[id(r)] = fed.get(id(r), 0) + more
         budget -= more
     return plan + [(r, fed[id(r)]) for r in prefilling if fed.get(id(r), 0) > 0]
