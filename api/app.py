@@ -22,7 +22,7 @@ from prefixcache.planner.request_log import RequestLog
 from . import errors
 from .anthropic.routes import router as anthropic_router
 from .auth import KeyRing
-from .fairness import RateLimiter
+from .fairness import InvalidBudget, RateLimiter
 from .metrics import Metrics
 from .replica import replica
 from .routes import router
@@ -90,6 +90,8 @@ def create_app(settings: Settings | None = None, *, cache: PrefixCache | None = 
     app.state.settings = settings
     app.state.keyring = KeyRing(settings)
     app.state.rate_limiter = RateLimiter(settings.tenant_rate_limit, settings.tenant_rate_burst, clock)
+    app.state.invalid_budget = InvalidBudget(settings.tenant_invalid_rate, settings.tenant_invalid_burst,
+                                             settings.tenant_invalid_hold_seconds, clock)
     app.state.metrics = metrics
     app.state.serving = None
     errors.install(app, settings.retry_after_seconds, lambda request, status: metrics.error(_route(request), status))

@@ -90,6 +90,12 @@ class RateLimitedError(ProxyError):
         self.retry_after = retry_after
 
 
+class InvalidBudgetError(RateLimitedError):
+    """The caller's key caused more refused requests than its budget (``tenant_invalid_rate``)."""
+
+    code = "too_many_invalid_requests"
+
+
 class UnavailableError(ProxyError):
     status, type, code, retry = 503, "server_error", "unavailable", True
 
@@ -140,6 +146,15 @@ def map_exception(exc: BaseException) -> Mapped:
         return Mapped(501, ErrorDetail(message=f"prefix caching is not available for this model: {exc}",
                                        type="invalid_request_error", code="not_supported"))
     return Mapped(500, ErrorDetail(message="internal server error", type="server_error", code="internal_error"))
+
+
+def status_of(exc: BaseException) -> int:
+    """The HTTP status ``exc`` is answered with (the handlers ``install`` registers included)."""
+    if isinstance(exc, RequestValidationError):
+        return 400
+    if isinstance(exc, StarletteHTTPException):
+        return exc.status_code
+    return map_exception(exc).status
 
 
 def error_response(mapped: Mapped, retry_after: int, path: str = "") -> JSONResponse:

@@ -5,7 +5,10 @@ and the routes:
 
 - ``RateLimiter``: a token bucket per tenant key (``tenant_rate_limit`` requests a second,
   ``tenant_rate_burst`` at once). A request over it is refused before its body is read, with
-  the seconds until the bucket holds a token again as its Retry-After.
+  the seconds until the bucket holds a token again as its Retry-After. The same bucket, fed
+  only by a key's refused requests (``tenant_invalid_rate``, ``tenant_invalid_burst``), slows a
+  key that keeps sending bad input: while it is empty, every request of that key is held
+  ``tenant_invalid_hold_seconds`` and refused before its body is read (``InvalidBudget``).
 - ``FairQueue``: the requests admitted and waiting for a worker, one queue per tenant, served
   in turn (round robin), the tenant with the fewest requests running first: however many
   requests one tenant has queued or running, another tenant's next request does not wait
@@ -46,6 +49,13 @@ class RateLimiter:
     def take(self, tenant: str) -> float:
         """Take one token of ``tenant``'s bucket. Returns 0.0 if it had one, else the seconds until it
         will (nothing is taken then)."""
+        wait = self.wait(tenant)
+        if self.rate is not None and wait == 0.0:
+            self._buckets[tenant].tokens -= 1.0
+        return wait
+
+    def wait(self, tenant: str) -> float:
+        """Seconds until ``tenant``'s bucket holds a token (0.0: it holds one now); takes nothing."""
         if self.rate is None:
             return 0.0
         now = self._clock()
@@ -54,10 +64,34 @@ class RateLimiter:
             bucket = self._buckets[tenant] = _Bucket(float(self.burst), now)
         bucket.tokens = min(float(self.burst), bucket.tokens + (now - bucket.updated) * self.rate)
         bucket.updated = now
-        if bucket.tokens >= 1.0:
-            bucket.tokens -= 1.0
-            return 0.0
-        return (1.0 - bucket.tokens) / self.rate
+        return 0.0 if bucket.tokens >= 1.0 else (1.0 - bucket.tokens) / self.rate
+
+
+class InvalidBudget:
+    """How many refused requests (400, 404, 413) a tenant key may cause: a ``RateLimiter`` that only they
+    draw from. While a key's budget is empty its requests are held, then refused.
+
+    ``held`` counts the requests held per key; at most ``max_held`` are held at once (more are
+    refused at once), so holding costs a bounded number of idle connections per key.
+    """
+
+    def __init__(self, rate: float | None, burst: int, hold_seconds: float, clock: Callable[[], float],
+                 max_held: int = 8):
+        self.bucket = RateLimiter(rate, burst, clock)
+        self.hold_seconds, self.max_held = hold_seconds, max_held
+        self.held: dict[str, int] = {}
+
+    def charge(self, tenant: str) -> None:
+        """``tenant`` caused a refused request: it takes a token (or the bucket stays empty)."""
+        self.bucket.take(tenant)
+
+    def hold(self, tenant: str) -> tuple[float, float]:
+        """(seconds to hold ``tenant``'s request before refusing it, seconds until its budget holds a
+        token again); (0.0, 0.0) if the key may send now."""
+        wait = self.bucket.wait(tenant)
+        if wait == 0.0 or self.held.get(tenant, 0) >= self.max_held:
+            return 0.0, wait
+        return min(wait, self.hold_seconds), wait
 
 
 def retry_after_seconds(wait: float) -> int:

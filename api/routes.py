@@ -25,8 +25,16 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prefixcache import GenerationResult
 
 from .auth import Principal
-from .errors import NotFoundError, PermissionDeniedError, RateLimitedError, UnavailableError, map_exception
-from .fairness import retry_after_seconds
+from .errors import (
+    InvalidBudgetError,
+    NotFoundError,
+    PermissionDeniedError,
+    RateLimitedError,
+    UnavailableError,
+    map_exception,
+    status_of,
+)
+from .fairness import InvalidBudget, retry_after_seconds
 from .limits import NOT_JSON, check_chat, check_counts, check_completion, check_prewarm, read_body
 from .metrics import CONTENT_TYPE
 from .protocol import (
@@ -90,16 +98,24 @@ class GuardedRoute(APIRoute):
 
         async def guarded(request: Request) -> Response:
             state = request.app.state
+            tenant = None
             if authenticated:
                 who = request.state.principal = state.keyring.authenticate(request.headers.get("authorization"),
                                                                            request.headers.get("x-api-key"))
-                if not who.admin:  # a key over its rate or its places is refused before its body is read
-                    admit_tenant(state, who.tenant, queued)
-            if has_body:
-                body, parsed = await read_body(request, state.settings)
-                check_counts(parsed, state.settings)
-                request = _ReadRequest(request, body, parsed)
-            return await handler(request)
+                if not who.admin:  # a key over its budgets, rate or places is refused before its body is read
+                    tenant = who.tenant
+                    await refuse_if_over_invalid_budget(state.invalid_budget, tenant)
+                    admit_tenant(state, tenant, queued)
+            try:
+                if has_body:
+                    body, parsed = await read_body(request, state.settings)
+                    check_counts(parsed, state.settings)
+                    request = _ReadRequest(request, body, parsed)
+                return await handler(request)
+            except Exception as exc:
+                if tenant is not None and status_of(exc) in INVALID_STATUSES:
+                    state.invalid_budget.charge(tenant)
+                raise
 
         return guarded
 
@@ -107,6 +123,28 @@ class GuardedRoute(APIRoute):
 #: Routes whose requests take a place in the queue (``Serving``): refused before their body is read
 #: when they would not be admitted.
 QUEUED = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/cache/prewarm"})
+
+
+#: Refusals that draw from a key's invalid-request budget: what the caller sent was wrong.
+INVALID_STATUSES = frozenset({400, 404, 413})
+
+
+async def refuse_if_over_invalid_budget(budget: InvalidBudget, tenant: str) -> None:
+    """Raise 429 (after holding the request) if ``tenant`` has spent its invalid-request budget."""
+    hold, wait = budget.hold(tenant)
+    if wait == 0.0:
+        return
+    if hold > 0:
+        budget.held[tenant] = budget.held.get(tenant, 0) + 1
+        try:
+            await asyncio.sleep(hold)
+        finally:
+            budget.held[tenant] -= 1
+    wait = budget.bucket.wait(tenant)
+    if wait > 0:
+        raise InvalidBudgetError(f"this API key sent too many invalid requests (more than "
+                                 f"{budget.bucket.rate:g} a second over time, {budget.bucket.burst} in a row); "
+                                 f"retry in {wait:.2f} s", retry_after_seconds(wait))
 
 
 def admit_tenant(state: Any, tenant: str, queued: bool) -> None:

@@ -130,6 +130,18 @@ class Settings(BaseSettings):
                                             "Unset: no rate limit.")
     tenant_rate_burst: int = Field(20, ge=1, description="Requests a tenant key may send at once above "
                                    "tenant_rate_limit (the bucket's size).")
+    tenant_invalid_rate: float | None = Field(1.0, gt=0, description="Refused requests (400, 404, 413) a "
+                                              "second one tenant key may cause over time (a token bucket holding "
+                                              "tenant_invalid_burst); past it every request of the key is held "
+                                              "tenant_invalid_hold_seconds, then answered 429 "
+                                              "too_many_invalid_requests with Retry-After, before its body is "
+                                              "read. Unset: no such budget.")
+    tenant_invalid_burst: int = Field(20, ge=1, description="Refused requests a tenant key may cause in a row "
+                                      "before tenant_invalid_rate applies (the bucket's size).")
+    tenant_invalid_hold_seconds: float = Field(1.0, ge=0, le=30, description="How long a request of a key over "
+                                               "its invalid-request budget is held before its 429 (at most 8 "
+                                               "held per key; more are answered at once): a client that "
+                                               "ignores Retry-After is slowed, not served faster.")
 
     # -- request defaults ----------------------------------------------------------
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request omits it (capped to "

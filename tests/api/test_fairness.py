@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prefixcache_api.admission import Admission, Skipped
 from prefixcache_api.errors import QueueFullError, TenantBusyError, UnavailableError
-from prefixcache_api.fairness import FairQueue, RateLimiter, retry_after_seconds
+from prefixcache_api.fairness import FairQueue, InvalidBudget, RateLimiter, retry_after_seconds
 
 
 # -- the rate limiter -------------------------------------------------------------------
@@ -32,6 +32,25 @@ def test_a_token_bucket_per_tenant_refuses_above_the_burst_and_says_when_to_retr
 def test_no_rate_means_no_limit(clock):
     limiter = RateLimiter(rate=None, burst=1, clock=clock)
     assert all(limiter.take("t") == 0.0 for _ in range(1000))
+
+
+def test_an_invalid_budget_is_spent_by_refusals_only_and_holds_a_bounded_number_of_requests(clock):
+    budget = InvalidBudget(rate=0.5, burst=2, hold_seconds=1.0, clock=clock, max_held=2)
+    assert budget.hold("evil") == (0.0, 0.0)  # asking spends nothing
+    budget.charge("evil")
+    assert budget.hold("evil") == (0.0, 0.0)  # one refusal left in the burst
+    budget.charge("evil")
+    assert budget.hold("evil") == (1.0, pytest.approx(2.0))  # empty: held 1 s, a token in 2 s
+    budget.charge("evil")  # refusals while empty keep it empty
+    assert budget.hold("good") == (0.0, 0.0)  # another key's budget is its own
+    budget.held["evil"] = 2
+    assert budget.hold("evil") == (0.0, pytest.approx(2.0))  # as many held as may be: refused at once
+    budget.held["evil"] = 0
+    clock.advance(1.5)
+    assert budget.hold("evil") == (pytest.approx(0.5), pytest.approx(0.5))  # held no longer than the wait
+    clock.advance(0.5)
+    assert budget.hold("evil") == (0.0, 0.0)
+    assert InvalidBudget(None, 1, 1.0, clock).hold("evil") == (0.0, 0.0)  # no rate: no budget
 
 
 @settings(max_examples=60, deadline=None)

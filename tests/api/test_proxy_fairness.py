@@ -3,6 +3,7 @@ with Retry-After before its body is read; other keys and the admin key go on bei
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from prefixcache_api import create_app
@@ -40,6 +41,32 @@ def test_a_key_over_its_rate_gets_429_with_retry_after_before_its_body_is_read(c
                                              "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"  # Anthropic's shape
         clock.advance(1.0)
+        assert alpha.post(CHAT, json=ok_chat()).status_code == 200
+
+
+def test_a_key_that_keeps_sending_bad_input_is_held_then_refused_before_its_body_is_read(cache, clock):
+    app = create_app(settings(tenant_invalid_rate=0.5, tenant_invalid_burst=3, tenant_invalid_hold_seconds=0.2),
+                     cache=cache, clock=clock)
+    bad = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"}
+    with live(app) as srv, srv.client(ALPHA) as alpha, srv.client(BETA) as beta, srv.client(ADMIN) as admin:
+        assert alpha.post(CHAT, json=ok_chat()).status_code == 200  # what is served costs nothing
+        assert alpha.post(CHAT, json=bad).status_code == 400
+        assert alpha.post(CHAT, json={**ok_chat(), "model": "another"}).status_code == 404
+        assert alpha.post(CHAT, content=HUGE, headers={"content-type": "application/json"}).status_code == 413
+        started = time.monotonic()
+        r = alpha.post(CHAT, json=ok_chat())  # even a good request: the key's budget is spent
+        assert time.monotonic() - started >= 0.2  # held before the answer
+        err = assert_error(r, 429, code="too_many_invalid_requests", kind="rate_limit_error")
+        assert r.headers["retry-after"] == "2" and "too many invalid requests" in err["message"]
+        r = alpha.post(CHAT, content=HUGE, headers={"content-type": "application/json"})
+        assert_error(r, 429, code="too_many_invalid_requests")  # not 413: refused before the body is read
+        r = alpha.post("/v1/messages", json={"model": MODEL, "max_tokens": 2,
+                                             "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"  # Anthropic's shape
+        assert beta.post(CHAT, json=ok_chat()).status_code == 200  # another key's budget is its own
+        assert all(admin.post(CHAT, json=bad).status_code == 400 for _ in range(5))  # the admin key is exempt
+        assert admin.post(CHAT, json=ok_chat()).status_code == 200
+        clock.advance(2.0)  # a token back: the key is served again
         assert alpha.post(CHAT, json=ok_chat()).status_code == 200
 
 
