@@ -54,6 +54,12 @@ class RateLimiter:
             self._buckets[tenant].tokens -= 1.0
         return wait
 
+    def give_back(self, tenant: str) -> None:
+        """Return a token taken from ``tenant``'s bucket (never above the burst)."""
+        bucket = self._buckets.get(tenant)
+        if bucket is not None:
+            bucket.tokens = min(float(self.burst), bucket.tokens + 1.0)
+
     def wait(self, tenant: str) -> float:
         """Seconds until ``tenant``'s bucket holds a token (0.0: it holds one now); takes nothing."""
         if self.rate is None:
@@ -69,10 +75,11 @@ class RateLimiter:
 
 class InvalidBudget:
     """How many refused requests (400, 404, 413) a tenant key may cause: a ``RateLimiter`` that only they
-    draw from. While a key's budget is empty its requests are held, then refused.
+    draw from. While a key's budget is empty its requests wait for a token (``hold``), then go on
+    holding it (``take``): a valid one gives it back (``refund``), a refused one has spent it.
 
-    ``held`` counts the requests held per key; at most ``max_held`` are held at once (more are
-    refused at once), so holding costs a bounded number of idle connections per key.
+    ``held`` counts the requests waiting per key; at most ``max_held`` wait at once (more are
+    refused at once), so waiting costs a bounded number of idle connections per key.
     """
 
     def __init__(self, rate: float | None, burst: int, hold_seconds: float, clock: Callable[[], float],
@@ -86,12 +93,20 @@ class InvalidBudget:
         self.bucket.take(tenant)
 
     def hold(self, tenant: str) -> tuple[float, float]:
-        """(seconds to hold ``tenant``'s request before refusing it, seconds until its budget holds a
-        token again); (0.0, 0.0) if the key may send now."""
+        """(seconds to hold ``tenant``'s request, seconds until its budget holds a token again); (0.0, 0.0)
+        if the key may send now."""
         wait = self.bucket.wait(tenant)
         if wait == 0.0 or self.held.get(tenant, 0) >= self.max_held:
             return 0.0, wait
         return min(wait, self.hold_seconds), wait
+
+    def take(self, tenant: str) -> float:
+        """After a hold: take the token that came back (0.0), or the seconds still to wait (nothing taken)."""
+        return self.bucket.take(tenant)
+
+    def refund(self, tenant: str) -> None:
+        """A request that took a token (``take``) was not refused: the token goes back."""
+        self.bucket.give_back(tenant)
 
 
 def retry_after_seconds(wait: float) -> int:

@@ -98,24 +98,31 @@ class GuardedRoute(APIRoute):
 
         async def guarded(request: Request) -> Response:
             state = request.app.state
-            tenant = None
+            tenant, reserved = None, False
             if authenticated:
                 who = request.state.principal = state.keyring.authenticate(request.headers.get("authorization"),
                                                                            request.headers.get("x-api-key"))
                 if not who.admin:  # a key over its budgets, rate or places is refused before its body is read
                     tenant = who.tenant
-                    await refuse_if_over_invalid_budget(state.invalid_budget, tenant)
-                    admit_tenant(state, tenant, queued)
+                    reserved = await pass_invalid_budget(state.invalid_budget, tenant)
             try:
+                if tenant is not None:
+                    admit_tenant(state, tenant, queued)
                 if has_body:
                     body, parsed = await read_body(request, state.settings)
                     check_counts(parsed, state.settings)
                     request = _ReadRequest(request, body, parsed)
-                return await handler(request)
+                response = await handler(request)
             except Exception as exc:
                 if tenant is not None and status_of(exc) in INVALID_STATUSES:
-                    state.invalid_budget.charge(tenant)
+                    if not reserved:  # a reserved token is spent already
+                        state.invalid_budget.charge(tenant)
+                elif reserved:
+                    state.invalid_budget.refund(tenant)
                 raise
+            if reserved:
+                state.invalid_budget.refund(tenant)
+            return response
 
         return guarded
 
@@ -129,22 +136,25 @@ QUEUED = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "
 INVALID_STATUSES = frozenset({400, 404, 413})
 
 
-async def refuse_if_over_invalid_budget(budget: InvalidBudget, tenant: str) -> None:
-    """Raise 429 (after holding the request) if ``tenant`` has spent its invalid-request budget."""
+async def pass_invalid_budget(budget: InvalidBudget, tenant: str) -> bool:
+    """Let ``tenant``'s request by its invalid-request budget. Returns True if it went on holding a token
+    of the budget (it was spent: the request waited for it, and returns it unless refused); raises 429
+    if the key's budget stays empty (the request held up to ``hold_seconds`` first)."""
     hold, wait = budget.hold(tenant)
     if wait == 0.0:
-        return
+        return False
     if hold > 0:
         budget.held[tenant] = budget.held.get(tenant, 0) + 1
         try:
             await asyncio.sleep(hold)
         finally:
             budget.held[tenant] -= 1
-    wait = budget.bucket.wait(tenant)
+    wait = budget.take(tenant)
     if wait > 0:
         raise InvalidBudgetError(f"this API key sent too many invalid requests (more than "
                                  f"{budget.bucket.rate:g} a second over time, {budget.bucket.burst} in a row); "
                                  f"retry in {wait:.2f} s", retry_after_seconds(wait))
+    return True
 
 
 def admit_tenant(state: Any, tenant: str, queued: bool) -> None:

@@ -132,15 +132,15 @@ class Settings(BaseSettings):
                                    "tenant_rate_limit (the bucket's size).")
     tenant_invalid_rate: float | None = Field(1.0, gt=0, description="Refused requests (400, 404, 413) a "
                                               "second one tenant key may cause over time (a token bucket holding "
-                                              "tenant_invalid_burst); past it every request of the key is held "
-                                              "tenant_invalid_hold_seconds, then answered 429 "
-                                              "too_many_invalid_requests with Retry-After, before its body is "
-                                              "read. Unset: no such budget.")
+                                              "tenant_invalid_burst). Past it, each request of the key waits for "
+                                              "the next token before its body is read (up to "
+                                              "tenant_invalid_hold_seconds), or gets 429 too_many_invalid_requests "
+                                              "with Retry-After. Unset: no such budget.")
     tenant_invalid_burst: int = Field(20, ge=1, description="Refused requests a tenant key may cause in a row "
                                       "before tenant_invalid_rate applies (the bucket's size).")
     tenant_invalid_hold_seconds: float = Field(1.0, ge=0, le=30, description="How long a request of a key over "
-                                               "its invalid-request budget is held before its 429 (at most 8 "
-                                               "held per key; more are answered at once): a client that "
+                                               "its invalid-request budget may wait for the budget to refill (at "
+                                               "most 8 waiting per key; more get 429 at once): a client that "
                                                "ignores Retry-After is slowed, not served faster.")
 
     # -- request defaults ----------------------------------------------------------

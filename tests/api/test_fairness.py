@@ -48,8 +48,16 @@ def test_an_invalid_budget_is_spent_by_refusals_only_and_holds_a_bounded_number_
     budget.held["evil"] = 0
     clock.advance(1.5)
     assert budget.hold("evil") == (pytest.approx(0.5), pytest.approx(0.5))  # held no longer than the wait
+    assert budget.take("evil") == pytest.approx(0.5)  # no token yet: nothing taken
     clock.advance(0.5)
+    assert budget.take("evil") == 0.0  # the token that came back goes with the request ...
+    assert budget.hold("evil") == (1.0, pytest.approx(2.0))  # ... so the next one waits again
+    budget.refund("evil")  # ... unless it was served
     assert budget.hold("evil") == (0.0, 0.0)
+    for _ in range(5):
+        budget.refund("evil")
+    budget.charge("evil"), budget.charge("evil")
+    assert budget.hold("evil")[1] > 0  # refunds never fill it above the burst
     assert InvalidBudget(None, 1, 1.0, clock).hold("evil") == (0.0, 0.0)  # no rate: no budget
 
 

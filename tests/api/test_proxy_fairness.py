@@ -70,6 +70,19 @@ def test_a_key_that_keeps_sending_bad_input_is_held_then_refused_before_its_body
         assert alpha.post(CHAT, json=ok_chat()).status_code == 200
 
 
+def test_a_held_request_goes_on_when_its_keys_budget_refills_and_a_served_one_gives_its_token_back(cache):
+    app = create_app(settings(tenant_invalid_rate=4.0, tenant_invalid_burst=2, tenant_invalid_hold_seconds=2.0),
+                     cache=cache)  # the real clock: a token every 0.25 s
+    bad = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": "many"}
+    with live(app) as srv, srv.client(ALPHA) as alpha:
+        assert [alpha.post(CHAT, json=bad).status_code for _ in range(2)] == [400, 400]
+        started = time.monotonic()
+        assert alpha.post(CHAT, json=ok_chat()).status_code == 200  # held for the next token, then served
+        assert 0.1 <= time.monotonic() - started
+        budget = srv.app.state.invalid_budget
+        assert budget.bucket.wait("alpha") == 0.0  # the served request gave its token back
+
+
 def test_a_key_with_all_its_places_taken_gets_429_and_another_key_is_served(cache, tokenizer):
     app = create_app(settings(workers=2, tenant_max_in_flight=1), cache=cache)
     long_job = ok_chat(max_tokens=1500, logit_bias={str(tokenizer.eos_token_id): -100}, stream=True)
