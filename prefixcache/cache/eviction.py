@@ -38,6 +38,21 @@ def make_room(store: KVStore, need: int, tenant: str) -> bool:
     return evict_to(store, limit - need)
 
 
+def make_room_for_tail(store: KVStore, need: int) -> int:
+    """With no tenant quota: evict once for all of an insert's remaining blocks (``need`` bytes in all).
+
+    Returns the room; the caller then stores blocks while they fit. The same blocks go, in the
+    same order, as ``make_room`` block by block: blocks being added are in no index, so each
+    call would take the next victims of the same LRU order; and nothing expires in between (a
+    victim's parent, now a leaf, was refreshed with it and keeps the later deadline). When not
+    all fits, everything evictable goes, as the block-by-block calls would before failing.
+    """
+    limit = room(store)
+    expire(store, store._clock())
+    evict_to(store, limit - need)
+    return limit
+
+
 def evict_to(store: KVStore, limit: int) -> bool:
     """Evict least recently used leaves until at most ``limit`` bytes are held; whether it got there."""
     lru = store.index.lru

@@ -21,12 +21,12 @@ from typing import Any
 
 
 from prefixcache.cache.handles import EvictHook, EvictedSnapshot, InsertResult, KVSlicer, Lease, LowerTiers, evicted_snapshot
-from prefixcache.cache.eviction import evict_to, expire, make_room, room
+from prefixcache.cache.eviction import evict_to, expire, make_room, make_room_for_tail, room
 from prefixcache.cache.hashing import BlockHasher
 from prefixcache.cache.index import StoreIndex
 from prefixcache.cache.integrity import audit_store, check_store
 from prefixcache.cache.ledger import KVLedger
-from prefixcache.cache.policy import OFFLOAD_REASONS, evictable, expiry, is_expired
+from prefixcache.cache.policy import OFFLOAD_REASONS, evictable, expiry
 from prefixcache.cache.run_book import RunBook
 from prefixcache.cache.runs import RunOps, TensorRuns
 from prefixcache.cache.tiers.restore import restore_below
@@ -188,9 +188,10 @@ class KVStore:
         """
         bs, pos, attach = self.config.block_size, 0, root
         n = len(tokens)
+        usable = lambda node: _usable(node, now)  # noqa: E731
         while pos < n:
             chunk = tuple(tokens[pos : pos + bs])
-            node = self.trie.covering(attach, chunk, lambda n: _usable(n, now))
+            node = self.trie.covering(attach, chunk, usable)
             if node is None:
                 break
             path.append(node)
@@ -208,14 +209,20 @@ class KVStore:
         per_token = self._kv.per_token(run)
         added: list[Node] = []
         walked = attach
+        # Without a tenant quota, room for the blocks after the first is made in one pass (``make_room_for_tail``).
+        one_pass, limit = self.config.tenant_quota_bytes is None, None
         self._ref(walked, +1)
         try:
             while pos < n:
                 chunk = tuple(tokens[pos : pos + bs])
                 nbytes = len(chunk) * per_token
-                if not make_room(self, nbytes, tenant):
+                if limit is not None:
+                    if self.bytes + nbytes > limit:
+                        break
+                elif not make_room(self, nbytes, tenant):
                     break
-                for old in self.trie.superseded(attach, chunk):  # copy-on-write: replaced if unused
+                # Copy-on-write: shorter partial siblings are replaced if unused (a new node has no children).
+                for old in self.trie.superseded(attach, chunk) if attach.num_children else ():
                     if evictable(old):
                         self._free(old, None)
                 node = self.trie.add_child(attach, chunk)
@@ -228,6 +235,8 @@ class KVStore:
                 added.append(node)
                 pos += len(chunk)
                 attach = node
+                if one_pass and limit is None and pos < n:
+                    limit = make_room_for_tail(self, (n - pos) * per_token)
         except BaseException:
             for node in added:
                 self._sync(node)
@@ -396,4 +405,4 @@ class KVStore:
 
 
 def _usable(node: Node, now: float) -> bool:
-    return node.alive and not node.doomed and not is_expired(node, now)
+    return node.alive and not node.doomed and node.expires_at > now  # not ``is_expired``, inlined: every walked block asks
