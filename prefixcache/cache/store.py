@@ -29,7 +29,6 @@ from prefixcache.cache.ledger import KVLedger
 from prefixcache.cache.policy import OFFLOAD_REASONS, evictable, expiry
 from prefixcache.cache.run_book import RunBook
 from prefixcache.cache.runs import RunOps, TensorRuns
-from prefixcache.cache.tiers.restore import restore_below
 from prefixcache.cache.trie import Node, PrefixTrie
 from prefixcache.config import CacheConfig
 from prefixcache.errors import PinQuotaExceededError
@@ -75,6 +74,8 @@ class KVStore:
         lease = self._acquire(namespace, tenant, tokens, limit, ttl_seconds)
         if not restore or self.lower is None:
             return lease
+        from prefixcache.cache.tiers.restore import restore_below  # the tiers (and torch) load only when attached
+
         return restore_below(self, self.lower, lease, namespace, tenant, tokens, limit, ttl_seconds)
 
     def _acquire(self, namespace: tuple[str, ...], tenant: str, tokens: Sequence[int], limit: int,
@@ -207,6 +208,7 @@ class KVStore:
             return [], pos
         first = pos
         per_token = self._kv.per_token(run)
+        full = bs * per_token  # one int shared by every full block (a replay holds millions)
         added: list[Node] = []
         walked = attach
         # Without a tenant quota, room for the blocks after the first is made in one pass (``make_room_for_tail``).
@@ -215,7 +217,7 @@ class KVStore:
         try:
             while pos < n:
                 chunk = tuple(tokens[pos : pos + bs])
-                nbytes = len(chunk) * per_token
+                nbytes = full if len(chunk) == bs else len(chunk) * per_token
                 if limit is not None:
                     if self.bytes + nbytes > limit:
                         break
@@ -348,8 +350,8 @@ class KVStore:
 
     def _free(self, node: Node, reason: str | None) -> None:
         """Drop a leaf. ``reason`` None: superseded by a longer copy of itself, not an eviction."""
-        lower = self.lower if reason in OFFLOAD_REASONS else None
-        if reason is not None and (self._on_evict is not None or lower is not None):
+        lower = self.lower if self.lower is not None and reason in OFFLOAD_REASONS else None
+        if (self._on_evict is not None or lower is not None) and reason is not None:
             snap = evicted_snapshot(node, reason, self._kv.own(node.kv, node.nbytes), self._clock())
             for hook in (self._on_evict, None if lower is None else lower.offload):
                 try:

@@ -178,7 +178,7 @@ class PrefixTrie:
         assert parent.parent is None or len(parent.tokens) == self.block_size, "only full blocks have children"
         assert 0 < len(tokens) <= self.block_size
         key = self.hasher.chain(parent.key, tokens)
-        node = Node(key=key, tokens=tokens, start=parent.end, parent=parent, tenant=parent.tenant)
+        node = Node(key, tokens, parent.start + len(parent.tokens), parent, parent.tenant)  # start: parent.end
         if parent.num_children == 0:
             parent.only = node
         else:
