@@ -1,4 +1,4 @@
-"""Enforcing the budget, the tenant quotas and the TTL on a store: which blocks go, and when.
+"""Enforcing the budget, the tenant quotas and the TTL on a store, and flushing it: which blocks go, and when.
 
 These run inside ``KVStore`` operations (under its lock) and free blocks through
 ``KVStore._free``. Victims come from the store's incremental indexes, so each block freed
@@ -70,4 +70,20 @@ def expire(store: KVStore, now: float) -> int:
     while (top := heap.peek()) is not None and top[1] <= now:
         freed += top[0].nbytes
         store._free(top[0], "ttl")
+    return freed
+
+
+def flush_all(store: KVStore, tenant: str | None) -> int:
+    """Drop every prefix (of one tenant, or all), deepest first; those in use die on release. Bytes freed."""
+    freed, trie = 0, store.trie
+    roots = [r for r in trie.roots() if tenant is None or r.tenant == tenant]
+    for node in sorted(trie.iter_nodes(roots), key=lambda n: n.start, reverse=True):
+        node.doomed = True  # never matched again; freed here or on release
+        node.pins = 0
+        store._sync(node)
+        if node.refcount == 0 and node.num_children == 0:
+            freed += node.nbytes
+            store._free(node, "flush")
+    for root in roots:
+        trie.drop_root_if_empty(root)
     return freed

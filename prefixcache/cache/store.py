@@ -19,9 +19,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-
 from prefixcache.cache.handles import EvictHook, EvictedSnapshot, InsertResult, KVSlicer, Lease, LowerTiers, evicted_snapshot
-from prefixcache.cache.eviction import evict_to, expire, make_room, make_room_for_tail, room
+from prefixcache.cache.eviction import evict_to, expire, flush_all, make_room, make_room_for_tail, room
 from prefixcache.cache.hashing import BlockHasher
 from prefixcache.cache.index import StoreIndex
 from prefixcache.cache.integrity import audit_store, check_store
@@ -187,19 +186,8 @@ class KVStore:
         consecutive blocks of a run are adjacent in memory and read as one (``coalesce``).
         ``pin_room`` (None: no limit) bounds the bytes a pin of the whole path may newly pin.
         """
-        bs, pos, attach = self.config.block_size, 0, root
-        n = len(tokens)
-        usable = lambda node: _usable(node, now)  # noqa: E731
-        while pos < n:
-            chunk = tuple(tokens[pos : pos + bs])
-            node = self.trie.covering(attach, chunk, usable)
-            if node is None:
-                break
-            path.append(node)
-            pos += len(chunk)
-            if len(chunk) < bs or len(node.tokens) < bs:
-                break
-            attach = node
+        bs, n = self.config.block_size, len(tokens)
+        attach, pos = self._walk(root, tokens, path, now)
         run = slice_kv(pos, n) if pos < n else None
         if pin_room is not None:
             missing = 0 if run is None else (n - pos) * self._kv.per_token(run)
@@ -211,8 +199,7 @@ class KVStore:
         full = bs * per_token  # one int shared by every full block (a replay holds millions)
         added: list[Node] = []
         walked = attach
-        # Without a tenant quota, room for the blocks after the first is made in one pass (``make_room_for_tail``).
-        one_pass, limit = self.config.tenant_quota_bytes is None, None
+        one_pass, limit = self.config.tenant_quota_bytes is None, None  # no quota: ``make_room_for_tail``
         self._ref(walked, +1)
         try:
             while pos < n:
@@ -253,6 +240,22 @@ class KVStore:
         if added:
             self.runs.add(run, added)
         return added, pos
+
+    def _walk(self, root: Node, tokens: Sequence[int], path: list[Node], now: float) -> tuple[Node, int]:
+        """Append the live stored blocks of ``tokens`` to ``path``; returns (the last full one or root, tokens covered)."""
+        bs, pos, attach = self.config.block_size, 0, root
+        usable = lambda node: _usable(node, now)  # noqa: E731
+        while pos < len(tokens):
+            chunk = tuple(tokens[pos : pos + bs])
+            node = self.trie.covering(attach, chunk, usable)
+            if node is None:
+                break
+            path.append(node)
+            pos += len(chunk)
+            if len(chunk) < bs or len(node.tokens) < bs:
+                break
+            attach = node
+        return attach, pos
 
     def _check_pin_room(self, existing: list[Node], missing: int, room: int) -> None:
         """Refuse a pin that would newly pin more than ``room`` bytes (the tenant's own figures only)."""
@@ -307,17 +310,7 @@ class KVStore:
     def flush(self, tenant: str | None = None) -> int:
         """Drop every prefix (of one tenant, or all). Prefixes in use die on release."""
         with self._lock:
-            freed = 0
-            roots = [r for r in self.trie.roots() if tenant is None or r.tenant == tenant]
-            for node in sorted(self.trie.iter_nodes(roots), key=lambda n: n.start, reverse=True):
-                node.doomed = True  # never matched again; freed here or on release
-                node.pins = 0
-                self._sync(node)
-                if node.refcount == 0 and node.num_children == 0:
-                    freed += node.nbytes
-                    self._free(node, "flush")
-            for root in roots:
-                self.trie.drop_root_if_empty(root)
+            freed = flush_all(self, tenant)
             self._compact()
             return freed
 
