@@ -4,21 +4,42 @@ Layers, each importing only lower ones: ``cache`` (hashing, trie, policy, runs, 
 ``model`` (layout, hf_cache, cascade, private_kv, cpu) ← ``serving`` (canonicalize,
 scheduling, the batching and serial engines) ← ``sdk``. ``config`` and ``errors`` sit under
 everything. Module map: docs/architecture.md.
+
+The public names are imported on first use (``__getattr__``), so code that needs only a lower
+layer (the capacity planner replays traces on ``cache`` alone) does not load torch and
+transformers through ``import prefixcache``.
 """
-from prefixcache.config import CacheConfig
-from prefixcache.errors import (
-    CapacityError,
-    ConfigError,
-    ContextLengthExceededError,
-    InvalidRequestError,
-    ModelLoadError,
-    PinQuotaExceededError,
-    PrefixCacheError,
-)
-from prefixcache.loading import load_default_model, load_model
-from prefixcache.sdk import GenerationResult, PrefixCache, Usage, WarmResult
-from prefixcache.serving.breakpoints import CacheUsage
-from prefixcache.serving.messages import MessagesPrompt
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from prefixcache.config import CacheConfig
+    from prefixcache.errors import (
+        CapacityError,
+        ConfigError,
+        ContextLengthExceededError,
+        InvalidRequestError,
+        ModelLoadError,
+        PinQuotaExceededError,
+        PrefixCacheError,
+    )
+    from prefixcache.loading import load_default_model, load_model
+    from prefixcache.sdk import GenerationResult, PrefixCache, Usage, WarmResult
+    from prefixcache.serving.breakpoints import CacheUsage
+    from prefixcache.serving.messages import MessagesPrompt
+
+#: Each public name and the module that defines it.
+_HOMES = {
+    "CacheConfig": "prefixcache.config",
+    **dict.fromkeys(("CapacityError", "ConfigError", "ContextLengthExceededError", "InvalidRequestError",
+                     "ModelLoadError", "PinQuotaExceededError", "PrefixCacheError"), "prefixcache.errors"),
+    "load_default_model": "prefixcache.loading", "load_model": "prefixcache.loading",
+    **dict.fromkeys(("GenerationResult", "PrefixCache", "Usage", "WarmResult"), "prefixcache.sdk"),
+    "CacheUsage": "prefixcache.serving.breakpoints",
+    "MessagesPrompt": "prefixcache.serving.messages",
+}
 
 __all__ = [
     "CacheConfig", "CacheUsage", "CapacityError", "ConfigError", "ContextLengthExceededError", "GenerationResult",
@@ -26,3 +47,16 @@ __all__ = [
     "load_default_model", "load_model",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'prefixcache' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # later lookups skip this hook
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -1,4 +1,4 @@
-"""Enforcing the budget, the tenant quotas and the TTL on a store: which blocks go, and when.
+"""Enforcing the budget, the tenant quotas and the TTL on a store, and flushing it: which blocks go, and when.
 
 These run inside ``KVStore`` operations (under its lock) and free blocks through
 ``KVStore._free``. Victims come from the store's incremental indexes, so each block freed
@@ -38,6 +38,21 @@ def make_room(store: KVStore, need: int, tenant: str) -> bool:
     return evict_to(store, limit - need)
 
 
+def make_room_for_tail(store: KVStore, need: int) -> int:
+    """With no tenant quota: evict once for all of an insert's remaining blocks (``need`` bytes in all).
+
+    Returns the room; the caller then stores blocks while they fit. The same blocks go, in the
+    same order, as ``make_room`` block by block: blocks being added are in no index, so each
+    call would take the next victims of the same LRU order; and nothing expires in between (a
+    victim's parent, now a leaf, was refreshed with it and keeps the later deadline). When not
+    all fits, everything evictable goes, as the block-by-block calls would before failing.
+    """
+    limit = room(store)
+    expire(store, store._clock())
+    evict_to(store, limit - need)
+    return limit
+
+
 def evict_to(store: KVStore, limit: int) -> bool:
     """Evict least recently used leaves until at most ``limit`` bytes are held; whether it got there."""
     lru = store.index.lru
@@ -55,4 +70,20 @@ def expire(store: KVStore, now: float) -> int:
     while (top := heap.peek()) is not None and top[1] <= now:
         freed += top[0].nbytes
         store._free(top[0], "ttl")
+    return freed
+
+
+def flush_all(store: KVStore, tenant: str | None) -> int:
+    """Drop every prefix (of one tenant, or all), deepest first; those in use die on release. Bytes freed."""
+    freed, trie = 0, store.trie
+    roots = [r for r in trie.roots() if tenant is None or r.tenant == tenant]
+    for node in sorted(trie.iter_nodes(roots), key=lambda n: n.start, reverse=True):
+        node.doomed = True  # never matched again; freed here or on release
+        node.pins = 0
+        store._sync(node)
+        if node.refcount == 0 and node.num_children == 0:
+            freed += node.nbytes
+            store._free(node, "flush")
+    for root in roots:
+        trie.drop_root_if_empty(root)
     return freed

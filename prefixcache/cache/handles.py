@@ -4,11 +4,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prefixcache.cache.trie import Node, Step
+
+if TYPE_CHECKING:  # annotations only: a replay on byte sizes never loads torch
+    import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +53,7 @@ class LowerTiers(Protocol):
 
 
 #: Returns a fresh tensor holding the KV of tokens [start, end), shape [L, 2, H, end-start, D].
-KVSlicer = Callable[[int, int], torch.Tensor]
+KVSlicer = Callable[[int, int], "torch.Tensor"]
 
 
 @dataclass(slots=True)

@@ -50,8 +50,9 @@ class StoreIndex:
         self.tokens[tenant] += sign * len(node.tokens)
 
     def evicted(self, node: Node, reason: str) -> None:
-        self.evictions[node.tenant, reason] += 1
-        self.reclaimed[node.tenant, reason] += node.nbytes
+        key = node.tenant, reason
+        self.evictions[key] += 1
+        self.reclaimed[key] += node.nbytes
 
     def figures(self, tenant: str | None) -> dict[str, Any]:
         """The running totals ``KVStore.snapshot_stats`` reports, for one tenant or (None) all."""

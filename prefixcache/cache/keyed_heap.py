@@ -8,6 +8,7 @@ outnumber the live ones, so its size stays within a constant of the live count.
 from __future__ import annotations
 
 import heapq
+from heapq import heappush
 from collections.abc import Hashable, Iterator
 from typing import Generic, TypeVar
 
@@ -45,7 +46,7 @@ class KeyedHeap(Generic[T]):
         seq = self._seq = self._seq + 1
         live[item] = (key, seq)
         heap = self._heap
-        heapq.heappush(heap, (key, seq, item))
+        heappush(heap, (key, seq, item))
         # Stale entries pile up when keys change; rebuilding at 2x keeps pushes O(log n) amortised.
         if len(heap) > 2 * len(live) + 32:
             self._heap = [(k, s, i) for i, (k, s) in self._live.items()]

@@ -8,9 +8,11 @@ tensors, so the trie, policy and store code can replay traffic without any KV.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
+if TYPE_CHECKING:  # annotations only: a replay on byte sizes never loads torch
+    import torch
+
 
 
 def storage_key(t: torch.Tensor) -> int:

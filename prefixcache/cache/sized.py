@@ -28,6 +28,9 @@ class SizedKV(NamedTuple):
         return self.tokens * self.bytes_per_token
 
 
+_new = tuple.__new__
+
+
 class SizedRuns:
     """``RunOps`` over ``SizedKV``. ``run(n, bytes_per_token)`` makes what a slicer returns."""
 
@@ -41,7 +44,8 @@ class SizedRuns:
         return run.bytes_per_token
 
     def view(self, run: SizedKV, start: int, end: int) -> SizedKV:
-        return SizedKV(end - start, run.bytes_per_token, run.run_id, run.offset + start, run.run_tokens)
+        # tuple.__new__ skips the named constructor's Python frame: a replay makes a view per block.
+        return _new(SizedKV, (end - start, run.bytes_per_token, run.run_id, run.offset + start, run.run_tokens))
 
     def copy(self, run: SizedKV, end: int) -> SizedKV:
         return self.run(end, run.bytes_per_token)

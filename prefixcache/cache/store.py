@@ -19,17 +19,15 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-
 from prefixcache.cache.handles import EvictHook, EvictedSnapshot, InsertResult, KVSlicer, Lease, LowerTiers, evicted_snapshot
-from prefixcache.cache.eviction import evict_to, expire, make_room, room
+from prefixcache.cache.eviction import evict_to, expire, flush_all, make_room, make_room_for_tail, room
 from prefixcache.cache.hashing import BlockHasher
 from prefixcache.cache.index import StoreIndex
 from prefixcache.cache.integrity import audit_store, check_store
 from prefixcache.cache.ledger import KVLedger
-from prefixcache.cache.policy import OFFLOAD_REASONS, evictable, expiry, is_expired
+from prefixcache.cache.policy import OFFLOAD_REASONS, evictable, expiry
 from prefixcache.cache.run_book import RunBook
 from prefixcache.cache.runs import RunOps, TensorRuns
-from prefixcache.cache.tiers.restore import restore_below
 from prefixcache.cache.trie import Node, PrefixTrie
 from prefixcache.config import CacheConfig
 from prefixcache.errors import PinQuotaExceededError
@@ -75,6 +73,8 @@ class KVStore:
         lease = self._acquire(namespace, tenant, tokens, limit, ttl_seconds)
         if not restore or self.lower is None:
             return lease
+        from prefixcache.cache.tiers.restore import restore_below  # the tiers (and torch) load only when attached
+
         return restore_below(self, self.lower, lease, namespace, tenant, tokens, limit, ttl_seconds)
 
     def _acquire(self, namespace: tuple[str, ...], tenant: str, tokens: Sequence[int], limit: int,
@@ -186,18 +186,8 @@ class KVStore:
         consecutive blocks of a run are adjacent in memory and read as one (``coalesce``).
         ``pin_room`` (None: no limit) bounds the bytes a pin of the whole path may newly pin.
         """
-        bs, pos, attach = self.config.block_size, 0, root
-        n = len(tokens)
-        while pos < n:
-            chunk = tuple(tokens[pos : pos + bs])
-            node = self.trie.covering(attach, chunk, lambda n: _usable(n, now))
-            if node is None:
-                break
-            path.append(node)
-            pos += len(chunk)
-            if len(chunk) < bs or len(node.tokens) < bs:
-                break
-            attach = node
+        bs, n = self.config.block_size, len(tokens)
+        attach, pos = self._walk(root, tokens, path, now)
         run = slice_kv(pos, n) if pos < n else None
         if pin_room is not None:
             missing = 0 if run is None else (n - pos) * self._kv.per_token(run)
@@ -206,16 +196,22 @@ class KVStore:
             return [], pos
         first = pos
         per_token = self._kv.per_token(run)
+        full = bs * per_token  # one int shared by every full block (a replay holds millions)
         added: list[Node] = []
         walked = attach
+        one_pass, limit = self.config.tenant_quota_bytes is None, None  # no quota: ``make_room_for_tail``
         self._ref(walked, +1)
         try:
             while pos < n:
                 chunk = tuple(tokens[pos : pos + bs])
-                nbytes = len(chunk) * per_token
-                if not make_room(self, nbytes, tenant):
+                nbytes = full if len(chunk) == bs else len(chunk) * per_token
+                if limit is not None:
+                    if self.bytes + nbytes > limit:
+                        break
+                elif not make_room(self, nbytes, tenant):
                     break
-                for old in self.trie.superseded(attach, chunk):  # copy-on-write: replaced if unused
+                # Copy-on-write: shorter partial siblings are replaced if unused (a new node has no children).
+                for old in self.trie.superseded(attach, chunk) if attach.num_children else ():
                     if evictable(old):
                         self._free(old, None)
                 node = self.trie.add_child(attach, chunk)
@@ -228,6 +224,8 @@ class KVStore:
                 added.append(node)
                 pos += len(chunk)
                 attach = node
+                if one_pass and limit is None and pos < n:
+                    limit = make_room_for_tail(self, (n - pos) * per_token)
         except BaseException:
             for node in added:
                 self._sync(node)
@@ -242,6 +240,22 @@ class KVStore:
         if added:
             self.runs.add(run, added)
         return added, pos
+
+    def _walk(self, root: Node, tokens: Sequence[int], path: list[Node], now: float) -> tuple[Node, int]:
+        """Append the live stored blocks of ``tokens`` to ``path``; returns (the last full one or root, tokens covered)."""
+        bs, pos, attach = self.config.block_size, 0, root
+        usable = lambda node: _usable(node, now)  # noqa: E731
+        while pos < len(tokens):
+            chunk = tuple(tokens[pos : pos + bs])
+            node = self.trie.covering(attach, chunk, usable)
+            if node is None:
+                break
+            path.append(node)
+            pos += len(chunk)
+            if len(chunk) < bs or len(node.tokens) < bs:
+                break
+            attach = node
+        return attach, pos
 
     def _check_pin_room(self, existing: list[Node], missing: int, room: int) -> None:
         """Refuse a pin that would newly pin more than ``room`` bytes (the tenant's own figures only)."""
@@ -296,17 +310,7 @@ class KVStore:
     def flush(self, tenant: str | None = None) -> int:
         """Drop every prefix (of one tenant, or all). Prefixes in use die on release."""
         with self._lock:
-            freed = 0
-            roots = [r for r in self.trie.roots() if tenant is None or r.tenant == tenant]
-            for node in sorted(self.trie.iter_nodes(roots), key=lambda n: n.start, reverse=True):
-                node.doomed = True  # never matched again; freed here or on release
-                node.pins = 0
-                self._sync(node)
-                if node.refcount == 0 and node.num_children == 0:
-                    freed += node.nbytes
-                    self._free(node, "flush")
-            for root in roots:
-                self.trie.drop_root_if_empty(root)
+            freed = flush_all(self, tenant)
             self._compact()
             return freed
 
@@ -339,8 +343,8 @@ class KVStore:
 
     def _free(self, node: Node, reason: str | None) -> None:
         """Drop a leaf. ``reason`` None: superseded by a longer copy of itself, not an eviction."""
-        lower = self.lower if reason in OFFLOAD_REASONS else None
-        if reason is not None and (self._on_evict is not None or lower is not None):
+        lower = self.lower if self.lower is not None and reason in OFFLOAD_REASONS else None
+        if (self._on_evict is not None or lower is not None) and reason is not None:
             snap = evicted_snapshot(node, reason, self._kv.own(node.kv, node.nbytes), self._clock())
             for hook in (self._on_evict, None if lower is None else lower.offload):
                 try:
@@ -396,4 +400,4 @@ class KVStore:
 
 
 def _usable(node: Node, now: float) -> bool:
-    return node.alive and not node.doomed and not is_expired(node, now)
+    return node.alive and not node.doomed and node.expires_at > now  # not ``is_expired``, inlined: every walked block asks

@@ -175,10 +175,10 @@ class PrefixTrie:
 
     # -- mutation ------------------------------------------------------------------
     def add_child(self, parent: Node, tokens: tuple[int, ...]) -> Node:
-        assert parent.is_root or len(parent.tokens) == self.block_size, "only full blocks have children"
+        assert parent.parent is None or len(parent.tokens) == self.block_size, "only full blocks have children"
         assert 0 < len(tokens) <= self.block_size
         key = self.hasher.chain(parent.key, tokens)
-        node = Node(key=key, tokens=tokens, start=parent.end, parent=parent, tenant=parent.tenant)
+        node = Node(key, tokens, parent.start + len(parent.tokens), parent, parent.tenant)  # start: parent.end
         if parent.num_children == 0:
             parent.only = node
         else:
