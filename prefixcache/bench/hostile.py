@@ -30,24 +30,30 @@ class Tally:
 
     statuses: Counter[str] = field(default_factory=Counter)
     hung: int = 0
+    cases: Counter[str] = field(default_factory=Counter)  # "case status" -> requests (the hostile tenant's)
     ttft: list[float] = field(default_factory=list)
     headers: list[float] = field(default_factory=list)  # time to the response's headers (the stream opened)
     prompt_tokens: int = 0
     cached_tokens: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def status(self, label: str | int) -> None:
+    def status(self, label: str | int, case: str | None = None) -> None:
         with self.lock:
             self.statuses[str(label)] += 1
+            if case is not None:
+                self.cases[f"{case} {label}"] += 1
 
-    def timed_out(self) -> None:
+    def timed_out(self, case: str | None = None) -> None:
         with self.lock:
             self.hung += 1
+            if case is not None:
+                self.cases[f"{case} hung"] += 1
 
     def merge(self, other: Tally) -> None:
         """Add ``other``'s outcomes (a finished phase's) to these."""
         with self.lock:
             self.statuses.update(other.statuses)
+            self.cases.update(other.cases)
             self.hung += other.hung
             self.ttft += other.ttft
             self.headers += other.headers
@@ -104,14 +110,15 @@ def hostile_cases(model: str, context: int) -> dict[str, Callable[[int], dict]]:
     }
 
 
-def hostile_request(client: httpx.Client, case: Callable[[int], dict], i: int, tally: Tally, deadline: float) -> None:
+def hostile_request(client: httpx.Client, name: str, case: Callable[[int], dict], i: int, tally: Tally,
+                    deadline: float) -> None:
     try:
         r = client.request(**case(i), timeout=deadline)
-        tally.status(r.status_code)
+        tally.status(r.status_code, name)
     except httpx.TimeoutException:
-        tally.timed_out()
+        tally.timed_out(name)
     except httpx.TransportError:  # the server answered (413) and closed while the body was still going out
-        tally.status("closed-while-sending")
+        tally.status("closed-while-sending", name)
 
 
 def disconnect_mid_stream(client: httpx.Client, model: str, i: int, tally: Tally, deadline: float) -> None:
@@ -121,14 +128,14 @@ def disconnect_mid_stream(client: httpx.Client, model: str, i: int, tally: Tally
         with client.stream("POST", "/v1/chat/completions", json=body, timeout=deadline) as r:
             if r.status_code != 200:
                 r.read()
-                tally.status(r.status_code)
+                tally.status(r.status_code, DISCONNECT)
                 return
             for n, _line in enumerate(r.iter_lines()):
                 if n >= 1 + i % 3:
                     break  # leave: the response is closed unread
-        tally.status("disconnected")
+        tally.status("disconnected", DISCONNECT)
     except httpx.TimeoutException:
-        tally.timed_out()
+        tally.timed_out(DISCONNECT)
 
 
 def case_names() -> list[str]:
@@ -154,7 +161,7 @@ def run_hostile(url: str, model: str, context: int, requests: int, clients: int,
                 if kind == len(cases):
                     disconnect_mid_stream(client, model, i, tally, deadline)
                 else:
-                    hostile_request(client, cases[kind][1], i, tally, deadline)
+                    hostile_request(client, *cases[kind], i, tally, deadline)
 
     with ThreadPoolExecutor(clients) as pool:
         for f in [pool.submit(worker) for _ in range(clients)]:
@@ -166,7 +173,7 @@ def _hostile_main(args: tuple, only: list[str] | None, stop: Any, out: Any) -> N
     out.put("ready")
     started = time.process_time()
     tally = run_hostile(*args, stop=stop, only=only)
-    out.put((dict(tally.statuses), tally.hung, time.process_time() - started))
+    out.put((dict(tally.statuses), tally.hung, dict(tally.cases), time.process_time() - started))
 
 
 class HostileProcess:
@@ -190,9 +197,9 @@ class HostileProcess:
         """Stop sending (after the requests asked for) and return the outcomes and the process's CPU seconds."""
         self.stop.set()
         try:
-            statuses, hung, cpu = self._out.get(timeout=self._deadline * 2 + 120)
+            statuses, hung, cases, cpu = self._out.get(timeout=self._deadline * 2 + 120)
         finally:
             self._proc.join(timeout=30)
             if self._proc.is_alive():
                 self._proc.kill()
-        return Tally(Counter(statuses), hung), cpu
+        return Tally(Counter(statuses), hung, Counter(cases)), cpu

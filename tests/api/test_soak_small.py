@@ -12,6 +12,9 @@ def test_a_small_soak_has_no_5xx_no_hang_and_leaves_nothing_held():
     hostile = report["hostile"]["statuses"]
     for status in ("400", "401", "413", "disconnected"):  # limits, strangers, bodies, streams dropped
         assert hostile.get(status, 0) > 0, hostile
+    sent = {case.rsplit(" ", 1)[0] for case in report["hostile"]["cases"]}
+    assert sent == set(soak.case_names()), sent  # every hostile case went out
+    assert sum(report["hostile"]["cases"].values()) == report["hostile"]["requests"]
     assert report["good_alone"]["statuses"] == {"200": 15} and report["good_mixed"]["statuses"] == {"200": 15}
     assert report["good_mixed"]["token_hit_rate"] > 0.5  # the system prompt stayed cached under attack
     idle = report["idle"]
