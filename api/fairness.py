@@ -7,8 +7,9 @@ and the routes:
   ``tenant_rate_burst`` at once). A request over it is refused before its body is read, with
   the seconds until the bucket holds a token again as its Retry-After. The same bucket, fed
   only by a key's refused requests (``tenant_invalid_rate``, ``tenant_invalid_burst``), slows a
-  key that keeps sending bad input: while it is empty, every request of that key is held
-  ``tenant_invalid_hold_seconds`` and refused before its body is read (``InvalidBudget``).
+  key that keeps sending bad input (``InvalidBudget``): while it is empty, each request of that
+  key waits for a token before its body is read (up to ``tenant_invalid_hold_seconds``), or is
+  refused.
 - ``FairQueue``: the requests admitted and waiting for a worker, one queue per tenant, served
   in turn (round robin), the tenant with the fewest requests running first: however many
   requests one tenant has queued or running, another tenant's next request does not wait
@@ -76,7 +77,7 @@ class RateLimiter:
 class InvalidBudget:
     """How many refused requests (400, 404, 413) a tenant key may cause: a ``RateLimiter`` that only they
     draw from. While a key's budget is empty its requests wait for a token (``hold``), then go on
-    holding it (``take``): a valid one gives it back (``refund``), a refused one has spent it.
+    holding it (``take``): a valid one gives it back, a refused one has spent it (``settle``).
 
     ``held`` counts the requests waiting per key; at most ``max_held`` wait at once (more are
     refused at once), so waiting costs a bounded number of idle connections per key.
@@ -104,9 +105,13 @@ class InvalidBudget:
         """After a hold: take the token that came back (0.0), or the seconds still to wait (nothing taken)."""
         return self.bucket.take(tenant)
 
-    def refund(self, tenant: str) -> None:
-        """A request that took a token (``take``) was not refused: the token goes back."""
-        self.bucket.give_back(tenant)
+    def settle(self, tenant: str, took: bool, refused: bool) -> None:
+        """After ``tenant``'s request: a refused one spends a token (the one it ``took``, or one now); one that
+        took a token and was not refused gives it back."""
+        if refused and not took:
+            self.charge(tenant)
+        elif took and not refused:
+            self.bucket.give_back(tenant)
 
 
 def retry_after_seconds(wait: float) -> int:

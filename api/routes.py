@@ -98,13 +98,13 @@ class GuardedRoute(APIRoute):
 
         async def guarded(request: Request) -> Response:
             state = request.app.state
-            tenant, reserved = None, False
+            tenant, took = None, False
             if authenticated:
                 who = request.state.principal = state.keyring.authenticate(request.headers.get("authorization"),
                                                                            request.headers.get("x-api-key"))
                 if not who.admin:  # a key over its budgets, rate or places is refused before its body is read
                     tenant = who.tenant
-                    reserved = await pass_invalid_budget(state.invalid_budget, tenant)
+                    took = await pass_invalid_budget(state.invalid_budget, tenant)
             try:
                 if tenant is not None:
                     admit_tenant(state, tenant, queued)
@@ -114,14 +114,11 @@ class GuardedRoute(APIRoute):
                     request = _ReadRequest(request, body, parsed)
                 response = await handler(request)
             except Exception as exc:
-                if tenant is not None and status_of(exc) in INVALID_STATUSES:
-                    if not reserved:  # a reserved token is spent already
-                        state.invalid_budget.charge(tenant)
-                elif reserved:
-                    state.invalid_budget.refund(tenant)
+                if tenant is not None:
+                    state.invalid_budget.settle(tenant, took, status_of(exc) in INVALID_STATUSES)
                 raise
-            if reserved:
-                state.invalid_budget.refund(tenant)
+            if tenant is not None:
+                state.invalid_budget.settle(tenant, took, refused=False)
             return response
 
         return guarded

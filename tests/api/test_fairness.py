@@ -52,12 +52,22 @@ def test_an_invalid_budget_is_spent_by_refusals_only_and_holds_a_bounded_number_
     clock.advance(0.5)
     assert budget.take("evil") == 0.0  # the token that came back goes with the request ...
     assert budget.hold("evil") == (1.0, pytest.approx(2.0))  # ... so the next one waits again
-    budget.refund("evil")  # ... unless it was served
+    budget.settle("evil", took=True, refused=False)  # ... unless it was served
+    assert budget.hold("evil") == (0.0, 0.0)
+    budget.settle("evil", took=False, refused=False)  # served without waiting: nothing changes
+    assert budget.hold("evil") == (0.0, 0.0)
+    budget.settle("evil", took=False, refused=True)  # refused: a token spent
+    assert budget.hold("evil") == (1.0, pytest.approx(2.0))
+    clock.advance(2.0)
+    assert budget.take("evil") == 0.0
+    budget.settle("evil", took=True, refused=True)  # refused with the token it took: nothing more spent
+    assert budget.hold("evil")[1] == pytest.approx(2.0)
+    clock.advance(2.0)
     assert budget.hold("evil") == (0.0, 0.0)
     for _ in range(5):
-        budget.refund("evil")
+        budget.settle("evil", took=True, refused=False)
     budget.charge("evil"), budget.charge("evil")
-    assert budget.hold("evil")[1] > 0  # refunds never fill it above the burst
+    assert budget.hold("evil")[1] > 0  # tokens given back never fill it above the burst
     assert InvalidBudget(None, 1, 1.0, clock).hold("evil") == (0.0, 0.0)  # no rate: no budget
 
 
