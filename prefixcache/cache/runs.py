@@ -14,7 +14,6 @@ if TYPE_CHECKING:  # annotations only: a replay on byte sizes never loads torch
     import torch
 
 
-
 def storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
