@@ -43,7 +43,7 @@ def build_cache(settings: Settings) -> PrefixCache:
         model, tokenizer = load_model(settings.model, dtype=settings.dtype, device=settings.device)
     else:
         model, tokenizer = load_default_model(dtype=settings.dtype, device=settings.device)
-    return PrefixCache(model, tokenizer, config)
+    return PrefixCache(model, tokenizer, config, batching=settings.batch_overrides())
 
 
 def open_request_log(settings: Settings, cache: PrefixCache) -> RequestLog | None:

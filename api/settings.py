@@ -118,6 +118,14 @@ class Settings(BaseSettings):
     retry_after_seconds: int = Field(1, ge=1, description="Retry-After sent with 429 and 503 (a rate limit's 429 "
                                      "sends the seconds until the key may send again).")
 
+    batch_max: int | None = Field(None, ge=1, description="Running requests per batched step. Unset: sized for "
+                                  "the device (16 on a CPU; on CUDA from its multiprocessor count, see "
+                                  "docs/configuration.md).")
+    batch_token_budget: int | None = Field(None, ge=1, description="Packed tokens per batched forward (decodes "
+                                           "first, then prompt chunks). Unset: sized for the device.")
+    batch_prefill_chunk: int | None = Field(None, ge=1, description="Prompt tokens the oldest prompt feeds in "
+                                            "every batched step at least. Unset: sized for the device.")
+
     # -- fairness between tenant keys (the admin key and local mode are exempt) -----
     tenant_max_in_flight: int | None = Field(None, ge=1, description="Requests one tenant key may have admitted "
                                              "at once (running and queued); more get 429 tenant_busy with "
@@ -202,6 +210,12 @@ class Settings(BaseSettings):
     def local_mode(self) -> bool:
         """No keys configured: no auth, one tenant, every caller is admin."""
         return not self.api_keys and self.admin_key is None
+
+    def batch_overrides(self) -> dict[str, int]:
+        """The batching engine's settings given here; the rest are sized for the device (``BatchConfig.for_device``)."""
+        given = {"max_batch": self.batch_max, "token_budget": self.batch_token_budget,
+                 "prefill_chunk": self.batch_prefill_chunk}
+        return {name: value for name, value in given.items() if value is not None}
 
     def cache_config(self) -> CacheConfig:
         """The SDK configuration these settings describe (raises ``ConfigError`` if out of range)."""

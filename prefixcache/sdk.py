@@ -81,7 +81,7 @@ class PrefixCache:
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None, config: CacheConfig | None = None, *,
                  clock: Callable[[], float] = time.monotonic, hash_fn: HashFn = xxh3_64,
                  start_sweeper: bool = True, on_evict: EvictHook | None = None,
-                 batching: BatchConfig | bool = True, wall_clock: Callable[[], float] = time.time):
+                 batching: BatchConfig | dict[str, Any] | bool = True, wall_clock: Callable[[], float] = time.time):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = config if config is not None else CacheConfig()
@@ -95,8 +95,9 @@ class PrefixCache:
         # Every call the batching engine reproduces exactly runs there (continuous batching with
         # cascade attention over shared prefixes); the rest runs on the serial engine (``Router``).
         self.batcher: BatchEngine | None = None
-        if batching:
-            batch_config = batching if isinstance(batching, BatchConfig) else BatchConfig()
+        if batching is not False:  # True, a BatchConfig, or a mapping of fields (an empty one too)
+            # A BatchConfig as given; else sized for the device, with a mapping's fields over those defaults.
+            batch_config = batching if isinstance(batching, (BatchConfig, dict)) else None
             self.batcher = BatchEngine(self.model, self.store, clock, batch_config, self.config.cache_generated)
         self.router = Router(self.engine, self.batcher, self.config.cache_generated)
         self.tiers: TierChain | None = None

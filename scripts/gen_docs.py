@@ -159,10 +159,35 @@ def configuration_page() -> str:
         *dataclass_table(CacheConfig),
         "",
         "## `BatchConfig`", "",
+        "The defaults below are a CPU's. `PrefixCache(model)` (and the proxy) size them for the model's "
+        "device instead (`BatchConfig.for_device`); `batching={...}` sets some fields over those sizes, "
+        "`batching=BatchConfig(...)` all of them. On CUDA:",
+        "",
+        *device_table(),
+        "",
         *dataclass_table(BatchConfig),
         "",
     ]
     return "\n".join(out)
+
+
+def device_table() -> list[str]:
+    """``device_defaults`` on CUDA, as a formula and for two cards (an H100 and a 24 GiB card)."""
+    from prefixcache.serving.engine import device_defaults
+
+    cards = {"H100 80 GB (132 SMs)": (80 << 30, 132), "24 GiB, 46 SMs": (24 << 30, 46)}
+    per_token = 32 << 10  # a Llama-3.2-1B-shaped model in bfloat16
+    sized = {name: device_defaults("cuda", memory, sms, per_token) for name, (memory, sms) in cards.items()}
+    rules = {"max_batch": "largest power of two <= multiprocessors, 32-256",
+             "token_budget": "largest power of two <= 64 x multiprocessors, 2,048-16,384",
+             "prefill_chunk": "token_budget / 4", "private_chunk": "128", "pool_max_tokens": "4,096",
+             "max_private_tokens": "a quarter of the device memory in KV tokens (at least 65,536)"}
+    rows = ["| field | on CUDA | " + " | ".join(cards) + " |", "|---|---|" + "---|" * len(cards)]
+    for field, rule in rules.items():
+        rows.append(f"| `{field}` | {rule} | " + " | ".join(f"{s[field]:,}" for s in sized.values()) + " |")
+    rows.append("")
+    rows.append("(`max_private_tokens` for a model with 32 KiB of KV per token, Llama-3.2-1B's shape in bfloat16.)")
+    return rows
 
 
 # -- metrics ----------------------------------------------------------------------------

@@ -23,6 +23,18 @@ def run(args: argparse.Namespace) -> int:
     """
     from prefixcache.bench import report, runner
 
+    if args.preset == "gpu":
+        from prefixcache.bench import gpu
+
+        if args.shape is not None and args.shape not in gpu.SHAPES:
+            print(f"prefixcache bench: --shape must be one of {', '.join(gpu.SHAPES)}", file=sys.stderr)
+            return 2
+        try:
+            gpu.run_gpu(gpu.spec_from(args.shape, args.dtype, args.seed), args.out)
+        except RuntimeError as exc:
+            print(f"\nprefixcache bench: {exc}", file=sys.stderr)
+            return 1
+        return 0
     try:
         opts = options_from_args(args)
     except argparse.ArgumentTypeError as exc:

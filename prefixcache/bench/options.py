@@ -129,9 +129,12 @@ _SIZE_FLAGS = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the benchmark's flags to ``parser`` (used by ``prefixcache bench`` and ``python -m``)."""
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="small",
+    parser.add_argument("--preset", choices=sorted([*PRESETS, "gpu"]), default="small",
                         help="sizes and model: 'small' = tiny random Llama (seconds), "
-                             "'default' = the embedded SmolLM2-135M (minutes)")
+                             "'default' = the embedded SmolLM2-135M (minutes), 'gpu' = a random-weight "
+                             "Llama-3.2-1B-shaped model on CUDA: cold, hit, 64 clients and memory against "
+                             "model.generate and generate_batch (bfloat16 unless --dtype)")
+    parser.add_argument("--shape", default=None, help="--preset gpu: model shape (llama-1b, tiny)")
     parser.add_argument("--model", default=None, help="hub id or local path instead of the preset's model")
     parser.add_argument("--dtype", nargs="+", choices=DTYPES, default=None,
                         help="one or more dtypes, each a separate run (default: float32)")

@@ -21,8 +21,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
+
+from prefixcache.model.layout import index_tensor
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,13 +55,15 @@ class PrivateBatch:
         slots_n, _, capacity, _ = keys.shape
         device = keys.device
         identity = tuple(slots) == tuple(range(slots_n))
-        slot_t = torch.tensor(list(slots), dtype=torch.long, device=device)
-        seen = torch.ones(slots_n, dtype=torch.long, device=device)  # idle slots: a dummy key, dropped later
-        seen[slot_t] = torch.tensor(list(lengths), dtype=torch.long, device=device)
+        # One host-to-device copy: the slots, their lengths (idle slots: a dummy key, dropped later), the rows.
+        seen_host = [1] * slots_n
+        for slot, length in zip(slots, lengths):
+            seen_host[slot] = length
+        packed = index_tensor([*slots, *seen_host, *rows], device)
+        slot_t, seen, rows_t = packed[: len(slots)], packed[len(slots) : len(slots) + slots_n], packed[len(slots) + slots_n :]
         visible = torch.arange(capacity, device=device).unsqueeze(0) < seen.unsqueeze(1)  # [S, C]
         mask = torch.zeros(visible.shape, dtype=accumulation_dtype(keys.dtype), device=device)
         mask = mask.masked_fill(~visible, float("-inf"))
-        rows_t = torch.tensor(list(rows), dtype=torch.long, device=device)
         return cls(keys, values, rows_t, None if identity else slot_t, mask.view(slots_n, 1, 1, capacity),
                    tuple(rows) == tuple(range(len(rows))))
 
@@ -121,47 +126,47 @@ def merge_two(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: 
 def cascade_attention(q: torch.Tensor, spans: Sequence[tuple[int, int]], shared: Sequence[Shared],
                       private: Sequence[tuple[torch.Tensor, torch.Tensor] | None], scale: float,
                       batches: Sequence[PrivateBatch] = (),
-                      masks: dict[tuple[int, int], torch.Tensor] | None = None) -> torch.Tensor:
+                      masks: dict[tuple, torch.Tensor] | None = None,
+                      kernels: AttentionKernels | None = None) -> torch.Tensor:
     """Packed cascade attention. q: [Hq, T, D]; private[i]: ([Hkv, m_i, D], [Hkv, m_i, D]), or None
     for a request whose row is in one of ``batches``. Returns [Hq, T, D].
 
     Segments with the same ``members`` share one selection of query rows and one scatter
     (a chain of stored runs read by one request costs one call per run, no copies).
-    ``masks``: see ``attend_groups``."""
+    ``masks``, ``kernels``: see ``attend_groups``."""
     by_members: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for seg in shared:
         by_members.setdefault(tuple(seg.members), []).append((seg.keys, seg.values))
     total = q.shape[1]
     groups = [(member_rows(members, spans, total, q.device), kv) for members, kv in by_members.items()]
     own = [(start, end, kv[0], kv[1]) for (start, end), kv in zip(spans, private) if kv is not None]
-    return attend_groups(q, groups, own, scale, batches, {} if masks is None else masks)
+    return attend_groups(q, groups, own, scale, batches, {} if masks is None else masks, kernels)
 
 
 def attend_groups(q: torch.Tensor, groups: Sequence[tuple[torch.Tensor | None, Sequence[tuple[torch.Tensor,
                   torch.Tensor]]]], own: Sequence[tuple[int, int, torch.Tensor, torch.Tensor]], scale: float,
-                  batches: Sequence[PrivateBatch], masks: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
+                  batches: Sequence[PrivateBatch], masks: dict[tuple, torch.Tensor],
+                  kernels: AttentionKernels | None = None) -> torch.Tensor:
     """The work of ``cascade_attention`` once its layer-independent parts are planned (per forward).
 
     ``groups``: (packed query rows of the members, None for all rows; their shared (k, v) runs
     [Hkv, n, D]); ``own``: (start, end, k, v) of each request attending to its private KV
     alone; ``batches``: the one-token rows served per pool. Every row is in ``own`` or a
-    batch. ``masks``: causal masks by (rows, keys), kept by the caller across the layers of one
-    forward (same dtype, device and heads), so a prefill chunk's mask is built once.
+    batch. ``masks``: causal masks by (rows, keys) and other per-forward tensors, kept by the
+    caller across the layers of one forward (same dtype, device and heads), so a prefill
+    chunk's mask is built once. ``kernels``: the device's attention calls (``kernels_for``).
     """
     hq, total, dim = q.shape
     hkv = batches[0].keys.shape[1] if batches else own[0][2].shape[0]
     g = hq // hkv
-    # Upcast once here, not per call: every part and merge is in the accumulation dtype (see ``attend``).
-    qg = q.reshape(hkv, g, total, dim).to(accumulation_dtype(q.dtype))  # [Hkv, g, T, D]
-    acc, acc_lse = _attend_private(qg, own, scale, batches, masks)  # present on every row
+    kernels = kernels_for(q.device, q.dtype, dim) if kernels is None else kernels
+    qg = kernels.prepare(q.reshape(hkv, g, total, dim))  # [Hkv, g, T, D]
+    acc, acc_lse = _attend_private(qg, own, scale, batches, masks, kernels)  # present on every row
     for n, (rows, segs) in enumerate(groups):
-        sel = qg if rows is None else qg.index_select(2, rows)
-        r = sel.shape[2]
-        flat = sel.reshape(1, hkv, g * r, dim)
+        sel = qg if rows is None else qg.index_select(2, rows)  # [Hkv, g, r, D]
         o_part = lse_part = None
         for keys, values in segs:
-            o, lse = attend(flat, keys.unsqueeze(0), values.unsqueeze(0), scale)
-            o, lse = o.view(hkv, g, r, dim), lse.view(hkv, g, r)
+            o, lse = kernels.full(sel, keys, values, scale)
             if o_part is None:
                 o_part, lse_part = o, lse
             else:
@@ -179,34 +184,53 @@ def attend_groups(q: torch.Tensor, groups: Sequence[tuple[torch.Tensor | None, S
 
 
 def _attend_private(qg: torch.Tensor, own: Sequence[tuple[int, int, torch.Tensor, torch.Tensor]], scale: float,
-                    batches: Sequence[PrivateBatch],
-                    masks: dict[tuple[int, int], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+                    batches: Sequence[PrivateBatch], masks: dict[tuple, torch.Tensor],
+                    kernels: AttentionKernels) -> tuple[torch.Tensor, torch.Tensor]:
     """Every row over its request's private KV (which holds at least the row's own key):
-    out [Hkv, g, T, D] and lse [Hkv, g, T] (qg's dtype, the accumulation dtype)."""
+    out [Hkv, g, T, D] and lse [Hkv, g, T] (the accumulation dtype)."""
     hkv, g, total, dim = qg.shape
     if not own and len(batches) == 1 and batches[0].covers(total):
-        return _attend_batch(qg, batches[0], scale)  # a step of decodes only: every row, in order
-    o_priv = qg.new_empty((hkv, g, total, dim))
-    l_priv = qg.new_empty((hkv, g, total))
+        return _attend_batch(qg, batches[0], scale, masks, kernels)  # a step of decodes only: every row, in order
+    wide = accumulation_dtype(qg.dtype)
+    o_priv = qg.new_empty((hkv, g, total, dim), dtype=wide)
+    l_priv = qg.new_empty((hkv, g, total), dtype=wide)
     for batch in batches:
-        o, lse = _attend_batch(qg, batch, scale)
+        o, lse = _attend_batch(qg, batch, scale, masks, kernels)
         o_priv.index_copy_(2, batch.rows, o)
         l_priv.index_copy_(2, batch.rows, lse)
-    for start, end, k, v in own:
-        r = end - start
-        mask = None
-        if r > 1:
-            mask = masks.get((r, k.shape[1]))
-            if mask is None:
-                mask = masks[(r, k.shape[1])] = causal_tail_mask(r, k.shape[1], g, qg.dtype, qg.device)
-        sel = qg[:, :, start:end].reshape(1, hkv, g * r, dim)
-        o, lse = attend(sel, k.unsqueeze(0), v.unsqueeze(0), scale, mask)
-        o_priv[:, :, start:end] = o.view(hkv, g, r, dim)
-        l_priv[:, :, start:end] = lse.view(hkv, g, r)
+    if not kernels.batch_own:
+        for start, end, k, v in own:
+            o, lse = kernels.causal(qg[:, :, start:end].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale, masks)
+            o_priv[:, :, start:end] = o[0]
+            l_priv[:, :, start:end] = lse[0]
+        return o_priv, l_priv
+    # Requests with as many rows over as many private keys (a burst of questions) share one call.
+    alike: dict[tuple[int, int], list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
+    for item in own:
+        alike.setdefault((item[1] - item[0], item[2].shape[1]), []).append(item)
+    for (r, _), items in alike.items():
+        if len(items) == 1:
+            start, end, k, v = items[0]
+            o, lse = kernels.causal(qg[:, :, start:end].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale, masks)
+            o_priv[:, :, start:end] = o[0]
+            l_priv[:, :, start:end] = lse[0]
+            continue
+        starts = tuple(item[0] for item in items)
+        index = masks.get(("rows", r, starts))
+        if index is None:  # their packed rows, once per forward
+            index = masks["rows", r, starts] = index_tensor([s + i for s in starts for i in range(r)], qg.device)
+        b = len(items)
+        q = qg.index_select(2, index).view(hkv, g, b, r, dim).permute(2, 0, 1, 3, 4)  # [B, Hkv, g, r, D]
+        k = torch.stack([item[2] for item in items])  # [B, Hkv, n, D]
+        v = torch.stack([item[3] for item in items])
+        o, lse = kernels.causal(q, k, v, scale, masks)
+        o_priv.index_copy_(2, index, o.permute(1, 2, 0, 3, 4).reshape(hkv, g, b * r, dim))
+        l_priv.index_copy_(2, index, lse.permute(1, 2, 0, 3).reshape(hkv, g, b * r))
     return o_priv, l_priv
 
 
-def _attend_batch(qg: torch.Tensor, batch: PrivateBatch, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend_batch(qg: torch.Tensor, batch: PrivateBatch, scale: float, masks: dict[tuple, torch.Tensor],
+                  kernels: AttentionKernels) -> tuple[torch.Tensor, torch.Tensor]:
     """Members' one-token queries (rows of qg [Hkv, g, T, D]) over their slots: one call, masked to
     each member's length; slots not in ``batch`` get a dummy key and are dropped. Returns
     out [Hkv, g, n, D] and lse [Hkv, g, n]."""
@@ -217,10 +241,77 @@ def _attend_batch(qg: torch.Tensor, batch: PrivateBatch, scale: float) -> tuple[
     else:
         qs = q.new_zeros((batch.keys.shape[0], *q.shape[1:]))
         qs.index_copy_(0, batch.slots, q)
-    o, lse = attend(qs, batch.keys, batch.values, scale, batch.mask)  # [S, Hkv, g, D], [S, Hkv, g]
+    o, lse = kernels.masked(qs, batch.keys, batch.values, scale, batch.mask, masks)  # [S, Hkv, g, D], [S, Hkv, g]
     if batch.slots is not None:
         o, lse = o.index_select(0, batch.slots), lse.index_select(0, batch.slots)
     return o.permute(1, 2, 0, 3), lse.permute(1, 2, 0)
+
+
+class AttentionKernels(Protocol):
+    """The attention calls a cascade is made of, on one device. Each returns (out, lse) in the
+    accumulation dtype; the cascade merges them there and rounds once. ``g`` query heads share
+    each KV head (query head ``h·g + j`` reads KV head ``h``)."""
+
+    #: Whether requests with equal row and key counts are stacked into one ``causal`` call.
+    batch_own: bool
+
+    def prepare(self, qg: torch.Tensor) -> torch.Tensor:
+        """Queries [Hkv, g, T, D] as the calls take them (upcast once on the CPU; as they are on CUDA)."""
+
+    def full(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row sees every key. q [Hkv, g, r, D], k/v [Hkv, n, D] → out [Hkv, g, r, D], lse [Hkv, g, r]."""
+
+    def causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               masks: dict[tuple, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows over their request's private keys, whose last ``r`` are the rows' own (bottom-right causal).
+        q [B, Hkv, g, r, D], k/v [B, Hkv, n, D] with n >= r → out [B, Hkv, g, r, D], lse [B, Hkv, g, r]."""
+
+    def masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor,
+               masks: dict[tuple, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One-token rows of several slots. q [S, H, g, D], k/v [S, H, C, D], mask additive [S, 1, 1, C]
+        (accumulation dtype) → out [S, H, g, D], lse [S, H, g]."""
+
+
+class TorchKernels:
+    """Attention through torch's CPU flash kernel (float32) or explicit score matrices, in the
+    accumulation dtype: the reference path, and the one every device can run. A GQA group's query
+    heads are one run of rows against their KV head (no repeated keys)."""
+
+    batch_own = False  # on the CPU a stacked copy costs more than the calls it saves
+
+    def prepare(self, qg: torch.Tensor) -> torch.Tensor:
+        return qg.to(accumulation_dtype(qg.dtype))  # once here, not per call
+
+    def full(self, q, k, v, scale):
+        hkv, g, r, dim = q.shape
+        o, lse = attend(q.reshape(1, hkv, g * r, dim), k.unsqueeze(0), v.unsqueeze(0), scale)
+        return o.view(hkv, g, r, dim), lse.view(hkv, g, r)
+
+    def causal(self, q, k, v, scale, masks):
+        b, hkv, g, r, dim = q.shape
+        mask = None
+        if r > 1:
+            mask = masks.get((r, k.shape[2]))
+            if mask is None:
+                mask = masks[(r, k.shape[2])] = causal_tail_mask(r, k.shape[2], g, q.dtype, q.device)
+        o, lse = attend(q.reshape(b, hkv, g * r, dim), k, v, scale, mask)
+        return o.view(b, hkv, g, r, dim), lse.view(b, hkv, g, r)
+
+    def masked(self, q, k, v, scale, mask, masks):
+        return attend(q, k, v, scale, mask)
+
+
+def kernels_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionKernels:
+    """The attention kernels for queries on ``device`` in ``dtype``: fused CUDA kernels where they
+    serve, else torch's. Keep one per model: it learns what the device's kernels accept."""
+    if device.type == "cuda":
+        from prefixcache.model.cuda import fused_kernels
+
+        kernels = fused_kernels(dtype, head_dim)
+        if kernels is not None:
+            return kernels
+    return TorchKernels()
 
 
 def member_rows(members: Sequence[int], spans: Sequence[tuple[int, int]], total: int,

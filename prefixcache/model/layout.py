@@ -33,3 +33,12 @@ class KVLayout:
         if limit is not None and total_tokens > limit:
             return f"sequence of up to {total_tokens} tokens exceeds the sliding window ({limit})"
         return None
+
+
+def index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    """A long tensor of ``values`` on ``device``. On CUDA through pinned memory without waiting: a copy
+    from pageable memory drains the stream first, and a step makes several of these per forward."""
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return host if device.type == "cpu" else host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

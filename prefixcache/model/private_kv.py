@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixcache.model.cascade import PrivateBatch
+from prefixcache.model.layout import index_tensor
 
 
 class PrivatePool:
@@ -123,8 +124,8 @@ class PrivatePool:
         # keys of member i, head h at ((s_i·H + h)·C + p_i), values one S·H·C further; ordered
         # (k/v, head, member) like the source the write assembles.
         _, _, n_slots, heads, capacity, _ = self.slab.shape
-        slot_t = torch.tensor(slots, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor([kv.length for kv in members], dtype=torch.long, device=self.device)
+        packed = index_tensor([*slots, *(kv.length for kv in members)], self.device)
+        slot_t, pos_t = packed[: len(slots)], packed[len(slots) :]
         head_t = torch.arange(heads, dtype=torch.long, device=self.device).unsqueeze(1)  # [H, 1]
         keys_at = ((slot_t * heads + head_t) * capacity + pos_t).reshape(-1)  # [H·n]
         targets = torch.cat([keys_at, keys_at + n_slots * heads * capacity])

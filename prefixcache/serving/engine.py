@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -97,6 +98,34 @@ class BatchConfig:
         if not isinstance(self.fast_path, bool):
             raise ConfigError("fast_path", self.fast_path, "True or False")
 
+    @classmethod
+    def for_device(cls, layout: KVLayout, **overrides: object) -> BatchConfig:
+        """Defaults sized for ``layout``'s device (``device_defaults``), then ``overrides``."""
+        device = layout.device
+        if device.type == "cuda":
+            props = torch.cuda.get_device_properties(device)
+            sized = device_defaults("cuda", props.total_memory, props.multi_processor_count, layout.bytes_per_token)
+        else:
+            sized = {}
+        return cls(**{**sized, **overrides})
+
+
+def device_defaults(kind: str, memory_bytes: int, processors: int, kv_bytes_per_token: int) -> dict[str, int]:
+    """``BatchConfig`` fields sized for a device; {} keeps the class defaults (sized for a few CPU cores).
+
+    On CUDA a step is cheap next to Python and launch overhead, so batches are wide: as many running
+    requests as the next power of two below the multiprocessor count (32-256), a token budget of 64
+    tokens per multiprocessor (2,048-16,384) so a long prompt is prefilled in a few large chunks, a
+    quarter of it as every prompt's minimum chunk, and private KV admitted up to a quarter of the
+    device's memory.
+    """
+    if kind != "cuda":
+        return {}
+    max_batch = min(256, max(32, 1 << (max(processors, 1).bit_length() - 1)))
+    budget = min(16384, max(2048, 1 << ((64 * max(processors, 1)).bit_length() - 1)))
+    return {"max_batch": max_batch, "token_budget": budget, "prefill_chunk": budget // 4, "private_chunk": 128,
+            "pool_max_tokens": 4096, "max_private_tokens": max(1 << 16, memory_bytes // 4 // kv_bytes_per_token)}
+
 
 @dataclass(frozen=True, slots=True)
 class BatchResult:
@@ -115,10 +144,12 @@ class BatchEngine:
     """
 
     def __init__(self, model: torch.nn.Module, store: KVStore, clock: Callable[[], float],
-                 config: BatchConfig | None = None, cache_generated: bool = True,
+                 config: BatchConfig | dict[str, Any] | None = None, cache_generated: bool = True,
                  entropy: Callable[[], int] = fresh_seed):
         self.model, self.store, self._clock = model, store, clock
-        self.config = config or BatchConfig()
+        # None or a mapping of fields: sized for the device once its layout is known, the mapping over it.
+        overrides = None if isinstance(config, BatchConfig) else dict(config or {})
+        self.config = BatchConfig(**overrides) if overrides is not None else config
         self.cache_generated = cache_generated
         self.layout: KVLayout | None = None
         self.disabled_reason: str | None = None
@@ -136,6 +167,8 @@ class BatchEngine:
                 model.set_attn_implementation(previous)
                 raise
             self.layout = layout
+            if overrides is not None:
+                self.config = BatchConfig.for_device(layout, **overrides)
             step_forward = None
             if self.config.fast_path:
                 step_forward, reason = build_step_forward(model, layout, self.config.max_batch,

@@ -13,8 +13,9 @@ import torch
 
 from prefixcache.errors import UnsupportedModelError
 from prefixcache.model.cpu import StepForward
+from prefixcache.model.cascade import kernels_for
 from prefixcache.model.hf_cache import CascadeCache, CascadeRow, cascade_step
-from prefixcache.model.layout import KVLayout
+from prefixcache.model.layout import KVLayout, index_tensor
 from prefixcache.serving.request import Request
 
 
@@ -22,6 +23,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, layout: KVLayout, step_forward: StepForward | None = None):
         self.model, self.layout = model, layout
         self.step_forward = step_forward  # the fast path, if any (swappable: benchmarks compare them)
+        self.kernels = kernels_for(layout.device, layout.dtype, layout.head_dim)  # attention calls, one per model
         self.steps = 0
 
     @property
@@ -43,10 +45,10 @@ class ModelRunner:
             at += n
             if start + n >= len(req.prompt):
                 keep.append(at - 1)
-        cache = CascadeCache(rows, self.layout.num_layers)
+        cache = CascadeCache(rows, self.layout.num_layers, self.kernels)
         device = self.layout.device
-        ids_t, pos_t = torch.tensor(ids, device=device), torch.tensor(pos, device=device)  # [T] packed
-        keep_t = torch.tensor(keep, dtype=torch.long, device=device)  # [K]
+        packed = index_tensor([*ids, *pos, *keep], device)  # one copy to the device
+        ids_t, pos_t, keep_t = packed[: at], packed[at : 2 * at], packed[2 * at :]  # [T], [T] packed; [K]
         if self.step_forward is not None:
             logits = self.step_forward(ids_t, pos_t, cache, keep_t)
         else:

@@ -200,9 +200,11 @@ class Sampler:
 
     def next_token(self, logits: torch.Tensor, context: Sequence[int], generator: torch.Generator | None) -> int:
         """logits: [V] of one request; context: its prompt and output so far. Greedy = first argmax."""
-        scores = logits.float().unsqueeze(0)  # [1, V], as generate() scores in float32
+        # [1, V], as generate() scores in float32. On the host: the processors' own tensors (EOS ids)
+        # and the request's generator live there, and the token is read there anyway.
+        scores = logits.float().cpu().unsqueeze(0)
         if self.processors:
-            scores = self.processors(torch.tensor([list(context)], device=logits.device), scores)
+            scores = self.processors(torch.tensor([list(context)]), scores)
         if self.greedy:
             return int(torch.argmax(scores[0]))
         assert generator is not None, "a sampled request draws from its own generator, never the global RNG"

@@ -1,0 +1,151 @@
+"""The batching engine on CUDA: fused kernels equal the reference cascade, the start-up check passes
+in float32/bfloat16/float16 and refuses a broken cascade, and float32 answers equal ``generate()``.
+Skipped without CUDA (the device path is tested where it runs)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefixcache import PrefixCache
+from prefixcache.errors import UnsupportedModelError
+from prefixcache.model import cascade
+from prefixcache.model.cascade import PrivateBatch, Shared, TorchKernels, cascade_attention, kernels_for
+from prefixcache.model.cuda import FusedKernels
+from prefixcache.model.cuda.attention import fused_kernels
+from prefixcache.model.hf_cache import check_cascade, enable_cascade_attention, measure_cascade, probe_layout
+from prefixcache.model.private_kv import PrivateKV
+from tests.conftest import ARCHS, build_tiny, untouched
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def on_cuda(arch: str, dtype: torch.dtype):
+    model = build_tiny(arch).to(device="cuda", dtype=dtype)
+    layout = probe_layout(model)
+    enable_cascade_attention(model)
+    return model, layout
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("d", [64, 128, 80])
+def test_fused_kernels_equal_the_reference_cascade(dtype, d):
+    gen = torch.Generator().manual_seed(d)
+
+    def rand(*shape):
+        return torch.randn(shape, generator=gen).to("cuda", dtype)
+
+    hq, hkv = 8, 2
+    shared = [Shared(rand(hkv, 300, d), rand(hkv, 300, d), (0, 1, 2, 3)), Shared(rand(hkv, 70, d), rand(hkv, 70, d), (1, 3))]
+    private = [(rand(hkv, 50, d), rand(hkv, 50, d)), (rand(hkv, 40 + 33, d), rand(hkv, 40 + 33, d))]
+    keys, values = rand(3, hkv, 90, d), rand(3, hkv, 90, d)
+    batch = PrivateBatch.build(keys, values, rows=[83, 84], slots=[2, 0], lengths=[60, 90])
+    q = rand(hq, 85, d)
+    spans = [(0, 50), (50, 83), (83, 84), (84, 85)]
+    kernels = kernels_for(q.device, q.dtype, d)
+    assert isinstance(kernels, FusedKernels) and kernels.flash == (dtype != torch.float32 and d % 8 == 0)
+    got = cascade_attention(q, spans, shared, [*private, None, None], d ** -0.5, [batch])
+    want = cascade_attention(q.double(), spans, [Shared(s.keys.double(), s.values.double(), s.members) for s in shared],
+                             [(k.double(), v.double()) for k, v in private] + [None, None], d ** -0.5,
+                             [PrivateBatch.build(keys.double(), values.double(), [83, 84], [2, 0], [60, 90])],
+                             kernels=TorchKernels())
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
+def test_float64_on_cuda_takes_the_reference_path():
+    assert fused_kernels(torch.float64, 64) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_start_up_check_passes_and_batching_is_on(arch, dtype):
+    model, layout = on_cuda(arch, dtype)
+    check_cascade(model, layout)
+    with PrefixCache(model, batching=True, start_sweeper=False) as pc:
+        assert pc.batching_disabled_reason is None
+
+
+def _write_one_late(self, layer, start, keys, values):
+    n, slab = keys.shape[1], self.pool.slab
+    slab[layer, 0, self.slot, :, start + 1 : start + 1 + n].copy_(keys)
+    slab[layer, 1, self.slot, :, start + 1 : start + 1 + n].copy_(values)
+
+
+_REAL_CALL = FusedKernels._call
+
+
+def _never_causal(self, q, k, v, scale, causal):
+    return _REAL_CALL(self, q, k, v, scale, False)
+
+
+BROKEN = {
+    "private KV written one position late": (PrivateKV, "write", _write_one_late),
+    "merge drops the shared prefix": (cascade, "merge_two", lambda o_a, lse_a, o_b, lse_b: o_b),
+    "held tokens ignored": (FusedKernels, "causal", lambda self, q, k, v, scale, masks:
+                            TorchKernels().causal(q.float(), k[:, -q.shape[2]:].float(), v[:, -q.shape[2]:].float(),
+                                                  scale, {})),
+    "causal flag dropped": (FusedKernels, "_call", _never_causal),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bug", BROKEN)
+def test_a_broken_cascade_is_refused_on_cuda(bug, dtype, monkeypatch):
+    model, layout = on_cuda("llama-gqa", dtype)
+    check_cascade(model, layout)
+    monkeypatch.setattr(*BROKEN[bug])
+    with pytest.raises(UnsupportedModelError):
+        check_cascade(model, layout)
+
+
+def test_a_step_at_shifted_positions_is_refused_on_cuda():
+    from prefixcache.model.hf_cache import CASCADE_KWARG
+
+    model, layout = on_cuda("llama-gqa", torch.bfloat16)
+
+    def shifted(ids, pos, cache, keep):
+        return model(input_ids=ids.unsqueeze(0), position_ids=(pos + 1).unsqueeze(0), past_key_values=cache,
+                     use_cache=True, **{CASCADE_KWARG: cache}).logits[0, keep]
+
+    with pytest.raises(UnsupportedModelError):
+        check_cascade(model, layout, shifted)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_float32_answers_equal_generate_serially_and_concurrently(arch):
+    import threading
+
+    model = build_tiny(arch).to("cuda")
+    ref = untouched(model).to("cuda")
+    prompts = [[5 + (i * 7 + j) % 300 for j in range(40 + 3 * i)] for i in range(8)]
+    want = [ref.generate(torch.tensor([p], device="cuda"), max_new_tokens=12, min_new_tokens=12,
+                         do_sample=False)[0, len(p):].tolist() for p in prompts]
+    with PrefixCache(model, start_sweeper=False) as pc:
+        assert pc.batching_disabled_reason is None
+        serial = [pc.generate([p], max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, len(p):].tolist()
+                  for p in prompts]
+        got: list = [None] * len(prompts)
+
+        def client(i):
+            p = prompts[i]
+            got[i] = pc.generate([p], max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, len(p):].tolist()
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert serial == want
+    assert got == want
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+def test_reduced_precision_layers_measured(dtype, capsys):
+    """Print the per-layer errors of the check on CUDA (the fused kernels round in the model's dtype)."""
+    model, layout = on_cuda("llama-gqa", dtype)
+    m = measure_cascade(model, layout, rows=6)
+    with capsys.disabled():
+        for i, e in enumerate(m.layers):
+            print(f"\n{dtype} layer {i}: cascade {e.cascade:.3g} plain {e.plain:.3g} scale {e.scale:.3g}")
+    assert m.exact < 1e-4

@@ -1,0 +1,112 @@
+"""The CUDA kernels' cascade logic (GQA layout, held + own causal split, padded bias) on any machine.
+
+The fused kernels' ops are replaced by stand-ins with their contract (top-left causal, log-sum-exp
+in float32, the memory-efficient one's padded to a multiple of 32 rows), so what this checks is the
+code around the kernels; tests/gpu runs the real kernels."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefixcache.model.cascade import PrivateBatch, Shared, TorchKernels, cascade_attention
+from prefixcache.model.cuda import FusedKernels
+
+
+def _scores(q, k, scale, bias, causal):
+    s = torch.matmul(q.double(), k.double().transpose(-1, -2)) * scale  # [B, H, L, S]
+    if bias is not None:
+        s = s + bias.double()
+    if causal:
+        rows, cols = s.shape[-2:]
+        s = s.masked_fill(torch.ones(rows, cols, dtype=torch.bool).triu(1), float("-inf"))  # top-left
+    return s
+
+
+def _gqa(q, k):
+    assert q.shape[0] == k.shape[0] and q.shape[1] % k.shape[1] == 0
+    return k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # query head h reads KV head h // g
+
+
+def flash_stand_in(q, k, v, dropout, causal, debug, scale):
+    assert q.dtype == k.dtype and dropout == 0.0 and q.stride(-1) == k.stride(-1) == 1
+    k, v = _gqa(q, k), _gqa(q, v)
+    s = _scores(q, k, scale, None, causal)
+    lse = torch.logsumexp(s, -1)
+    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.double())
+    return out.to(q.dtype), lse.float(), None, None, 0, 0, None, None, None
+
+
+def efficient_stand_in(q, k, v, bias, compute_lse, dropout, causal, scale):
+    assert compute_lse and dropout == 0.0 and q.shape[:2] == k.shape[:2]
+    if bias is not None:
+        assert bias.dtype == q.dtype and bias.shape == (*q.shape[:3], k.shape[2])
+        assert bias.stride(0) % 16 == 0 and bias.stride(-1) == 1
+    s = _scores(q, k, scale, bias, causal)
+    lse = torch.logsumexp(s, -1)
+    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)), v.double())
+    rows = q.shape[2]
+    padded = torch.full((*lse.shape[:2], -(-rows // 32) * 32), float("nan"))
+    padded[..., :rows] = lse
+    return out.to(q.dtype), padded, None, None
+
+
+@pytest.mark.parametrize("flash", [True, False])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2), (9, 3)])
+@pytest.mark.parametrize("native_gqa", [True, False])
+def test_fused_cascade_equals_torch_cascade(flash, hq, hkv, native_gqa):
+    """Shared runs for some members, prefill chunks with and without held tokens (two alike, stacked),
+    pooled decodes; with the flash kernel's own GQA and with KV heads repeated."""
+    gen = torch.Generator().manual_seed(hq * 7 + hkv + flash)
+    d = 16
+
+    def rand(*shape):
+        return torch.randn(shape, generator=gen, dtype=torch.float64).float()
+
+    shared = [Shared(rand(hkv, 20, d), rand(hkv, 20, d), (0, 1, 2, 3)), Shared(rand(hkv, 7, d), rand(hkv, 7, d), (1, 3))]
+    # chunks: none held, 4 held, two alike (3 rows after 2 held, stacked), then two decodes in a pool
+    rows, held = [5, 3, 3, 3, 1, 1], [0, 4, 2, 2]
+    private = [(rand(hkv, r + h, d), rand(hkv, r + h, d)) for r, h in zip(rows[:4], held)]
+    keys, values = rand(3, hkv, 9, d), rand(3, hkv, 9, d)  # pool of 3 slots, capacity 9
+    batch = PrivateBatch.build(keys, values, rows=[14, 15], slots=[2, 0], lengths=[6, 9])
+    q = rand(hq, sum(rows), d)
+    spans = [(0, 5), (5, 8), (8, 11), (11, 14), (14, 15), (15, 16)]
+    shared.append(Shared(rand(hkv, 4, d), rand(hkv, 4, d), (2, 3, 4)))
+    want = cascade_attention(q, spans, shared, [*private, None, None], 0.3, [batch], kernels=TorchKernels())
+    fused = FusedKernels(flash, flash_op=flash_stand_in, efficient_op=efficient_stand_in)
+    fused.native_gqa = flash and native_gqa
+    got = cascade_attention(q, spans, shared, [*private, None, None], 0.3, [batch], kernels=fused)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_bias_is_built_once_per_step():
+    fused = FusedKernels(False, flash_op=flash_stand_in, efficient_op=efficient_stand_in)
+    keys = torch.randn(2, 2, 5, 8)
+    batch = PrivateBatch.build(keys, keys, rows=[0, 1], slots=[0, 1], lengths=[3, 5])
+    masks: dict = {}
+    q = torch.randn(2, 2, 2, 8)
+    first = fused.masked(q, keys, keys, 0.5, batch.mask, masks)
+    second = fused.masked(q, keys, keys, 0.5, batch.mask, masks)
+    assert len(masks) == 1
+    torch.testing.assert_close(first[0], second[0])
+    assert first[1].shape == (2, 2, 2)  # the padded log-sum-exp rows are cut back
+
+
+def test_a_flash_op_without_gqa_falls_back_to_repeated_kv_heads():
+    """A torch whose flash op wants as many KV heads as query heads: refused once, then repeated heads."""
+    refused = []
+
+    def strict_flash(q, k, v, *args, **kwargs):
+        if q.shape[1] != k.shape[1]:
+            refused.append(q.shape)
+            raise RuntimeError("number of heads in key/value must equal query")
+        return flash_stand_in(q, k, v, *args, **kwargs)
+
+    fused = FusedKernels(True, flash_op=strict_flash, efficient_op=efficient_stand_in)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(shape, generator=gen) for shape in ((1, 2, 4, 5, 8), (1, 2, 7, 8), (1, 2, 7, 8)))
+    got = fused.causal(q, k, v, 0.4, {})
+    want = TorchKernels().causal(q, k, v, 0.4, {})
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert len(refused) == 1 and not fused.native_gqa
+    fused.causal(q, k, v, 0.4, {})
+    assert len(refused) == 1
