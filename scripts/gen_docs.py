@@ -180,7 +180,7 @@ def device_table() -> list[str]:
     sized = {name: device_defaults("cuda", memory, sms, per_token) for name, (memory, sms) in cards.items()}
     rules = {"max_batch": "largest power of two <= multiprocessors, 32-256",
              "token_budget": "largest power of two <= 64 x multiprocessors, 2,048-16,384",
-             "prefill_chunk": "token_budget / 4", "private_chunk": "128", "pool_max_tokens": "4,096",
+             "prefill_chunk": "token_budget / 4", "private_chunk": "64", "pool_max_tokens": "4,096",
              "max_private_tokens": "a quarter of the device memory in KV tokens (at least 65,536)"}
     rows = ["| field | on CUDA | " + " | ".join(cards) + " |", "|---|---|" + "---|" * len(cards)]
     for field, rule in rules.items():

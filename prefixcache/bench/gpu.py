@@ -103,9 +103,34 @@ def _ids(gen: torch.Generator, n: int, vocab: int) -> list[int]:
     return torch.randint(2, vocab, (n,), generator=gen).tolist()
 
 
-def _generate(cache, prompt: list[int], new: int) -> list[int]:
-    out = cache.generate([prompt], max_new_tokens=new, min_new_tokens=new, do_sample=False)
+def _generate(cache, prompt: list[int], new: int, streamer: _FirstToken | None = None) -> list[int]:
+    out = cache.generate([prompt], max_new_tokens=new, min_new_tokens=new, do_sample=False, streamer=streamer)
     return out[0, len(prompt):].tolist()
+
+
+class _FirstToken:
+    """A ``generate()`` streamer that notes when the first generated token arrives (the prompt comes first)."""
+
+    def __init__(self) -> None:
+        self.puts, self.at = 0, None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts += 1
+        if self.puts == 2 and self.at is None:
+            self.at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def _ttft(clock: _Clock, call: Callable[[_FirstToken], object]) -> float:
+    """Seconds from the call to its first generated token (a token on the host: the device is done)."""
+    first = _FirstToken()
+    start = clock()
+    call(first)
+    if first.at is None:
+        raise RuntimeError("no token was streamed")
+    return first.at - start
 
 
 def _concurrently(fn: Callable[[int], object], n: int) -> tuple[list, float]:
@@ -139,9 +164,10 @@ def cold(cache, model, spec: GpuSpec, clock: _Clock, gen: torch.Generator) -> di
     ours, theirs = [], []
     for _ in range(spec.reps):
         prompt = _ids(gen, spec.cold_tokens, vocab)
-        ours.append(clock.time(lambda: _generate(cache, prompt, 1)))
+        ours.append(_ttft(clock, lambda first: _generate(cache, prompt, 1, first)))
         ids = torch.tensor([prompt], device=clock.device)
-        theirs.append(clock.time(lambda: model.generate(ids, max_new_tokens=1, do_sample=False)))
+        theirs.append(_ttft(clock, lambda first: model.generate(ids, max_new_tokens=1, do_sample=False,
+                                                                streamer=first)))
     return {"prefixcache_s": statistics.median(ours), "generate_s": statistics.median(theirs),
             "ratio": statistics.median(ours) / statistics.median(theirs), "target": COLD_VS_GENERATE}
 
@@ -158,7 +184,7 @@ def hit(cache, model, spec: GpuSpec, clock: _Clock, gen: torch.Generator) -> dic
     ours, bare, cached = [], [], []
     for _ in range(spec.reps):
         suffix = _ids(gen, spec.hit_new, vocab)
-        ours.append(clock.time(lambda: _generate(cache, prefix + suffix, 1)))
+        ours.append(_ttft(clock, lambda first: _generate(cache, prefix + suffix, 1, first)))
         cached.append(cache.last_call.cached_tokens)
         kv = copy.deepcopy(ready)
         ids = torch.tensor([suffix], device=clock.device)
@@ -250,10 +276,19 @@ def memory(cache, model, spec: GpuSpec, clock: _Clock, gen: torch.Generator) -> 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     held_before = torch.cuda.memory_allocated(device)
-    _concurrently(lambda i: _generate(cache, prompts[i], new), n)
+    store_before = cache.store.bytes
+    most_kv = [0]
+
+    def client(i: int) -> list[int]:
+        out = _generate(cache, prompts[i], new)
+        most_kv[0] = max(most_kv[0], cache.batcher.kv_bytes())
+        return out
+
+    _concurrently(client, n)
     peak = torch.cuda.max_memory_allocated(device) - weights
     needed = (spec.long_prefix + n * (spec.client_question + new)) * per_token + activations
     return {"peak_above_weights_bytes": peak, "held_before_bytes": held_before - weights, "needed_bytes": needed,
+            "store_before_bytes": store_before, "kv_bytes_seen": most_kv[0],
             "prefix_kv_bytes": spec.long_prefix * per_token, "activation_bytes": activations,
             "ratio": peak / needed, "target": MEMORY_VS_NEEDED}
 

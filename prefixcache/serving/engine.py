@@ -123,7 +123,7 @@ def device_defaults(kind: str, memory_bytes: int, processors: int, kv_bytes_per_
         return {}
     max_batch = min(256, max(32, 1 << (max(processors, 1).bit_length() - 1)))
     budget = min(16384, max(2048, 1 << ((64 * max(processors, 1)).bit_length() - 1)))
-    return {"max_batch": max_batch, "token_budget": budget, "prefill_chunk": budget // 4, "private_chunk": 128,
+    return {"max_batch": max_batch, "token_budget": budget, "prefill_chunk": budget // 4, "private_chunk": 64,
             "pool_max_tokens": 4096, "max_private_tokens": max(1 << 16, memory_bytes // 4 // kv_bytes_per_token)}
 
 

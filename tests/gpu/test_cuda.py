@@ -83,8 +83,8 @@ BROKEN = {
     "private KV written one position late": (PrivateKV, "write", _write_one_late),
     "merge drops the shared prefix": (cascade, "merge_two", lambda o_a, lse_a, o_b, lse_b: o_b),
     "held tokens ignored": (FusedKernels, "causal", lambda self, q, k, v, scale, masks:
-                            TorchKernels().causal(q.float(), k[:, -q.shape[2]:].float(), v[:, -q.shape[2]:].float(),
-                                                  scale, {})),
+                            TorchKernels().causal(q.float(), k[:, :, -q.shape[3]:].float(),
+                                                  v[:, :, -q.shape[3]:].float(), scale, {})),
     "causal flag dropped": (FusedKernels, "_call", _never_causal),
 }
 

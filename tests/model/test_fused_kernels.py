@@ -110,3 +110,35 @@ def test_a_flash_op_without_gqa_falls_back_to_repeated_kv_heads():
     assert len(refused) == 1 and not fused.native_gqa
     fused.causal(q, k, v, 0.4, {})
     assert len(refused) == 1
+
+
+def _held_ignored(self, q, k, v, scale, masks):
+    r = q.shape[3]  # q [B, Hkv, g, r, D]: only the rows' own keys, as if nothing were held
+    return TorchKernels().causal(q, k[:, :, -r:], v[:, :, -r:], scale, masks)
+
+
+@pytest.mark.parametrize("bug", ["none", "held tokens ignored", "causal flag dropped"])
+def test_the_start_up_check_judges_the_fused_kernels(bug, monkeypatch):
+    """The self-check runs a model through the CUDA kernels' code (stand-in ops here): it passes
+    them as they are and refuses them broken."""
+    from prefixcache.errors import UnsupportedModelError
+    from prefixcache.model import cascade
+    from prefixcache.model.hf_cache import check_cascade, enable_cascade_attention, probe_layout
+    from tests.conftest import build_tiny
+
+    model = build_tiny("llama-gqa")
+    layout = probe_layout(model)
+    enable_cascade_attention(model)
+    fused = FusedKernels(True, flash_op=flash_stand_in, efficient_op=efficient_stand_in)
+    monkeypatch.setattr(cascade, "kernels_for", lambda device, dtype, head_dim: fused)
+    real_call = FusedKernels._call
+    if bug == "held tokens ignored":
+        monkeypatch.setattr(FusedKernels, "causal", _held_ignored)
+    elif bug == "causal flag dropped":
+        monkeypatch.setattr(FusedKernels, "_call", lambda self, q, k, v, scale, causal: real_call(self, q, k, v, scale,
+                                                                                                 False))
+    if bug == "none":
+        check_cascade(model, layout)
+    else:
+        with pytest.raises(UnsupportedModelError):
+            check_cascade(model, layout)
