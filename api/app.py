@@ -86,7 +86,11 @@ def create_app(settings: Settings | None = None, *, cache: PrefixCache | None = 
             if cache is None:
                 engine.close()
 
-    app = FastAPI(title="prefixcache proxy", version=__version__, description=DESCRIPTION, lifespan=lifespan)
+    # The schema and its pages list every route and parameter to whoever asks: off unless ``docs`` is set.
+    docs = settings.docs
+    app = FastAPI(title="prefixcache proxy", version=__version__, description=DESCRIPTION, lifespan=lifespan,
+                  openapi_url="/openapi.json" if docs else None, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None)
     app.state.settings = settings
     app.state.keyring = KeyRing(settings)
     app.state.rate_limiter = RateLimiter(settings.tenant_rate_limit, settings.tenant_rate_burst, clock)

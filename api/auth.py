@@ -17,10 +17,17 @@ from .settings import LOCAL_TENANT, Settings
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """Who is calling: the tenant whose namespace they use, and whether they hold the admin key."""
+    """Who is calling: the tenant whose namespace they use, whether they hold the admin key (or have admin
+    rights in local mode), and whether the server runs in local mode (no keys: one tenant)."""
 
     tenant: str
     admin: bool
+    local: bool = False
+
+    @property
+    def exempt(self) -> bool:
+        """Not held to a key's rate, budget or places: the admin, and local mode's one tenant (nobody to share with)."""
+        return self.admin or self.local
 
     def scope(self, requested: str | None) -> str | None:
         """The tenant an admin route acts on: one's own; admin may name one, or (None) all."""
@@ -43,6 +50,7 @@ def _digest(key: str) -> bytes:
 class KeyRing:
     def __init__(self, settings: Settings):
         self.local_mode = settings.local_mode
+        self.local_admin = settings.local_admin
         self._tenants = [(_digest(k), t) for k, t in settings.api_keys.items()]
         self._admin = None if settings.admin_key is None else _digest(settings.admin_key.get_secret_value())
         self._admin_tenant = settings.admin_tenant
@@ -53,7 +61,7 @@ class KeyRing:
         Raises ``AuthenticationError`` (401).
         """
         if self.local_mode:
-            return Principal(LOCAL_TENANT, admin=True)
+            return Principal(LOCAL_TENANT, admin=self.local_admin, local=True)
         scheme, _, token = (authorization or "").partition(" ")
         token = token.strip()
         if not authorization and api_key:

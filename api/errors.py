@@ -23,6 +23,7 @@ from prefixcache.errors import (
     GenerationTimeoutError,
     InvalidRequestError,
     RequestCancelledError,
+    TierPurgeError,
     UnsupportedModelError,
 )
 
@@ -68,6 +69,12 @@ class LimitExceededError(ProxyError):
 
 class PayloadTooLargeError(ProxyError):
     status, type, code = 413, "invalid_request_error", "payload_too_large"
+
+
+class BodyTimeoutError(ProxyError):
+    """The request's body did not arrive within ``body_timeout_seconds`` (its place is given back)."""
+
+    status, type, code = 408, "invalid_request_error", "request_body_timeout"
 
 
 class QueueFullError(ProxyError):
@@ -136,12 +143,17 @@ def map_exception(exc: BaseException) -> Mapped:
         return Mapped(429, ErrorDetail(message=str(exc), type="insufficient_quota", code="pin_quota_exceeded"))
     if isinstance(exc, CapacityError):  # memory pressure: a pin that does not fit now
         return Mapped(503, ErrorDetail(message=str(exc), type="server_error", code="insufficient_capacity"), True)
+    if isinstance(exc, TierPurgeError):  # the device is flushed; a tier below could not be reached
+        return Mapped(503, ErrorDetail(message=str(exc), type="server_error", code="tier_unavailable"), True)
     if isinstance(exc, EngineFaultError):  # not the request's doing: a retry may well succeed
         return Mapped(503, ErrorDetail(message=str(exc), type="server_error", code="engine_fault"), True)
     if isinstance(exc, GenerationTimeoutError):
         return Mapped(504, ErrorDetail(message=str(exc), type="timeout_error", code="request_timeout"))
     if isinstance(exc, RequestCancelledError):  # the client left (or the server shuts down): nobody reads this
         return Mapped(499, ErrorDetail(message=str(exc), type="invalid_request_error", code="client_closed_request"))
+    if isinstance(exc, RecursionError):  # input nested deeper than the stack got past the depth checks: its fault
+        return Mapped(400, ErrorDetail(message="the request nests too deeply", type="invalid_request_error",
+                                       code="json_too_deep"))
     if isinstance(exc, UnsupportedModelError):
         return Mapped(501, ErrorDetail(message=f"prefix caching is not available for this model: {exc}",
                                        type="invalid_request_error", code="not_supported"))
@@ -258,6 +270,6 @@ def install(app: FastAPI, retry_after: int, on_error: Callable[[Request, int], N
     app.add_exception_handler(RequestValidationError, validation)
     app.add_exception_handler(StarletteHTTPException, http_error)
     for kind in (ProxyError, InvalidRequestError, ConfigError, CapacityError, UnsupportedModelError, EngineFaultError,
-                 GenerationTimeoutError, RequestCancelledError):
+                 GenerationTimeoutError, RequestCancelledError, TierPurgeError, RecursionError):
         app.add_exception_handler(kind, known)
     app.add_exception_handler(Exception, unexpected)

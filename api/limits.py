@@ -1,7 +1,9 @@
 """Input limits: every request is measured against ``Settings`` before any work starts.
 
 Two stages. The raw body (``read_body``): at most ``max_body_bytes`` are read, with or
-without a Content-Length (413 above), and its nesting is measured before it is parsed
+without a Content-Length (413 above), within ``body_timeout_seconds`` (408 after), it must be
+UTF-8 (400 otherwise: ``json.loads`` would also take UTF-16 or UTF-32, whose bytes the nesting
+count below cannot read), and its nesting is measured before it is parsed
 (a deep body would exhaust the parser's and the validators' recursion); it is parsed once,
 here, so an integer too long for Python to convert is refused naming its parameter. Then the parsed
 request (``check_chat``, ``check_completion``, ``check_prewarm``): message count, text
@@ -17,9 +19,9 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
-from .errors import LimitExceededError, PayloadTooLargeError
+from .errors import BodyTimeoutError, ClientClosedError, LimitExceededError, PayloadTooLargeError
 from .protocol import ChatCompletionRequest, CompletionRequest, PrewarmRequest, GenerationFields, Tool
 from .settings import Settings
 
@@ -33,25 +35,53 @@ async def read_body(request: Request, settings: Settings) -> tuple[bytes, Any]:
     """The body, read chunk by chunk and never past ``max_body_bytes``; its nesting checked; and
     the JSON it holds (``NOT_JSON`` if it holds none: the route's parser then says why).
 
-    Raises ``PayloadTooLargeError`` (a declared or actual size over the limit) or
-    ``LimitExceededError`` (nested deeper than ``max_json_depth``, or a number too long to parse).
+    Raises ``PayloadTooLargeError`` (a declared or actual size over the limit), ``BodyTimeoutError``
+    (not all there within ``body_timeout_seconds``) or ``LimitExceededError`` (not UTF-8, nested deeper
+    than ``max_json_depth``, or a number too long to parse).
     """
     limit = settings.max_body_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:  # a chunked upload without a length: stop reading here
-            raise _too_large(limit)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(settings.body_timeout_seconds):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:  # a chunked upload without a length: stop reading here
+                    raise _too_large(limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise BodyTimeoutError(f"the request body did not arrive within {settings.body_timeout_seconds:g} s") from None
+    except ClientDisconnect:  # gone before its body came in: nobody reads an answer (not a 500)
+        raise ClientClosedError("the client closed the connection before its body arrived") from None
     body = b"".join(chunks)
-    depth = await asyncio.to_thread(json_depth, body) if size > _OFF_LOOP_BYTES else json_depth(body)
-    if depth > settings.max_json_depth:
-        raise LimitExceededError(f"the request body nests {depth} levels deep; at most {settings.max_json_depth} "
-                                 "are accepted", code="json_too_deep")
-    return body, await asyncio.to_thread(parse_json, body) if size > _OFF_LOOP_BYTES else parse_json(body)
+    if size > _OFF_LOOP_BYTES:
+        return body, await asyncio.to_thread(inspect_json, body, settings.max_json_depth)
+    return body, inspect_json(body, settings.max_json_depth)
+
+
+def inspect_json(body: bytes, max_depth: int) -> Any:
+    """``body``'s JSON (``NOT_JSON`` if it holds none), once it is known to be UTF-8 and no deeper than
+    ``max_depth``; raises ``LimitExceededError`` otherwise."""
+    text = utf8_text(body)
+    depth = json_depth(body)  # byte-wise, sound for UTF-8 only: no byte of a multi-byte character is a quote
+    if depth > max_depth:
+        raise LimitExceededError(f"the request body nests {depth} levels deep; at most {max_depth} are accepted",
+                                 code="json_too_deep")
+    return parse_json(text)
+
+
+def utf8_text(body: bytes) -> str:
+    """``body`` decoded as UTF-8 (a leading byte order mark dropped); ``LimitExceededError`` if it is not.
+
+    JSON is parsed from this text, never from the bytes: ``json.loads(bytes)`` guesses UTF-16 or UTF-32
+    from NUL bytes, and would read text the depth count never saw."""
+    try:
+        return body.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as exc:
+        raise LimitExceededError(f"the request body is not valid UTF-8 (at byte {exc.start}); send JSON in UTF-8",
+                                 code="invalid_encoding") from None
 
 
 NOT_JSON = object()
@@ -64,7 +94,7 @@ class _HugeInt:
         self.digits = digits
 
 
-def parse_json(raw: bytes) -> Any:
+def parse_json(raw: str) -> Any:
     """``json.loads(raw)``, except that an integer too long to convert is a ``LimitExceededError``
     naming where it is (json.loads would raise a bare ``ValueError``); ``NOT_JSON`` if not JSON."""
     limit = sys.get_int_max_str_digits()
@@ -80,6 +110,8 @@ def parse_json(raw: bytes) -> Any:
         value = json.loads(raw, parse_int=parse_int)
     except ValueError:  # malformed (JSONDecodeError) or not UTF-8: FastAPI's parser reports it
         return NOT_JSON
+    except RecursionError:  # deeper than the interpreter's stack (``read_body`` checks the depth first)
+        raise LimitExceededError("the request body nests too deeply", code="json_too_deep") from None
     if huge:
         where, number = _find(value, huge[0])
         raise LimitExceededError(f"{where or 'the body'}: the number has {number.digits} digits; it cannot be a "

@@ -71,7 +71,7 @@ _TIER_COUNTERS = (
     (TIER_WRITE_BACKS, "write_backs", "Blocks written to a tier (evicted, written through, or kept at shutdown)."),
     (TIER_FAILED_WRITES, "failed_writes", "Blocks not written to a tier: the tier failed, or the writer's queue "
      "was full."),
-    (TIER_CORRUPT, "corrupt_entries", "Blocks a tier held that failed verification (checksum, token ids, model, "
+    (TIER_CORRUPT, "corrupt_entries", "Blocks a tier held that failed verification (size, MAC, token ids, model, "
      "dtype, layout or namespace), deleted and recomputed."),
 )
 _TIER_GAUGES = (

@@ -141,6 +141,10 @@ class GenerationFields(BaseModel):
     prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(
         None, description="How long this request's prefix is kept when idle: in_memory = the server's TTL, "
         "24h = 24 hours (in the lowest persistent tier where tiers are configured).")
+    cache_salt: Text | None = Field(None, max_length=256, description="vLLM's extension: a secret mixed into "
+                                    "the cache namespace, so requests of this API key with different salts never "
+                                    "share cached prefixes (callers sharing a key cannot learn each other's "
+                                    "prompts from cached_tokens or timing). Unset or empty: the key's namespace.")
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> GenerationFields:
@@ -190,6 +194,8 @@ class PrewarmRequest(BaseModel):
     tools: list[Tool] | None = None
     pin: bool = Field(False, description="Keep it until flushed or its TTL ends (no TTL unless given).")
     ttl_seconds: float | None = Field(None, gt=0, description="Idle expiry of this prefix. Unset: the server's.")
+    cache_salt: Text | None = Field(None, max_length=256, description="Warm the prefix under this salt: only "
+                                    "requests with the same cache_salt read it.")
 
     @model_validator(mode="after")
     def _one_source(self) -> PrewarmRequest:
@@ -350,6 +356,8 @@ class CacheStats(BaseModel):
     refcounts: int | None = None
     #: Admin: the lower tiers by name (host, disk, redis), when any is configured.
     tiers: dict[str, TierInfo] | None = None
+    #: Admin: why the batching engine counts as faulting (its recent steps all failed), while it does.
+    engine_faulting: str | None = None
 
 
 class Health(BaseModel):

@@ -2,8 +2,9 @@
 
 Handlers stay thin: tenancy lives in ``auth``, input bounds in ``limits``, parameter
 handling in ``sampling``, queueing and cancellation in ``serving``, error mapping in
-``errors``. Every route is a ``GuardedRoute``: the caller is authenticated before the
-body is read, and the body is read with a cap before FastAPI parses it.
+``errors``. Every route is a ``GuardedRoute``: the caller is authenticated and a tenant key's
+place reserved before the body is read, and the body is read with a cap and a deadline before
+FastAPI parses it.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from prefixcache import GenerationResult
 
+from .admission import Place
 from .auth import Principal
 from .errors import (
     InvalidBudgetError,
@@ -35,7 +37,7 @@ from .errors import (
     status_of,
 )
 from .fairness import InvalidBudget, retry_after_seconds
-from .limits import NOT_JSON, check_chat, check_counts, check_completion, check_prewarm, read_body
+from .limits import NOT_JSON, check_chat, check_counts, check_completion, check_prewarm, read_body, utf8_text
 from .metrics import CONTENT_TYPE
 from .protocol import (
     CacheStats,
@@ -94,20 +96,23 @@ class GuardedRoute(APIRoute):
         handler = super().get_route_handler()
         authenticated = _depends_on(self.dependant, principal)
         has_body = self.body_field is not None
-        queued = self.path in QUEUED
+        queued, side = self.path in QUEUED, self.path in SIDE
 
         async def guarded(request: Request) -> Response:
             state = request.app.state
-            tenant, took = None, False
+            tenant, took, place = None, False, None
             if authenticated:
                 who = request.state.principal = state.keyring.authenticate(request.headers.get("authorization"),
                                                                            request.headers.get("x-api-key"))
-                if not who.admin:  # a key over its budgets, rate or places is refused before its body is read
+                if not who.exempt:  # a key over its budgets, rate or places is refused before its body is read
                     tenant = who.tenant
                     took = await pass_invalid_budget(state.invalid_budget, tenant)
             try:
                 if tenant is not None:
-                    admit_tenant(state, tenant, queued)
+                    admit_tenant(state, tenant)
+                    if (queued or side) and state.serving is not None:
+                        # The place is the request's from here: while its body arrives, waits and runs.
+                        place = request.state.place = state.serving.admission.reserve(tenant, queued=queued)
                 if has_body:
                     body, parsed = await read_body(request, state.settings)
                     check_counts(parsed, state.settings)
@@ -117,6 +122,9 @@ class GuardedRoute(APIRoute):
                 if tenant is not None:
                     state.invalid_budget.settle(tenant, took, status_of(exc) in INVALID_STATUSES)
                 raise
+            finally:
+                if place is not None:
+                    place.release()  # a no-op if its job took it
             if tenant is not None:
                 state.invalid_budget.settle(tenant, took, refused=False)
             return response
@@ -124,13 +132,14 @@ class GuardedRoute(APIRoute):
         return guarded
 
 
-#: Routes whose requests take a place in the queue (``Serving``): refused before their body is read
-#: when they would not be admitted.
+#: Routes whose requests take a place in the queue (``Serving``), reserved before their body is read.
 QUEUED = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/cache/prewarm"})
+#: Routes whose work runs on the side threads, in one of the key's few places beside the queue.
+SIDE = frozenset({"/v1/messages/count_tokens", "/v1/cache/stats", "/v1/cache"})
 
 
-#: Refusals that draw from a key's invalid-request budget: what the caller sent was wrong.
-INVALID_STATUSES = frozenset({400, 404, 413})
+#: Refusals that draw from a key's invalid-request budget: what the caller sent was wrong (or too slow).
+INVALID_STATUSES = frozenset({400, 404, 408, 413})
 
 
 async def pass_invalid_budget(budget: InvalidBudget, tenant: str) -> bool:
@@ -154,16 +163,18 @@ async def pass_invalid_budget(budget: InvalidBudget, tenant: str) -> bool:
     return True
 
 
-def admit_tenant(state: Any, tenant: str, queued: bool) -> None:
-    """Raise 429 if ``tenant`` is over its request rate, or (a request of a ``QUEUED`` route) would not
-    be admitted now (``Admission.check``)."""
+def admit_tenant(state: Any, tenant: str) -> None:
+    """Raise 429 if ``tenant`` is over its request rate."""
     wait = state.rate_limiter.take(tenant)
     if wait > 0:
         limiter = state.rate_limiter
         raise RateLimitedError(f"this API key may send {limiter.rate:g} requests a second (bursts of "
                                f"{limiter.burst}); retry in {wait:.2f} s", retry_after_seconds(wait))
-    if queued and state.serving is not None:
-        state.serving.admission.check(tenant)
+
+
+def place_of(request: Request) -> Place | None:
+    """The place ``GuardedRoute`` reserved for this request (None: the admin, local mode, or a route without)."""
+    return getattr(request.state, "place", None)
 
 
 class _ReadRequest(Request):
@@ -177,6 +188,13 @@ class _ReadRequest(Request):
 
     async def body(self) -> bytes:
         return self._read
+
+    async def json(self) -> Any:
+        """What FastAPI parses when ``read_body`` found no JSON: the UTF-8 text (checked), never the bytes
+        (which ``json.loads`` would decode as UTF-16 if they begin with a NUL)."""
+        if not hasattr(self, "_json"):
+            self._json = json.loads(utf8_text(self._read))
+        return self._json
 
 
 def _depends_on(dependant: Dependant, call: Callable[..., Any]) -> bool:
@@ -233,9 +251,9 @@ async def readyz(request: Request) -> Health:
     srv.check_steps()
     if not srv.ready:
         raise UnavailableError("not ready: shutting down or the queue is full", code="not_ready")
-    reason = srv.cache.batching_disabled_reason
-    return Health(status="ready", batching=reason is None, detail=None if reason is None else
-                  f"serving one request at a time: {reason}")
+    batching = srv.cache.batching_disabled_reason is None
+    # Anyone may ask: why batching is off is in the admin's stats (batching_disabled_reason), not here.
+    return Health(status="ready", batching=batching, detail=None if batching else "serving one request at a time")
 
 
 # -- OpenAI ----------------------------------------------------------------------------
@@ -257,7 +275,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, who: C
     job = chat_job(body, who.tenant, srv.settings, srv.vocab_size)
 
     def answer(result: GenerationResult, meta: Meta) -> ChatCompletion:
-        return ChatCompletion(**meta.fields(), usage=_usage(result), choices=[ChatChoice(
+        return ChatCompletion(**meta.fields(), usage=_usage(result, srv), choices=[ChatChoice(
             index=0, message=ResponseMessage(content=result.text), finish_reason=_finish(result))])
     usage_chunk = _usage_chunk(body)
     return await respond(job, bool(body.stream), request, srv, "chatcmpl", answer,
@@ -273,7 +291,7 @@ async def completions(body: CompletionRequest, request: Request, who: Caller, sr
 
     def answer(result: GenerationResult, meta: Meta) -> Completion:
         text = (echo or "") + result.text
-        return Completion(**meta.fields(), usage=_usage(result),
+        return Completion(**meta.fields(), usage=_usage(result, srv),
                           choices=[CompletionChoice(index=0, text=text, finish_reason=_finish(result))])
     usage_chunk = _usage_chunk(body)
     return await respond(job, bool(body.stream), request, srv, "cmpl", answer,
@@ -293,9 +311,9 @@ async def respond(job: Job, stream: bool, request: Request, srv: Serving, id_pre
     """
     meta = Meta.new(id_prefix, srv)
     if stream:
-        handle = await srv.open_stream(job, disconnected(request))
+        handle = await srv.open_stream(job, disconnected(request), place_of(request))
         return sse(events(handle, meta))
-    return answer(await srv.run(job, disconnected(request)), meta)
+    return answer(await srv.run(job, disconnected(request), place_of(request)), meta)
 
 
 # -- cache admin -------------------------------------------------------------------------
@@ -310,26 +328,31 @@ async def prewarm(body: PrewarmRequest, request: Request, who: Caller, srv: Engi
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
     # Pins are a privilege: a tenant's count against its pin quota and expire when idle; the admin's do not.
     warm = await srv.prewarm(target, prefix, tools, body.pin, body.ttl_seconds, privileged=who.admin,
-                             disconnected=disconnected(request))
-    return PrewarmResponse(tenant=target, prompt_tokens=warm.prompt_tokens, cached_tokens=warm.cached_tokens,
-                           stored_tokens=warm.stored_tokens, pinned=warm.pinned)
+                             disconnected=disconnected(request), cache_salt=body.cache_salt or None,
+                             place=place_of(request))
+    return PrewarmResponse(tenant=target, prompt_tokens=warm.prompt_tokens,
+                           cached_tokens=srv.reported_cached(warm.cached_tokens), stored_tokens=warm.stored_tokens,
+                           pinned=warm.pinned)
 
 
 @router.delete("/v1/cache", response_model=FlushResponse, responses=_ERRORS, tags=["cache"])
-async def flush(who: Caller, srv: Engine, tenant: TenantQuery = None) -> FlushResponse:
-    """Drop cached prefixes: the caller's tenant; with the admin key every tenant (or ?tenant=)."""
+async def flush(request: Request, who: Caller, srv: Engine, tenant: TenantQuery = None) -> FlushResponse:
+    """Drop cached prefixes, on the device and in the tiers below: the caller's tenant; with the admin key
+    every tenant (or ?tenant=). 503 tier_unavailable if a tier could not be reached (the rest is flushed)."""
     scope = who.scope(tenant)
-    return FlushResponse(tenant=scope, freed_bytes=await srv.flush(scope))
+    return FlushResponse(tenant=scope, freed_bytes=await srv.flush(scope, place_of(request)))
 
 
 @router.get("/v1/cache/stats", response_model=CacheStats, responses=_ERRORS, tags=["cache"])
-async def cache_stats(who: Caller, srv: Engine, tenant: TenantQuery = None,
+async def cache_stats(request: Request, who: Caller, srv: Engine, tenant: TenantQuery = None,
                       audit: Annotated[bool, Query(description="Admin only: also walk the store to count the "
                                                    "bytes of live snapshot tensors and the refcounts held "
                                                    "(time grows with the entries).")] = False) -> CacheStats:
     """Hit rate and memory of the caller's tenant; with the admin key of all tenants (or ?tenant=)."""
     scope = who.scope(tenant)
-    s = await srv.stats(scope)
+    if audit and not who.admin:
+        raise PermissionDeniedError("audit=true needs the admin key")
+    s = await srv.stats(scope, place_of(request))
     stats = CacheStats(tenant=scope, tenant_quota_bytes=srv.cache.config.tenant_quota_bytes,
                        **{k: s[k] for k in ("queries", "hits", "partial_hits", "misses", "bypassed", "prompt_tokens",
                                             "cached_tokens", "completion_tokens", "hit_rate", "token_hit_rate",
@@ -342,11 +365,10 @@ async def cache_stats(who: Caller, srv: Engine, tenant: TenantQuery = None,
             "batching_enabled": s.get("batching_enabled"), "batching_disabled_reason": s.get("batching_disabled_reason"),
             "kv_bytes": s.get("kv_bytes"), "kv_total_bytes": s.get("kv_total_bytes"),
             "tiers": None if s.get("tiers") is None else {k: TierInfo(**v) for k, v in s["tiers"].items()},
-            "queue": QueueInfo(running=running, waiting=waiting, capacity=srv.capacity)})
+            "queue": QueueInfo(running=running, waiting=waiting, capacity=srv.capacity),
+            "engine_faulting": srv.cache.engine_faulting})
     if audit:
-        if not who.admin:
-            raise PermissionDeniedError("audit=true needs the admin key")
-        counted = await asyncio.to_thread(srv.cache.audit)
+        counted = await srv.side(srv.cache.audit)
         stats = stats.model_copy(update={"live_tensor_bytes": counted["live_tensor_bytes"],
                                          "refcounts": counted["refcounts"]})
     return stats
@@ -385,10 +407,10 @@ class Meta:
         return _event(body)
 
 
-def _usage(result: GenerationResult) -> UsageInfo:
+def _usage(result: GenerationResult, srv: Serving) -> UsageInfo:
     u = result.usage
     return UsageInfo(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, total_tokens=u.total_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=u.cached_tokens))
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=srv.reported_cached(u.cached_tokens)))
 
 
 def _finish(result: GenerationResult) -> str:
@@ -418,7 +440,7 @@ async def _chat_events(stream: GenerationStream, meta: Meta, usage_chunk: bool, 
         yield meta.chunk(kind, choice({"role": "assistant", "content": ""}), None, usage_chunk)
         async for text in stream.texts():
             yield meta.chunk(kind, choice({"content": text}), None, usage_chunk)
-        usage = _usage(stream.result)
+        usage = _usage(stream.result, srv)
         yield meta.chunk(kind, choice({}, _finish(stream.result)), None if usage_chunk else usage, usage_chunk)
         if usage_chunk:
             yield meta.chunk(kind, [], usage, True)
@@ -440,7 +462,7 @@ async def _completion_events(stream: GenerationStream, meta: Meta, usage_chunk: 
             yield meta.chunk(kind, choice(echo), None, usage_chunk)
         async for text in stream.texts():
             yield meta.chunk(kind, choice(text), None, usage_chunk)
-        usage = _usage(stream.result)
+        usage = _usage(stream.result, srv)
         yield meta.chunk(kind, choice("", _finish(stream.result)), None if usage_chunk else usage, usage_chunk)
         if usage_chunk:
             yield meta.chunk(kind, [], usage, True)

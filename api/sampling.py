@@ -37,6 +37,7 @@ class Job:
     anthropic: dict[str, Any] | None = None
     cache_key: str | None = None  # OpenAI's prompt_cache_key, counted in metrics
     retention: str | None = None  # OpenAI's prompt_cache_retention, counted in metrics
+    cache_salt: str | None = None  # vLLM's cache_salt: splits the tenant's namespace (None or "": not split)
     max_tokens: int | None = None  # None: the default, capped to what fits (see ``max_new_tokens``)
     echo: bool = False
     options: dict[str, Any] = field(default_factory=dict)  # PrefixCache.chat/complete keyword arguments
@@ -77,7 +78,7 @@ def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     return Job("chat", tenant, messages=messages, tools=tools, max_tokens=limit_max_tokens(max_tokens, settings),
                options=_options(req, settings, vocab_size), cache_key=req.prompt_cache_key,
-               retention=req.prompt_cache_retention)
+               retention=req.prompt_cache_retention, cache_salt=req.cache_salt or None)
 
 
 def completion_job(req: CompletionRequest, tenant: str, settings: Settings, vocab_size: int) -> Job:
@@ -92,7 +93,7 @@ def completion_job(req: CompletionRequest, tenant: str, settings: Settings, voca
     return Job("completions", tenant, prompt=prompt, max_tokens=limit_max_tokens(req.max_tokens, settings),
                echo=bool(req.echo),
                options=_options(req, settings, vocab_size), cache_key=req.prompt_cache_key,
-               retention=req.prompt_cache_retention)
+               retention=req.prompt_cache_retention, cache_salt=req.cache_salt or None)
 
 
 #: SGLang's extensions and the one value each may take here: what this server does anyway.

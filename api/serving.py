@@ -11,6 +11,7 @@ the job's pins.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,7 +24,7 @@ from prefixcache.errors import ContextLengthExceededError, InvalidRequestError
 from prefixcache.planner.request_log import RequestLog
 from prefixcache import CacheUsage
 
-from .admission import Admission, Skipped
+from .admission import Admission, Place, Skipped
 from .errors import ClientClosedError, RequestTimeoutError, UnavailableError
 from .metrics import Metrics
 from .sampling import Job
@@ -31,6 +32,7 @@ from .settings import LOCAL_TENANT, Settings
 
 T = TypeVar("T")
 Emit = Callable[[str, Any], None]
+log = logging.getLogger(__name__)
 
 
 class Serving:
@@ -43,9 +45,9 @@ class Serving:
         self._clock = clock
         self.capacity = settings.workers + settings.max_queue
         exempt = {settings.admin_tenant} | ({LOCAL_TENANT} if settings.local_mode else set())
-        self.admission = Admission(settings.workers, self.capacity,
-                                   settings.tenant_max_in_flight or max(1, self.capacity // 2), exempt,
+        self.admission = Admission(settings.workers, self.capacity, settings.tenant_places, exempt,
                                    lambda seconds: self.metrics.queue_wait.observe(seconds), clock)
+        self._logged: dict[str, str] = {}  # the last detail logged of each health failure
         self.model_name = settings.served_model_name or cache.model_id or "default"
         self.vocab_size = int(cache.model.config.get_text_config(decoder=True).vocab_size)
         self.system_fingerprint = "fp_" + xxhash.xxh64_hexdigest(repr(cache.namespace("")).encode())[:12]
@@ -71,19 +73,35 @@ class Serving:
     def check_engine(self) -> None:
         """Raise ``UnavailableError`` (503) if the batching loop stopped: the process needs a restart.
 
-        Calls still run meanwhile, one at a time on the serial engine.
+        Calls still run meanwhile, one at a time on the serial engine. The health routes answer anyone, so
+        the reason is fixed; what failed goes to the log (and to the admin's stats).
         """
         failure = self.cache.engine_failure
         if failure is not None:
-            raise UnavailableError(f"the batching loop stopped ({failure}); calls run one at a time until "
-                                   "the server is restarted", code="engine_failed")
+            self._log_once("engine_failed", f"the batching loop stopped: {failure}")
+            raise UnavailableError("the batching loop stopped; calls run one at a time until the server is "
+                                   "restarted", code="engine_failed")
 
     def check_steps(self) -> None:
         """Raise ``UnavailableError`` (503) while the batching loop's recent steps all fail (not ready:
         a balancer should send requests elsewhere); it clears after a good step or a quiet window."""
         faulting = self.cache.engine_faulting
         if faulting is not None:
-            raise UnavailableError(f"not ready: {faulting}", code="engine_faulting")
+            self._log_once("engine_faulting", f"not ready: {faulting}")
+            raise UnavailableError("not ready: the batching engine's recent steps failed", code="engine_faulting")
+
+    def _log_once(self, kind: str, detail: str) -> None:
+        """Log a health failure's detail when it changes (a balancer's probes would repeat it every second)."""
+        if self._logged.get(kind) != detail:
+            self._logged[kind] = detail
+            log.error("%s", detail)
+
+    def reported_cached(self, tokens: int) -> int:
+        """Cached tokens as answers report them: exact, or rounded down to whole blocks
+        (``cached_tokens_granularity``)."""
+        if self.settings.cached_tokens_granularity == "block":
+            return tokens - tokens % self.cache.config.block_size
+        return tokens
 
     def engine_state(self) -> tuple[dict[str, Any], int, int]:
         """What /metrics reads at scrape time: cache stats of all tenants, running, waiting."""
@@ -91,16 +109,19 @@ class Serving:
         return self.cache.stats(), running, waiting
 
     # -- generation ----------------------------------------------------------------
-    async def run(self, job: Job, disconnected: Callable[[], Awaitable[None]] | None = None) -> GenerationResult:
-        """Run ``job`` to the end; 504 after the timeout, 499 if ``disconnected`` resolves first."""
+    async def run(self, job: Job, disconnected: Callable[[], Awaitable[None]] | None = None,
+                  place: Place | None = None) -> GenerationResult:
+        """Run ``job`` to the end (in ``place``, if its request reserved one); 504 after the timeout, 499 if
+        ``disconnected`` resolves first."""
         start = self._clock()
         try:
-            fut, cancel = self._submit(lambda c: self._execute(job, c, None), job.tenant)
+            fut, cancel = self._submit(lambda c: self._execute(job, c, None), job.tenant, place=place)
             return await self._wait(fut, cancel, disconnected)
         finally:
             self.metrics.duration.labels(job.endpoint).observe(self._clock() - start)
 
-    async def open_stream(self, job: Job, disconnected: Callable[[], Awaitable[None]] | None = None) -> GenerationStream:
+    async def open_stream(self, job: Job, disconnected: Callable[[], Awaitable[None]] | None = None,
+                          place: Place | None = None) -> GenerationStream:
         """Start ``job`` streaming; returns once its prompt is encoded and checked.
 
         Errors found before generation (bad messages, context length, queue full)
@@ -117,7 +138,7 @@ class Serving:
                 pass
 
         start = self._clock()
-        fut, cancel = self._submit(lambda c: self._execute(job, c, emit), job.tenant)
+        fut, cancel = self._submit(lambda c: self._execute(job, c, emit), job.tenant, place=place)
         fut.add_done_callback(lambda f: events.put_nowait(("done", f)))
         stream = GenerationStream(events, cancel, loop.time() + self.settings.request_timeout_seconds,
                             lambda: self.metrics.duration.labels(job.endpoint).observe(self._clock() - start))
@@ -130,16 +151,19 @@ class Serving:
 
     async def prewarm(self, tenant: str, prefix: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                       pin: bool, ttl_seconds: float | None, privileged: bool = False,
-                      disconnected: Callable[[], Awaitable[None]] | None = None) -> WarmResult:
-        """Encode the prefix, refuse it over ``max_prewarm_tokens`` (or the context), then prefill it:
-        a queue place as a generation, and cancelled likewise (timeout 504, disconnect 499)."""
+                      disconnected: Callable[[], Awaitable[None]] | None = None, cache_salt: str | None = None,
+                      place: Place | None = None) -> WarmResult:
+        """Encode the prefix, refuse it over ``max_prewarm_tokens`` (or the context), then prefill it
+        (under ``cache_salt``, if given): a queue place as a generation, and cancelled likewise (timeout 504,
+        disconnect 499)."""
         def warm(cancel: threading.Event) -> WarmResult:
             ids = self._prefix_ids(prefix, tools)
             # Cancelled (between prefill chunks) by a disconnect, the timeout or shutdown, as a generation.
             return self.cache.warm(ids, tenant=tenant, pin=pin, ttl_seconds=ttl_seconds, privileged=privileged,
-                                   cancel=cancel, timeout_seconds=self.settings.request_timeout_seconds)
+                                   cancel=cancel, timeout_seconds=self.settings.request_timeout_seconds,
+                                   cache_salt=cache_salt)
 
-        fut, cancel = self._submit(warm, tenant, exempt=privileged)
+        fut, cancel = self._submit(warm, tenant, exempt=privileged, place=place)
         return await self._wait(fut, cancel, disconnected)
 
     def _prefix_ids(self, prefix: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
@@ -156,12 +180,20 @@ class Serving:
                                              f"(the model's context is {cache.max_context})", param=param)
         return ids
 
-    # -- cache admin (store work only: no model, no queue) ----------------------------
-    async def stats(self, tenant: str | None) -> dict[str, Any]:
-        return await asyncio.to_thread(self.cache.stats, tenant)
+    # -- calls beside the queue (no model, no queue place: the side threads) ----------
+    async def side(self, fn: Callable[[], T], place: Place | None = None) -> T:
+        """``fn()`` on the side threads (not the event loop's default pool), in ``place`` if its request
+        reserved one (given back when ``fn`` ends)."""
+        # Cancelled (the request's task is), the call is too if it has not started (its place is given back).
+        return await asyncio.wrap_future(self.admission.run_side(fn, place))
 
-    async def flush(self, tenant: str | None) -> int:
-        return await asyncio.to_thread(self.cache.flush, tenant)
+    async def stats(self, tenant: str | None, place: Place | None = None) -> dict[str, Any]:
+        return await self.side(lambda: self.cache.stats(tenant), place)
+
+    async def flush(self, tenant: str | None, place: Place | None = None) -> int:
+        """Drop ``tenant``'s prefixes (None: all) from the device and the tiers below (``TierPurgeError``,
+        503, if a tier could not be reached)."""
+        return await self.side(lambda: self.cache.flush(tenant), place)
 
     async def aclose(self) -> None:
         """Refuse new work, cancel what runs, and wait for the workers to stop (one token each)."""
@@ -169,10 +201,10 @@ class Serving:
         await asyncio.to_thread(self.admission.shutdown)
 
     # -- internals -----------------------------------------------------------------
-    def _submit(self, work: Callable[[threading.Event], T], tenant: str,
-                exempt: bool = False) -> tuple[asyncio.Future[T], threading.Event]:
+    def _submit(self, work: Callable[[threading.Event], T], tenant: str, exempt: bool = False,
+                place: Place | None = None) -> tuple[asyncio.Future[T], threading.Event]:
         """``Admission.submit``, awaitable."""
-        result, cancel = self.admission.submit(work, tenant, exempt)
+        result, cancel = self.admission.submit(work, tenant, exempt, place)
         fut = asyncio.wrap_future(result)
         # Retrieved here, so an abandoned job never logs "exception never retrieved".
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -208,10 +240,10 @@ class Serving:
         max_new = job.max_new_tokens(len(ids), cache.max_context, self.settings.default_max_tokens)
         if emit is not None:  # a messages stream reports its cache usage up front, as Anthropic's does
             predicted = None if prompt is None else cache.breakpoints.predict(
-                cache.namespace(job.tenant), job.tenant, ids, prompt.breakpoints)
+                cache.namespace(job.tenant, job.cache_salt), job.tenant, ids, prompt.breakpoints)
             emit("started", (len(ids), predicted))
         # The timeout bounds this worker thread too: a generation still running then is cancelled.
-        kwargs = dict(job.options, tenant=job.tenant, max_new_tokens=max_new, cancel=cancel,
+        kwargs = dict(job.options, tenant=job.tenant, cache_salt=job.cache_salt, max_new_tokens=max_new, cancel=cancel,
                       timeout_seconds=self.settings.request_timeout_seconds,
                       on_text=None if emit is None else (lambda text: emit("text", text)))
         # The ids encoded above: no second encoding.

@@ -8,16 +8,22 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import typing
 from typing import Any, Literal
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from prefixcache.config import CacheConfig
+from prefixcache.config import PIN_QUOTA_DIVISOR, CacheConfig
 
 ENV_PREFIX = "PREFIXCACHE_"
+#: Values that unset an optional setting, from a flag or the environment.
+NONE_WORDS = ("none", "null")
 #: Tenant of every request in local mode (no keys configured); the SDK's default tenant.
 LOCAL_TENANT = "default"
+#: Shortest tenant API key and admin key (characters) a server reachable from other hosts accepts:
+#: long enough that guessing one online is hopeless (``openssl rand -hex 16`` gives 32).
+MIN_API_KEY_CHARS, MIN_ADMIN_KEY_CHARS = 16, 32
 
 
 def _cache_default(name: str) -> Any:
@@ -27,9 +33,10 @@ def _cache_default(name: str) -> Any:
 class Settings(BaseSettings):
     """Everything the proxy can be told. Env var: ``PREFIXCACHE_<FIELD>``; flag: ``--<field-with-dashes>``."""
 
-    # An empty env var counts as unset (compose passes `VAR: ${VAR:-}` through as "").
+    # An empty env var counts as unset (compose passes `VAR: ${VAR:-}` through as ""). Errors never show the
+    # input: it holds the keys.
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True,
-                                      env_ignore_empty=True)
+                                      env_ignore_empty=True, hide_input_in_errors=True)
 
     # -- model ---------------------------------------------------------------------
     model: str | None = Field(None, description="Hugging Face hub id or local folder of a causal LM. "
@@ -49,15 +56,34 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(4 << 20, ge=1024, description="Largest request body accepted (413 above), with "
                                 "or without a Content-Length: a chunked body is read only up to it.")
     allow_insecure_no_auth: bool = Field(False, description="Allow binding a non-loopback host with no API keys "
-                                         "and no admin key (every caller would be admin). Off: such a server "
+                                         "and no admin key (local mode: no authentication). Off: such a server "
                                          "refuses to start.")
+    body_timeout_seconds: float = Field(30.0, gt=0, description="Longest a request's body may take to arrive, "
+                                        "counted once its place is reserved; then 408 request_body_timeout (the "
+                                        "place is given back).")
+    header_timeout_seconds: float = Field(10.0, gt=0, description="Longest a request's line and headers may take "
+                                          "to arrive, counted from the connection's opening (or the first byte "
+                                          "after a keep-alive pause); then the connection is closed.")
+    keep_alive_timeout_seconds: float = Field(5.0, gt=0, description="An idle keep-alive connection is closed "
+                                              "after this long (uvicorn's timeout_keep_alive); so is one still "
+                                              "sending a body after its answer went out.")
+    limit_concurrency: int | None = Field(1024, ge=1, description="Connections (and requests in progress) the "
+                                          "HTTP server holds at once; beyond them it answers 503 at once "
+                                          "(uvicorn's limit_concurrency). Unset: no limit.")
+    docs: bool = Field(False, description="Serve the OpenAPI schema and its pages (/openapi.json, /docs, "
+                       "/redoc) to anyone who reaches the server. Off: 404.")
 
     # -- tenancy -------------------------------------------------------------------
     api_keys: dict[str, str] = Field(default_factory=dict, repr=False, description=(
         "Bearer API key -> tenant name (env: a JSON object). The cache namespace comes from the key only. Empty, "
-        "with no admin key: single-tenant local mode (no auth; every caller is tenant `default`, with admin rights)."))
+        "with no admin key: single-tenant local mode (no auth; every caller is tenant `default`, with admin rights "
+        "only given --local-admin). Keys are at least 16 characters unless the host is a loopback address."))
     admin_key: SecretStr | None = Field(None, description="Bearer key for /metrics, flushing every tenant and "
-                                        "all-tenant stats. It also serves completions, as tenant `admin_tenant`.")
+                                        "all-tenant stats. It also serves completions, as tenant `admin_tenant`. "
+                                        "At least 32 characters unless the host is a loopback address.")
+    local_admin: bool = Field(False, description="Local mode (no keys): give every caller admin rights (flush "
+                              "everything, all-tenant stats, /metrics). Off: local callers complete, prewarm and "
+                              "flush or read their own tenant only.")
     admin_tenant: str = Field("admin", min_length=1, description="Tenant of requests made with the admin key.")
     metrics_public: bool = Field(False, description="Serve /metrics without the admin key. Only behind a "
                                  "private network: per-tenant counters would be a cache-hit oracle.")
@@ -67,10 +93,18 @@ class Settings(BaseSettings):
     ttl_seconds: float | None = Field(_cache_default("ttl_seconds"), gt=0,
                                       description="Idle seconds before a prefix expires. Unset/null: never.")
     tenant_quota_bytes: int | None = Field(_cache_default("tenant_quota_bytes"), ge=0,
-                                           description="Per-tenant byte quota. Unset: only the budget applies.")
+                                           description="Per-tenant byte quota. Unset: tenant_quota_share of "
+                                           "max_bytes when API keys are configured, else only the budget applies.")
+    tenant_quota_share: float = Field(0.25, gt=0, le=1, description="The default per-tenant byte quota as a share "
+                                      "of max_bytes, when API keys are configured and tenant_quota_bytes is unset "
+                                      "(1: no quota), so a few tenants cannot evict everyone else's prefixes.")
     tenant_pin_quota_bytes: int | None = Field(
         _cache_default("tenant_pin_quota_bytes"), ge=0, description="Bytes of pinned prefixes a tenant key may hold "
-        "(429 pin_quota_exceeded above); the admin key's pins are exempt. Unset: 1/8 of max_bytes.")
+        "(429 pin_quota_exceeded above); the admin key's pins are exempt. Unset: 1/8 of max_bytes. Either way at "
+        "most max_pinned_bytes divided by the number of tenant keys.")
+    max_pinned_bytes: int | None = Field(None, ge=0, description="Bytes all tenant keys' pins may hold together "
+                                         "(the admin key's are exempt): each key's pin quota is at most this divided "
+                                         "by the number of keys. Unset: half of max_bytes.")
     pin_ttl_seconds: float | None = Field(
         _cache_default("pin_ttl_seconds"), gt=0, description="Idle seconds after which a tenant key's pin expires "
         "when it asked for no TTL or a longer one; the admin key may pin without a TTL. Unset/null: no limit.")
@@ -103,9 +137,15 @@ class Settings(BaseSettings):
         _cache_default("tier_write_policy"), description="When blocks go to the tiers: write-back (when evicted from "
         "the device, and at shutdown) or write-through (as soon as they are cached: other servers on a shared tier "
         "see them at once). Pinned prefixes are always written through.")
-    hash_secret: SecretStr | None = Field(None, repr=False, description="Secret of the tiers' keyed block hashes (required with "
-                                          "--tier-redis; servers sharing a tier need the same one). Unset: a disk "
-                                          "tier keeps a random one in its directory, else one per process.")
+    tier_encrypt: bool = Field(_cache_default("tier_encrypt"), description="Encrypt blocks in the disk and Redis "
+                               "tiers (AES-GCM keyed from the hash secret), so they hold no token ids or KV in clear. "
+                               "Every block is authenticated either way.")
+    tier_redis_prefix: str = Field(_cache_default("tier_redis_prefix"), description="Prefix of the Redis tier's keys, "
+                                   "with a `{hash tag}` so a cluster keeps them in one slot.")
+    hash_secret: SecretStr | None = Field(None, repr=False, description="Secret of the tiers' keyed block hashes and block MACs, "
+                                          "at least 32 bytes (required with --tier-redis; servers sharing a tier need "
+                                          "the same one). Unset: a disk tier keeps a random one in its directory, "
+                                          "else one per process.")
 
     # -- scheduling ----------------------------------------------------------------
     workers: int = Field(16, ge=1, le=64, description="Requests served at once, one thread each: their "
@@ -128,10 +168,10 @@ class Settings(BaseSettings):
 
     # -- fairness between tenant keys (the admin key and local mode are exempt) -----
     tenant_max_in_flight: int | None = Field(None, ge=1, description="Requests one tenant key may have admitted "
-                                             "at once (running and queued); more get 429 tenant_busy with "
-                                             "Retry-After, before their body is read. Queued requests are served "
-                                             "tenant by tenant in turn, whatever this is. Unset: half of workers + "
-                                             "max_queue.")
+                                             "at once (reading their body, queued and running); more get 429 "
+                                             "tenant_busy with Retry-After, before their body is read. Queued "
+                                             "requests are served tenant by tenant in turn, whatever this is. "
+                                             "Unset: a quarter of workers + max_queue (at least 1).")
     tenant_rate_limit: float | None = Field(None, gt=0, description="Requests a second one tenant key may send "
                                             "(a token bucket holding tenant_rate_burst); more get 429 "
                                             "rate_limit_exceeded with Retry-After, before their body is read. "
@@ -158,6 +198,10 @@ class Settings(BaseSettings):
                                          "(400 above). Unset: only the context bounds it.")
     default_temperature: float = Field(1.0, ge=0, le=2, description="temperature when a request omits it "
                                        "(OpenAI's default is 1; 0 = greedy).")
+    cached_tokens_granularity: Literal["token", "block"] = Field(
+        "token", description="How answers report cached tokens (OpenAI's cached_tokens, Anthropic's "
+        "cache_read_input_tokens, a prewarm's cached_tokens): exact (token), or rounded down to whole blocks of "
+        "block_size tokens (block), so one answer tells less about what else its tenant's callers sent.")
 
     # -- input limits (checked before any work; 400 naming the parameter) ----------
     max_json_depth: int = Field(64, ge=4, le=512, description="Deepest nesting of objects and arrays in a "
@@ -184,11 +228,24 @@ class Settings(BaseSettings):
     request_log_key: SecretStr | None = Field(None, description="Secret keying the request log's hashes: keep it "
                                               "to link logs across restarts. Unset: a random key per process.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _none_from_text(cls, data: Any) -> Any:
+        """``none``/``null`` (any case) unsets an optional field from the environment too, as the flags do."""
+        if not isinstance(data, dict):
+            return data
+        nullable = {name for name, field in cls.model_fields.items()
+                    if type(None) in typing.get_args(field.annotation)}
+        return {key: None if key in nullable and isinstance(value, str) and value.strip().lower() in NONE_WORDS
+                else value for key, value in data.items()}
+
     @model_validator(mode="after")
     def _check_keys(self) -> Settings:
         admin = self.admin_key.get_secret_value() if self.admin_key is not None else None
         if admin is not None and not admin:
             raise ValueError("admin_key must not be empty")
+        if not _loopback(self.host):
+            self._check_key_lengths(admin)
         for key, tenant in self.api_keys.items():
             if not key or not tenant:
                 raise ValueError("api_keys: keys and tenant names must be non-empty")
@@ -201,15 +258,50 @@ class Settings(BaseSettings):
                              "tier use for their block keys")
         if self.local_mode and not _loopback(self.host) and not self.allow_insecure_no_auth:
             raise ValueError(
-                f"refusing to serve on {self.host} without API keys: every caller would be admin. Set "
+                f"refusing to serve on {self.host} without API keys: anyone who reaches it could use it "
+                f"unauthenticated. Set "
                 f"{ENV_PREFIX}ADMIN_KEY and/or {ENV_PREFIX}API_KEYS (--admin-key, --api-key KEY=TENANT), bind "
                 f"127.0.0.1, or pass --allow-insecure-no-auth ({ENV_PREFIX}ALLOW_INSECURE_NO_AUTH=true) to accept it")
         return self
 
+    def _check_key_lengths(self, admin: str | None) -> None:
+        """Keys short enough to guess are refused on a host other hosts reach (at start-up, by name, never shown)."""
+        if admin is not None and len(admin) < MIN_ADMIN_KEY_CHARS:
+            raise ValueError(f"admin_key is {len(admin)} characters; a server on {self.host} needs at least "
+                             f"{MIN_ADMIN_KEY_CHARS} (e.g. `openssl rand -hex 16`)")
+        short = sorted(tenant for key, tenant in self.api_keys.items() if len(key) < MIN_API_KEY_CHARS)
+        if short:
+            raise ValueError(f"api_keys: the keys of tenants {', '.join(map(repr, short))} are shorter than "
+                             f"{MIN_API_KEY_CHARS} characters; a server on {self.host} needs longer ones "
+                             "(e.g. `openssl rand -hex 16`)")
+
     @property
     def local_mode(self) -> bool:
-        """No keys configured: no auth, one tenant, every caller is admin."""
+        """No keys configured: no auth, one tenant (admin rights only with ``local_admin``)."""
         return not self.api_keys and self.admin_key is None
+
+    @property
+    def tenant_places(self) -> int:
+        """Requests one tenant key may have in flight (``tenant_max_in_flight`` or its default)."""
+        return self.tenant_max_in_flight or max(1, (self.workers + self.max_queue) // 4)
+
+    def tenant_quota(self) -> int | None:
+        """The per-tenant byte quota in force: as set, else a share of the budget when there are tenant keys."""
+        if self.tenant_quota_bytes is not None:
+            return self.tenant_quota_bytes
+        if self.api_keys and self.tenant_quota_share < 1:
+            return int(self.max_bytes * self.tenant_quota_share)
+        return None
+
+    def pin_quota(self) -> int | None:
+        """The per-tenant pin quota: as set (or 1/8 of the budget), at most the keys' share of ``max_pinned_bytes``
+        (None: ``CacheConfig``'s default, when no tenant key shares the cap)."""
+        if not self.api_keys:
+            return self.tenant_pin_quota_bytes
+        quota = self.tenant_pin_quota_bytes
+        quota = self.max_bytes // PIN_QUOTA_DIVISOR if quota is None else quota
+        cap = self.max_bytes // 2 if self.max_pinned_bytes is None else self.max_pinned_bytes
+        return min(quota, cap // len(self.api_keys))
 
     def batch_overrides(self) -> dict[str, int]:
         """The batching engine's settings given here; the rest are sized for the device (``BatchConfig.for_device``)."""
@@ -220,13 +312,14 @@ class Settings(BaseSettings):
     def cache_config(self) -> CacheConfig:
         """The SDK configuration these settings describe (raises ``ConfigError`` if out of range)."""
         return CacheConfig(max_bytes=self.max_bytes, ttl_seconds=self.ttl_seconds,
-                           tenant_quota_bytes=self.tenant_quota_bytes, block_size=self.block_size,
-                           tenant_pin_quota_bytes=self.tenant_pin_quota_bytes, pin_ttl_seconds=self.pin_ttl_seconds,
+                           tenant_quota_bytes=self.tenant_quota(), block_size=self.block_size,
+                           tenant_pin_quota_bytes=self.pin_quota(), pin_ttl_seconds=self.pin_ttl_seconds,
                            max_kv_bytes_total=self.max_kv_bytes_total, kv_wait_seconds=self.kv_wait_seconds,
                            breakpoint_min_tokens=self.breakpoint_min_tokens,
                            tier_host_bytes=self.tier_host_bytes, tier_disk=self.tier_disk,
                            tier_disk_bytes=self.tier_disk_bytes, tier_redis=_secret(self.tier_redis),
                            tier_redis_bytes=self.tier_redis_bytes, tier_write_policy=self.tier_write_policy,
+                           tier_encrypt=self.tier_encrypt, tier_redis_prefix=self.tier_redis_prefix,
                            hash_secret=_secret(self.hash_secret))
 
 

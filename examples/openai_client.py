@@ -1,5 +1,7 @@
 """The official ``openai`` client against prefixcache: the second call reports cached tokens.
 
+    source .venv/bin/activate              # after `make serve` or `make test`: the openai client comes
+                                           # with the test extra (pip install '.[test]')
     prefixcache serve                      # terminal 1: the embedded default model, local mode (no keys)
     python examples/openai_client.py       # terminal 2
 

@@ -20,32 +20,42 @@ if TYPE_CHECKING:
         CapacityError,
         ConfigError,
         ContextLengthExceededError,
+        EngineFaultError,
+        GenerationTimeoutError,
         InvalidRequestError,
+        KVMemoryError,
         ModelLoadError,
         PinQuotaExceededError,
         PrefixCacheError,
+        RequestCancelledError,
+        TierPurgeError,
+        UnsupportedModelError,
     )
     from prefixcache.loading import load_default_model, load_model
     from prefixcache.sdk import GenerationResult, PrefixCache, Usage, WarmResult
     from prefixcache.serving.breakpoints import CacheUsage
+    from prefixcache.serving.engine import BatchConfig
     from prefixcache.serving.messages import MessagesPrompt
+    from prefixcache.serving.request import CallStats
+
+#: Every error class a caller may catch (``prefixcache.errors``; each derives from ``PrefixCacheError``).
+_ERRORS = ("CapacityError", "ConfigError", "ContextLengthExceededError", "EngineFaultError", "GenerationTimeoutError",
+           "InvalidRequestError", "KVMemoryError", "ModelLoadError", "PinQuotaExceededError", "PrefixCacheError",
+           "RequestCancelledError", "TierPurgeError", "UnsupportedModelError")
 
 #: Each public name and the module that defines it.
 _HOMES = {
     "CacheConfig": "prefixcache.config",
-    **dict.fromkeys(("CapacityError", "ConfigError", "ContextLengthExceededError", "InvalidRequestError",
-                     "ModelLoadError", "PinQuotaExceededError", "PrefixCacheError"), "prefixcache.errors"),
+    **dict.fromkeys(_ERRORS, "prefixcache.errors"),
     "load_default_model": "prefixcache.loading", "load_model": "prefixcache.loading",
     **dict.fromkeys(("GenerationResult", "PrefixCache", "Usage", "WarmResult"), "prefixcache.sdk"),
     "CacheUsage": "prefixcache.serving.breakpoints",
+    "BatchConfig": "prefixcache.serving.engine",
     "MessagesPrompt": "prefixcache.serving.messages",
+    "CallStats": "prefixcache.serving.request",
 }
 
-__all__ = [
-    "CacheConfig", "CacheUsage", "CapacityError", "ConfigError", "ContextLengthExceededError", "GenerationResult",
-    "InvalidRequestError", "MessagesPrompt", "ModelLoadError", "PinQuotaExceededError", "PrefixCache", "PrefixCacheError", "Usage", "WarmResult",
-    "load_default_model", "load_model",
-]
+__all__ = sorted(_HOMES)
 __version__ = "0.1.0"
 
 

@@ -56,7 +56,7 @@ class FanOut:
                 return {"error": message, "status": response.status_code}
             return data
 
-        with ThreadPoolExecutor(min(len(self.replicas), 16)) as pool:
+        with ThreadPoolExecutor(min(len(self.replicas), 16), thread_name_prefix="prefixcache-admin") as pool:
             return dict(zip(self.replicas, pool.map(one, self.replicas), strict=True))
 
     def stats(self, tenant: str | None = None) -> dict[str, Any]:

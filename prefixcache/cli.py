@@ -129,7 +129,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "serve", help="run the OpenAI-compatible proxy (default model: the embedded SmolLM2-135M-Instruct)",
         description="Run the OpenAI-compatible proxy. Every flag can also be set as an env var (shown in brackets).")
     try:
-        from prefixcache_api.settings import ENV_PREFIX, Settings
+        from prefixcache_api.settings import ENV_PREFIX, NONE_WORDS, Settings
     except ImportError:  # the proxy's dependencies are missing: the command says so when run
         serve.set_defaults(handler=_serve_unavailable)
         return
@@ -146,7 +146,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
             serve.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                help=help_text)
         else:
-            serve.add_argument(flag, dest=name, type=_nullable(kind) if optional else kind, choices=choices,
+            serve.add_argument(flag, dest=name, type=_nullable(kind, NONE_WORDS) if optional else kind, choices=choices,
                                default=argparse.SUPPRESS, help=help_text + (" ('none' to unset)" if optional else ""))
     serve.set_defaults(handler=_serve)
 
@@ -154,6 +154,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
     from prefixcache_api import Settings, build_cache, create_app
+    from prefixcache_api.server import server_options
     from pydantic import ValidationError
 
     overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
@@ -170,12 +171,14 @@ def _serve(args: argparse.Namespace) -> int:
     except (ModelLoadError, ConfigError) as exc:
         print(f"prefixcache serve: {exc}", file=sys.stderr)
         return 1
-    mode = "local single-tenant mode (no API keys)" if settings.local_mode else f"{len(settings.api_keys)} API keys"
+    mode = f"{len(settings.api_keys)} API keys"
+    if settings.local_mode:
+        mode = "local single-tenant mode (no API keys" + (", every caller admin)" if settings.local_admin else ")")
     logging.getLogger("prefixcache.cli").info("serving %s on http://%s:%d/v1 in %s", cache.model_id or "model",
                                               settings.host, settings.port, mode)
     try:
         uvicorn.run(create_app(settings, cache=cache), host=settings.host, port=settings.port,
-                    log_level=settings.log_level)
+                    log_level=settings.log_level, **server_options(settings))
     finally:
         cache.close()
     return 0
@@ -200,9 +203,9 @@ def _flag_type(annotation: Any) -> tuple[Any, list[str] | None, bool]:
     return str, None, optional
 
 
-def _nullable(kind: Any):
+def _nullable(kind: Any, none_words: Sequence[str]):
     def parse(text: str) -> Any:
-        return None if text.lower() in ("none", "null") else kind(text)
+        return None if text.lower() in none_words else kind(text)
 
     parse.__name__ = getattr(kind, "__name__", "value")
     return parse

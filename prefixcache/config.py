@@ -16,6 +16,8 @@ MIN_REQUEST_KV_BYTES = 256 << 20
 WRITE_POLICIES = ("write-back", "write-through")
 #: Without ``tenant_pin_quota_bytes``, a tenant may pin this fraction (1/N) of ``max_bytes``.
 PIN_QUOTA_DIVISOR = 8
+#: Shortest ``hash_secret`` (UTF-8 bytes): it keys the tiers' block MACs, so it must not be guessable offline.
+MIN_HASH_SECRET_BYTES = 32
 
 
 @dataclass(slots=True)
@@ -83,8 +85,15 @@ class CacheConfig:
     tier_write_policy: str = "write-back"
     #: Bytes of blocks that may wait for the tier writer; beyond it a block is dropped and counted.
     tier_queue_bytes: int = 256 << 20
-    #: Secret of the tiers' keyed block hashes; required with a Redis tier (processes with the same
-    #: secret share blocks). None: a disk tier keeps a random secret in its directory, else per process.
+    #: Encrypt every block written to disk and Redis (AES-256-GCM, a key derived from the hash secret), so they
+    #: hold no token ids or KV in the clear. Blocks are MAC-checked either way; readers open both kinds.
+    tier_encrypt: bool = False
+    #: Prefix of every Redis key of the tier; its ``{hash tag}`` keeps them in one Redis Cluster slot. Deployments
+    #: sharing a server but not blocks use different prefixes.
+    tier_redis_prefix: str = "{prefixcache}:kv:"
+    #: Secret of the tiers' keyed block hashes and block MACs (at least 32 bytes); required with a Redis tier
+    #: (processes with the same secret share blocks). None: a disk tier keeps a random secret in its
+    #: directory, else per process.
     hash_secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -121,8 +130,15 @@ class CacheConfig:
             raise ConfigError("tier_redis", "<url>", "None or a redis:// or rediss:// URL")
         if self.tier_write_policy not in WRITE_POLICIES:
             raise ConfigError("tier_write_policy", self.tier_write_policy, f"one of {WRITE_POLICIES}")
-        if self.hash_secret is not None and (not isinstance(self.hash_secret, str) or not self.hash_secret):
-            raise ConfigError("hash_secret", "<secret>", "None or a non-empty string")
+        if self.hash_secret is not None and (not isinstance(self.hash_secret, str)
+                                             or len(self.hash_secret.encode()) < MIN_HASH_SECRET_BYTES):
+            raise ConfigError("hash_secret", "<secret>", f"None or a string of at least {MIN_HASH_SECRET_BYTES} "
+                              "bytes (e.g. `openssl rand -hex 32`)")
+        if not isinstance(self.tier_encrypt, bool):
+            raise ConfigError("tier_encrypt", self.tier_encrypt, "True or False")
+        if not _redis_prefix_ok(self.tier_redis_prefix):
+            raise ConfigError("tier_redis_prefix", self.tier_redis_prefix,
+                              "1 to 128 printable ASCII characters without spaces, with a non-empty {hash tag}")
         if self.tier_redis is not None and self.hash_secret is None:
             raise ConfigError("hash_secret", None, "a secret shared by the processes using the Redis tier "
                               "(required with tier_redis)")
@@ -140,6 +156,16 @@ class CacheConfig:
         if self.tenant_pin_quota_bytes is not None:
             return self.tenant_pin_quota_bytes
         return self.max_bytes // PIN_QUOTA_DIVISOR
+
+
+def _redis_prefix_ok(prefix: object) -> bool:
+    if not isinstance(prefix, str) or not 0 < len(prefix) <= 128:
+        return False
+    if not all(33 <= ord(c) <= 126 for c in prefix):
+        return False
+    start = prefix.find("{")
+    end = prefix.find("}", start + 1)
+    return start >= 0 and end > start + 1  # Redis hashes only what the first {...} holds
 
 
 def check_int(name: str, value: object, lo: int, hi: int | None) -> None:

@@ -91,3 +91,7 @@ class GenerationTimeoutError(PrefixCacheError, TimeoutError):
 
 class RequestCancelledError(PrefixCacheError):
     """The caller cancelled the work (its ``cancel`` event was set) before it finished; nothing was kept."""
+
+
+class TierPurgeError(PrefixCacheError, RuntimeError):
+    """A flush could not reach every lower tier (the message names those it could not); retry later."""

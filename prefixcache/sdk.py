@@ -30,6 +30,8 @@ from prefixcache.serving.serial import Engine
 from prefixcache.serving.text_stream import TextStream, first_stop
 
 DEFAULT_TENANT = "default"
+#: Marks the namespace part that follows as a caller's ``cache_salt`` (a NUL: no name or id holds one).
+SALT_PART = "\x00cache_salt"
 #: Most seconds ``close`` spends writing the device's blocks to the lower tiers.
 DRAIN_SECONDS = 60.0
 
@@ -128,10 +130,13 @@ class PrefixCache:
                 return int(getattr(cfg, name))
         return 2048
 
-    def namespace(self, tenant: str) -> tuple[str, ...]:
-        """Cache namespace: tenant, model identity, dtype, tokenizer/template fingerprint."""
+    def namespace(self, tenant: str, cache_salt: str | None = None) -> tuple[str, ...]:
+        """Cache namespace: tenant, model identity, dtype, tokenizer/template fingerprint; and the caller's
+        ``cache_salt`` when one is given (non-empty): calls of one tenant with different salts (or one with
+        a salt and one without) never share a block. The tenant's quotas and counters are the same."""
         template = self.canonicalizer.fingerprint if self.canonicalizer is not None else "no-tokenizer"
-        return (tenant, *self._model_key, template, *self.config.namespace_extra)
+        base = (tenant, *self._model_key, template, *self.config.namespace_extra)
+        return (*base, SALT_PART, _salt(cache_salt)) if cache_salt else base
 
     @property
     def batching_disabled_reason(self) -> str | None:
@@ -226,6 +231,7 @@ class PrefixCache:
         ``logit_bias`` (token id -> bias), ``on_text`` (callback for text deltas),
         ``cancel`` (threading.Event), ``ttl_seconds``, ``ignore_eos`` (go on past the
         end-of-sequence token until ``max_new_tokens``), ``timeout_seconds`` (as ``generate``),
+        ``cache_salt`` (share cached prefixes only with calls of the tenant with the same salt),
         and any other ``generate()`` kwarg.
         """
         if not isinstance(prompt, str):
@@ -252,12 +258,13 @@ class PrefixCache:
         """An Anthropic-shaped request's canonical ids and breakpoints (see ``messages``)."""
         return encode_messages(self._canon(), messages, system, tools, tool_choice)
 
-    def answer_messages(self, prompt: MessagesPrompt, *, tenant: str | None = None, **options: Any) -> GenerationResult:
+    def answer_messages(self, prompt: MessagesPrompt, *, tenant: str | None = None, cache_salt: str | None = None,
+                        **options: Any) -> GenerationResult:
         """Answer an encoded messages request, then keep its breakpoints' prefixes (options as ``answer``)."""
         tenant = self._tenant(tenant)
-        result = self.answer(list(prompt.token_ids), tenant=tenant, **options)
-        usage = self.breakpoints.settle(self.namespace(tenant), tenant, prompt.token_ids, prompt.breakpoints,
-                                        result.usage.cached_tokens)
+        result = self.answer(list(prompt.token_ids), tenant=tenant, cache_salt=cache_salt, **options)
+        usage = self.breakpoints.settle(self.namespace(tenant, cache_salt), tenant, prompt.token_ids,
+                                        prompt.breakpoints, result.usage.cached_tokens)
         return dataclasses.replace(result, cache=usage)
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
@@ -272,8 +279,9 @@ class PrefixCache:
                presence_penalty: float | None = None, frequency_penalty: float | None = None,
                logit_bias: dict[int, float] | None = None, on_text: Callable[[str], None] | None = None,
                cancel: threading.Event | None = None, ttl_seconds: float | None = None, ignore_eos: bool = False,
-               timeout_seconds: float | None = None, **kwargs: Any) -> GenerationResult:
-        """Answer already-encoded prompt ids (from ``encode_chat``/``encode_text``); options as ``complete``."""
+               timeout_seconds: float | None = None, cache_salt: str | None = None, **kwargs: Any) -> GenerationResult:
+        """Answer already-encoded prompt ids (from ``encode_chat``/``encode_text``); options as ``complete``.
+        ``cache_salt`` (as vLLM's): reuse and store prefixes only among calls of the tenant with the same salt."""
         if not prompt:
             raise InvalidRequestError("the prompt encodes to zero tokens", param="prompt")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
@@ -299,7 +307,7 @@ class PrefixCache:
         gen["streamer"] = stream
         penalties = penalty_params(presence_penalty, frequency_penalty, logit_bias)
         params, _ = self.router.route(len(prompt), None, gen, penalties)
-        ns = self.namespace(tenant)
+        ns = self.namespace(tenant, cache_salt)
         if params is not None:
             new, stats, reason = self.router.answer_batched(prompt, params, ns, tenant, ttl, stream, cancel,
                                                             timeout)
@@ -320,7 +328,7 @@ class PrefixCache:
     def warm(self, prefix: str | Sequence[dict[str, Any]] | Sequence[int], *,
              tools: Sequence[dict[str, Any]] | None = None, tenant: str | None = None, pin: bool = False,
              ttl_seconds: float | None = None, privileged: bool = False, cancel: threading.Event | None = None,
-             timeout_seconds: float | None = None) -> WarmResult:
+             timeout_seconds: float | None = None, cache_salt: str | None = None) -> WarmResult:
         """Prefill and keep a prefix: chat messages, a text prompt, or token ids.
 
         Messages are encoded without the generation prompt, so any later conversation
@@ -332,7 +340,7 @@ class PrefixCache:
         A pin that cannot fit the budget or quota raises ``CapacityError``; one larger than the
         pin quota is refused before any work. The prefill stops between chunks once ``cancel``
         is set (``RequestCancelledError``) or after ``timeout_seconds`` (``GenerationTimeoutError``);
-        then nothing is stored.
+        then nothing is stored. With ``cache_salt`` only calls with the same salt read the prefix.
         """
         tokens = self._prefix_tokens(prefix, tools)
         tenant = self._tenant(tenant)
@@ -342,7 +350,8 @@ class PrefixCache:
         if pin and not privileged and need > self.config.pin_quota_bytes:
             raise PinQuotaExceededError.of(self.store.snapshot_stats(tenant)["pinned_bytes"],
                                            self.config.pin_quota_bytes, need)
-        stats = self.engine.prefill(tokens, self.namespace(tenant), tenant, ttl, pin, privileged, cancel, timeout)
+        stats = self.engine.prefill(tokens, self.namespace(tenant, cache_salt), tenant, ttl, pin, privileged, cancel,
+                                    timeout)
         if pin and stats.stored_tokens < len(tokens):
             # The caller's own figures only: other tenants' usage is not theirs to see.
             mine = self.store.snapshot_stats(tenant)
@@ -353,11 +362,12 @@ class PrefixCache:
         return WarmResult(len(tokens), stats.cached_tokens, stats.stored_tokens, pin)
 
     def unpin(self, prefix: str | Sequence[dict[str, Any]] | Sequence[int], *,
-              tools: Sequence[dict[str, Any]] | None = None, tenant: str | None = None) -> bool:
-        """Undo one ``warm(..., pin=True)`` of the same prefix. Returns whether it was pinned."""
+              tools: Sequence[dict[str, Any]] | None = None, tenant: str | None = None,
+              cache_salt: str | None = None) -> bool:
+        """Undo one ``warm(..., pin=True)`` of the same prefix (and salt). Returns whether it was pinned."""
         tokens = self._prefix_tokens(prefix, tools)
         tenant = self._tenant(tenant)
-        return self.store.unpin(self.namespace(tenant), tokens) > 0
+        return self.store.unpin(self.namespace(tenant, cache_salt), tokens) > 0
 
     @property
     def bytes_per_token(self) -> int:
@@ -391,9 +401,15 @@ class PrefixCache:
             out["batching_disabled_reason"] = self.batching_disabled_reason
         return out
 
-    def flush(self, tenant: str | None = None) -> int:
-        """Drop cached prefixes (one tenant's, or all). Returns bytes freed now."""
-        return self.store.flush(None if tenant is None else self._tenant(tenant))
+    def flush(self, tenant: str | None = None, *, tiers: bool = True) -> int:
+        """Drop cached prefixes (one tenant's, or all) from the device and, with ``tiers``, from every
+        lower tier too, so a flushed prefix never comes back from below. Returns device bytes freed.
+        Raises ``TierPurgeError`` if a tier could not be reached (the device and the others are flushed)."""
+        scope = None if tenant is None else self._tenant(tenant)
+        freed = self.store.flush(scope)
+        if tiers and self.tiers is not None:
+            self.tiers.purge(scope)
+        return freed
 
     def sweep(self) -> int:
         """Free expired prefixes now (the background sweeper does this periodically)."""
@@ -506,6 +522,12 @@ class PrefixCache:
                 return int(cfg.pad_token_id)
         eos = sorted(as_id_set(self.model.generation_config.eos_token_id))
         return eos[0] if eos else 0
+
+
+def _salt(cache_salt: Any) -> str:
+    if not isinstance(cache_salt, str):
+        raise InvalidRequestError("cache_salt must be a string", param="cache_salt")
+    return cache_salt
 
 
 def _seconds(value: Any, param: str, hint: str = "") -> float | None:

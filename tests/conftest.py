@@ -1,8 +1,13 @@
-"""Shared fixtures: tiny random models of several architectures, and the default model."""
+"""Shared fixtures: tiny random models of several architectures, and the default model; and two checks
+around every test: no thread of ours outlives the test that started it, and (opt-in) slower model steps."""
 from __future__ import annotations
 
 import copy
+import os
 import pathlib
+import shutil
+import threading
+import time
 import weakref
 
 import pytest
@@ -18,8 +23,46 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from prefixcache import PrefixCache
+from tests.step_hooks import step_delay
+
 TINY_VOCAB = 320
 PAD, EOS = 0, 1
+
+#: Seconds added to every batched model step (``tests/step_hooks.py``), from PREFIXCACHE_TEST_STEP_DELAY:
+#: the timing-dependent tests must pass on a ~10x slower machine too. Read here only, never by the package.
+STEP_DELAY = float(os.environ.get("PREFIXCACHE_TEST_STEP_DELAY") or 0)
+#: The name prefix of every thread the package starts (and the tests' own servers): none may outlive its test.
+OUR_THREADS = "prefixcache-"
+#: Seconds a thread of ours may take to end after its test (a pool's workers wind down after its shutdown).
+THREAD_GRACE = 2.0
+
+
+@pytest.fixture(scope="session", autouse=True)
+def slower_steps():
+    """Every batched step ``STEP_DELAY`` s longer in this process (test_replicas passes it on to its replicas)."""
+    with step_delay(STEP_DELAY):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads():
+    """Fail a test that leaves a thread of ours running: close every ``PrefixCache`` and server a test opens.
+
+    Autouse, so set up before (and torn down after) the test's other function-scoped fixtures; the
+    threads of module- and session-scoped fixtures (a server a module shares) already run before it.
+    """
+    before = set(threading.enumerate())
+    yield
+    ours = [t for t in threading.enumerate() if t not in before and t.name.startswith(OUR_THREADS)]
+    deadline = time.monotonic() + THREAD_GRACE
+    for t in ours:
+        t.join(max(0.0, deadline - time.monotonic()))
+    left = sorted(t.name for t in ours if t.is_alive())
+    if left:
+        pytest.fail(f"the test left threads running: {left} (close the PrefixCache or server that started them)",
+                    pytrace=False)
+
 
 _ARCHS = {
     # Llama with grouped-query attention (4 query heads share 2 KV heads).
@@ -101,6 +144,20 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
+@pytest.fixture
+def new_cache():
+    """``new_cache(...)`` takes ``PrefixCache``'s arguments; every cache it made is closed after the test."""
+    caches: list[PrefixCache] = []
+
+    def make(*args, **kwargs) -> PrefixCache:
+        caches.append(PrefixCache(*args, **kwargs))
+        return caches[-1]
+
+    yield make
+    for cache in caches:
+        cache.close()
+
+
 @pytest.fixture(scope="session")
 def tokenizer(default_model):
     return default_model[1]
@@ -123,6 +180,8 @@ def redis_server(tmp_path_factory):
     """A real redis-server on a free loopback port (no persistence), stopped after the test."""
     from prefixcache.bench.redis_server import RedisServer
 
+    if shutil.which("redis-server") is None:  # shown by -ra: never a silent pass
+        pytest.skip("redis-server is not installed: run `make system-deps` as root, or apt-get install redis-server")
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server
     server.stop()

@@ -55,12 +55,39 @@ def test_metrics_page_names_every_metric(generated):
 
 
 def test_readme_is_a_front_page():
-    lines = (ROOT / "README.md").read_text().splitlines()
+    text = (ROOT / "README.md").read_text()
+    lines = text.splitlines()
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines (at most {README_MAX_LINES})"
+    for page in sorted((ROOT / "docs").glob("*.md")):  # where to go: every page is linked from the front page
+        assert f"](docs/{page.name})" in text, f"README.md does not link docs/{page.name}"
+    for name in ("LICENSE", "CHANGELOG.md"):
+        assert f"]({name})" in text and (ROOT / name).is_file(), name
 
 
-@pytest.mark.parametrize("page", ["README.md", *sorted(p.relative_to(ROOT).as_posix()
-                                                        for p in (ROOT / "docs").glob("*.md"))])
+def test_license_is_the_one_pyproject_declares():
+    assert 'license = "Apache-2.0"' in (ROOT / "pyproject.toml").read_text()
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+
+
+def test_every_error_and_documented_name_is_exported():
+    """Each error class, and every name the docs import from ``prefixcache``, is importable from it."""
+    import inspect
+
+    import prefixcache
+    from prefixcache import errors
+
+    classes = {n for n, c in vars(errors).items() if inspect.isclass(c) and issubclass(c, errors.PrefixCacheError)}
+    assert classes <= set(prefixcache.__all__), sorted(classes - set(prefixcache.__all__))
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    for page in pages:
+        for names in re.findall(r"from prefixcache import ([\w, ]+)", page.read_text()):
+            for name in (n.strip() for n in names.split(",")):
+                assert hasattr(prefixcache, name), f"{page.name}: `from prefixcache import {name}` fails"
+
+
+@pytest.mark.parametrize("page", ["README.md", "CHANGELOG.md", *sorted(p.relative_to(ROOT).as_posix()
+                                                                       for p in (ROOT / "docs").glob("*.md"))])
 def test_relative_links_resolve(page):
     source = ROOT / page
     for target in LINK.findall(source.read_text()):

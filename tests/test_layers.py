@@ -35,7 +35,7 @@ INTERNALS = ("transformers.cache_utils", "transformers.masking_utils", "transfor
              "transformers.modeling_utils")
 INTERNAL_NAMES = {"DynamicCache", "Cache", "DynamicLayer", "AttentionInterface", "AttentionMaskInterface"}
 #: The benchmark's transformers baseline reuses a DynamicCache as transformers' docs teach: a peer, not our cache.
-PEER_BASELINES = {"prefixcache.bench.systems"}
+PEER_BASELINES = {"prefixcache.bench.systems", "prefixcache.bench.gpu"}  # what users would run instead
 
 
 def module_name(path: Path) -> str:

@@ -49,27 +49,27 @@ def test_parity_odd_block_size():
 
 
 def check_architecture(model, block_size: int, seed: int) -> None:
-    cache = PrefixCache(model, None, CacheConfig(block_size=block_size), start_sweeper=False)
-    cached = run_parity(model, cache, seed=seed, count=60, vocab=(2, TINY_VOCAB))
-    # Every kind of sharing produced real reuse, not just exact repeats.
-    for kind in ("exact", "strict-prefix", "shared-base", "continuation"):
-        assert cached.get(kind, 0) > 0, f"no reuse for {kind}: {cached}"
-    stats = cache.stats()
-    assert stats["queries"] == 60 and stats["cached_tokens"] > 0
-    assert all(n.refcount == 0 for n in cache.store.trie.iter_nodes())
+    with PrefixCache(model, None, CacheConfig(block_size=block_size), start_sweeper=False) as cache:
+        cached = run_parity(model, cache, seed=seed, count=60, vocab=(2, TINY_VOCAB))
+        # Every kind of sharing produced real reuse, not just exact repeats.
+        for kind in ("exact", "strict-prefix", "shared-base", "continuation"):
+            assert cached.get(kind, 0) > 0, f"no reuse for {kind}: {cached}"
+        stats = cache.stats()
+        assert stats["queries"] == 60 and stats["cached_tokens"] > 0
+        assert all(n.refcount == 0 for n in cache.store.trie.iter_nodes())
 
 
-def test_parity_with_constant_hash(llama):
+def test_parity_with_constant_hash(llama, new_cache):
     """Every block collides: token comparison alone keeps answers right."""
-    cache = PrefixCache(llama, None, CacheConfig(block_size=4), hash_fn=lambda data, seed: 7, start_sweeper=False)
+    cache = new_cache(llama, None, CacheConfig(block_size=4), hash_fn=lambda data, seed: 7, start_sweeper=False)
     cached = run_parity(llama, cache, seed=3, count=50, vocab=(2, TINY_VOCAB))
     assert sum(cached.values()) > 0
 
 
-def test_parity_under_constant_eviction(llama):
+def test_parity_under_constant_eviction(llama, new_cache):
     """A budget of a few blocks forces evictions on nearly every insert; answers stay exact."""
-    per_token = PrefixCache(llama, None, start_sweeper=False).bytes_per_token
-    cache = PrefixCache(llama, None, CacheConfig(block_size=8, max_bytes=per_token * 40), start_sweeper=False)
+    per_token = new_cache(llama, None, start_sweeper=False).bytes_per_token
+    cache = new_cache(llama, None, CacheConfig(block_size=8, max_bytes=per_token * 40), start_sweeper=False)
     cached = run_parity(llama, cache, seed=5, count=50, vocab=(2, TINY_VOCAB), expect_hits=False)
     stats = cache.stats()
     assert stats["evictions"]["lru"] > 10
@@ -86,9 +86,9 @@ def test_parity_under_constant_eviction(llama):
     cache.check_integrity()
 
 
-def test_parity_concurrent_threads(llama):
+def test_parity_concurrent_threads(llama, new_cache):
     """Callers on several threads share prefixes; each gets the uncached answer."""
-    cache = PrefixCache(llama, None, CacheConfig(block_size=8), start_sweeper=False)
+    cache = new_cache(llama, None, CacheConfig(block_size=8), start_sweeper=False)
     base = list(range(10, 70))
     prompts = [base[: 20 + 3 * i] + [100 + i] * (i % 4 + 1) for i in range(12)]
     expected = [untouched(llama).generate(torch.tensor([p]), max_new_tokens=6, do_sample=False) for p in prompts]
@@ -115,8 +115,8 @@ def test_parity_concurrent_threads(llama):
 
 
 @pytest.mark.slow
-def test_parity_default_model(default_model):
+def test_parity_default_model(default_model, new_cache):
     model, tokenizer = default_model
-    cache = PrefixCache(model, tokenizer, CacheConfig(block_size=16), start_sweeper=False)
+    cache = new_cache(model, tokenizer, CacheConfig(block_size=16), start_sweeper=False)
     cached = run_parity(model, cache, seed=11, count=50, vocab=(100, 20000), max_len=64, new_tokens=5)
     assert sum(cached.values()) > 0

@@ -19,9 +19,9 @@ from tests.conftest import untouched
 SYSTEM = {"role": "system", "content": "You are a terse assistant. " + "Always answer briefly. " * 40}
 
 
-def test_second_chat_turn_reuses_prompt_and_answer(default_model):
+def test_second_chat_turn_reuses_prompt_and_answer(default_model, new_cache):
     model, tokenizer = default_model
-    cache = PrefixCache(model, tokenizer, start_sweeper=False)
+    cache = new_cache(model, tokenizer, start_sweeper=False)
     turn1 = [SYSTEM, {"role": "user", "content": "What is the capital of France?"}]
     first = cache.chat(turn1, max_new_tokens=12)
     prompt1 = cache.encode_chat(turn1)
@@ -35,16 +35,16 @@ def test_second_chat_turn_reuses_prompt_and_answer(default_model):
     assert list(second.token_ids) == ref.tolist()
 
 
-def test_streaming_deltas_add_up_to_the_text(chat_llama, tokenizer):
-    cache = PrefixCache(chat_llama, tokenizer, start_sweeper=False)
+def test_streaming_deltas_add_up_to_the_text(chat_llama, tokenizer, new_cache):
+    cache = new_cache(chat_llama, tokenizer, start_sweeper=False)
     deltas: list[str] = []
     res = cache.chat([{"role": "user", "content": "hi"}], max_new_tokens=12, on_text=deltas.append)
     assert "".join(deltas) == res.text and res.usage.completion_tokens == len(res.token_ids)
     assert res.finish_reason in ("stop", "length")
 
 
-def test_stop_strings_cut_the_text_and_the_stream(chat_llama, tokenizer):
-    cache = PrefixCache(chat_llama, tokenizer, start_sweeper=False)
+def test_stop_strings_cut_the_text_and_the_stream(chat_llama, tokenizer, new_cache):
+    cache = new_cache(chat_llama, tokenizer, start_sweeper=False)
     free = cache.chat([{"role": "user", "content": "go"}], max_new_tokens=16)
     if len(free.text) < 4:
         pytest.skip("model produced too little text to cut")
@@ -55,8 +55,8 @@ def test_stop_strings_cut_the_text_and_the_stream(chat_llama, tokenizer):
     assert "".join(deltas) == res.text
 
 
-def test_cancel_stops_generation(chat_llama, tokenizer):
-    cache = PrefixCache(chat_llama, tokenizer, start_sweeper=False)
+def test_cancel_stops_generation(chat_llama, tokenizer, new_cache):
+    cache = new_cache(chat_llama, tokenizer, start_sweeper=False)
     cancel = threading.Event()
     seen: list[str] = []
 
@@ -69,16 +69,16 @@ def test_cancel_stops_generation(chat_llama, tokenizer):
     assert all(n.refcount == 0 for n in cache.store.trie.iter_nodes())
 
 
-def test_context_length_is_checked(chat_llama, tokenizer):
-    cache = PrefixCache(chat_llama, tokenizer, start_sweeper=False)
+def test_context_length_is_checked(chat_llama, tokenizer, new_cache):
+    cache = new_cache(chat_llama, tokenizer, start_sweeper=False)
     with pytest.raises(ContextLengthExceededError, match="context of 2048"):
         cache.complete("word " * 2000, max_new_tokens=100)
 
 
 @pytest.mark.parametrize("kwargs", [{"temperature": -1}, {"top_p": 0}, {"max_new_tokens": 0},
                                     {"ttl_seconds": -5}, {"tenant": ""}])
-def test_bad_options_raise(chat_llama, tokenizer, kwargs):
-    cache = PrefixCache(chat_llama, tokenizer, start_sweeper=False)
+def test_bad_options_raise(chat_llama, tokenizer, kwargs, new_cache):
+    cache = new_cache(chat_llama, tokenizer, start_sweeper=False)
     with pytest.raises(InvalidRequestError):
         cache.complete("hello", **{"max_new_tokens": 2, **kwargs})
 
@@ -86,16 +86,16 @@ def test_bad_options_raise(chat_llama, tokenizer, kwargs):
 WORDS = ("apple", "river", "stone", "cloud", "maple", "tiger", "lemon", "piano", "ocean", "candle")
 
 
-def test_warm_then_chat_hits_and_pin_survives_pressure(chat_llama, tokenizer, clock):
+def test_warm_then_chat_hits_and_pin_survives_pressure(chat_llama, tokenizer, clock, new_cache):
     """Unpinned traffic larger than the budget forces LRU evictions; the pinned prefix stays.
 
     The clock never moves, so only memory pressure can evict: without the pin, the
     warmed prefix is the least recently used entry and would go first.
     """
-    probe = PrefixCache(chat_llama, tokenizer, start_sweeper=False)
+    probe = new_cache(chat_llama, tokenizer, start_sweeper=False)
     per_token = probe.bytes_per_token
     budget = per_token * 700
-    cache = PrefixCache(chat_llama, tokenizer, CacheConfig(max_bytes=budget), clock=clock, start_sweeper=False)
+    cache = new_cache(chat_llama, tokenizer, CacheConfig(max_bytes=budget), clock=clock, start_sweeper=False)
     warmed = cache.warm([SYSTEM], pin=True, privileged=True)  # the operator: no pin quota, no pin TTL
     assert warmed.stored_tokens == warmed.prompt_tokens and warmed.pinned
     pinned = cache.stats()["pinned_bytes"]
@@ -115,8 +115,8 @@ def test_warm_then_chat_hits_and_pin_survives_pressure(chat_llama, tokenizer, cl
     cache.check_integrity()
 
 
-def test_pin_without_ttl_outlives_the_default_ttl(chat_llama, tokenizer, clock):
-    cache = PrefixCache(chat_llama, tokenizer, clock=clock, start_sweeper=False)
+def test_pin_without_ttl_outlives_the_default_ttl(chat_llama, tokenizer, clock, new_cache):
+    cache = new_cache(chat_llama, tokenizer, clock=clock, start_sweeper=False)
     warmed = cache.warm([SYSTEM], pin=True)
     cache.complete("unpinned traffic " * 20, max_new_tokens=2)
     clock.advance(cache.config.ttl_seconds * 10)
@@ -127,9 +127,9 @@ def test_pin_without_ttl_outlives_the_default_ttl(chat_llama, tokenizer, clock):
     assert res.usage.cached_tokens >= warmed.prompt_tokens - 1
 
 
-def test_pin_that_cannot_fit_is_refused(chat_llama, tokenizer):
-    per_token = PrefixCache(chat_llama, tokenizer, start_sweeper=False).bytes_per_token
-    cache = PrefixCache(chat_llama, tokenizer, CacheConfig(max_bytes=per_token * 50), start_sweeper=False)
+def test_pin_that_cannot_fit_is_refused(chat_llama, tokenizer, new_cache):
+    per_token = new_cache(chat_llama, tokenizer, start_sweeper=False).bytes_per_token
+    cache = new_cache(chat_llama, tokenizer, CacheConfig(max_bytes=per_token * 50), start_sweeper=False)
     with pytest.raises(CapacityError, match="cannot pin"):
         cache.warm([SYSTEM], pin=True)
     # and ordinary requests still succeed, uncached, under the same pressure
@@ -137,10 +137,10 @@ def test_pin_that_cannot_fit_is_refused(chat_llama, tokenizer):
     assert res.usage.completion_tokens >= 1
 
 
-def test_pin_errors_report_only_the_callers_own_figures(chat_llama, tokenizer):
-    per_token = PrefixCache(chat_llama, tokenizer, start_sweeper=False).bytes_per_token
+def test_pin_errors_report_only_the_callers_own_figures(chat_llama, tokenizer, new_cache):
+    per_token = new_cache(chat_llama, tokenizer, start_sweeper=False).bytes_per_token
     budget = per_token * 400
-    cache = PrefixCache(chat_llama, tokenizer, CacheConfig(max_bytes=budget, tenant_pin_quota_bytes=budget),
+    cache = new_cache(chat_llama, tokenizer, CacheConfig(max_bytes=budget, tenant_pin_quota_bytes=budget),
                         start_sweeper=False)
     other = cache.warm([{"role": "system", "content": "Another tenant's prompt. " * 30}], tenant="t2", pin=True)
     theirs = cache.stats("t2")["pinned_bytes"]
@@ -150,13 +150,13 @@ def test_pin_errors_report_only_the_callers_own_figures(chat_llama, tokenizer):
     assert str(theirs) not in str(info.value) and "0 of them pinned" in str(info.value)
 
 
-def test_a_tenants_pin_is_bounded_by_the_pin_quota_and_the_pin_ttl(chat_llama, tokenizer, clock):
+def test_a_tenants_pin_is_bounded_by_the_pin_quota_and_the_pin_ttl(chat_llama, tokenizer, clock, new_cache):
     import math
 
     from prefixcache import PinQuotaExceededError
 
-    per_token = PrefixCache(chat_llama, tokenizer, start_sweeper=False).bytes_per_token
-    cache = PrefixCache(chat_llama, tokenizer, CacheConfig(max_bytes=per_token * 4000, pin_ttl_seconds=100),
+    per_token = new_cache(chat_llama, tokenizer, start_sweeper=False).bytes_per_token
+    cache = new_cache(chat_llama, tokenizer, CacheConfig(max_bytes=per_token * 4000, pin_ttl_seconds=100),
                         clock=clock, start_sweeper=False)
     with pytest.raises(PinQuotaExceededError):  # the default quota: 500 tokens here
         cache.warm([SYSTEM] * 3, tenant="t1", pin=True)
@@ -170,8 +170,8 @@ def test_a_tenants_pin_is_bounded_by_the_pin_quota_and_the_pin_ttl(chat_llama, t
     cache.check_integrity()
 
 
-def test_ttl_override_expires_with_injected_clock(chat_llama, tokenizer, clock):
-    cache = PrefixCache(chat_llama, tokenizer, clock=clock, start_sweeper=False)
+def test_ttl_override_expires_with_injected_clock(chat_llama, tokenizer, clock, new_cache):
+    cache = new_cache(chat_llama, tokenizer, clock=clock, start_sweeper=False)
     msgs = [SYSTEM, {"role": "user", "content": "hello"}]
     cache.chat(msgs, max_new_tokens=2, ttl_seconds=10)
     clock.advance(11)
@@ -183,8 +183,8 @@ def test_ttl_override_expires_with_injected_clock(chat_llama, tokenizer, clock):
     assert cache.stats()["bytes"] == 0 and cache.stats()["entries"] == 0 and cache.stats()["evictions"]["ttl"] > 0
 
 
-def test_stats_and_flush(chat_llama, tokenizer):
-    cache = PrefixCache(chat_llama, tokenizer, start_sweeper=False)
+def test_stats_and_flush(chat_llama, tokenizer, new_cache):
+    cache = new_cache(chat_llama, tokenizer, start_sweeper=False)
     msgs = [SYSTEM, {"role": "user", "content": "hello"}]
     cache.chat(msgs, max_new_tokens=2, tenant="t1")
     cache.chat(msgs, max_new_tokens=2, tenant="t1")
@@ -203,35 +203,35 @@ def _draws(cache: PrefixCache, seeds, **sampling) -> list[tuple[int, ...]]:
     return [cache.chat(SAMPLE_PROMPT, max_new_tokens=8, ignore_eos=True, seed=s, **sampling).token_ids for s in seeds]
 
 
-def test_sampling_with_seed_is_reproducible_and_the_seed_matters(chat_llama, tokenizer):
-    cache = PrefixCache(chat_llama, tokenizer, start_sweeper=False)
+def test_sampling_with_seed_is_reproducible_and_the_seed_matters(chat_llama, tokenizer, new_cache):
+    cache = new_cache(chat_llama, tokenizer, start_sweeper=False)
     a, b = _draws(cache, [7, 7], temperature=0.9)
     assert a == b and cache.last_call.cached_tokens > 0
     # The random model is nearly uniform over ~49k tokens: other seeds give other answers.
     assert len(set(_draws(cache, range(4), temperature=0.9))) == 4
 
 
-def test_tiny_top_p_is_greedy(chat_llama, tokenizer):
+def test_tiny_top_p_is_greedy(chat_llama, tokenizer, new_cache):
     """top_p keeps only the most likely token when tiny: if it were ignored, T=1 would sample widely."""
-    cache = PrefixCache(chat_llama, tokenizer, start_sweeper=False)
+    cache = new_cache(chat_llama, tokenizer, start_sweeper=False)
     greedy = cache.chat(SAMPLE_PROMPT, max_new_tokens=8, ignore_eos=True).token_ids
     assert set(_draws(cache, range(3), temperature=1.0, top_p=1e-6)) == {greedy}
     assert greedy not in _draws(cache, range(3), temperature=1.0, top_p=1.0)
 
 
-def test_top_k_one_is_greedy(chat_llama, tokenizer):
-    cache = PrefixCache(chat_llama, tokenizer, start_sweeper=False)
+def test_top_k_one_is_greedy(chat_llama, tokenizer, new_cache):
+    cache = new_cache(chat_llama, tokenizer, start_sweeper=False)
     greedy = cache.chat(SAMPLE_PROMPT, max_new_tokens=8, ignore_eos=True).token_ids
     assert set(_draws(cache, range(3), temperature=1.0, top_k=1)) == {greedy}
 
 
-def test_temperature_shapes_the_distribution(chat_llama, tokenizer):
+def test_temperature_shapes_the_distribution(chat_llama, tokenizer, new_cache):
     """Same seeds, low vs high temperature: low keeps the greedy first token, high spreads out.
 
     Were temperature ignored, the same seeds would draw the same tokens at both settings
     (and the random model's nearly flat distribution would not stay on the greedy token).
     """
-    cache = PrefixCache(chat_llama, tokenizer, start_sweeper=False)
+    cache = new_cache(chat_llama, tokenizer, start_sweeper=False)
     top = cache.chat(SAMPLE_PROMPT, max_new_tokens=1).token_ids[0]
     seeds = range(8)
     first = lambda t: [cache.chat(SAMPLE_PROMPT, max_new_tokens=1, seed=s, temperature=t).token_ids[0]  # noqa: E731
@@ -241,8 +241,8 @@ def test_temperature_shapes_the_distribution(chat_llama, tokenizer):
     assert hot.count(top) <= 1 and len(set(hot)) >= len(seeds) - 1, hot
 
 
-def test_invalid_unicode_and_stop_are_clear_errors(chat_llama, tokenizer):
-    cache = PrefixCache(chat_llama, tokenizer, start_sweeper=False)
+def test_invalid_unicode_and_stop_are_clear_errors(chat_llama, tokenizer, new_cache):
+    cache = new_cache(chat_llama, tokenizer, start_sweeper=False)
     with pytest.raises(InvalidRequestError, match="UTF-8"):
         cache.chat([{"role": "user", "content": "bad \ud800 text"}], max_new_tokens=2)
     with pytest.raises(InvalidRequestError, match="UTF-8"):
@@ -251,14 +251,14 @@ def test_invalid_unicode_and_stop_are_clear_errors(chat_llama, tokenizer):
         cache.complete("fine", max_new_tokens=2, stop=[""])
 
 
-def test_tiny_temperature_is_greedy(chat_llama, tokenizer):
-    cache = PrefixCache(chat_llama, tokenizer, start_sweeper=False)
+def test_tiny_temperature_is_greedy(chat_llama, tokenizer, new_cache):
+    cache = new_cache(chat_llama, tokenizer, start_sweeper=False)
     msgs = [{"role": "user", "content": "count"}]
     assert cache.chat(msgs, max_new_tokens=6, temperature=1e-300).token_ids == cache.chat(msgs, max_new_tokens=6).token_ids
 
 
-def test_answer_takes_encoded_ids_and_stats_are_per_tenant(chat_llama, tokenizer):
-    cache = PrefixCache(chat_llama, tokenizer, start_sweeper=False)
+def test_answer_takes_encoded_ids_and_stats_are_per_tenant(chat_llama, tokenizer, new_cache):
+    cache = new_cache(chat_llama, tokenizer, start_sweeper=False)
     ids = cache.encode_chat([SYSTEM, {"role": "user", "content": "hello"}])
     res = cache.answer(ids, max_new_tokens=3, tenant="t1")
     assert res.usage.prompt_tokens == len(ids)
@@ -269,14 +269,14 @@ def test_answer_takes_encoded_ids_and_stats_are_per_tenant(chat_llama, tokenizer
 
 
 @pytest.mark.parametrize("path", ["batched", "plain"])
-def test_ignore_eos_generates_up_to_max_new_tokens(chat_llama, tokenizer, path):
+def test_ignore_eos_generates_up_to_max_new_tokens(chat_llama, tokenizer, path, new_cache):
     reference = untouched(chat_llama)
     model = copy.deepcopy(reference)
-    ids = PrefixCache(model, tokenizer, start_sweeper=False).encode_text("count to ten")
+    ids = new_cache(model, tokenizer, start_sweeper=False).encode_text("count to ten")
     want = reference.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False, eos_token_id=None,
                           pad_token_id=0)[0, len(ids):].tolist()
     model.generation_config.eos_token_id = want[0]  # the first greedy token now ends the answer
-    cache = PrefixCache(model, tokenizer, start_sweeper=False)
+    cache = new_cache(model, tokenizer, start_sweeper=False)
     extra = {} if path == "batched" else {"repetition_penalty": 1.0}  # any generate() kwarg: the plain engine
     stopped = cache.answer(ids, max_new_tokens=6, **extra)
     assert list(stopped.token_ids) == want[:1] and stopped.finish_reason == "stop"

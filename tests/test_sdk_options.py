@@ -19,9 +19,9 @@ def greedy(model, prompt: list[int], new: int) -> list[int]:
 
 
 @pytest.mark.parametrize("batching", [False, True])
-def test_answers_match_the_untouched_model_with_and_without_batching(chat_llama, tokenizer, batching):
+def test_answers_match_the_untouched_model_with_and_without_batching(chat_llama, tokenizer, batching, new_cache):
     reference = untouched(chat_llama)  # copied before any cache switched the model's attention
-    cache = PrefixCache(chat_llama, tokenizer, batching=batching, start_sweeper=False)
+    cache = new_cache(chat_llama, tokenizer, batching=batching, start_sweeper=False)
     ids = cache.encode_chat([{"role": "system", "content": "Be brief. " * 20}, {"role": "user", "content": "hi"}])
     want = greedy(reference, ids, 6)
     first = cache.answer(ids, max_new_tokens=6, ignore_eos=True)
@@ -30,13 +30,12 @@ def test_answers_match_the_untouched_model_with_and_without_batching(chat_llama,
     assert first.usage.cached_tokens == 0 and second.usage.cached_tokens == len(ids) - 1
     assert cache.stats()["queries"] == 2 and cache.stats()["hits"] == 1
     cache.check_integrity()
-    cache.close()
 
 
-def test_on_evict_receives_every_snapshot_with_its_tokens_and_kv():
+def test_on_evict_receives_every_snapshot_with_its_tokens_and_kv(new_cache):
     model = build_tiny("llama-gqa")
     seen: list[EvictedSnapshot] = []
-    cache = PrefixCache(model, None, CacheConfig(block_size=8), on_evict=seen.append, start_sweeper=False)
+    cache = new_cache(model, None, CacheConfig(block_size=8), on_evict=seen.append, start_sweeper=False)
     out = cache.generate(torch.tensor([PROMPT]), max_new_tokens=4, do_sample=False)[0].tolist()
     stored = out[:-1]  # prompt + answer; the last token's KV was never computed
     held = cache.stats()["bytes"]
@@ -55,13 +54,13 @@ def test_on_evict_receives_every_snapshot_with_its_tokens_and_kv():
     assert sum(s.kv.nbytes for s in seen) == held
 
 
-def test_on_evict_sees_lru_evictions_and_the_kv_is_the_model_s():
+def test_on_evict_sees_lru_evictions_and_the_kv_is_the_model_s(new_cache):
     """An evicted snapshot's KV equals the KV the model computes for its tokens (what a tier would restore)."""
     model = build_tiny("llama-gqa")
     reference = untouched(model)
-    per_token = PrefixCache(model, None, start_sweeper=False).bytes_per_token
+    per_token = new_cache(model, None, start_sweeper=False).bytes_per_token
     seen: list[EvictedSnapshot] = []
-    cache = PrefixCache(model, None, CacheConfig(block_size=8, max_bytes=per_token * 40), on_evict=seen.append,
+    cache = new_cache(model, None, CacheConfig(block_size=8, max_bytes=per_token * 40), on_evict=seen.append,
                         start_sweeper=False)
     cache.generate(torch.tensor([PROMPT[:30]]), max_new_tokens=1, do_sample=False)
     assert not seen
@@ -84,11 +83,11 @@ def _lease_tokens(cache: PrefixCache, namespace: tuple[str, ...], tokens: list[i
         cache.store.release(lease)
 
 
-def test_namespace_extra_separates_deployments_and_equal_extras_share(llama):
-    blue = PrefixCache(llama, None, CacheConfig(namespace_extra=("blue",)), start_sweeper=False)
-    blue_again = PrefixCache(llama, None, CacheConfig(namespace_extra=("blue",)), start_sweeper=False)
-    green = PrefixCache(llama, None, CacheConfig(namespace_extra=("green",)), start_sweeper=False)
-    plain = PrefixCache(llama, None, start_sweeper=False)
+def test_namespace_extra_separates_deployments_and_equal_extras_share(llama, new_cache):
+    blue = new_cache(llama, None, CacheConfig(namespace_extra=("blue",)), start_sweeper=False)
+    blue_again = new_cache(llama, None, CacheConfig(namespace_extra=("blue",)), start_sweeper=False)
+    green = new_cache(llama, None, CacheConfig(namespace_extra=("green",)), start_sweeper=False)
+    plain = new_cache(llama, None, start_sweeper=False)
     assert blue.namespace("default")[-1] == "blue"
     blue.warm(PROMPT)
     assert _lease_tokens(blue, blue_again.namespace("default"), PROMPT) == len(PROMPT) - 1
@@ -108,19 +107,19 @@ def _second_turn_cached(cache: PrefixCache, via: str) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("via", ["generate", "answer"])
-def test_cache_generated_false_stores_only_the_prompt(tokenizer, via):
+def test_cache_generated_false_stores_only_the_prompt(tokenizer, via, new_cache):
     model = build_tiny("llama-gqa")
     model.generation_config.eos_token_id = None  # the answer always has its 6 tokens
-    on = PrefixCache(model, tokenizer, start_sweeper=False)
+    on = new_cache(model, tokenizer, start_sweeper=False)
     cached, answer = _second_turn_cached(on, via)
     assert answer == 6 and cached >= len(PROMPT) + answer - 1  # control: the answer is reused by default
-    off = PrefixCache(model, tokenizer, CacheConfig(cache_generated=False), start_sweeper=False)
+    off = new_cache(model, tokenizer, CacheConfig(cache_generated=False), start_sweeper=False)
     cached, _ = _second_turn_cached(off, via)
     assert cached == len(PROMPT)
 
 
-def test_default_ttl_expires_idle_prefixes_and_reads_refresh_them(llama, clock):
-    cache = PrefixCache(llama, None, clock=clock, start_sweeper=False)
+def test_default_ttl_expires_idle_prefixes_and_reads_refresh_them(llama, clock, new_cache):
+    cache = new_cache(llama, None, clock=clock, start_sweeper=False)
     ttl = cache.config.ttl_seconds
     assert ttl == CacheConfig().ttl_seconds is not None
     prompt = torch.tensor([PROMPT])
@@ -135,10 +134,10 @@ def test_default_ttl_expires_idle_prefixes_and_reads_refresh_them(llama, clock):
 
 
 @pytest.mark.parametrize("how", ["config", "call"])
-def test_no_ttl_never_expires(llama, clock, how):
+def test_no_ttl_never_expires(llama, clock, how, new_cache):
     config = CacheConfig(ttl_seconds=None) if how == "config" else CacheConfig()
     call = {} if how == "config" else {"ttl_seconds": math.inf}
-    cache = PrefixCache(llama, None, config, clock=clock, start_sweeper=False)
+    cache = new_cache(llama, None, config, clock=clock, start_sweeper=False)
     prompt = torch.tensor([PROMPT])
     cache.generate(prompt, max_new_tokens=1, do_sample=False, **call)
     clock.advance(10 * 365 * 24 * 3600.0)

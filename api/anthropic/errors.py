@@ -14,7 +14,8 @@ PREFIX = "/v1/messages"
 
 #: Our status -> (Anthropic's status, error type). Anthropic answers overload with 529.
 _TABLE = {400: (400, "invalid_request_error"), 401: (401, "authentication_error"), 403: (403, "permission_error"),
-          404: (404, "not_found_error"), 405: (405, "invalid_request_error"), 413: (413, "request_too_large"),
+          404: (404, "not_found_error"), 405: (405, "invalid_request_error"), 408: (408, "timeout_error"),
+          413: (413, "request_too_large"),
           429: (429, "rate_limit_error"), 499: (499, "invalid_request_error"), 503: (529, "overloaded_error"),
           504: (504, "timeout_error")}
 

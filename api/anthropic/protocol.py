@@ -96,6 +96,10 @@ class _Prompt(BaseModel):
     system: Text | list[TextBlock] | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
+    cache_salt: Text | None = Field(None, max_length=256, description="Extension (vLLM's name): a secret mixed "
+                                    "into the cache namespace, so requests of this API key with different salts "
+                                    "never share cached prefixes. Unset or empty: the key's namespace. Token "
+                                    "counting accepts and ignores it.")
 
     def prompt(self) -> dict[str, Any]:
         """Keyword arguments of ``PrefixCache.encode_messages``: plain dicts, cache_control kept."""

@@ -11,7 +11,6 @@ A stream sends ``message_start`` (with the usage known before generation),
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -23,7 +22,7 @@ from prefixcache import CacheUsage, GenerationResult
 
 from ..errors import map_exception
 from ..limits import check_anthropic
-from ..routes import Caller, Engine, GuardedRoute, Meta, check_model, respond
+from ..routes import Caller, Engine, GuardedRoute, Meta, check_model, place_of, respond
 from ..sampling import Job, limit_max_tokens, server_temperature
 from ..serving import GenerationStream, Serving
 from ..settings import Settings
@@ -52,17 +51,18 @@ async def messages(body: MessagesRequest, request: Request, who: Caller, srv: En
     def answer(result: GenerationResult, meta: Meta) -> Message:
         reason, sequence = stop_reason(result, stops, srv)
         return Message(id=meta.id, content=[ResponseText(text=result.text)], model=meta.model, stop_reason=reason,
-                       stop_sequence=sequence, usage=usage(result.cache, result.usage.completion_tokens))
+                       stop_sequence=sequence, usage=usage(result.cache, result.usage.completion_tokens, srv))
     return await respond(job, bool(body.stream), request, srv, "msg", answer,
                          lambda stream, meta: _events(stream, meta, stops, srv))
 
 
 @router.post("/v1/messages/count_tokens", response_model=TokenCount, responses=_ERRORS)
-async def count_tokens(body: CountTokensRequest, who: Caller, srv: Engine) -> TokenCount:
-    """The prompt's input tokens, as ``/v1/messages`` would encode it (nothing is generated or cached)."""
+async def count_tokens(body: CountTokensRequest, request: Request, who: Caller, srv: Engine) -> TokenCount:
+    """The prompt's input tokens, as ``/v1/messages`` would encode it (nothing is generated or cached).
+    Encoded on the side threads, in one of the key's places beside the queue."""
     check_model(srv, body.model)
     check_anthropic(body, srv.settings)
-    prompt = await asyncio.to_thread(lambda: srv.cache.encode_messages(**body.prompt()))
+    prompt = await srv.side(lambda: srv.cache.encode_messages(**body.prompt()), place_of(request))
     return TokenCount(input_tokens=len(prompt.token_ids))
 
 
@@ -70,14 +70,17 @@ def messages_job(req: MessagesRequest, tenant: str, settings: Settings) -> Job:
     options = {"temperature": server_temperature(req.temperature, settings), "top_p": req.top_p,
                "top_k": req.top_k or None, "stop": req.stop_sequences or None}
     return Job("messages", tenant, anthropic=req.prompt(), max_tokens=limit_max_tokens(req.max_tokens, settings),
-               options=options)
+               options=options, cache_salt=req.cache_salt or None)
 
 
-def usage(cache: CacheUsage | None, output_tokens: int) -> Usage:
+def usage(cache: CacheUsage | None, output_tokens: int, srv: Serving) -> Usage:
+    """Anthropic's usage; tokens read from the cache as the server reports them (``cached_tokens_granularity``:
+    what rounding takes off the read tokens counts as input tokens, so the parts still sum to the prompt)."""
     cache = cache or CacheUsage(0, 0, 0, 0, 0)
-    return Usage(input_tokens=cache.input_tokens, output_tokens=output_tokens,
+    read = srv.reported_cached(cache.cache_read_input_tokens)
+    return Usage(input_tokens=cache.input_tokens + cache.cache_read_input_tokens - read, output_tokens=output_tokens,
                  cache_creation_input_tokens=cache.cache_creation_input_tokens,
-                 cache_read_input_tokens=cache.cache_read_input_tokens,
+                 cache_read_input_tokens=read,
                  cache_creation=CacheCreation(ephemeral_5m_input_tokens=cache.ephemeral_5m_input_tokens,
                                               ephemeral_1h_input_tokens=cache.ephemeral_1h_input_tokens))
 
@@ -101,7 +104,7 @@ def _event(kind: str, body: dict[str, Any]) -> str:
 async def _events(stream: GenerationStream, meta: Meta, stops: list[str], srv: Serving) -> AsyncIterator[str]:
     """Anthropic's event sequence; a failure after the headers becomes an ``error`` event."""
     try:
-        start = usage(stream.predicted, 0).model_dump()
+        start = usage(stream.predicted, 0, srv).model_dump()
         yield _event("message_start", {"message": {
             "id": meta.id, "type": "message", "role": "assistant", "content": [], "model": meta.model,
             "stop_reason": None, "stop_sequence": None, "usage": start}})
@@ -112,7 +115,7 @@ async def _events(stream: GenerationStream, meta: Meta, stops: list[str], srv: S
                 yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
         result = stream.result
         reason, sequence = stop_reason(result, stops, srv)
-        final = usage(result.cache, result.usage.completion_tokens).model_dump(exclude={"cache_creation"})
+        final = usage(result.cache, result.usage.completion_tokens, srv).model_dump(exclude={"cache_creation"})
         yield _event("content_block_stop", {"index": 0})
         yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": final})
         yield _event("message_stop", {})

@@ -83,7 +83,8 @@ def _answers(model: torch.nn.Module, tokenizer: Any, batching: bool, questions: 
 
         if together:
             barrier = threading.Barrier(len(questions))
-            threads = [threading.Thread(target=ask, args=(i, barrier)) for i in range(len(questions))]
+            threads = [threading.Thread(target=ask, args=(i, barrier), name=f"prefixcache-bench-ask-{i}")
+                       for i in range(len(questions))]
             for t in threads:
                 t.start()
             for t in threads:

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from prefixcache.model.hf_cache import CascadeMeasure, enable_cascade_attention, measure_cascade, probe_layout
-from prefixcache.model.precision import ROUNDING_FACTOR
+from prefixcache.model.precision import rounding_factor
 from prefixcache.sdk import PrefixCache
 
 SYSTEM = ("You are a concise assistant for a hardware store. Answer in one or two sentences, name the aisle "
@@ -77,7 +77,8 @@ def greedy_answers(model: torch.nn.Module, tokenizer, prompts: Sequence[list[int
         def ask(i: int) -> None:
             batched[i] = list(pc.answer(prompts[i], max_new_tokens=new_tokens, ignore_eos=True).token_ids)
 
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        threads = [threading.Thread(target=ask, args=(i,), name=f"prefixcache-bench-ask-{i}")
+                   for i in range(len(prompts))]
         for t in threads:
             t.start()
         for t in threads:
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     layout = probe_layout(model)
     enable_cascade_attention(model)
     m = measure_cascade(model, layout, rows=args.rows)
-    out = {"dtype": args.dtype, "rounding_factor": ROUNDING_FACTOR, "layers": layer_table(m, dtype),
+    out = {"dtype": args.dtype, "rounding_factor": rounding_factor(dtype), "layers": layer_table(m, dtype),
            "inputs": m.inputs, "machinery_fp32": m.exact, "logits": logit_errors(model, m)}
     if args.greedy:
         texts = [tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM},

@@ -61,7 +61,8 @@ class PrefixCacheBatched:
                     errors.append(exc)
 
         t0 = time.perf_counter()
-        threads = [threading.Thread(target=client, daemon=True) for _ in range(min(self.concurrency, len(prompts)))]
+        threads = [threading.Thread(target=client, name=f"prefixcache-bench-client-{k}", daemon=True)
+                   for k in range(min(self.concurrency, len(prompts)))]
         for t in threads:
             t.start()
         for t in threads:

@@ -265,7 +265,8 @@ def generate_threads(model, callers: int = 8, prefix_len: int = 2048, question: 
         def call(i: int) -> None:
             outs[i] = together.generate(prompts[i], **options)
 
-        threads = [threading.Thread(target=call, args=(i,)) for i in range(callers)]
+        threads = [threading.Thread(target=call, args=(i,), name=f"prefixcache-bench-caller-{i}")
+                   for i in range(callers)]
         t0 = time.perf_counter()
         for t in threads:
             t.start()

@@ -1,7 +1,8 @@
 """Replicas behind a router, as processes on loopback: ``prefixcache serve`` × N and ``sglang-router``.
 
 A ``Fleet`` starts every replica on a free 127.0.0.1 port with the same model folder,
-keys and extra flags (``replica_args``: where a shared tier's flags go), and stops them;
+keys and extra flags (``replica_args``: where a shared tier's flags go; ``cli``: what runs
+the CLI, a test's wrapper of it included), and stops them;
 ``router`` starts ``sglang-router`` in front of them with explicit worker URLs and
 loopback binds. ``shared_redis`` starts the ``redis-server`` replicas share a KV tier
 through (``SharedTier``). The replicas measurement (``prefixcache.bench.replicas``) and
@@ -30,7 +31,7 @@ ADMIN_KEY = "sk-fleet-admin"
 #: Seconds a replica may take to start: generous, for a machine other jobs share.
 START_TIMEOUT = 600.0
 #: The hash secret every replica of a fleet sharing a tier gets (in its environment, as in deploy/replicas/).
-HASH_SECRET = "fleet-shared-tier-secret"
+HASH_SECRET = "fleet-shared-tier-secret-of-32-bytes"
 #: Replicas sharing a tier write through: a prefix reaches Redis as soon as one replica caches it.
 #: Under write-back it would go down only when evicted (or at a clean shutdown), so the other replicas
 #: would miss it meanwhile, and a killed replica would take it with it.
@@ -93,6 +94,7 @@ class Fleet:
     replica_env: dict[str, str] = field(default_factory=dict)  # added to every replica's environment
     workers: int = 4
     threads: int | None = 1
+    cli: Sequence[str] = (sys.executable, "-m", "prefixcache.cli")  # what runs a replica's ``prefixcache`` CLI
     replicas: list[Server] = field(default_factory=list)
     routers: list[Router] = field(default_factory=list)
 
@@ -102,8 +104,8 @@ class Fleet:
 
     def start_replica(self) -> Server:
         port = free_port()
-        argv = [sys.executable, "-m", "prefixcache.cli", "serve", "--model", self.folder, "--host", "127.0.0.1",
-                "--port", str(port), "--admin-key", ADMIN_KEY, "--workers", str(self.workers),
+        argv = [*self.cli, "serve", "--model", self.folder, "--host", "127.0.0.1", "--port", str(port),
+                "--admin-key", ADMIN_KEY, "--workers", str(self.workers),
                 "--default-temperature", "0", "--ttl-seconds", "none", "--log-level", "warning",
                 *[f"--api-key={key}={tenant}" for key, tenant in self.keys.items()], *self.replica_args]
         if self.threads is not None:

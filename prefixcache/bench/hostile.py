@@ -163,7 +163,7 @@ def run_hostile(url: str, model: str, context: int, requests: int, clients: int,
                 else:
                     hostile_request(client, *cases[kind], i, tally, deadline)
 
-    with ThreadPoolExecutor(clients) as pool:
+    with ThreadPoolExecutor(clients, thread_name_prefix="prefixcache-bench-client") as pool:
         for f in [pool.submit(worker) for _ in range(clients)]:
             f.result()
     return tally

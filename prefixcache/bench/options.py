@@ -137,7 +137,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default=None, help="--preset gpu: model shape (llama-1b, tiny)")
     parser.add_argument("--model", default=None, help="hub id or local path instead of the preset's model")
     parser.add_argument("--dtype", nargs="+", choices=DTYPES, default=None,
-                        help="one or more dtypes, each a separate run (default: float32)")
+                        help="one or more dtypes, each a separate run (default: the preset's: float32 for small, "
+                             "float32 and bfloat16 for default, bfloat16 for gpu)")
     parser.add_argument("--workloads", type=_names(WORKLOADS), default=None,
                         help=f"comma-separated subset of {','.join(WORKLOADS)}")
     parser.add_argument("--systems", type=_names(SYSTEMS), default=None,

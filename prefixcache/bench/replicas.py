@@ -155,7 +155,7 @@ def drive(url: str, calls: Sequence[Call], stagger: float = 0.05, timeout: float
                 with lock:
                     answers.append(result)
 
-    threads = [threading.Thread(target=run, args=(g,), name=f"group-{g}") for g in groups]
+    threads = [threading.Thread(target=run, args=(g,), name=f"prefixcache-bench-group-{g}") for g in groups]
     for t in threads:
         t.start()
     for t in threads:

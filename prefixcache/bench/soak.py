@@ -98,7 +98,7 @@ def run_phase(url: str, model: str, good_requests: int, hostile_requests: int, c
                 good_chat(client, model, i, good, deadline)
 
     wall, server_cpu, client_cpu = time.perf_counter(), cpu_seconds(server_pid), time.process_time()
-    with ThreadPoolExecutor(3) as pool:
+    with ThreadPoolExecutor(3, thread_name_prefix="prefixcache-bench-soak") as pool:
         evil = pool.submit(run_hostile, *args, stop=done, only=only) if hostile and proc is None else None
         for f in [pool.submit(good_worker, range(k, good_requests, 2)) for k in range(2)]:
             f.result()

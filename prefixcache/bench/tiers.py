@@ -33,7 +33,9 @@ the TTFT medians, noise included.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -47,7 +49,7 @@ import torch
 from prefixcache.config import CacheConfig
 from prefixcache.sdk import PrefixCache
 
-SECRET = "bench-secret"
+SECRET = "bench-secret-of-at-least-32-bytes"
 SYSTEMS = ("recompute", "tiered_miss", "device_hit", "disk_restore", "redis_restore")
 
 
@@ -109,10 +111,18 @@ def run(rounds: int, prefix_len: int, question_len: int, block_size: int, model:
                                           tier_redis_bytes=8 << 30),
                       "redis_restore": make(tier_redis=redis.url, tier_redis_bytes=8 << 30)}
             caches["device_hit"] = caches["recompute"]
+            restarts = itertools.count()
+
+            def restarted() -> PrefixCache:
+                # A disk tier serves one process at a time (it locks its directory): a restarted server
+                # is a new tier on a copy of the files the running one wrote.
+                copy = Path(tmp) / f"disk-after-restart-{next(restarts)}"
+                shutil.copytree(disk, copy)
+                return make(tier_disk=str(copy))
+
             try:
                 with ModelClock().watching(model) as clock:
-                    summary = _rounds(caches, lambda: make(tier_disk=disk), rounds, prefix_len, question_len, vocab,
-                                      clock)
+                    summary = _rounds(caches, restarted, rounds, prefix_len, question_len, vocab, clock)
                 params = sum(p.numel() for p in model.parameters())
                 dtype = next(model.parameters()).dtype
                 return {"model": f"{type(model).__name__}, {params / 1e6:.1f}M parameters, {dtype}", **summary}

@@ -423,11 +423,11 @@ def check_cascade(model: torch.nn.Module, layout: KVLayout,
       largest (rows and positions: a shifted position moves rotary keys by their own size);
     - the cascade machinery itself (private writes, pooled decodes, causal chunks, shared and
       partial prefixes, merges, the GQA head mapping) on random data of the model's head shapes
-      in float32, whatever the model's dtype: at most ``ROUNDING_FACTOR`` units. This is what
+      in float32, whatever the model's dtype: at most ``ROUNDING_FACTOR`` (64) units. This is what
       catches logic errors when the model runs in bfloat16/float16, whose unit (1/128 or 1/1024
       of the largest output) is too coarse to tell every logic error from rounding;
-    - every layer, on the inputs it got: at most ``ROUNDING_FACTOR`` units in the model's dtype
-      (``AttentionError.within``);
+    - every layer, on the inputs it got: at most ``rounding_factor(dtype)`` units in the model's
+      dtype, 64 in float32, 16 in bfloat16/float16 (``AttentionError.within``);
     - float32 and wider: the logits also agree to 1e-3 of the largest (the whole forward, rounding
       there is far smaller). In bfloat16/float16 logits are not compared: rounding alone moves
       them by units after a few dozen layers, on each path differently.

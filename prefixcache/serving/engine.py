@@ -78,7 +78,7 @@ class BatchConfig:
     #: Llama step), within ``fast_path_max_bytes`` of extra weights. Off by default: measured
     #: side by side it did not beat the model's own forward (docs/benchmarks.md).
     fast_path: bool = False
-    fast_path_max_bytes: int = 2 << 30
+    fast_path_max_bytes: int = 2 << 30  # the most extra weight bytes the fast path may copy (else no fast path)
     #: Consecutive failed steps (no successful step between them) after which the engine reports
     #: itself faulting (``faulting``; the proxy's /readyz then says not ready) ...
     fault_streak: int = 3

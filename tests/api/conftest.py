@@ -14,6 +14,8 @@ import torch
 from prefixcache_api import create_app
 from proxy_support import LiveServer, live, make_cache, settings
 
+from prefixcache import PrefixCache
+
 
 @pytest.fixture(scope="module", autouse=True)
 def one_torch_thread():
@@ -31,6 +33,21 @@ def one_torch_thread():
 def tiny_model(chat_llama):
     """The top-level conftest's tiny random Llama over the real SmolLM2 vocabulary."""
     return chat_llama
+
+
+@pytest.fixture
+def new_proxy_cache():
+    """``new_proxy_cache(model, tokenizer, **config)``: ``make_cache``'s cache, closed after the test (an app
+    never closes a cache it was given)."""
+    caches: list[PrefixCache] = []
+
+    def make(model, tokenizer, **config) -> PrefixCache:
+        caches.append(make_cache(model, tokenizer, **config))
+        return caches[-1]
+
+    yield make
+    for cache in caches:
+        cache.close()
 
 
 @pytest.fixture(scope="session")

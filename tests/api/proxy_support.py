@@ -40,7 +40,7 @@ class LiveServer:
         self.app = app
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
                                                     timeout_graceful_shutdown=5))
-        self.thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)
+        self.thread = threading.Thread(target=self.server.run, name="prefixcache-test-server", daemon=True)
 
     def start(self) -> LiveServer:
         self.thread.start()

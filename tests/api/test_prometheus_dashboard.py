@@ -23,6 +23,9 @@ from prefixcache.bench.servers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"  # Debian's, from scripts/system-deps.sh
+pytestmark = pytest.mark.skipif(not Path(PROMETHEUS).exists(),
+                                reason="prometheus is not installed: run `make system-deps` as root, or apt-get "
+                                       "install prometheus")
 SCRAPE_SECONDS = 1
 #: Grafana's variables, as it would expand them for a dashboard refreshed every few seconds.
 VARIABLES = {"$__rate_interval": "30s", "$__interval": "5s", "$__range": "5m"}

@@ -15,6 +15,7 @@ from prefixcache_api import create_app
 from proxy_support import ADMIN, ALPHA, BETA, MODEL, leased_refs, live, make_cache, settings, wait_until
 
 from prefixcache import CacheConfig, PrefixCache
+from tests.step_hooks import hold_until_cancelled
 
 SYSTEM_TEXT = "You are the support assistant of a small bookshop. Be brief and kind. " * 4
 LONG = 400
@@ -164,14 +165,16 @@ def test_errors_reach_the_sdk_as_its_typed_exceptions(srv, alpha):
     assert srv.cache.stats()["queries"] >= 0 and leased_refs(srv.cache) == 0
 
 
-def test_a_full_queue_is_a_rate_limit_error_and_a_mid_stream_failure_an_error_event(tiny_model, tokenizer):
-    cache = make_cache(tiny_model, tokenizer)
-    with live(create_app(settings(workers=1, max_queue=0, request_timeout_seconds=1.0), cache=cache)) as tight:
+def test_a_full_queue_is_a_rate_limit_error_and_a_mid_stream_failure_an_error_event(tiny_model, tokenizer,
+                                                                                     new_proxy_cache):
+    cache = new_proxy_cache(tiny_model, tokenizer)
+    with live(create_app(settings(workers=1, max_queue=0, request_timeout_seconds=1.0), cache=cache)) as tight, \
+            hold_until_cancelled(cache):
         started, kinds = threading.Event(), []
         body = {"model": MODEL, "max_tokens": LONG, "messages": user("hold"), "stream": True}
 
         def hold_the_worker():
-            # Greedy over a random model: long answers; the 1 s timeout ends it mid-stream.
+            # Its first token streamed, the answer is held (not ended) until the 1 s timeout cuts it.
             with httpx.Client(base_url=tight.url, headers={"x-api-key": ALPHA}, timeout=30) as http, \
                     http.stream("POST", "/v1/messages", json=body) as r:
                 for line in r.iter_lines():
@@ -186,14 +189,13 @@ def test_a_full_queue_is_a_rate_limit_error_and_a_mid_stream_failure_an_error_ev
             client(tight.url, ALPHA).messages.create(model=MODEL, max_tokens=2, messages=user("x"))
         assert err.value.body["error"]["type"] == "rate_limit_error"
         thread.join(15)
-        assert kinds[0] == "message_start" and kinds[-1] == "error", kinds
+        assert kinds[0] == "message_start" and "content_block_delta" in kinds and kinds[-1] == "error", kinds
         wait_until(lambda: tight.serving.queue() == (0, 0) and leased_refs(tight.cache) == 0, timeout=10)
         with pytest.raises(anthropic.APIStatusError) as err:  # shutting down: Anthropic's 529 overloaded_error
             tight.serving.closing = True
             client(tight.url, ALPHA).messages.create(model=MODEL, max_tokens=2, messages=user("x"))
         assert err.value.status_code == 529 and err.value.body["error"]["type"] == "overloaded_error"
         tight.serving.closing = False
-    cache.close()
 
 
 def test_a_1h_breakpoint_outlives_a_5m_one(tiny_model, tokenizer, clock):

@@ -45,9 +45,10 @@ def _host_path(service: dict, container_path: str) -> Path:
 def test_compose_has_the_three_services_and_ports(compose):
     services = compose["services"]
     assert set(services) == {"proxy", "prometheus", "grafana"}
-    assert "8000:8000" in services["proxy"]["ports"]
-    assert "9090:9090" in services["prometheus"]["ports"]
-    assert "3000:3000" in services["grafana"]["ports"]
+    # Published on loopback only (tests/security/test_deploy.py checks every port of every compose file).
+    assert "127.0.0.1:8000:8000" in services["proxy"]["ports"]
+    assert "127.0.0.1:9090:9090" in services["prometheus"]["ports"]
+    assert "127.0.0.1:3000:3000" in services["grafana"]["ports"]
     assert services["proxy"]["build"] == "."
     assert services["prometheus"]["depends_on"]["proxy"]["condition"] == "service_healthy"
 
@@ -95,7 +96,8 @@ def test_prometheus_scrapes_the_proxy_with_the_admin_key(compose):
     assert job["static_configs"][0]["targets"] == ["proxy:8000"]
     target_host, target_port = job["static_configs"][0]["targets"][0].split(":")
     assert target_host in compose["services"]
-    assert f"{target_port}:{target_port}" in compose["services"]["proxy"]["ports"]
+    assert any(p.endswith(f":{target_port}") for p in compose["services"]["proxy"]["ports"])  # its container port
+    assert compose["services"]["proxy"]["environment"]["PREFIXCACHE_PORT"] == target_port
     # /metrics needs the admin key: the secret compose mounts is the one Prometheus reads.
     assert job["authorization"]["type"] == "Bearer"
     assert job["authorization"]["credentials_file"] == "/run/secrets/admin_key"
@@ -142,7 +144,7 @@ def test_compose_example_in_its_header_is_a_valid_api_keys_value():
     line = next(h for h in header if "PREFIXCACHE_API_KEYS=" in h)
     value = shlex.split(line.lstrip("# ").split("PREFIXCACHE_API_KEYS=", 1)[1])[0]
     keys = Settings(api_keys=json.loads(value), admin_key="x").api_keys
-    assert keys == {"sk-team-a": "team-a", "sk-team-b": "team-b"}
+    assert keys == {"sk-team-a-7f3c9e1b5d2a8f64": "team-a", "sk-team-b-0c6e4a9d1f7b3e25": "team-b"}
 
 
 def test_proxy_page_documents_every_route():
@@ -154,6 +156,10 @@ def test_proxy_page_documents_every_route():
 
 
 # -- fail closed: a server reachable from other hosts never runs without keys -------------------
+#: Keys as long as a server reachable from other hosts needs (``openssl rand -hex 16`` gives 32 characters).
+ADMIN_KEY, TEAM_KEY = "sk-admin-" + "0" * 32, "sk-team-a-" + "0" * 16
+
+
 def _image_env() -> dict[str, str]:
     """The ENV the Dockerfile bakes into the image (``KEY=VALUE`` pairs, continued lines joined)."""
     text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
@@ -186,9 +192,11 @@ def test_image_refuses_to_run_open_and_runs_with_keys_from_the_environment(monke
     assert "insecure" not in (ROOT / "Dockerfile").read_text().lower()
     with pytest.raises(ValidationError, match="without API keys"):
         _image_settings(monkeypatch, {})
-    settings = _image_settings(monkeypatch, {"PREFIXCACHE_ADMIN_KEY": "sk-admin",
-                                             "PREFIXCACHE_API_KEYS": '{"sk-a": "team-a"}'})
-    assert settings.host == "0.0.0.0" and not settings.local_mode and settings.api_keys == {"sk-a": "team-a"}
+    with pytest.raises(ValidationError, match="shorter than 16 characters"):  # keys short enough to guess
+        _image_settings(monkeypatch, {"PREFIXCACHE_ADMIN_KEY": ADMIN_KEY, "PREFIXCACHE_API_KEYS": '{"sk-a": "team-a"}'})
+    settings = _image_settings(monkeypatch, {"PREFIXCACHE_ADMIN_KEY": ADMIN_KEY,
+                                             "PREFIXCACHE_API_KEYS": json.dumps({TEAM_KEY: "team-a"})})
+    assert settings.host == "0.0.0.0" and not settings.local_mode and settings.api_keys == {TEAM_KEY: "team-a"}
 
 
 def test_compose_requires_the_admin_key_and_never_runs_open(compose, monkeypatch):
@@ -198,7 +206,7 @@ def test_compose_requires_the_admin_key_and_never_runs_open(compose, monkeypatch
     assert "insecure" not in (ROOT / "docker-compose.yml").read_text().lower()
     # What the proxy container gets when the keys are set: valid, authenticated, on every interface.
     resolved = {k: re.sub(r"\$\{[A-Z_]+:[?-]([^}]*)\}", r"\1", str(v)) for k, v in env.items()}
-    resolved |= {"PREFIXCACHE_ADMIN_KEY": "sk-admin", "PREFIXCACHE_API_KEYS": ""}
+    resolved |= {"PREFIXCACHE_ADMIN_KEY": ADMIN_KEY, "PREFIXCACHE_API_KEYS": ""}
     for key, value in resolved.items():
         monkeypatch.setenv(key, value)
     settings = Settings()

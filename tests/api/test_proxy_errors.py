@@ -9,6 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prefixcache_api import create_app
 from proxy_support import ADMIN, ALPHA, BETA, MODEL, auth, leased_refs, live, make_cache, settings, wait_until
+from tests.step_hooks import hold_until_cancelled
 
 CHAT = "/v1/chat/completions"
 LONG = 1500  # tokens: seconds of generation on the tiny model, so it is still running when we look
@@ -164,8 +165,8 @@ def test_prewarm_needs_exactly_one_source(http):
     assert_error(http.post("/v1/cache/prewarm", json={"prompt": "a", "ttl_seconds": 0}), 400, param="ttl_seconds")
 
 
-def test_not_ready_is_503_with_retry_after(tiny_model, tokenizer):
-    app = create_app(settings(), cache=make_cache(tiny_model, tokenizer))
+def test_not_ready_is_503_with_retry_after(tiny_model, tokenizer, new_proxy_cache):
+    app = create_app(settings(), cache=new_proxy_cache(tiny_model, tokenizer))
     client = TestClient(app)  # not entered: the lifespan never ran, so no engine yet
     r = client.post(CHAT, json=ok_chat(), headers=auth(ALPHA))
     assert_error(r, 503, code="not_ready")
@@ -174,8 +175,8 @@ def test_not_ready_is_503_with_retry_after(tiny_model, tokenizer):
     assert_error(client.get("/readyz"), 503)
 
 
-def test_an_unexpected_bug_is_a_500_in_openai_shape(tiny_model, tokenizer):
-    cache = make_cache(tiny_model, tokenizer)
+def test_an_unexpected_bug_is_a_500_in_openai_shape(tiny_model, tokenizer, new_proxy_cache):
+    cache = new_proxy_cache(tiny_model, tokenizer)
     cache.encode_chat = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))  # a bug, not client input
     with live(create_app(settings(), cache=cache)) as srv, srv.client(ALPHA) as client:
         for _ in range(2):  # the keep-alive connection survives the first 500
@@ -207,15 +208,17 @@ def test_queue_full_is_429_with_retry_after_and_a_timeout_ends_the_stream(tight,
                 if line.startswith("data: "):
                     events.append(line[6:])
 
-    thread = threading.Thread(target=hold_the_worker)
-    thread.start()
-    assert started.wait(10)
-    with tight.client(ALPHA) as client:
-        r = client.post(CHAT, json=ok_chat())
-        assert_error(r, 429, code="queue_full", kind="rate_limit_error")
-        assert int(r.headers["retry-after"]) >= 1
-        assert client.get("/readyz").status_code == 503  # a load balancer should look elsewhere
-    thread.join(10)
+    # The held answer is mid-stream when its 1 s timeout comes, however fast the machine.
+    with hold_until_cancelled(tight.cache):
+        thread = threading.Thread(target=hold_the_worker)
+        thread.start()
+        assert started.wait(10)
+        with tight.client(ALPHA) as client:
+            r = client.post(CHAT, json=ok_chat())
+            assert_error(r, 429, code="queue_full", kind="rate_limit_error")
+            assert int(r.headers["retry-after"]) >= 1
+            assert client.get("/readyz").status_code == 503  # a load balancer should look elsewhere
+        thread.join(10)
     # The held request hit the 1 s timeout mid-stream: its last event is the error, in OpenAI's shape.
     last = json.loads(events[-1])
     assert last["error"]["code"] == "request_timeout" and last["error"]["type"] == "timeout_error"
@@ -223,7 +226,7 @@ def test_queue_full_is_429_with_retry_after_and_a_timeout_ends_the_stream(tight,
 
 
 def test_timeout_is_504_and_cancels_the_generation(tight, tokenizer):
-    with tight.client(ALPHA) as client:
+    with hold_until_cancelled(tight.cache), tight.client(ALPHA) as client:  # still answering at 1 s, on any machine
         assert_error(client.post(CHAT, json=long_job(tokenizer)), 504, code="request_timeout")
     wait_until(lambda: tight.serving.queue() == (0, 0), timeout=10)  # cancelled: see the token count
     assert tight.cache.stats()["completion_tokens"] < LONG

@@ -5,7 +5,7 @@ import torch
 from fastapi.testclient import TestClient
 from prefixcache_api import create_app, metrics
 from prometheus_client.parser import text_string_to_metric_families
-from proxy_support import ADMIN, ALPHA, BETA, MODEL, auth, make_cache, settings
+from proxy_support import ADMIN, ALPHA, BETA, MODEL, auth, settings
 
 from prefixcache.model.cpu.packed_linear import PackedLinears
 
@@ -79,18 +79,18 @@ def _raw(server) -> str:
         return admin.get("/metrics").text
 
 
-def test_metrics_are_gated_by_the_admin_key(server, tiny_model, tokenizer):
+def test_metrics_are_gated_by_the_admin_key(server, tiny_model, tokenizer, new_proxy_cache):
     with server.client() as anon, server.client(ALPHA) as tenant:
         assert anon.get("/metrics").status_code == 401
         assert tenant.get("/metrics").status_code == 403
-    app = create_app(settings(metrics_public=True), cache=make_cache(tiny_model, tokenizer))
+    app = create_app(settings(metrics_public=True), cache=new_proxy_cache(tiny_model, tokenizer))
     with TestClient(app) as client:
         assert client.get("/metrics").status_code == 200  # a separate, private scrape network
 
 
-def test_two_apps_in_one_process_have_separate_registries(tiny_model, tokenizer):
-    a = create_app(settings(), cache=make_cache(tiny_model, tokenizer))
-    b = create_app(settings(), cache=make_cache(tiny_model, tokenizer))
+def test_two_apps_in_one_process_have_separate_registries(tiny_model, tokenizer, new_proxy_cache):
+    a = create_app(settings(), cache=new_proxy_cache(tiny_model, tokenizer))
+    b = create_app(settings(), cache=new_proxy_cache(tiny_model, tokenizer))
     with TestClient(a) as ca, TestClient(b) as cb:
         ca.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 1}, headers=auth(ALPHA))
         sa = ca.get("/metrics", headers=auth(ADMIN)).text

@@ -48,10 +48,13 @@ def test_another_tenant_never_sees_the_prefix_and_body_fields_cannot_pick_one(se
     forged = chat(beta, "Same prefix", user="alpha")
     assert forged.usage.prompt_tokens_details.cached_tokens == 0
     # A made-up tenant field is refused outright, never honoured.
-    for extra in ({"tenant": "alpha"}, {"namespace": "alpha"}, {"cache_salt": "alpha"}):
+    for extra in ({"tenant": "alpha"}, {"namespace": "alpha"}):
         with pytest.raises(openai.BadRequestError) as err:
             chat(beta, "Same prefix", extra_body=extra)
         assert err.value.body["code"] == "unrecognized_argument"
+    # vLLM's cache_salt only ever splits the key's own namespace further: it reaches nobody else's.
+    salted = chat(beta, "Same prefix", extra_body={"cache_salt": "alpha"})
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
     assert server.cache.stats("alpha")["queries"] >= 2
     assert chat(alpha, "Same prefix").usage.prompt_tokens_details.cached_tokens > 0
 
@@ -179,12 +182,19 @@ def test_local_mode_needs_no_key(tiny_model, tokenizer):
         with srv.client() as http:
             r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
-            assert http.get("/metrics").status_code == 200  # local mode: the one caller is admin
-            assert http.get("/v1/cache/stats").json()["tenant"] is None
+            # Not admin unless --local-admin: its own tenant's stats and flush, no /metrics.
+            assert http.get("/metrics").status_code == 403
+            assert http.get("/v1/cache/stats").json()["tenant"] == "default"
+            assert http.delete("/v1/cache").json()["tenant"] == "default"
+            assert http.get("/v1/cache/stats", params={"tenant": "other"}).status_code == 403
             assert cache.stats("default")["queries"] == 1
         # Any key (or none) is the same single tenant.
         with srv.client("anything") as http:
             assert http.get("/v1/models").status_code == 200
+    with live(create_app(Settings(served_model_name=MODEL, local_admin=True), cache=cache)) as srv:
+        with srv.client() as http:
+            assert http.get("/metrics").status_code == 200  # --local-admin: the one caller is admin
+            assert http.get("/v1/cache/stats").json()["tenant"] is None
     cache.close()
 
 

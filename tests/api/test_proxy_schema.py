@@ -36,8 +36,8 @@ def fuzzed(tiny_model, tokenizer):
     limits = dict(max_messages=4, max_content_bytes=1024, max_tools=2, max_tool_schema_bytes=256,  # the valid chats
                   max_tool_schema_depth=3, max_stop_chars=40, max_logit_bias=3, max_json_depth=8,  # below stay within
                   max_prewarm_tokens=64)
-    app = create_app(proxy_settings(max_tokens_limit=16, default_max_tokens=4, request_timeout_seconds=30, **limits),
-                     cache=cache)
+    app = create_app(proxy_settings(max_tokens_limit=16, default_max_tokens=4, request_timeout_seconds=30, docs=True,
+                                    **limits), cache=cache)  # docs: the schema is served (off by default)
     with live(app) as srv:
         yield srv
     cache.close()

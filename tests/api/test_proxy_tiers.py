@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from prefixcache_api import create_app
-from proxy_support import ADMIN, MODEL, auth, live, make_cache, settings, wait_until
+from proxy_support import ADMIN, MODEL, auth, live, settings, wait_until
 
 from prefixcache.bench.servers import Server, free_port
 
@@ -32,7 +32,7 @@ def model_dir(tmp_path_factory, tiny_model, tokenizer):
 def serve(model_dir, *flags: str) -> Server:
     argv = [sys.executable, "-m", "prefixcache.cli", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
             "--served-model-name", MODEL, "--block-size", "16", "--default-temperature", "0", "--workers", "2",
-            "--torch-threads", "1", "--log-level", "warning", *flags]
+            "--torch-threads", "1", "--log-level", "warning", "--local-admin", *flags]  # the tiers' stats are admin's
     server = Server("prefixcache serve", argv + ["--port", str(port := free_port())], "/readyz", threads=1)
     server.start(port)
     return server
@@ -52,14 +52,14 @@ def test_restart_on_disk_and_redis_and_sharing_by_secret(model_dir, redis_server
     C on it with another secret. A and B report cached tokens and A's answer; C reports none."""
     disk = ("--tier-disk", str(tmp_path / "kv"))
     redis = ("--tier-redis", redis_server.url)
-    a = serve(model_dir, *disk, *redis, "--hash-secret", "one secret")
+    a = serve(model_dir, *disk, *redis, "--hash-secret", "one secret of the first deployment, 32+ bytes")
     try:
         answer, cached = ask(a)
         assert cached == 0
     finally:
         a.stop()
-    flags = {"a": (*disk, "--hash-secret", "one secret"), "b": (*redis, "--hash-secret", "one secret"),
-             "c": (*redis, "--hash-secret", "another secret")}
+    flags = {"a": (*disk, "--hash-secret", "one secret of the first deployment, 32+ bytes"), "b": (*redis, "--hash-secret", "one secret of the first deployment, 32+ bytes"),
+             "c": (*redis, "--hash-secret", "another secret, of a second deployment, 32+ bytes")}
     with ThreadPoolExecutor(3) as pool:  # started side by side: the machine's cores load them at once
         starts = {name: pool.submit(serve, model_dir, *f) for name, f in flags.items()}
         servers = {}
@@ -93,9 +93,9 @@ def degraded(srv) -> float | None:
     return None if found is None else float(found.group(1))
 
 
-def test_redis_stopped_mid_run_fails_no_request_and_recovers(tiny_model, tokenizer, redis_server):
-    cache = make_cache(tiny_model, tokenizer, block_size=16, tier_redis=redis_server.url, hash_secret="s",
-                       tier_write_policy="write-through")
+def test_redis_stopped_mid_run_fails_no_request_and_recovers(tiny_model, tokenizer, redis_server, new_proxy_cache):
+    cache = new_proxy_cache(tiny_model, tokenizer, block_size=16, tier_redis=redis_server.url, hash_secret="s" * 32,
+                            tier_write_policy="write-through")
     with live(create_app(settings(), cache=cache)) as srv, srv.openai("sk-alpha") as client:
         def chat(question: str):
             msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
@@ -106,19 +106,18 @@ def test_redis_stopped_mid_run_fails_no_request_and_recovers(tiny_model, tokeniz
         redis_server.stop()
         answers = [chat(f"question {i} while Redis is down") for i in range(4)]
         assert all(a.choices[0].message.content is not None for a in answers)
-        cache.flush()  # the next requests must look below the device, where Redis is down
+        cache.flush(tiers=False)  # the next requests must look below the device, where Redis is down
         assert chat("after a flush").usage.prompt_tokens_details.cached_tokens == 0
         assert degraded(srv) == 1
         redis_server.start()
 
         def recovered() -> bool:
-            cache.flush()
+            cache.flush(tiers=False)
             chat("probe")
             return degraded(srv) == 0
 
         wait_until(recovered, timeout=60, interval=0.5)
         cache.tiers.flush_writes(10)
-        cache.flush()
+        cache.flush(tiers=False)
         again = chat("probe")  # its blocks were written through after recovery, then restored
         assert again.usage.prompt_tokens_details.cached_tokens > 0
-    cache.close()

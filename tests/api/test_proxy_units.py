@@ -57,14 +57,20 @@ def test_serve_runs_uvicorn_with_flags_over_env(monkeypatch, tiny_model, tokeniz
         return cache
 
     monkeypatch.setattr(prefixcache_api, "build_cache", build_cache)
-    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, log_level: seen.update(app=app, host=host, port=port))
+    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, log_level, **options: seen.update(
+        app=app, host=host, port=port, options=options))
     monkeypatch.setenv("PREFIXCACHE_PORT", "9100")
     monkeypatch.setenv("PREFIXCACHE_ADMIN_KEY", "from-env")
-    assert main(["serve", "--port", "9200", "--api-key", "sk-x=team-x", "--log-level", "warning"]) == 0
+    assert main(["serve", "--port", "9200", "--api-key", "sk-x=team-x", "--log-level", "warning",
+                 "--limit-concurrency", "300", "--header-timeout-seconds", "3"]) == 0
     settings = seen["settings"]
     assert (seen["host"], seen["port"]) == ("127.0.0.1", 9200)  # the flag beats the env var
     assert settings.admin_key.get_secret_value() == "from-env" and settings.api_keys == {"sk-x": "team-x"}
     assert seen["app"].state.settings is settings
+    # The server's own limits reach uvicorn: connections, keep-alive, and the protocol with the header deadline.
+    options = seen["options"]
+    assert options["limit_concurrency"] == 300 and options["timeout_keep_alive"] == 5.0
+    assert options["http"].header_timeout == 3.0
 
 
 def test_serve_reports_a_missing_model_and_bad_settings_without_a_traceback(capsys):
@@ -124,8 +130,9 @@ def test_principal_scopes():
     assert admin.target(None) == "admin" and admin.target("b") == "b"
 
 
-def test_local_mode_principal_is_the_default_tenant_with_admin_rights():
-    assert KeyRing(Settings()).authenticate(None) == Principal("default", admin=True)
+def test_local_mode_principal_is_the_default_tenant_with_admin_rights_only_when_asked():
+    assert KeyRing(Settings()).authenticate(None) == Principal("default", admin=False, local=True)
+    assert KeyRing(Settings(local_admin=True)).authenticate(None) == Principal("default", admin=True, local=True)
 
 
 # -- sampling -------------------------------------------------------------------------
@@ -164,8 +171,8 @@ def test_open_server_on_a_reachable_host_is_refused(host):
     with pytest.raises(ValidationError, match="without API keys"):
         Settings(host=host)
     assert Settings(host=host, allow_insecure_no_auth=True).local_mode  # said explicitly: allowed
-    assert not Settings(host=host, admin_key="sk-admin").local_mode
-    assert not Settings(host=host, api_keys={"sk-a": "a"}).local_mode
+    assert not Settings(host=host, admin_key="sk-admin-" + "a" * 32).local_mode
+    assert not Settings(host=host, api_keys={"sk-a-" + "a" * 16: "a"}).local_mode
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"])

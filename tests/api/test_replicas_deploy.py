@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -35,6 +36,13 @@ def _replicas(compose: dict) -> dict[str, dict]:
     return {name: s for name, s in compose["services"].items() if name.startswith("replica-")}
 
 
+def redis_server_argv(script: str) -> list[str]:
+    """The ``redis-server`` arguments of the Redis container's ``sh -c`` script (its ``exec`` line)."""
+    line = next(ln for ln in script.splitlines() if ln.strip().startswith("exec redis-server"))
+    argv = shlex.split(line.split("<<", 1)[0])
+    return argv[argv.index("redis-server"):]
+
+
 def _serve_flags() -> set[str]:
     serve = build_parser()._subparsers._group_actions[0].choices["serve"]
     return {opt for action in serve._actions for opt in action.option_strings}
@@ -59,7 +67,7 @@ def test_services(compose):
     services = compose["services"]
     assert set(services) == {"redis", "replica-1", "replica-2", "router", "prometheus", "grafana"}
     assert len(_replicas(compose)) >= 2
-    assert "30000:30000" in services["router"]["ports"]
+    assert "127.0.0.1:30000:30000" in services["router"]["ports"]  # loopback only
     for name in _replicas(compose):
         assert services["router"]["depends_on"][name]["condition"] == "service_healthy"
         assert "ports" not in services[name]  # clients go through the router
@@ -71,9 +79,11 @@ def test_replica_commands_parse_and_share_one_tier_and_one_secret(compose):
     for name, replica in replicas.items():
         argv = replica["command"]
         assert argv[0] == "serve"
-        # The tier's flags are given, pointing at the compose Redis.
-        tier = argv[argv.index("--tier-redis") + 1]
-        assert re.fullmatch(r"redis://redis:6379/\d+", tier), tier
+        # The tier's URL comes from the environment (it carries Redis' password: never on a command line),
+        # pointing at the compose Redis with the password compose requires.
+        assert "--tier-redis" not in argv
+        tier = replica["environment"]["PREFIXCACHE_TIER_REDIS"]
+        assert re.fullmatch(r"redis://:\$\{REDIS_PASSWORD:\?.+\}@redis:6379/\d+", tier), tier
         assert int(argv[argv.index("--tier-redis-bytes") + 1]) > 0
         # Written through: a prefix reaches Redis when cached, not when evicted (a crash would lose it).
         assert argv[argv.index("--tier-write-policy") + 1] == "write-through"
@@ -87,7 +97,7 @@ def test_replica_commands_parse_and_share_one_tier_and_one_secret(compose):
         # The admin key and the hash secret are required, never defaulted, never in the file.
         for key in ("PREFIXCACHE_ADMIN_KEY", "PREFIXCACHE_HASH_SECRET"):
             assert re.fullmatch(rf"\$\{{{key}:\?.+\}}", env[key]), key
-    redis = compose["services"]["redis"]["command"]
+    redis = redis_server_argv(compose["services"]["redis"]["command"][-1])
     assert redis[redis.index("--maxmemory-policy") + 1] == "allkeys-lru"
 
 
@@ -99,7 +109,7 @@ def test_router_command_parses_with_explicit_workers_and_loopback_free_binds(com
     assert args.worker_urls == [f"http://{name}:8000" for name in _replicas(compose)]
     assert args.policy == "cache_aware" and args.balance_abs_threshold < 64  # see docs/deployment.md
     assert args.host == "0.0.0.0" and args.prometheus_host == "0.0.0.0"  # reachable from the other containers
-    assert f"{args.port}:{args.port}" in router["ports"]
+    assert f"127.0.0.1:{args.port}:{args.port}" in router["ports"]
     dockerfile = (HERE / router["build"]["dockerfile"]).read_text()
     pinned = re.search(r'"sglang-router==([\w.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
     assert re.search(rf"^ARG SGLANG_ROUTER_VERSION={re.escape(pinned)}$", dockerfile, re.M)
@@ -184,17 +194,24 @@ def test_k8s_replicas_run_the_compose_replicas_command_with_secrets_from_one_sec
     headless = _service_for(k8s, sts["spec"]["serviceName"], sts)
     assert headless["spec"]["clusterIP"] == "None"  # one DNS name per replica
     assert [p["targetPort"] for p in headless["spec"]["ports"]] == [args.port]
-    redis = urlparse(argv[argv.index("--tier-redis") + 1])
+    env = {e["name"]: e for e in container["env"]}
+    redis = urlparse(env["PREFIXCACHE_TIER_REDIS"]["value"])  # the URL comes from the environment, as in compose
+    assert "--tier-redis" not in argv and redis.password == "$(REDIS_PASSWORD)"
     redis_pod = _pod(k8s["Deployment", redis.hostname])
     assert redis.port in [p["port"] for p in _service_for(k8s, redis.hostname, k8s["Deployment", redis.hostname])
                           ["spec"]["ports"]]
     assert redis.port in [p["containerPort"] for p in redis_pod["ports"]]
-    assert redis_pod["args"][redis_pod["args"].index("--maxmemory-policy") + 1] == "allkeys-lru"
-    env = {e["name"]: e for e in container["env"]}
+    redis_argv = redis_server_argv(redis_pod["args"][-1])
+    assert redis_argv[redis_argv.index("--maxmemory-policy") + 1] == "allkeys-lru"
+    # Redis runs the compose file's script (compose writes a shell `$` as `$$`).
+    assert redis_pod["args"] == [a.replace("$$", "$") for a in compose["services"]["redis"]["command"]]
     fields = {f"{ENV_PREFIX}{n.upper()}" for n in Settings.model_fields}
-    assert set(env) <= fields | TIER_ENV, set(env) - fields - TIER_ENV
-    secrets = {env[k]["valueFrom"]["secretKeyRef"]["name"] for k in ("PREFIXCACHE_ADMIN_KEY", "PREFIXCACHE_HASH_SECRET")}
-    assert len(secrets) == 1 and all("value" not in env[k] for k in ("PREFIXCACHE_ADMIN_KEY", "PREFIXCACHE_HASH_SECRET"))
+    assert set(env) <= fields | TIER_ENV | {"REDIS_PASSWORD"}, set(env) - fields - TIER_ENV
+    # $(REDIS_PASSWORD) in the URL expands only to a variable defined before it.
+    assert list(env).index("REDIS_PASSWORD") < list(env).index("PREFIXCACHE_TIER_REDIS")
+    secret_env = ("PREFIXCACHE_ADMIN_KEY", "PREFIXCACHE_HASH_SECRET", "REDIS_PASSWORD")
+    secrets = {env[k]["valueFrom"]["secretKeyRef"]["name"] for k in secret_env}
+    assert len(secrets) == 1 and all("value" not in env[k] for k in secret_env)
     assert ("Secret", secrets.pop()) not in k8s  # created from the command line, never kept in the file
     paths = {route.path for route in [*router.routes, *replica.routes]}
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):

@@ -21,12 +21,18 @@ from prefixcache.admin import FanOut
 from prefixcache.bench.fleet import ADMIN_KEY, SharedTier, fleet, healthy, shared_redis, tiny_model_folder, wait_for
 from prefixcache.bench.replicas import MODEL_NAME, Call, compare, drive, group_keys, measure, send, workload
 from prefixcache.cli import main
+from tests.conftest import STEP_DELAY
+from tests.step_hooks import replica_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 GROUPS, QUESTIONS, SYSTEM_REPEAT = 3, 4, 16  # an odd number of groups: round-robin splits them
 #: New tokens of the answers in flight when a replica is killed.
 LONG = 300
 RUNS = ("one replica", "router: cache_aware", "router: round_robin")
+#: Seconds each replica step takes at least. The router spreads new prefixes by load alone (with none in
+#: flight, every group goes to one replica), so an answer (4 tokens: 4 steps, >= 0.2 s) must still run
+#: when the next group starts (50 ms later, ``drive``'s stagger), however fast the machine.
+REPLICA_STEP = 0.05
 
 
 @pytest.fixture(scope="module", params=["none", "redis"])
@@ -40,7 +46,7 @@ def shared_tier(request) -> Iterator[SharedTier]:
 def replicas(shared_tier, tokenizer):
     with tiny_model_folder(tokenizer) as folder, fleet(
             folder, group_keys(GROUPS), 2, replica_args=("--served-model-name", MODEL_NAME, *shared_tier.replica_args),
-            replica_env=shared_tier.replica_env) as running:
+            replica_env=shared_tier.replica_env, cli=replica_cli(REPLICA_STEP + STEP_DELAY)) as running:
         yield running
 
 

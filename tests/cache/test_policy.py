@@ -17,9 +17,9 @@ class Abort(RuntimeError):
     pass
 
 
-def test_thousand_requests_with_random_aborts(llama):
-    per_token = PrefixCache(llama, None, start_sweeper=False).bytes_per_token
-    cache = PrefixCache(llama, None, CacheConfig(block_size=4, max_bytes=per_token * 300), start_sweeper=False)
+def test_thousand_requests_with_random_aborts(llama, new_cache):
+    per_token = new_cache(llama, None, start_sweeper=False).bytes_per_token
+    cache = new_cache(llama, None, CacheConfig(block_size=4, max_bytes=per_token * 300), start_sweeper=False)
     rng = random.Random(0)
     bases = [[rng.randrange(2, 300) for _ in range(40)] for _ in range(5)]
     aborted = completed = 0
@@ -77,18 +77,18 @@ def test_background_sweeper_frees_expired_prefixes(llama, clock):
         cache.close()
 
 
-def test_admission_check(llama):
-    per_token = PrefixCache(llama, None, start_sweeper=False).bytes_per_token
-    cache = PrefixCache(llama, None, CacheConfig(max_bytes=per_token * 100), start_sweeper=False)
+def test_admission_check(llama, new_cache):
+    per_token = new_cache(llama, None, start_sweeper=False).bytes_per_token
+    cache = new_cache(llama, None, CacheConfig(max_bytes=per_token * 100), start_sweeper=False)
     assert cache.can_admit(100) and not cache.can_admit(101)
     cache.warm(list(range(10, 70)), pin=True, privileged=True)  # the operator: no pin quota
     assert cache.can_admit(40) and not cache.can_admit(41)
 
 
 @pytest.mark.parametrize("budget_tokens", [0, 3])
-def test_budget_smaller_than_one_snapshot_serves_uncached(llama, budget_tokens):
-    per_token = PrefixCache(llama, None, start_sweeper=False).bytes_per_token
-    cache = PrefixCache(llama, None, CacheConfig(max_bytes=per_token * budget_tokens), start_sweeper=False)
+def test_budget_smaller_than_one_snapshot_serves_uncached(llama, budget_tokens, new_cache):
+    per_token = new_cache(llama, None, start_sweeper=False).bytes_per_token
+    cache = new_cache(llama, None, CacheConfig(max_bytes=per_token * budget_tokens), start_sweeper=False)
     prompt = torch.tensor([list(range(10, 40))])
     expected = untouched(llama).generate(prompt, max_new_tokens=3, do_sample=False)
     for _ in range(2):

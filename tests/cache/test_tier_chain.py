@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tests.cache.store_helpers import NS, insert, kv_value, lease_values, make_store
-from tests.cache.tier_helpers import SECRET, block_files, disk_chain, prefix_files, shape
+from tests.cache.tier_helpers import OTHER_SECRET, SECRET, block_files, disk_chain, prefix_files, shape
 
 from prefixcache.cache.tiers import TierChain
 from prefixcache.cache.tiers.codec import BlockKeys, BlockMeta
@@ -79,8 +79,9 @@ def test_other_tenant_and_other_secret_never_hit(tiered, tmp_path, clock):
     evict_all(store)
     chain.flush_writes(5)
     assert restore(store, "b", SEQ).cached_tokens == 0
+    chain.close()  # one process per directory
     other = make_store(clock, blocks_budget=8)
-    other_chain = disk_chain(tmp_path, secret=b"another secret")
+    other_chain = disk_chain(tmp_path, secret=OTHER_SECRET)
     other.attach(other_chain)
     assert restore(other, "a", SEQ).cached_tokens == 0
     other_chain.close()
@@ -168,8 +169,8 @@ def corrupt(files, how: str, other_dir=None):
         path.write_bytes(data)
     elif how == "swap":  # two blocks' payloads exchanged (same sizes, headers kept)
         other = bytearray(files[3].read_bytes())
-        cut = len(data) - 16 - 32
-        path.write_bytes(data[:cut] + other[cut:-16] + data[-16:])
+        cut = len(data) - 32 - 32  # the MAC, then the 32 bytes of KV before it
+        path.write_bytes(data[:cut] + other[cut:-32] + data[-32:])
     elif how == "other-model":  # a block of another model's namespace placed under this key
         os.replace(other_dir, path)
 
@@ -270,6 +271,18 @@ def test_host_tier_refuses_a_block_of_another_namespace(clock):
                                    entry.nbytes)
     assert restore(store, "a", SEQ).cached_tokens == 0 and chain.stats()["host"]["corrupt_entries"] == 1
     assert key not in host._index
+    chain.close()
+
+
+def test_a_purge_empties_the_host_tier_of_one_tenant(clock):
+    store, chain, host = host_chain(clock, 20)
+    insert(store, "b", [300] * 8)
+    insert(store, "c", [201] * 32)  # pushes b's blocks down too
+    chain.flush_writes(5)
+    before = chain.stats()["host"]["entries"]
+    assert chain.purge("a") == 6 and chain.stats()["host"]["entries"] == before - 6
+    assert restore(store, "a", SEQ).cached_tokens == 0
+    assert chain.purge() == before - 6 and chain.stats()["host"]["entries"] == 0
     chain.close()
 
 

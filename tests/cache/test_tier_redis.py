@@ -3,27 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from prefixcache.cache.tiers import TierChain
 from prefixcache.cache.tiers.codec import BlockKeys
-from prefixcache.cache.tiers.redis_tier import PREFIX, RedisTier
+from prefixcache.cache.tiers.redis_tier import PREFIX
 from tests.cache.store_helpers import NS, insert, kv_value, lease_values, make_store
-from tests.cache.tier_helpers import SECRET, shape
+from tests.cache.tier_helpers import OTHER_SECRET, SECRET, Monotonic, redis_chain, shape
 
 SEQ = list(range(10, 34))  # 6 blocks of 4
-
-
-class Monotonic:
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
-
-
-def redis_chain(url, secret=SECRET, budget=1 << 20, monotonic=None, policy="write-through"):
-    wall = lambda: 1_000_000.0  # noqa: E731
-    tier = RedisTier(url, budget, wall, monotonic or Monotonic())
-    return TierChain([tier], BlockKeys(secret, shape().name), shape(), write_policy=policy, clock=wall)
 
 
 def restore(store, tokens, tenant="a"):
@@ -58,7 +43,7 @@ def test_another_process_with_the_same_secret_restores_it(writer, redis_server, 
 
 def test_another_secret_or_tenant_never_hits(writer, redis_server, clock):
     reader = make_store(clock, blocks_budget=100)
-    chain = redis_chain(redis_server.url, secret=b"another secret")
+    chain = redis_chain(redis_server.url, secret=OTHER_SECRET)
     reader.attach(chain)
     assert restore(reader, SEQ).cached_tokens == 0
     same = redis_chain(redis_server.url)

@@ -7,26 +7,53 @@ from prefixcache.cache.tiers import KVShape, TierChain
 from prefixcache.cache.tiers.codec import BlockKeys
 from prefixcache.cache.tiers.disk import DiskTier
 
-SECRET = b"test-secret"
+SECRET = b"test-secret-of-at-least-32-bytes"
+OTHER_SECRET = b"another-deployment-s-32-b-secret"
 
 
 def shape(block_size: int = 4) -> KVShape:
     return KVShape(1, 1, 1, block_size, torch.float32, torch.device("cpu"))
 
 
+def keys(secret: bytes = SECRET, block_size: int = 4) -> BlockKeys:
+    return BlockKeys(secret, shape(block_size).name)
+
+
 def disk_chain(path, block_size: int = 4, budget: int = 1 << 20, clock=None, policy: str = "write-back",
-               secret: bytes = SECRET, queue_bytes: int = 1 << 20) -> TierChain:
+               secret: bytes = SECRET, queue_bytes: int = 1 << 20, encrypt: bool = False) -> TierChain:
     wall = clock if clock is not None else (lambda: 1_000_000.0)
     tier = DiskTier(path, budget, wall)
-    return TierChain([tier], BlockKeys(secret, shape(block_size).name), shape(block_size), write_policy=policy,
-                     queue_bytes=queue_bytes, clock=wall)
+    return TierChain([tier], keys(secret, block_size), shape(block_size), write_policy=policy,
+                     queue_bytes=queue_bytes, clock=wall, encrypt=encrypt)
 
 
 def block_files(path) -> list:
-    return sorted((path / "blocks").glob("*/*.kv"))
+    return sorted((path / "blocks").glob("*/*/*.kv"))
 
 
-def prefix_files(path, namespace, tokens, block_size: int = 4, secret: bytes = SECRET) -> list:
-    """Where a disk tier under ``path`` keeps the full blocks of ``tokens`` (whether they exist or not)."""
-    keys = BlockKeys(secret, shape(block_size).name).blocks(namespace, tokens, block_size, len(tokens) // block_size)
-    return [path / "blocks" / k.hex()[:2] / f"{k.hex()}.kv" for k in keys[1:]]
+def prefix_files(path, namespace, tokens, block_size: int = 4, secret: bytes = SECRET, tenant=None) -> list:
+    """Where a disk tier under ``path`` keeps the full blocks of ``tokens`` (whether they exist or not); the
+    tenant is the namespace's first part unless given."""
+    k = keys(secret, block_size)
+    chain = k.blocks(namespace, tokens, block_size, len(tokens) // block_size)
+    tag = k.tenant_tag(namespace[0] if tenant is None else tenant)
+    return [path / "blocks" / tag / c.hex()[:2] / f"{c.hex()}.kv" for c in chain[1:]]
+
+
+class Monotonic:
+    """A settable monotonic clock: backoffs pass when a test says so."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def redis_chain(url, secret: bytes = SECRET, budget: int = 1 << 20, monotonic=None, policy: str = "write-through",
+                encrypt: bool = False) -> TierChain:
+    from prefixcache.cache.tiers.redis_tier import RedisTier
+
+    wall = lambda: 1_000_000.0  # noqa: E731
+    tier = RedisTier(url, budget, wall, monotonic or Monotonic())
+    return TierChain([tier], keys(secret), shape(), write_policy=policy, clock=wall, encrypt=encrypt)

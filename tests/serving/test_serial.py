@@ -20,8 +20,8 @@ def forwarded_tokens(model):
     return seen, handle
 
 
-def test_hit_forwards_only_the_suffix(llama):
-    cache = PrefixCache(llama, None, CacheConfig(block_size=8), start_sweeper=False)
+def test_hit_forwards_only_the_suffix(llama, new_cache):
+    cache = new_cache(llama, None, CacheConfig(block_size=8), start_sweeper=False)
     system = list(range(5, 105))
     cache.generate(torch.tensor([system + [200, 201]]), max_new_tokens=3, do_sample=False)
     prompt = system + [210, 211, 212, 213, 214, 215, 216]
@@ -36,8 +36,8 @@ def test_hit_forwards_only_the_suffix(llama):
     assert seen[1:] == [1, 1]  # then one token per decode step
 
 
-def test_exact_repeat_recomputes_only_last_token(llama):
-    cache = PrefixCache(llama, None, start_sweeper=False)
+def test_exact_repeat_recomputes_only_last_token(llama, new_cache):
+    cache = new_cache(llama, None, start_sweeper=False)
     prompt = torch.tensor([list(range(30, 90))])
     cache.generate(prompt, max_new_tokens=2, do_sample=False)
     seen, handle = forwarded_tokens(llama)
@@ -52,8 +52,8 @@ def _checksums(cache: PrefixCache) -> dict[int, torch.Tensor]:
     return {id(n): n.kv.clone() for n in cache.store.trie.iter_nodes()}
 
 
-def test_snapshots_unchanged_after_reuse_including_threads(llama):
-    cache = PrefixCache(llama, None, CacheConfig(block_size=8, cache_generated=False), start_sweeper=False)
+def test_snapshots_unchanged_after_reuse_including_threads(llama, new_cache):
+    cache = new_cache(llama, None, CacheConfig(block_size=8, cache_generated=False), start_sweeper=False)
     system = list(range(40, 140))
     cache.warm(system)
     before = _checksums(cache)
@@ -77,8 +77,8 @@ def test_snapshots_unchanged_after_reuse_including_threads(llama):
     cache.check_integrity()
 
 
-def test_other_tenant_gets_nothing(llama):
-    cache = PrefixCache(llama, None, start_sweeper=False)
+def test_other_tenant_gets_nothing(llama, new_cache):
+    cache = new_cache(llama, None, start_sweeper=False)
     prompt = torch.tensor([list(range(10, 80))])
     cache.generate(prompt, max_new_tokens=2, do_sample=False, tenant="acme")
     cache.generate(prompt, max_new_tokens=2, do_sample=False, tenant="globex")
@@ -88,11 +88,11 @@ def test_other_tenant_gets_nothing(llama):
     assert cache.stats("globex")["hits"] == 0 and cache.stats("acme")["hits"] == 1
 
 
-def test_other_model_revision_gets_nothing(llama):
+def test_other_model_revision_gets_nothing(llama, new_cache):
     """Same tokens, same store, another revision of the weights: no KV is shared."""
     other = build_tiny("llama-gqa", seed=1)
     assert model_fingerprint(other) != model_fingerprint(llama)
-    cache = PrefixCache(llama, None, start_sweeper=False)
+    cache = new_cache(llama, None, start_sweeper=False)
     tokens = list(range(10, 80))
     cache.warm(tokens)
     foreign = ("default", *model_fingerprint(other), cache.namespace("default")[-1])
@@ -104,12 +104,12 @@ def test_other_model_revision_gets_nothing(llama):
     cache.store.release(lease)
 
 
-def test_namespace_parts_cannot_alias(llama):
+def test_namespace_parts_cannot_alias(llama, new_cache):
     """("a", "bc") and ("ab", "c") join to one string. Roots differ by hash (length prefixes),
     and with every hash colliding the namespace tuple still keeps them apart."""
-    cache = PrefixCache(llama, None, CacheConfig(namespace_extra=("a", "bc")), start_sweeper=False)
+    cache = new_cache(llama, None, CacheConfig(namespace_extra=("a", "bc")), start_sweeper=False)
     assert cache.store.trie.hasher.root(("a", "bc")) != cache.store.trie.hasher.root(("ab", "c"))
-    colliding = PrefixCache(llama, None, CacheConfig(namespace_extra=("a", "bc")), hash_fn=lambda data, seed: 7,
+    colliding = new_cache(llama, None, CacheConfig(namespace_extra=("a", "bc")), hash_fn=lambda data, seed: 7,
                             start_sweeper=False)
     tokens = list(range(10, 50))
     colliding.warm(tokens)
@@ -122,8 +122,8 @@ def test_namespace_parts_cannot_alias(llama):
         colliding.store.release(lease)
 
 
-def test_options_the_cache_cannot_serve_bypass_it(llama):
-    cache = PrefixCache(llama, None, start_sweeper=False)
+def test_options_the_cache_cannot_serve_bypass_it(llama, new_cache):
+    cache = new_cache(llama, None, start_sweeper=False)
     prompt = torch.tensor([list(range(10, 40))])
     cache.generate(prompt, max_new_tokens=2, do_sample=False)
     expected = untouched(llama).generate(prompt, max_new_tokens=3, num_beams=2, do_sample=False)
@@ -133,8 +133,8 @@ def test_options_the_cache_cannot_serve_bypass_it(llama):
     assert cache.stats()["bypassed"] == 1
 
 
-def test_return_dict_and_scores_match(llama):
-    cache = PrefixCache(llama, None, start_sweeper=False)
+def test_return_dict_and_scores_match(llama, new_cache):
+    cache = new_cache(llama, None, start_sweeper=False)
     prompt = torch.tensor([list(range(10, 60))])
     cache.generate(prompt, max_new_tokens=2, do_sample=False)
     kw = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_scores=True)
@@ -145,8 +145,8 @@ def test_return_dict_and_scores_match(llama):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_padded_batch_rows_equal_single_prompts(llama):
-    cache = PrefixCache(llama, None, start_sweeper=False)
+def test_padded_batch_rows_equal_single_prompts(llama, new_cache):
+    cache = new_cache(llama, None, start_sweeper=False)
     rows = [list(range(10, 40)), list(range(10, 30)) + [99, 98]]
     width = max(map(len, rows))
     ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
@@ -161,14 +161,14 @@ def test_padded_batch_rows_equal_single_prompts(llama):
 
 
 @pytest.mark.parametrize("bad", [[], [[]], [[1, 2], [3]], [[-1, 2]], [[10**9]], "text"])
-def test_bad_input_ids_raise_clear_errors(llama, bad):
-    cache = PrefixCache(llama, None, start_sweeper=False)
+def test_bad_input_ids_raise_clear_errors(llama, bad, new_cache):
+    cache = new_cache(llama, None, start_sweeper=False)
     with pytest.raises(InvalidRequestError):
         cache.generate(bad, max_new_tokens=2)
 
 
-def test_exception_mid_generation_releases_pins(llama):
-    cache = PrefixCache(llama, None, start_sweeper=False)
+def test_exception_mid_generation_releases_pins(llama, new_cache):
+    cache = new_cache(llama, None, start_sweeper=False)
     prompt = torch.tensor([list(range(10, 60))])
     cache.generate(prompt, max_new_tokens=2, do_sample=False)
 

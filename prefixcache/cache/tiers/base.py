@@ -15,12 +15,16 @@ from typing import Any, Protocol
 import torch
 from cachetools import TLRUCache
 
-from prefixcache.cache.tiers.codec import BlockMeta
+from prefixcache.cache.tiers.codec import BlockCodec, BlockMeta
 
 #: Upper bounds (seconds) of the restore-time histogram buckets (the last bucket is +Inf).
 RESTORE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 #: Counters every tier keeps (``TierStats.snapshot`` keys besides the gauges and the histogram).
 COUNTERS = ("hits", "misses", "restores", "restored_bytes", "write_backs", "failed_writes", "corrupt_entries")
+
+
+class TierUnavailable(RuntimeError):
+    """A tier cannot take a write now (unreachable, failing, or backing off): the write is counted as failed."""
 
 
 class TierStats:
@@ -67,13 +71,16 @@ class Tier(Protocol):
     def put(self, meta: BlockMeta, kv: torch.Tensor, encoded: Callable[[], bytes]) -> bool:
         """Store one block (``encoded()`` gives its bytes, made once for all tiers). Whether it was stored."""
 
-    def load_run(self, metas: Sequence[BlockMeta], dtype: torch.dtype, shape: tuple[int, ...]) -> list[torch.Tensor]:
-        """The KV of the longest leading run of ``metas`` stored here and verified (``[L, 2, H, n, D]``
-        each, on the CPU or the device). A block that fails verification is deleted, counted in
-        ``corrupt_entries`` and ends the run."""
+    def load_run(self, metas: Sequence[BlockMeta], codec: BlockCodec) -> list[torch.Tensor]:
+        """The KV of the longest leading run of ``metas`` stored here and verified by ``codec``
+        (``[L, 2, H, n, D]`` each, on the CPU or the device). A block that fails verification is
+        deleted, counted in ``corrupt_entries`` and ends the run."""
+
+    def purge(self, tenant: str | None) -> int:
+        """Delete the blocks of ``tenant`` (a ``BlockKeys.tenant_tag``; None: every block). Blocks deleted."""
 
     def figures(self) -> dict[str, Any]:
-        """Gauges: ``bytes``, ``budget_bytes``, ``entries``, ``degraded`` (0 or 1)."""
+        """Gauges: ``bytes``, ``budget_bytes``, ``entries``, ``degraded`` (0 or 1). Never raises."""
 
     def close(self) -> None:
         """Release connections and files (idempotent)."""
@@ -91,20 +98,34 @@ class IndexedTier:
         with self._lock:
             return key in self._index
 
-    def load_run(self, metas: Sequence[BlockMeta], dtype: torch.dtype, shape: tuple[int, ...]) -> list[torch.Tensor]:
+    def load_run(self, metas: Sequence[BlockMeta], codec: BlockCodec) -> list[torch.Tensor]:
         out = []
         for meta in metas:
             with self._lock:
                 entry = self._index.get(meta.key)
-            kv = None if entry is None else self._load(meta, entry, dtype, shape)
+            kv = None if entry is None else self._load(meta, entry, codec)
             if kv is None:
                 break
             out.append(kv)
         return out
 
-    def _load(self, meta: BlockMeta, entry: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+    def _load(self, meta: BlockMeta, entry: Any, codec: BlockCodec) -> torch.Tensor | None:
         """The block's KV, verified; None (the entry forgotten, and counted if corrupt) if it is not usable."""
         raise NotImplementedError
+
+    def purge(self, tenant: str | None) -> int:
+        with self._lock:
+            self._index.expire()  # expired entries go through ``on_drop`` as usual
+            doomed = [(key, entry) for key, entry in list(self._index.items())
+                      if tenant is None or entry.tenant == tenant]
+            for key, _ in doomed:
+                del self._index[key]
+        for key, entry in doomed:
+            self._purged(key, entry)
+        return len(doomed)
+
+    def _purged(self, key: bytes, entry: Any) -> None:
+        """Free what ``entry`` holds outside the index (a file); nothing by default."""
 
     def _forget(self, key: bytes, entry: Any) -> None:
         """Drop ``key`` from the index if it still maps to ``entry``."""

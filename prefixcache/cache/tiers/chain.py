@@ -10,7 +10,9 @@ the longest verified run it holds from where the tiers above it stopped.
 
 Tiers are inclusive: a block is written to every tier that does not hold it yet, so a
 block dropped from a faster tier is usually still in a slower one. Only full blocks go
-down (a partial last block is recomputed: at most ``block_size - 1`` tokens).
+down (a partial last block is recomputed: at most ``block_size - 1`` tokens). Every block
+is sealed and opened by one ``BlockCodec`` (a MAC keyed from the secret, optionally
+encryption). ``purge`` deletes a tenant's blocks from every tier, for a flush to reach them.
 """
 from __future__ import annotations
 
@@ -27,11 +29,11 @@ import torch
 from prefixcache.cache.handles import EvictedSnapshot
 from prefixcache.cache.policy import OFFLOAD_REASONS
 from prefixcache.cache.tiers.base import Tier
-from prefixcache.cache.tiers.codec import BlockKeys, BlockMeta, encode
+from prefixcache.cache.tiers.codec import BlockCodec, BlockKeys, BlockMeta
 from prefixcache.config import WRITE_POLICIES
+from prefixcache.errors import TierPurgeError
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,11 +58,12 @@ class KVShape:
 class TierChain:
     def __init__(self, tiers: Sequence[Tier], keys: BlockKeys, shape: KVShape, *, write_policy: str = "write-back",
                  queue_bytes: int = 256 << 20, clock: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic):
+                 monotonic: Callable[[], float] = time.monotonic, encrypt: bool = False):
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {WRITE_POLICIES}")
         self.tiers = list(tiers)
         self.keys, self.shape = keys, shape
+        self.codec = BlockCodec(keys, shape.dtype, shape.block(), encrypt=encrypt)
         self.write_through = write_policy == "write-through"
         self.queue_bytes = queue_bytes
         self._clock, self._monotonic = clock, monotonic
@@ -145,12 +148,12 @@ class TierChain:
         index = snap.start // bs
         keys = self.keys.blocks(snap.namespace, snap.tokens, bs, index + 1)
         meta = BlockMeta(keys[index + 1], keys[index], self.keys.namespace_tag(snap.namespace),
-                         tuple(snap.tokens[snap.start:]), expires)
+                         tuple(snap.tokens[snap.start:]), expires, self.keys.tenant_tag(snap.tenant))
         blob: list[bytes] = []
 
         def encoded() -> bytes:
             if not blob:
-                blob.append(encode(meta, snap.kv))
+                blob.append(self.codec.encode(meta, snap.kv))
             return blob[0]
 
         written = 0
@@ -190,7 +193,7 @@ class TierChain:
                 break
             start = self._monotonic()
             try:
-                got = tier.load_run(metas[len(parts):], self.shape.dtype, self.shape.block())
+                got = tier.load_run(metas[len(parts):], self.codec)
             except Exception as exc:  # noqa: BLE001 - a broken tier is a miss, never a failed request
                 log.warning("tier %s: lookup failed: %s", tier.name, exc)
                 got = []
@@ -212,9 +215,45 @@ class TierChain:
             if sweep is not None:
                 sweep()
 
+    def purge(self, tenant: str | None = None, timeout: float = 30.0) -> int:
+        """Delete ``tenant``'s blocks (None: every tenant's) from every tier, so a flushed prefix does not come
+        back from below: writes of them still queued are dropped, the one being written is waited for
+        (at most ``timeout`` seconds), then each tier deletes them. Returns the blocks deleted. A tier
+        that cannot be reached raises ``TierPurgeError`` after the others were purged."""
+        with self._cv:
+            kept: deque[tuple[EvictedSnapshot, float | None]] = deque()
+            for snap, expires in self._queue:
+                if tenant is None or snap.tenant == tenant:
+                    self._pending -= snap.kv.numel() * snap.kv.element_size()
+                else:
+                    kept.append((snap, expires))
+            self._queue = kept
+            self._cv.notify_all()
+        self.flush_writes(timeout)
+        tag = None if tenant is None else self.keys.tenant_tag(tenant)
+        deleted, failed = 0, []
+        for tier in self.tiers:
+            try:
+                deleted += tier.purge(tag)
+            except Exception as exc:  # noqa: BLE001 - purge the other tiers all the same
+                log.warning("tier %s: purge failed: %s", tier.name, exc)
+                failed.append(tier.name)
+        if failed:
+            raise TierPurgeError(f"the {', '.join(failed)} tier(s) could not be purged; their blocks remain "
+                                 "until their TTL or LRU drops them, or a later purge")
+        return deleted
+
     def stats(self) -> dict[str, dict[str, Any]]:
-        """Per tier: gauges (bytes, budget, entries, degraded) and counters (``TierStats``)."""
-        return {tier.name: {**tier.figures(), **tier.stats.snapshot()} for tier in self.tiers}
+        """Per tier: gauges (bytes, budget, entries, degraded) and counters (``TierStats``). Never raises."""
+        out = {}
+        for tier in self.tiers:
+            try:
+                figures = tier.figures()
+            except Exception as exc:  # noqa: BLE001 - a scrape must not fail on a tier: report it degraded
+                log.warning("tier %s: figures failed: %s", tier.name, exc)
+                figures = {"bytes": 0, "budget_bytes": 0, "entries": 0, "degraded": 1}
+            out[tier.name] = {**figures, **tier.stats.snapshot()}
+        return out
 
     def close(self) -> None:
         with self._cv:

@@ -1,21 +1,25 @@
 """Local-disk tier: one file per block under a directory, indexed in memory.
 
-A block is written to a temporary file and renamed into place, so a partial write is
-never readable under a block's name. At start-up the index is rebuilt from the files'
-headers (a few hundred bytes each, no KV read), least recently used first by
-modification time; a restore re-reads the whole file and verifies it (``codec.decode``).
-TTLs travel in the header: an expired block is a miss at read time and is deleted by the
-sweep (``figures``/``sweep``). A full disk (``ENOSPC``/``EDQUOT``) stops writes for a
-while; reads go on.
+The directory is claimed first (``files.claim``: owner-only, a marker, an exclusive lock),
+and nothing in it is deleted before that. Blocks live under ``blocks/<tenant tag>/``, so a
+tenant's blocks can be purged after a restart too; each is written (mode 0600) to a
+temporary file and renamed into place, so a partial write is never readable under a
+block's name. At start-up the index is rebuilt from the files' fixed-size prefixes (expiry
+and length, no header or KV read), least recently used first by modification time; a
+restore checks the file's size before reading it, then reads and verifies it whole
+(``BlockCodec.decode``). TTLs travel with the blocks: an expired block is a miss at read time
+and is deleted by the sweep (``figures``/``sweep``). A full disk (``ENOSPC``/``EDQUOT``)
+stops writes for a while; reads go on.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
-import json
 import logging
 import os
 import secrets
-import struct
+import shutil
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -25,15 +29,17 @@ from typing import Any
 
 import torch
 
+from prefixcache.cache.tiers import files
 from prefixcache.cache.tiers.base import BlockIndex, IndexedTier, TierStats
-from prefixcache.cache.tiers.codec import MAGIC, BlockMeta, CorruptBlock, decode, expires_at
+from prefixcache.cache.tiers.codec import KEY_BYTES, PREFIX, BlockCodec, BlockMeta, CorruptBlock, read_prefix
 
 log = logging.getLogger(__name__)
 
 SUFFIX = ".kv"
 #: Seconds writes stay off after the disk reported itself full.
 FULL_BACKOFF_SECONDS = 30.0
-_HEAD = len(MAGIC) + 4
+#: The directory of blocks written without a tenant tag.
+NO_TENANT = "_"
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +47,7 @@ class _Entry:
     path: Path
     nbytes: int
     expires_at: float | None
+    tenant: str = ""
 
 
 class DiskTier(IndexedTier):
@@ -55,30 +62,41 @@ class DiskTier(IndexedTier):
         self._full_until = 0.0
         self._blocks = self.root / "blocks"
         self._tmp = self.root / "tmp"
-        for d in (self._blocks, self._tmp):
-            d.mkdir(parents=True, exist_ok=True)
-        for leftover in self._tmp.iterdir():  # writes a crash interrupted: never renamed, never readable
-            leftover.unlink(missing_ok=True)
-        self._index = BlockIndex(max_bytes, clock, self._drop)
-        self.rebuilt_entries = self._rebuild()
+        self._lock_fd: int | None = files.claim(self.root)  # before anything in the directory is touched
+        try:
+            for d in (self._blocks, self._tmp):
+                files.private_dir(d)
+            for leftover in self._tmp.iterdir():  # writes a crash interrupted: never renamed, never readable
+                leftover.unlink(missing_ok=True)
+            self._index = BlockIndex(max_bytes, clock, self._drop)
+            self.rebuilt_entries = self._rebuild()
+        except BaseException:
+            self.close()
+            raise
+
+    def own_secret(self) -> bytes:
+        """The directory's own random secret (used when no hash secret is configured)."""
+        return files.own_secret(self.root)
 
     # -- start-up ------------------------------------------------------------------
     def _rebuild(self) -> int:
-        """Index every block file by its header, oldest modification first (so LRU order survives)."""
+        """Index every block file by its prefix, oldest modification first (so LRU order survives)."""
         found = []
-        for path in self._blocks.glob(f"*/*{SUFFIX}"):
+        for path in self._blocks.glob(f"*/*/*{SUFFIX}"):
             try:
-                stat = path.stat()
+                st = path.lstat()
+                if not stat.S_ISREG(st.st_mode):
+                    raise CorruptBlock("not a regular file")
                 with path.open("rb") as f:
-                    head = f.read(_HEAD)
-                    if len(head) != _HEAD or head[: len(MAGIC)] != MAGIC:
-                        raise CorruptBlock("bad magic")
-                    (size,) = struct.unpack_from("<I", head, len(MAGIC))
-                    header = _json(f.read(size))
+                    prefix = read_prefix(f.read(PREFIX.size))
+                if prefix.total_bytes != st.st_size:
+                    raise CorruptBlock("size does not match its prefix")
                 key = bytes.fromhex(path.stem)
-                found.append((stat.st_mtime, key, _Entry(path, stat.st_size, expires_at(header))))
-            except (OSError, ValueError, CorruptBlock):
-                log.warning("disk tier: unreadable block file %s deleted", path)
+                if len(key) != KEY_BYTES:
+                    raise CorruptBlock("not a block key")
+                found.append((st.st_mtime, key, _Entry(path, st.st_size, prefix.expires_at, path.parent.parent.name)))
+            except (OSError, ValueError) as exc:  # CorruptBlock is a ValueError
+                log.warning("disk tier: unreadable block file %s deleted (%s)", path, exc)
                 self.stats.add("corrupt_entries")
                 path.unlink(missing_ok=True)
         found.sort(key=lambda f: f[0])
@@ -96,11 +114,13 @@ class DiskTier(IndexedTier):
         blob = encoded()
         if len(blob) > self._index.maxsize:
             return False
-        path = self._path(meta.key)
+        path = self._path(meta.key, meta.tenant)
         tmp = self._tmp / f"{secrets.token_hex(8)}.part"
         try:
-            path.parent.mkdir(exist_ok=True)
-            with tmp.open("wb") as f:
+            files.private_dir(path.parent.parent)
+            files.private_dir(path.parent)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
                 f.write(blob)
             os.replace(tmp, path)  # atomic: readers see the old file, no file, or the whole new one
         except OSError as exc:
@@ -110,15 +130,12 @@ class DiskTier(IndexedTier):
                 log.warning("disk tier: the disk is full; writes stop for %.0f s (reads go on)", FULL_BACKOFF_SECONDS)
             raise
         with self._lock:
-            self._set(meta.key, _Entry(path, len(blob), meta.expires_at))
+            self._set(meta.key, _Entry(path, len(blob), meta.expires_at, path.parent.parent.name))
         return True
 
-    def _load(self, meta: BlockMeta, entry: _Entry, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
+    def _load(self, meta: BlockMeta, entry: _Entry, codec: BlockCodec) -> torch.Tensor | None:
         try:
-            with entry.path.open("rb") as f:
-                blob = bytearray(os.fstat(f.fileno()).st_size)
-                f.readinto(blob)
-            kv = decode(blob, meta, dtype, shape)
+            kv = codec.decode(_read(entry.path, codec.max_bytes), meta)
         except FileNotFoundError:  # deleted meanwhile (evicted by another thread)
             self._forget(meta.key, entry)
             return None
@@ -128,8 +145,22 @@ class DiskTier(IndexedTier):
             self._forget(meta.key, entry)
             entry.path.unlink(missing_ok=True)
             return None
-        os.utime(entry.path)  # recency survives a restart
+        with contextlib.suppress(OSError):
+            os.utime(entry.path)  # recency survives a restart
         return kv
+
+    def purge(self, tenant: str | None) -> int:
+        if tenant is not None and (not tenant or tenant.strip("0123456789abcdef") not in ("", NO_TENANT)):
+            raise ValueError("purge takes a tenant tag (BlockKeys.tenant_tag), never a path")
+        n = super().purge(tenant)
+        # Files no index entry names (a write racing the purge) go too, with their directories.
+        targets = [self._blocks / tenant] if tenant is not None else list(self._blocks.iterdir())
+        for target in targets:
+            shutil.rmtree(target, ignore_errors=True)
+        return n
+
+    def _purged(self, key: bytes, entry: _Entry) -> None:
+        entry.path.unlink(missing_ok=True)
 
     def sweep(self) -> None:
         with self._lock:
@@ -142,12 +173,14 @@ class DiskTier(IndexedTier):
                     "entries": len(self._index), "degraded": int(self._monotonic() < self._full_until)}
 
     def close(self) -> None:
-        pass  # every file is complete or absent; the index is rebuilt at the next start
+        """Release the directory (every file is complete or absent; the index is rebuilt at the next start)."""
+        fd, self._lock_fd = self._lock_fd, None
+        files.release(fd)
 
     # -- internals -----------------------------------------------------------------
-    def _path(self, key: bytes) -> Path:
+    def _path(self, key: bytes, tenant: str) -> Path:
         name = key.hex()
-        return self._blocks / name[:2] / f"{name}{SUFFIX}"
+        return self._blocks / (tenant or NO_TENANT) / name[:2] / f"{name}{SUFFIX}"
 
     def _set(self, key: bytes, entry: _Entry) -> None:
         """Index ``entry`` (the LRU may drop others, or this one if it cannot fit; its file goes then too)."""
@@ -163,8 +196,17 @@ class DiskTier(IndexedTier):
         entry.path.unlink(missing_ok=True)
 
 
-def _json(raw: bytes) -> dict:
+def _read(path: Path, limit: int) -> bytearray:
+    """The file's bytes; ``CorruptBlock`` without reading them when it is larger than ``limit`` or not a file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        return json.loads(raw)
-    except ValueError as exc:
-        raise CorruptBlock(f"unreadable header: {exc}") from None
+        st = os.fstat(fd)  # the size of what is open, not of a name that may change meanwhile
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            raise CorruptBlock(f"{st.st_size} bytes: larger than a block can be; refused unread")
+        blob = bytearray(st.st_size)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            if f.readinto(blob) != st.st_size:
+                raise CorruptBlock("file shorter than its size")
+        return blob
+    finally:
+        os.close(fd)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from prefixcache.cache.tiers.base import BlockIndex, IndexedTier, TierStats
-from prefixcache.cache.tiers.codec import BlockMeta
+from prefixcache.cache.tiers.codec import BlockCodec, BlockMeta
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +28,10 @@ class _Entry:
     @property
     def expires_at(self) -> float | None:
         return self.meta.expires_at
+
+    @property
+    def tenant(self) -> str:
+        return self.meta.tenant
 
 
 class HostTier(IndexedTier):
@@ -50,8 +54,9 @@ class HostTier(IndexedTier):
             self._index[meta.key] = _Entry(meta, copy, nbytes)
         return True
 
-    def _load(self, meta: BlockMeta, entry: _Entry, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor | None:
-        if entry.meta != _fresh(meta, entry.meta) or entry.kv.dtype != dtype or tuple(entry.kv.shape) != shape:
+    def _load(self, meta: BlockMeta, entry: _Entry, codec: BlockCodec) -> torch.Tensor | None:
+        if (entry.meta != _fresh(meta, entry.meta) or entry.kv.dtype != codec.dtype
+                or tuple(entry.kv.shape) != codec.shape):
             self.stats.add("corrupt_entries")
             self._forget(meta.key, entry)
             return None
@@ -69,5 +74,5 @@ class HostTier(IndexedTier):
 
 
 def _fresh(want: BlockMeta, stored: BlockMeta) -> BlockMeta:
-    """``want`` with the stored expiry (the one header field a reader does not know in advance)."""
-    return BlockMeta(want.key, want.parent, want.namespace_tag, want.tokens, stored.expires_at)
+    """``want`` with the stored expiry and tenant tag (what a reader does not know in advance)."""
+    return BlockMeta(want.key, want.parent, want.namespace_tag, want.tokens, stored.expires_at, stored.tenant)

@@ -1,20 +1,24 @@
-"""Redis tier: blocks shared by every process that uses the same server and hash secret.
+"""Redis tier: blocks shared by every process that uses the same server, key prefix and hash secret.
 
-Layout (all under ``PREFIX``; key names are keyed hashes, so they say nothing about
-prompts or tenants): ``b:<key>`` holds the encoded block, with a Redis expiry when the
-block has a TTL; the index is a sorted set ``lru`` (member: key, score: last use), a
-hash ``size`` (key -> bytes) and a counter ``bytes``. One server-side script writes the
-payload *before* its index entry and then evicts least recently used blocks until the
-tier's byte budget holds, so the budget and the LRU are shared by every process.
+Layout (all under the key prefix, ``PREFIX`` by default: its ``{hash tag}`` puts every key in
+one cluster slot, as the scripts need; key names are keyed hashes, so they say nothing about
+prompts or tenants): ``b:<key>`` holds the sealed block, with a Redis expiry when the block
+has a TTL; the index is a sorted set ``lru`` (member: key, score: last use), a hash ``size``
+(key -> bytes), a counter ``bytes``, and for purges a hash ``owner`` (key -> tenant tag), a
+set ``t:<tenant tag>`` of each tenant's keys and a set ``tenants``. One server-side script
+writes the payload *before* its index entry and then evicts least recently used blocks until
+the tier's byte budget holds, so the budget and the LRU are shared by every process.
 
-A reader asks the index for the longest run of keys in one round trip, fetches those
-payloads a few blocks per reply and verifies each (``codec.decode``). An index entry whose payload
-is gone (expired, or evicted by Redis' own ``maxmemory``) is a miss and is removed.
+A reader asks the index for the longest run of keys in one round trip, then fetches those
+payloads a few blocks per reply through a script that checks each value's type and length
+first (a value larger than a block can be is refused without being sent), and verifies each
+(``BlockCodec.decode``). An index entry whose payload is gone (expired, or evicted by Redis'
+own ``maxmemory``) is a miss and is removed; a refused block is deleted and counted.
 
-When the server is down or slow (connection error, or no answer within
-``TIMEOUT_SECONDS``), the tier is *degraded*: every call returns at once as a miss or a
-failed write until a retry, after a backoff that doubles from ``BACKOFF_SECONDS`` up to
-``MAX_BACKOFF_SECONDS``, succeeds.
+Any Redis error (unreachable, no answer within ``TIMEOUT_SECONDS``, READONLY after a failover,
+OOM, NOPERM, ...) makes the tier *degraded*: every call returns at once as a miss or a failed
+write until a retry, after a backoff that doubles from ``BACKOFF_SECONDS`` up to
+``MAX_BACKOFF_SECONDS``, succeeds. ``figures`` never raises.
 """
 from __future__ import annotations
 
@@ -29,52 +33,102 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from prefixcache.cache.tiers.base import TierStats
-from prefixcache.cache.tiers.codec import BlockMeta, CorruptBlock, decode
+from prefixcache.cache.tiers.base import TierStats, TierUnavailable
+from prefixcache.cache.tiers.codec import BlockCodec, BlockMeta, CorruptBlock
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-PREFIX = "prefixcache:kv:"
+PREFIX = "{prefixcache}:kv:"
 TIMEOUT_SECONDS = 2.0
 #: Blocks fetched per round trip when restoring (each reply stays a few MB).
 READ_BATCH = 4
+#: Blocks deleted per script call when purging (each call stays short: Redis runs scripts alone).
+PURGE_BATCH = 256
 BACKOFF_SECONDS = 0.5
 MAX_BACKOFF_SECONDS = 30.0
+#: What ``_READ`` answers for a key instead of its value.
+_MISSING, _REFUSED = 0, 1
 
-# KEYS: payload, lru, size, bytes. ARGV: member, blob, ttl ms (0: none), now, budget, payload key prefix.
-_PUT = """
-if ARGV[3] ~= '0' then
-  redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-else
-  redis.call('SET', KEYS[1], ARGV[2])
+# Removes one block and every index entry of it. KEYS: lru, size, bytes, owner. P: the key prefix.
+_DROP = """
+local P = ARGV[1]
+local function drop(member)
+  redis.call('DEL', P .. 'b:' .. member)
+  redis.call('ZREM', KEYS[1], member)
+  local size = redis.call('HGET', KEYS[2], member)
+  if size then
+    redis.call('HDEL', KEYS[2], member)
+    redis.call('DECRBY', KEYS[3], size)
+  end
+  local tag = redis.call('HGET', KEYS[4], member)
+  if tag then
+    redis.call('SREM', P .. 't:' .. tag, member)
+    redis.call('HDEL', KEYS[4], member)
+  end
 end
-local n = string.len(ARGV[2])
-local old = redis.call('HGET', KEYS[3], ARGV[1])
-if old then redis.call('DECRBY', KEYS[4], old) end
-redis.call('HSET', KEYS[3], ARGV[1], n)
-redis.call('ZADD', KEYS[2], ARGV[4], ARGV[1])
-local total = redis.call('INCRBY', KEYS[4], n)
-while total > tonumber(ARGV[5]) do
-  local victim = redis.call('ZPOPMIN', KEYS[2])
+"""
+# KEYS: lru, size, bytes, owner, payload, tenant set, tenants. ARGV: prefix, member, blob, ttl ms (0: none),
+# now, budget, tenant tag. The SET comes first: under OOM it is refused before anything else is written
+# (Redis lets a script that has written once go on writing).
+_PUT = _DROP + """
+if ARGV[4] ~= '0' then
+  redis.call('SET', KEYS[5], ARGV[3], 'PX', ARGV[4])
+else
+  redis.call('SET', KEYS[5], ARGV[3])
+end
+local old = redis.call('HGET', KEYS[2], ARGV[2])
+if old then redis.call('DECRBY', KEYS[3], old) end
+local prev = redis.call('HGET', KEYS[4], ARGV[2])
+if prev and prev ~= ARGV[7] then redis.call('SREM', ARGV[1] .. 't:' .. prev, ARGV[2]) end
+local n = string.len(ARGV[3])
+redis.call('HSET', KEYS[2], ARGV[2], n)
+redis.call('HSET', KEYS[4], ARGV[2], ARGV[7])
+redis.call('SADD', KEYS[6], ARGV[2])
+redis.call('SADD', KEYS[7], ARGV[7])
+redis.call('ZADD', KEYS[1], ARGV[5], ARGV[2])
+local total = redis.call('INCRBY', KEYS[3], n)
+while total > tonumber(ARGV[6]) do
+  local victim = redis.call('ZPOPMIN', KEYS[1])
   if #victim == 0 then break end
-  local size = tonumber(redis.call('HGET', KEYS[3], victim[1]) or '0')
-  redis.call('HDEL', KEYS[3], victim[1])
-  redis.call('DEL', ARGV[6] .. victim[1])
-  total = redis.call('DECRBY', KEYS[4], size)
+  drop(victim[1])
+  total = tonumber(redis.call('GET', KEYS[3]) or '0')
 end
 return total
 """
-# KEYS: payload, lru, size, bytes. ARGV: member. Removes a block and its index entry.
-_FORGET = """
-redis.call('DEL', KEYS[1])
-local size = redis.call('HGET', KEYS[3], ARGV[1])
-redis.call('ZREM', KEYS[2], ARGV[1])
-if size then
-  redis.call('HDEL', KEYS[3], ARGV[1])
-  redis.call('DECRBY', KEYS[4], size)
+# KEYS: lru, size, bytes, owner. ARGV: prefix, member.
+_FORGET = _DROP + "drop(ARGV[2])\nreturn 1\n"
+# KEYS: lru, size, bytes, owner, tenant set, tenants. ARGV: prefix, batch, tenant tag. Returns blocks dropped.
+_PURGE_TENANT = _DROP + """
+local members = redis.call('SPOP', KEYS[5], tonumber(ARGV[2]))
+for _, member in ipairs(members) do drop(member) end
+if redis.call('SCARD', KEYS[5]) == 0 then redis.call('SREM', KEYS[6], ARGV[3]) end
+return #members
+"""
+# KEYS: lru, size, bytes, owner, tenants. ARGV: prefix, batch. Returns blocks dropped.
+_PURGE_ALL = _DROP + """
+local popped = redis.call('ZPOPMIN', KEYS[1], tonumber(ARGV[2]))
+for i = 1, #popped, 2 do drop(popped[i]) end
+if redis.call('ZCARD', KEYS[1]) == 0 then  -- nothing indexed is left: what remains of the index is stale
+  for _, tag in ipairs(redis.call('SMEMBERS', KEYS[5])) do redis.call('DEL', ARGV[1] .. 't:' .. tag) end
+  redis.call('DEL', KEYS[5], KEYS[4], KEYS[2], KEYS[3])
 end
-return 1
+return #popped / 2
+"""
+# KEYS: payloads. ARGV: most bytes. Each value, or 0 (none) or 1 (not a string, or too large: not sent).
+_READ = """
+local out = {}
+for i, key in ipairs(KEYS) do
+  local kind = redis.call('TYPE', key)['ok']
+  if kind == 'none' then
+    out[i] = 0
+  elseif kind ~= 'string' or redis.call('STRLEN', key) > tonumber(ARGV[1]) then
+    out[i] = 1
+  else
+    out[i] = redis.call('GET', key)
+  end
+end
+return out
 """
 
 
@@ -82,15 +136,18 @@ class RedisTier:
     name = "redis"
 
     def __init__(self, url: str, max_bytes: int, clock: Callable[[], float],
-                 monotonic: Callable[[], float] = time.monotonic, timeout: float = TIMEOUT_SECONDS):
+                 monotonic: Callable[[], float] = time.monotonic, timeout: float = TIMEOUT_SECONDS,
+                 prefix: str = PREFIX):
         self.stats = TierStats()
         self.max_bytes = max_bytes
+        self.prefix = prefix
         self._clock, self._monotonic = clock, monotonic
         self._client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
                                             retry=Retry(NoBackoff(), 0))
-        self._put = self._client.register_script(_PUT)
-        self._forget_script = self._client.register_script(_FORGET)
-        self._index = [PREFIX + "lru", PREFIX + "size", PREFIX + "bytes"]
+        self._scripts = {name: self._client.register_script(body) for name, body in
+                         (("put", _PUT), ("forget", _FORGET), ("purge", _PURGE_TENANT), ("purge_all", _PURGE_ALL),
+                          ("read", _READ))}
+        self._index = [prefix + name for name in ("lru", "size", "bytes", "owner")]
         self._lock = threading.Lock()
         self._degraded = False
         self._backoff = BACKOFF_SECONDS
@@ -103,13 +160,13 @@ class RedisTier:
         return self._degraded
 
     def _call(self, what: str, op: Callable[[], T], default: T) -> T:
-        """``op()``, or ``default`` while the server is unreachable (then retried after a backoff)."""
+        """``op()``, or ``default`` while the server fails (then retried after a backoff)."""
         with self._lock:
             if self._degraded and self._monotonic() < self._retry_at:
                 return default
         try:
             result = op()
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        except (redis.RedisError, OSError) as exc:  # every server or connection error, READONLY and OOM too
             with self._lock:
                 if not self._degraded:
                     log.warning("redis tier degraded (%s failed: %s); serving by recompute", what, exc)
@@ -126,7 +183,7 @@ class RedisTier:
 
     # -- tier interface ------------------------------------------------------------
     def contains(self, key: bytes) -> bool:
-        return bool(self._call("exists", lambda: self._client.exists(_payload(key)), 0))
+        return bool(self._call("exists", lambda: self._client.exists(self._payload(key)), 0))
 
     def put(self, meta: BlockMeta, kv: torch.Tensor, encoded: Callable[[], bytes]) -> bool:
         now = self._clock()
@@ -138,15 +195,16 @@ class RedisTier:
         blob = encoded()
         if len(blob) > self.max_bytes:
             return False
+        member, tag = meta.key.hex(), meta.tenant or "_"
+        keys = [*self._index, self._payload(meta.key), f"{self.prefix}t:{tag}", self.prefix + "tenants"]
         sentinel = object()
-        done = self._call("write", lambda: self._put(keys=[_payload(meta.key), *self._index],
-                                                     args=[meta.key.hex(), blob, ttl_ms, now, self.max_bytes,
-                                                           PREFIX + "b:"]), sentinel)
+        done = self._call("write", lambda: self._scripts["put"](
+            keys=keys, args=[self.prefix, member, blob, ttl_ms, now, self.max_bytes, tag]), sentinel)
         if done is sentinel:
-            raise ConnectionError("redis tier unavailable")
+            raise TierUnavailable("redis tier unavailable")
         return True
 
-    def load_run(self, metas: Sequence[BlockMeta], dtype: torch.dtype, shape: tuple[int, ...]) -> list[torch.Tensor]:
+    def load_run(self, metas: Sequence[BlockMeta], codec: BlockCodec) -> list[torch.Tensor]:
         if not metas:
             return []
         members = [m.key.hex() for m in metas]
@@ -161,26 +219,12 @@ class RedisTier:
         run = 0
         while run < len(present) and present[run] is not None:
             run += 1
-        if run == 0:
-            return []
-        blobs: list = []
+        out: list[torch.Tensor] = []
         for at in range(0, run, READ_BATCH):  # a few blocks per reply: no reply waits on a whole prefix
-            got = self._call("read", lambda: self._client.mget([_payload(m.key) for m in metas[at : at + READ_BATCH]]),
-                             None)
-            if got is None:
-                break
-            blobs.extend(got)
-        out = []
-        for meta, blob in zip(metas, blobs):
-            if blob is None:  # expired or evicted by the server: the index entry is stale
-                self._forget(meta.key)
-                break
-            try:
-                out.append(decode(blob, meta, dtype, shape))
-            except CorruptBlock as exc:
-                log.warning("redis tier: block %s refused (%s); deleted, recomputing", meta.key.hex()[:12], exc)
-                self.stats.add("corrupt_entries")
-                self._forget(meta.key)
+            batch = metas[at : min(at + READ_BATCH, run)]
+            got = self._call("read", lambda: self._scripts["read"](
+                keys=[self._payload(m.key) for m in batch], args=[codec.max_bytes]), None)
+            if got is None or not self._decode(batch, got, codec, out):
                 break
         if out:
             now = self._clock()
@@ -188,8 +232,41 @@ class RedisTier:
                                                           xx=True), 0)
         return out
 
+    def _decode(self, batch: Sequence[BlockMeta], got: list, codec: BlockCodec, out: list[torch.Tensor]) -> bool:
+        """Append the verified KV of ``batch`` to ``out``; False at the first unusable block (then deleted)."""
+        for meta, blob in zip(batch, got):
+            if blob == _MISSING:  # expired or evicted by the server: the index entry is stale
+                self._forget(meta.key)
+                return False
+            try:
+                if blob == _REFUSED:
+                    raise CorruptBlock("not a string, or larger than a block can be; refused unread")
+                out.append(codec.decode(blob, meta))
+            except CorruptBlock as exc:
+                log.warning("redis tier: block %s refused (%s); deleted, recomputing", meta.key.hex()[:12], exc)
+                self.stats.add("corrupt_entries")
+                self._forget(meta.key)
+                return False
+        return len(got) == len(batch)
+
     def _forget(self, key: bytes) -> None:
-        self._call("delete", lambda: self._forget_script(keys=[_payload(key), *self._index], args=[key.hex()]), 0)
+        self._call("delete", lambda: self._scripts["forget"](keys=self._index, args=[self.prefix, key.hex()]), 0)
+
+    def purge(self, tenant: str | None) -> int:
+        """Delete ``tenant``'s blocks (every block under the prefix when None), a batch per script call."""
+        if tenant is None:
+            keys, args, script = [*self._index, self.prefix + "tenants"], [self.prefix, PURGE_BATCH], "purge_all"
+        else:
+            keys = [*self._index, f"{self.prefix}t:{tenant}", self.prefix + "tenants"]
+            args, script = [self.prefix, PURGE_BATCH, tenant], "purge"
+        total = 0
+        while True:
+            n = self._call("purge", lambda: self._scripts[script](keys=keys, args=args), None)
+            if n is None:
+                raise TierUnavailable("redis tier unavailable: purge incomplete")
+            total += int(n)
+            if int(n) < PURGE_BATCH:
+                return total
 
     def figures(self) -> dict[str, Any]:
         def read():
@@ -199,7 +276,10 @@ class RedisTier:
             nbytes, entries = pipe.execute()
             return {"bytes": int(nbytes or 0), "entries": int(entries)}
 
-        got = self._call("stats", read, None)
+        try:
+            got = self._call("stats", read, None)
+        except ValueError:  # a counter that is not a number: report the last figures
+            got = None
         if got is not None:
             self._last = got
         return {**self._last, "budget_bytes": self.max_bytes, "degraded": int(self._degraded)}
@@ -207,6 +287,5 @@ class RedisTier:
     def close(self) -> None:
         self._client.close()
 
-
-def _payload(key: bytes) -> str:
-    return f"{PREFIX}b:{key.hex()}"
+    def _payload(self, key: bytes) -> str:
+        return f"{self.prefix}b:{key.hex()}"
