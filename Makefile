@@ -29,8 +29,10 @@ system-deps:
 serve: $(STAMP)
 	$(BIN)/prefixcache serve $(ARGS)
 
+# Lint first: a ruff finding fails `make test` before any test runs.
 test: $(STAMP) system-deps
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/ruff check prefixcache api tests benchmarks scripts examples
+	$(BIN)/python -m pytest --durations=20 $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/prefixcache bench $(ARGS)

@@ -17,11 +17,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from prefixcache.errors import (
     CapacityError,
     ConfigError,
-    PinQuotaExceededError,
     ContextLengthExceededError,
     EngineFaultError,
     GenerationTimeoutError,
     InvalidRequestError,
+    PinQuotaExceededError,
     RequestCancelledError,
     TierPurgeError,
     UnsupportedModelError,

@@ -22,7 +22,7 @@ import numpy as np
 from starlette.requests import ClientDisconnect, Request
 
 from .errors import BodyTimeoutError, ClientClosedError, LimitExceededError, PayloadTooLargeError
-from .protocol import ChatCompletionRequest, CompletionRequest, PrewarmRequest, GenerationFields, Tool
+from .protocol import ChatCompletionRequest, CompletionRequest, GenerationFields, PrewarmRequest, Tool
 from .settings import Settings
 
 _OPEN, _CLOSE = frozenset(b"[{"), frozenset(b"]}")

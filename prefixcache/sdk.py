@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from prefixcache.cache.hashing import BlockHasher, HashFn, xxh3_64
 from prefixcache.cache.handles import EvictHook
+from prefixcache.cache.hashing import BlockHasher, HashFn, xxh3_64
 from prefixcache.cache.store import KVStore
 from prefixcache.cache.tiers import KVShape, TierChain, build_chain
 from prefixcache.config import CacheConfig

@@ -159,8 +159,11 @@ def new_cache():
 
 
 @pytest.fixture(scope="session")
-def tokenizer(default_model):
-    return default_model[1]
+def tokenizer():
+    """The default model's tokenizer alone (its converted copy's files, no weights): ``default_model`` for both."""
+    from prefixcache.loading import load_default_tokenizer
+
+    return load_default_tokenizer()
 
 
 @pytest.fixture(scope="session")

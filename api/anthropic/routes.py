@@ -27,8 +27,16 @@ from ..sampling import Job, limit_max_tokens, server_temperature
 from ..serving import GenerationStream, Serving
 from ..settings import Settings
 from .errors import anthropic_error
-from .protocol import CacheCreation, CountTokensRequest, ErrorResponse, Message, MessagesRequest, ResponseText, \
-    TokenCount, Usage
+from .protocol import (
+    CacheCreation,
+    CountTokensRequest,
+    ErrorResponse,
+    Message,
+    MessagesRequest,
+    ResponseText,
+    TokenCount,
+    Usage,
+)
 
 log = logging.getLogger(__name__)
 router = APIRouter(route_class=GuardedRoute, tags=["anthropic"])

@@ -5,14 +5,11 @@ from pathlib import Path
 
 from prefixcache.bench import metrics
 from prefixcache.bench.runner import BenchResult
+from prefixcache.plotting import pyplot
 
 
 def plot(result: BenchResult, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display; must precede pyplot
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()  # PlottingUnavailable without the `bench` extra
     names = list(dict.fromkeys(r.workload for r in result.runs))
     dtypes = list(result.options.dtypes)
     fig, axes = plt.subplots(2, len(names), figsize=(4.2 * len(names), 6.4), squeeze=False)

@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 from prefixcache.bench import metrics, runner
 from prefixcache.bench.options import describe
+from prefixcache.bench.plot import plot as draw
+from prefixcache.plotting import PlottingUnavailable
 
 _COLUMNS = ("system", "TTFT mean s", "TTFT p50 s", "TTFT p99 s", "TPOT ms", "out tok/s", "req/s", "hit rate",
             "peak KV MB", "= generate()", "TTFT speed-up", "tok/s vs generate()")
@@ -111,11 +114,9 @@ def write(result: runner.BenchResult, out: Path, plot: bool = True) -> dict[str,
     paths["json"].write_text(json.dumps(to_json(result), indent=1) + "\n")
     if plot:
         try:
-            from prefixcache.bench.plot import plot as draw
-
             paths["png"] = draw(result, out / "results.png")
-        except ImportError as exc:  # matplotlib is the optional `bench` extra
-            print(f"no plot ({exc.name} is missing): pip install 'prefixcache[bench]'")
+        except PlottingUnavailable as exc:  # matplotlib is the optional `bench` extra
+            print(exc, file=sys.stderr)
     return paths
 
 

@@ -148,9 +148,7 @@ def peak_rss_bytes(pid: int) -> int:
 
 def tiny_model_folder(folder: str) -> None:
     """A 2-layer random Llama over the default model's tokenizer (chat template included), saved to ``folder``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from prefixcache.loading import default_cache_dir, find_default_gguf, load_default_model
 

@@ -8,8 +8,8 @@ outnumber the live ones, so its size stays within a constant of the live count.
 from __future__ import annotations
 
 import heapq
-from heapq import heappush
 from collections.abc import Hashable, Iterator
+from heapq import heappush
 from typing import Generic, TypeVar
 
 T = TypeVar("T", bound=Hashable)

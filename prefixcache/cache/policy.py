@@ -2,18 +2,14 @@
 
 ``evictable`` and ``ttl_freeable`` say which nodes may go; the store keeps exactly
 those nodes in incrementally maintained heaps (``keyed_heap``) and its
-``check_integrity`` recomputes them with these predicates. ``lru_order`` and
-``expired_bottom_up`` are the whole-store statements of the same rules: the tests hold
-the store's incremental eviction to them. Not ``cachetools.LRUCache``: only
+``check_integrity`` recomputes them with these predicates. Not ``cachetools.LRUCache``: only
 refcount-0, unpinned *leaves* may go, and a parent becomes a candidate only once its
 last child is gone, which a flat key-value LRU cannot express. ``cachetools`` would
 also evict by key count or size without knowing that a node is in use.
 """
 from __future__ import annotations
 
-import heapq
 import math
-from collections.abc import Callable, Iterable, Iterator
 
 from prefixcache.cache.trie import Node
 
@@ -40,28 +36,3 @@ def ttl_freeable(node: Node) -> bool:
     """A leaf nobody reads: freed once its deadline passes, pinned or not (a pin's TTL ends it)."""
     return node.alive and not node.is_root and node.num_children == 0 and node.refcount == 0
 
-
-def lru_order(leaves: Iterable[Node], keep: Callable[[Node], bool]) -> Iterator[Node]:
-    """Yield evictable nodes least recently used first; a parent follows its last child.
-
-    ``keep(node)`` filters candidates (for example: only one tenant's nodes). The
-    caller frees each yielded node before asking for the next one, which is what
-    turns its parent into a leaf.
-    """
-    heap = [(n.last_access, id(n), n) for n in leaves if evictable(n) and keep(n)]
-    heapq.heapify(heap)
-    while heap:
-        _, _, node = heapq.heappop(heap)
-        if not evictable(node):
-            continue
-        parent = node.parent
-        yield node
-        if parent is not None and evictable(parent) and keep(parent):
-            heapq.heappush(heap, (parent.last_access, id(parent), parent))
-
-
-def expired_bottom_up(nodes: Iterable[Node], now: float) -> list[Node]:
-    """Expired nodes not in use, deepest first, so children go before parents."""
-    found = [n for n in nodes if n.alive and n.refcount == 0 and is_expired(n, now)]
-    found.sort(key=lambda n: n.start, reverse=True)
-    return found

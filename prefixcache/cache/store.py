@@ -19,8 +19,16 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from prefixcache.cache.handles import EvictHook, EvictedSnapshot, InsertResult, KVSlicer, Lease, LowerTiers, evicted_snapshot
 from prefixcache.cache.eviction import evict_to, expire, flush_all, make_room, make_room_for_tail, room
+from prefixcache.cache.handles import (
+    EvictedSnapshot,
+    EvictHook,
+    InsertResult,
+    KVSlicer,
+    Lease,
+    LowerTiers,
+    evicted_snapshot,
+)
 from prefixcache.cache.hashing import BlockHasher
 from prefixcache.cache.index import StoreIndex
 from prefixcache.cache.integrity import audit_store, check_store
@@ -31,7 +39,6 @@ from prefixcache.cache.runs import RunOps, TensorRuns
 from prefixcache.cache.trie import Node, PrefixTrie
 from prefixcache.config import CacheConfig
 from prefixcache.errors import PinQuotaExceededError
-
 
 log = logging.getLogger(__name__)
 

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from prefixcache.planner.grid import CLOSE_ENOUGH, GridResult
 from prefixcache.planner.units import format_duration, format_size
+from prefixcache.plotting import PlottingUnavailable, pyplot
 
 
 def markdown(grid: GridResult) -> str:
@@ -37,11 +39,7 @@ def markdown(grid: GridResult) -> str:
 
 def plot(grid: GridResult, path: Path) -> None:
     """Token hit rate against budget (log scale), one line per TTL; dotted: that TTL's unlimited budget."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()  # PlottingUnavailable without the `bench` extra
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     gib = [b / 2**30 for b in grid.budgets]
     for t in grid.ttls:
@@ -66,10 +64,15 @@ def plot(grid: GridResult, path: Path) -> None:
 
 
 def write(grid: GridResult, out: Path) -> dict[str, Path]:
-    """``plan.md``, ``plan.json`` and ``plan.png`` in ``out``."""
+    """``plan.md``, ``plan.json`` and ``plan.png`` in ``out``; without matplotlib, no PNG and one line saying so."""
     out.mkdir(parents=True, exist_ok=True)
-    paths = {"markdown": out / "plan.md", "json": out / "plan.json", "png": out / "plan.png"}
+    paths = {"markdown": out / "plan.md", "json": out / "plan.json"}
     paths["markdown"].write_text(markdown(grid))
     paths["json"].write_text(json.dumps(grid.as_dict(), indent=2) + "\n")
-    plot(grid, paths["png"])
+    try:
+        plot(grid, out / "plan.png")
+    except PlottingUnavailable as exc:
+        print(exc, file=sys.stderr)
+    else:
+        paths["png"] = out / "plan.png"
     return paths

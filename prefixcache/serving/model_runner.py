@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import torch
 
 from prefixcache.errors import UnsupportedModelError
-from prefixcache.model.cpu import StepForward
 from prefixcache.model.cascade import kernels_for
+from prefixcache.model.cpu import StepForward
 from prefixcache.model.hf_cache import CascadeCache, CascadeRow, cascade_step
 from prefixcache.model.layout import KVLayout, index_tensor
 from prefixcache.serving.request import Request

@@ -9,6 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prefixcache_api import create_app
 from proxy_support import ADMIN, ALPHA, BETA, MODEL, auth, leased_refs, live, make_cache, settings, wait_until
+
 from tests.step_hooks import hold_until_cancelled
 
 CHAT = "/v1/chat/completions"

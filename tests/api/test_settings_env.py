@@ -44,6 +44,7 @@ def test_the_command_reads_no_ttl_from_the_environment():
 def test_serve_starts_with_ttl_none_in_the_environment(tmp_path, tiny_model, tokenizer):
     """``PREFIXCACHE_TTL_SECONDS=none prefixcache serve`` starts (it was a validation error, exit 2)."""
     import httpx
+
     from prefixcache.bench.servers import Server, free_port
 
     tiny_model.save_pretrained(tmp_path)

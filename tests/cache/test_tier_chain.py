@@ -12,13 +12,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.cache.store_helpers import NS, insert, kv_value, lease_values, make_store
-from tests.cache.tier_helpers import OTHER_SECRET, SECRET, block_files, disk_chain, prefix_files, shape
 
 from prefixcache.cache.tiers import TierChain
 from prefixcache.cache.tiers.codec import BlockKeys, BlockMeta
 from prefixcache.cache.tiers.disk import _Entry as disk_entry
 from prefixcache.cache.tiers.host import HostTier
+from tests.cache.store_helpers import NS, insert, kv_value, lease_values, make_store
+from tests.cache.tier_helpers import OTHER_SECRET, SECRET, block_files, disk_chain, prefix_files, shape
 
 SEQ = list(range(10, 34))  # 24 tokens: 6 blocks of 4
 

@@ -24,8 +24,17 @@ from prefixcache.cache.tiers.redis_tier import PREFIX as KEY_PREFIX
 from prefixcache.config import CacheConfig
 from prefixcache.errors import ConfigError
 from tests.cache.store_helpers import NS, insert, kv_value, lease_values, make_store
-from tests.cache.tier_helpers import (OTHER_SECRET, SECRET, Monotonic, block_files, disk_chain, keys, prefix_files,
-                                      redis_chain, shape)
+from tests.cache.tier_helpers import (
+    OTHER_SECRET,
+    SECRET,
+    Monotonic,
+    block_files,
+    disk_chain,
+    keys,
+    prefix_files,
+    redis_chain,
+    shape,
+)
 from tests.conftest import build_tiny, untouched
 
 SEQ = list(range(10, 34))  # 6 blocks of 4

@@ -8,14 +8,14 @@ import time
 import pytest
 import torch
 
+from prefixcache import PrefixCache
 from prefixcache.cache.hashing import BlockHasher
 from prefixcache.cache.store import KVStore
 from prefixcache.config import CacheConfig
+from prefixcache.errors import UnsupportedModelError
 from prefixcache.serving.engine import BatchConfig, BatchEngine
 from prefixcache.serving.request import Request, SamplingParams
 from prefixcache.serving.scheduler import admission_order, plan_step
-from prefixcache import PrefixCache
-from prefixcache.errors import UnsupportedModelError
 from tests.conftest import ARCHS, EOS, FakeClock, build_tiny, untouched
 
 NS = ("t", "model")

