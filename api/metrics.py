@@ -45,7 +45,6 @@ BREAKPOINT_TOKENS = "prefixcache_breakpoint_tokens"  # counter{ttl, kind}: read 
 CACHE_KEY = "prefixcache_prompt_cache_key_requests"  # counter{tenant, outcome}: requests carrying prompt_cache_key
 RETENTION = "prefixcache_prompt_cache_retention_requests"  # counter{retention}: in_memory | 24h
 BATCHING = "prefixcache_batching_enabled"  # gauge: 1 when the batching engine serves, 0 when every call is serial
-EXTRA_WEIGHT_BYTES = "prefixcache_extra_weight_bytes"  # gauge: weights the batching fast path copies (not KV)
 QUEUE_DEPTH = "prefixcache_queue_depth"  # gauge: admitted, waiting for a worker
 RUNNING = "prefixcache_requests_running"  # gauge
 # Lower tiers (host, disk, redis), each labelled {tier}: read from the tier chain at scrape time.
@@ -86,7 +85,7 @@ COUNTERS = (REQUESTS, EXECUTOR, ERRORS, PROMPT_TOKENS, CACHED_TOKENS, COMPLETION
             BREAKPOINTS, BREAKPOINT_TOKENS, CACHE_KEY, RETENTION, *(name for name, _, _ in _TIER_COUNTERS))
 HISTOGRAMS = (TTFT, TPOT, LOOKUP, QUEUE_WAIT, DURATION, TIER_RESTORE_SECONDS)
 GAUGES = (HIT_RATIO, CACHE_BYTES, BUDGET_BYTES, PINNED_BYTES, TENANT_BYTES, ENTRIES, KV_BYTES, KV_TOTAL, BATCHING,
-          EXTRA_WEIGHT_BYTES, QUEUE_DEPTH, RUNNING, *(name for name, _, _ in _TIER_GAUGES))
+          QUEUE_DEPTH, RUNNING, *(name for name, _, _ in _TIER_GAUGES))
 NAMES = COUNTERS + HISTOGRAMS + GAUGES
 
 #: Series names as they appear in the exposition (what PromQL and dashboards use).
@@ -219,8 +218,6 @@ class _EngineCollector:
         yield GaugeMetricFamily(BATCHING, "1 when the batching engine serves the model, 0 when every request runs "
                                 "one at a time on the serial engine (the reason: /readyz, admin cache stats).",
                                 value=int(s["batching_enabled"]))
-        yield GaugeMetricFamily(EXTRA_WEIGHT_BYTES, "Bytes of model weights the batching engine's fast path keeps an "
-                                "extra copy of (about as much again is resident; not KV).", value=s["extra_weight_bytes"])
         yield GaugeMetricFamily(QUEUE_DEPTH, "Requests admitted and waiting for a worker.", value=waiting)
         yield GaugeMetricFamily(RUNNING, "Requests running on a worker.", value=running)
         yield from _tier_families(s.get("tiers") or {})

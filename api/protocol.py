@@ -342,8 +342,6 @@ class CacheStats(BaseModel):
     #: Cache breakpoints (Anthropic's cache_control) by TTL: reads, writes, short, dropped, read/write tokens.
     breakpoints: dict[str, dict[str, int]] | None = None
     queue: QueueInfo | None = None
-    #: Admin, all tenants: bytes of weights the batching engine's fast path keeps an extra copy of (not KV).
-    extra_weight_bytes: int | None = None
     #: Admin: whether the batching engine serves the model, and why not.
     batching_enabled: bool | None = None
     batching_disabled_reason: str | None = None

@@ -361,7 +361,7 @@ async def cache_stats(request: Request, who: Caller, srv: Engine, tenant: Tenant
     if who.admin:  # other tenants' bytes and the shared queue are not a tenant's business
         running, waiting = srv.queue()
         stats = stats.model_copy(update={
-            "tenant_bytes": s["tenant_bytes"], "extra_weight_bytes": s.get("extra_weight_bytes"),
+            "tenant_bytes": s["tenant_bytes"],
             "batching_enabled": s.get("batching_enabled"), "batching_disabled_reason": s.get("batching_disabled_reason"),
             "kv_bytes": s.get("kv_bytes"), "kv_total_bytes": s.get("kv_total_bytes"),
             "tiers": None if s.get("tiers") is None else {k: TierInfo(**v) for k, v in s["tiers"].items()},

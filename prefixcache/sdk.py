@@ -393,10 +393,9 @@ class PrefixCache:
         out["breakpoints"] = self.breakpoints.stats(tenant)
         if tenant is None and self.tiers is not None:  # server-wide figures, not a tenant's
             out["tiers"] = self.tiers.stats()
-        if tenant is None:  # not a tenant's: all KV memory, the batching engine's state, the fast path's weights
+        if tenant is None:  # not a tenant's: all KV memory, the batching engine's state
             out["kv_bytes"] = self.store.ledger.held()  # stored, and reserved per kind of request buffer
             out["kv_total_bytes"] = self.store.ledger.total
-            out["extra_weight_bytes"] = self.batcher.extra_weight_bytes if self.batcher is not None else 0
             out["batching_enabled"] = self.batching_disabled_reason is None
             out["batching_disabled_reason"] = self.batching_disabled_reason
         return out

@@ -2,8 +2,7 @@
 
 cache <- model <- serving <- sdk <- api / cli / bench. ``errors`` and ``config`` sit under
 everything. ``transformers`` stays out of ``cache/``; its cache and attention internals
-are touched in ``model/hf_cache.py`` only; the CPU fast path is reached through
-``prefixcache.model.cpu`` (``build_step_forward``) and nothing else.
+are touched in ``model/hf_cache.py`` only.
 """
 from __future__ import annotations
 
@@ -108,15 +107,6 @@ def test_imports_flow_one_way(path: Path):
 def test_transformers_internals_stay_in_hf_cache(path: Path):
     me = module_name(path)
     assert not internal_imports(me, path), f"{me} touches transformers cache/attention internals"
-
-
-@pytest.mark.parametrize("path", sources(), ids=lambda p: str(p.relative_to(ROOT)))
-def test_cpu_fast_path_is_one_interface(path: Path):
-    me = module_name(path)
-    if me.startswith("prefixcache.model.cpu"):
-        return
-    reach = [mod for mod, _ in imports(path, me) if mod.startswith("prefixcache.model.cpu.")]
-    assert not reach, f"{me} reaches into the CPU fast path past its interface: {reach}"
 
 
 def test_the_checker_sees_violations(tmp_path):

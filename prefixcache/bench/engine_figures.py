@@ -19,9 +19,6 @@ Run: ``python -m prefixcache.bench.engine_figures [--dtype bfloat16] [--new-toke
   ``PrefixCache.generate()`` at once on one stored prefix vs the same calls one after another
   (half before, half after), each way on its own cache holding only the prefix; tokens/s of
   both and whether their tokens are identical.
-- ``packing`` (only with ``--only packing``): the decode step of N requests with the fused
-  forward (Llama), the model's forward with MKL-packed linear weights, and without them,
-  switched every step in one engine, vs 1 request.
 """
 from __future__ import annotations
 
@@ -30,7 +27,6 @@ import json
 import statistics
 import threading
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -38,7 +34,6 @@ from prefixcache.cache.hashing import BlockHasher
 from prefixcache.cache.store import KVStore
 from prefixcache.config import CacheConfig, check_int
 from prefixcache.errors import ConfigError
-from prefixcache.model.cpu import build_step_forward
 from prefixcache.sdk import PrefixCache
 from prefixcache.serving.engine import BatchConfig, BatchEngine
 from prefixcache.serving.request import SamplingParams
@@ -64,33 +59,25 @@ def _vocab(model) -> int:
     return model.config.get_text_config(decoder=True).vocab_size
 
 
-def steady_steps(engine: BatchEngine, prompts: list[list[int]], new_tokens: int,
-                 between_steps: Callable[[], object] | None = None) -> list[tuple[float, object]]:
-    """Seconds of each decode step once every prompt is decoding (after the last first token).
+def steady_step_seconds(engine: BatchEngine, prompts: list[list[int]], new_tokens: int) -> float:
+    """Median seconds per decode step once every prompt is decoding (after the last first token).
 
-    ``between_steps`` runs after each step, in the engine's loop (from prompt 0's token
-    callback); what it returns labels the step that follows. Returns (seconds, label) pairs.
+    Steps are timed from prompt 0's token callback, which runs once per step in the engine's loop.
     """
-    stamps: list[tuple[float, object]] = []
+    stamps: list[float] = []
 
     def stamp(_token: int) -> None:
-        now = time.monotonic()
-        stamps.append((now, between_steps() if between_steps is not None else None))
+        stamps.append(time.monotonic())
 
     params = SamplingParams(max_new_tokens=new_tokens)
     reqs = [engine.submit(p, NS, "bench", params, on_token=stamp if i == 0 else None) for i, p in enumerate(prompts)]
     results = [engine.wait(r) for r in reqs]
     last_first = max(r.stats.ttft_seconds for r in results)
     start = reqs[0].arrival + last_first  # the engine's clock is time.monotonic: every request is decoding
-    steady = [(t, label) for t, label in stamps if t > start]
+    steady = [t for t in stamps if t > start]
     if len(steady) < 2:
         raise ValueError(f"only {len(steady)} decode steps with every request running: raise new_tokens")
-    return [(b - a, label) for (a, label), (b, _) in zip(steady, steady[1:])]
-
-
-def steady_step_seconds(engine: BatchEngine, prompts: list[list[int]], new_tokens: int) -> float:
-    """Median seconds per decode step once every prompt is decoding (after the last first token)."""
-    return statistics.median(seconds for seconds, _ in steady_steps(engine, prompts, new_tokens))
+    return statistics.median(b - a for a, b in zip(steady, steady[1:]))
 
 
 def decode_step_seconds(engine: BatchEngine, prefix: list[int], batch: int, new_tokens: int,
@@ -101,10 +88,10 @@ def decode_step_seconds(engine: BatchEngine, prefix: list[int], batch: int, new_
 
 
 def step_times(model, prefix_len: int = 2048, batch: int = 8, new_tokens: int = 16,
-               block_size: int = 64, fast_path: bool = False) -> dict[str, float]:
+               block_size: int = 64) -> dict[str, float]:
     """Decode step time for ``batch`` requests vs 1 on a shared stored prefix (3 alternating runs each, best kept)."""
     engine = BatchEngine(model, _store(block_size), time.monotonic,
-                         BatchConfig(max_batch=batch, token_budget=512, prefill_chunk=256, fast_path=fast_path))
+                         BatchConfig(max_batch=batch, token_budget=512, prefill_chunk=256))
     try:
         if engine.disabled_reason is not None:
             raise RuntimeError(f"model not served by the batching engine: {engine.disabled_reason}")
@@ -114,70 +101,13 @@ def step_times(model, prefix_len: int = 2048, batch: int = 8, new_tokens: int = 
                  decode_step_seconds(engine, prefix, batch, new_tokens))  # machine's speed hits both
                 for _ in range(3)]
         single, many = min(r[0] for r in runs), min(r[1] for r in runs)
-        return {"single_step_s": single, f"batch{batch}_step_s": many, "ratio": many / single,
-                "fast_path": None if engine.runner.step_forward is None else engine.runner.step_forward.kind}
-    finally:
-        engine.close()
-
-
-def packing_ab(model, prefix_len: int = 2048, batch: int = 8, new_tokens: int = 24, rounds: int = 4,
-               block_size: int = 64) -> dict[str, object]:
-    """Decode step of ``batch`` requests with each way of computing the linear layers, interleaved, vs 1 request.
-
-    Arms: ``fused`` (the fused forward, Llama models only), ``packed`` (the model's own forward
-    with MKL-packed modules), ``unpacked`` (its own forward as is). One engine; in each of
-    ``rounds`` a single request decodes alone, then ``batch`` requests decode together while
-    the arm changes after every step (from request 0's token callback, which runs between
-    steps), so a drift of the machine's speed hits every arm alike. Medians of the steps once
-    every request of a run is decoding.
-    """
-    engine = BatchEngine(model, _store(block_size), time.monotonic,
-                         BatchConfig(max_batch=batch, token_budget=512, prefill_chunk=256, fast_path=False))
-    try:
-        if engine.disabled_reason is not None:
-            raise RuntimeError(f"model not served by the batching engine: {engine.disabled_reason}")
-        limit = engine.config.fast_path_max_bytes
-        arms = []
-        for kind in ("fused", "packed"):
-            forward, reason = build_step_forward(model, engine.layout, batch, limit, kinds=(kind,))
-            if forward is not None:
-                arms.append((kind, forward))
-            elif kind == "packed":
-                raise RuntimeError(f"no packed weights to compare: {reason}")
-        arms.append(("unpacked", None))
-        vocab = _vocab(model)
-        prefix = _prefix(prefix_len, vocab)
-        engine.generate(prefix, NS, "bench", SamplingParams(max_new_tokens=1))
-        prompts = [prefix + _question(i, 16, vocab) for i in range(batch)]
-        turn = [0]
-
-        def switch() -> str:  # after each step: the next one runs with the next arm
-            turn[0] = (turn[0] + 1) % len(arms)
-            name, engine.runner.step_forward = arms[turn[0]]
-            return name
-
-        single: list[float] = []
-        seconds: dict[str, list[float]] = {name: [] for name, _ in arms}
-        for _ in range(rounds):
-            turn[0] = 0
-            _, engine.runner.step_forward = arms[0]
-            single.append(decode_step_seconds(engine, prefix, 1, new_tokens))
-            for step, name in steady_steps(engine, prompts, new_tokens, switch):
-                seconds[name].append(step)
-        one = statistics.median(single)
-        out: dict[str, object] = {"single_step_s": one, "steps_per_arm": min(len(v) for v in seconds.values()),
-                                  **{f"{name}_fast_steps": forward.fast_steps for name, forward in arms if forward}}
-        for name, values in seconds.items():
-            out[f"batch{batch}_{name}_step_s"] = statistics.median(values)
-            out[f"{name}_ratio"] = statistics.median(values) / one
-        return out
+        return {"single_step_s": single, f"batch{batch}_step_s": many, "ratio": many / single}
     finally:
         engine.close()
 
 
 def concurrent_vs_serial(model, clients: int = 16, prefix_len: int = 2048, question: int = 128,
-                         new_tokens: int = 16, block_size: int = 64, fast_path: bool = False,
-                         rounds: int = 1) -> dict[str, object]:
+                         new_tokens: int = 16, block_size: int = 64, rounds: int = 1) -> dict[str, object]:
     """``clients`` requests on one stored prefix: batched (all at once) vs the one-at-a-time engine.
 
     Each round serves the first half of the requests one at a time, then all of them
@@ -195,7 +125,7 @@ def concurrent_vs_serial(model, clients: int = 16, prefix_len: int = 2048, quest
     for _ in range(rounds):
         serial = _serial_engine(model, prefix, block_size)
         before = _serial_seconds(serial, prompts[:half], new_tokens)
-        batched = _batched_run(model, prefix, prompts, new_tokens, block_size, fast_path)
+        batched = _batched_run(model, prefix, prompts, new_tokens, block_size)
         after = _serial_seconds(serial, prompts[half:], new_tokens)
         serial_s = before + after
         batched["serial_halves_s"] = [before, after]
@@ -214,10 +144,10 @@ def concurrent_vs_serial(model, clients: int = 16, prefix_len: int = 2048, quest
     return out
 
 
-def _batched_run(model, prefix: list[int], prompts: list[list[int]], new_tokens: int, block_size: int,
-                 fast_path: bool) -> dict[str, float]:
+def _batched_run(model, prefix: list[int], prompts: list[list[int]], new_tokens: int,
+                 block_size: int) -> dict[str, float]:
     engine = BatchEngine(model, _store(block_size), time.monotonic,
-                         BatchConfig(max_batch=len(prompts), fast_path=fast_path))
+                         BatchConfig(max_batch=len(prompts)))
     try:
         if engine.disabled_reason is not None:
             raise RuntimeError(f"model not served by the batching engine: {engine.disabled_reason}")
@@ -238,7 +168,7 @@ def _batched_run(model, prefix: list[int], prompts: list[list[int]], new_tokens:
 
 
 def generate_threads(model, callers: int = 8, prefix_len: int = 2048, question: int = 64, new_tokens: int = 24,
-                     block_size: int = 64, fast_path: bool = False) -> dict[str, object]:
+                     block_size: int = 64) -> dict[str, object]:
     """``callers`` threads calling ``PrefixCache.generate()`` at once vs the same calls one after another.
 
     Greedy, exactly ``new_tokens`` each (``min_new_tokens``). The one-after-another calls are
@@ -249,7 +179,7 @@ def generate_threads(model, callers: int = 8, prefix_len: int = 2048, question: 
     prompts = [torch.tensor([prefix + _question(i, question, vocab)]) for i in range(callers)]
     options = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}
     config = CacheConfig(block_size=block_size, max_bytes=16 << 30, ttl_seconds=None)
-    batching = BatchConfig(fast_path=fast_path)
+    batching = BatchConfig()
     caches = [PrefixCache(model, None, config, start_sweeper=False, batching=batching) for _ in range(2)]
     try:
         for cache in caches:
@@ -372,11 +302,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=1,
                         help="concurrent and generate-threads figures: rounds (medians reported, and each round)")
-    parser.add_argument("--only", choices=("step", "concurrent", "latency", "turns", "packing", "generate-threads"),
+    parser.add_argument("--only", choices=("step", "concurrent", "latency", "turns", "generate-threads"),
                         default=None)
     parser.add_argument("--callers", type=int, default=8, help="threads calling generate() (generate-threads)")
-    parser.add_argument("--fast-path", action="store_true",
-                        help="step, concurrent and generate-threads figures with the fast step forward (off by default)")
     args = parser.parse_args(argv)
     try:
         check_int("rounds", args.rounds, 1, None)
@@ -385,17 +313,15 @@ def main(argv: list[str] | None = None) -> None:
     model, _ = load_default_model(dtype=getattr(torch, args.dtype))
     out: dict[str, object] = {"dtype": args.dtype, "threads": torch.get_num_threads()}
     if args.only in (None, "step"):
-        out["step"] = step_times(model, args.prefix, args.batch, 16, args.block_size, args.fast_path)
+        out["step"] = step_times(model, args.prefix, args.batch, 16, args.block_size)
     if args.only == "generate-threads":
-        runs = [generate_threads(model, args.callers, args.prefix, args.question, args.new_tokens, args.block_size,
-                                 args.fast_path) for _ in range(args.rounds)]
+        runs = [generate_threads(model, args.callers, args.prefix, args.question, args.new_tokens, args.block_size)
+                for _ in range(args.rounds)]
         out["generate_threads"] = {"speedup_median": statistics.median(r["speedup"] for r in runs),
                                    "token_identical": all(r["token_identical"] for r in runs), "rounds": runs}
-    if args.only == "packing":  # not in the default set: one more engine start-up and 4 rounds
-        out["packing"] = packing_ab(model, args.prefix, args.batch, block_size=args.block_size)
     if args.only in (None, "concurrent"):
         out["concurrent"] = concurrent_vs_serial(model, args.clients, args.prefix, args.question, args.new_tokens,
-                                                 args.block_size, args.fast_path, args.rounds)
+                                                 args.block_size, args.rounds)
     if args.only in (None, "latency"):
         out["latency"] = short_behind_long(model, prefix_len=args.prefix, block_size=args.block_size)
     if args.only in (None, "turns"):

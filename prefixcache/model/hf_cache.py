@@ -406,7 +406,7 @@ def check_cascade(model: torch.nn.Module, layout: KVLayout,
     Catches architectures whose attention does not route through the registered
     function (or differs in some way we do not model), so they fall back instead of being wrong.
     ``forward(input_ids [T], position_ids [T], cache, keep [K]) -> logits [K, V]`` is checked
-    instead of the model's own forward when given (a fused forward of the batching engine).
+    instead of the model's own forward when given (tests pass deliberately broken ones).
     ``rows``: packed rows of the checked step (at least 4); beyond 4 they are one-token requests
     decoding together, so a forward whose products depend on the row count is checked at that count.
 

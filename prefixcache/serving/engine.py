@@ -27,8 +27,7 @@ import torch
 
 from prefixcache.cache.store import KVStore
 from prefixcache.config import check_int, check_positive
-from prefixcache.errors import ConfigError, EngineFaultError, GenerationTimeoutError, UnsupportedModelError
-from prefixcache.model.cpu import build_step_forward
+from prefixcache.errors import EngineFaultError, GenerationTimeoutError, UnsupportedModelError
 from prefixcache.model.hf_cache import check_cascade, enable_cascade_attention, probe_layout
 from prefixcache.model.layout import KVLayout
 from prefixcache.serving.model_runner import ModelRunner
@@ -73,12 +72,6 @@ class BatchConfig:
     #: its prefix no other request reads (its own conversation), so a chain of stored runs
     #: costs one private read per layer instead of one call per run. The copy is counted.
     fold_max_tokens: int = 1024
-    #: Use the device's fast step forward where one serves the model and agrees with its own
-    #: forward (on CPU: MKL-packed linear weights, about one more copy of them, and a fused
-    #: Llama step), within ``fast_path_max_bytes`` of extra weights. Off by default: measured
-    #: side by side it did not beat the model's own forward (docs/benchmarks.md).
-    fast_path: bool = False
-    fast_path_max_bytes: int = 2 << 30  # the most extra weight bytes the fast path may copy (else no fast path)
     #: Consecutive failed steps (no successful step between them) after which the engine reports
     #: itself faulting (``faulting``; the proxy's /readyz then says not ready) ...
     fault_streak: int = 3
@@ -93,10 +86,7 @@ class BatchConfig:
         check_positive("fault_window_seconds", self.fault_window_seconds)
         check_int("pool_max_tokens", self.pool_max_tokens, 0, None)
         check_int("fold_max_tokens", self.fold_max_tokens, 0, None)
-        check_int("fast_path_max_bytes", self.fast_path_max_bytes, 0, None)
         check_positive("max_wait_seconds", self.max_wait_seconds)
-        if not isinstance(self.fast_path, bool):
-            raise ConfigError("fast_path", self.fast_path, "True or False")
 
     @classmethod
     def for_device(cls, layout: KVLayout, **overrides: object) -> BatchConfig:
@@ -169,13 +159,7 @@ class BatchEngine:
             self.layout = layout
             if overrides is not None:
                 self.config = BatchConfig.for_device(layout, **overrides)
-            step_forward = None
-            if self.config.fast_path:
-                step_forward, reason = build_step_forward(model, layout, self.config.max_batch,
-                                                          self.config.fast_path_max_bytes)
-                if step_forward is None:
-                    log.info("no fast step forward: %s", reason)
-            self.runner = ModelRunner(model, layout, step_forward)
+            self.runner = ModelRunner(model, layout)
             self.scheduler = Scheduler(store, layout, self.config, clock, self._finish, entropy)
         except UnsupportedModelError as exc:
             self.disabled_reason = str(exc)
@@ -190,11 +174,6 @@ class BatchEngine:
     @property
     def steps(self) -> int:
         return 0 if self.runner is None else self.runner.steps
-
-    @property
-    def extra_weight_bytes(self) -> int:
-        """Bytes of weights the fast path keeps an extra copy of (0 without one; not KV)."""
-        return 0 if self.runner is None else self.runner.extra_weight_bytes
 
     @property
     def faulting(self) -> str | None:

@@ -2,8 +2,8 @@
 
 The runner owns the tensors of a step: it packs every request's new tokens into one
 sequence, builds the ``CascadeCache`` that routes each request's attention over its shared
-prefix snapshots (read in place) and its private KV, and runs one forward: a device fast
-path's ``StepForward`` when there is one, else the model's own forward.
+prefix snapshots (read in place) and its private KV, and runs one forward: the model's own
+forward (``cascade_step``).
 """
 from __future__ import annotations
 
@@ -13,23 +13,16 @@ import torch
 
 from prefixcache.errors import UnsupportedModelError
 from prefixcache.model.cascade import kernels_for
-from prefixcache.model.cpu import StepForward
 from prefixcache.model.hf_cache import CascadeCache, CascadeRow, cascade_step
 from prefixcache.model.layout import KVLayout, index_tensor
 from prefixcache.serving.request import Request
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, layout: KVLayout, step_forward: StepForward | None = None):
+    def __init__(self, model: torch.nn.Module, layout: KVLayout):
         self.model, self.layout = model, layout
-        self.step_forward = step_forward  # the fast path, if any (swappable: benchmarks compare them)
         self.kernels = kernels_for(layout.device, layout.dtype, layout.head_dim)  # attention calls, one per model
         self.steps = 0
-
-    @property
-    def extra_weight_bytes(self) -> int:
-        """Bytes of weights the fast path keeps an extra copy of (0 without one; not KV)."""
-        return 0 if self.step_forward is None else self.step_forward.weight_bytes
 
     def run(self, plan: Sequence[tuple[Request, int]]) -> torch.Tensor:
         """One packed forward of ``plan`` ((request, new tokens) pairs); returns logits [K, V] for the
@@ -49,11 +42,8 @@ class ModelRunner:
         device = self.layout.device
         packed = index_tensor([*ids, *pos, *keep], device)  # one copy to the device
         ids_t, pos_t, keep_t = packed[: at], packed[at : 2 * at], packed[2 * at :]  # [T], [T] packed; [K]
-        if self.step_forward is not None:
-            logits = self.step_forward(ids_t, pos_t, cache, keep_t)
-        else:
-            with torch.inference_mode():
-                logits = cascade_step(self.model, ids_t, pos_t, cache, keep_t)
+        with torch.inference_mode():
+            logits = cascade_step(self.model, ids_t, pos_t, cache, keep_t)
         if cache.calls != self.layout.num_layers:
             raise UnsupportedModelError(f"cascade attention ran in {cache.calls} of {self.layout.num_layers} layers")
         self.steps += 1

@@ -1,13 +1,10 @@
 """/metrics (Prometheus), /v1/cache/stats, prewarm and flush: shapes, gating, and numbers that move."""
 from __future__ import annotations
 
-import torch
 from fastapi.testclient import TestClient
 from prefixcache_api import create_app, metrics
 from prometheus_client.parser import text_string_to_metric_families
 from proxy_support import ADMIN, ALPHA, BETA, MODEL, auth, settings
-
-from prefixcache.model.cpu.packed_linear import PackedLinears
 
 SYSTEM = "Policy: refunds within 30 days, exchanges within 60, no questions asked. " * 10
 
@@ -63,15 +60,6 @@ def test_metrics_parse_name_every_defined_metric_and_move(server):
     assert total(after, "prefixcache_cache_entries") > 0
     assert 0 < total(after, "prefixcache_hit_ratio", basis="tokens") <= 1
     assert total(after, "prefixcache_queue_depth") == 0
-    assert total(after, "prefixcache_extra_weight_bytes") == _linear_bytes(server)
-
-
-def _linear_bytes(server) -> int:
-    """Bytes of weights with an extra copy: every linear weight of the served tiny fp32 model when the batching
-    engine's fast path is on and MKL's packing ops exist; none with the default configuration (off)."""
-    if not server.cache.batcher.config.fast_path or PackedLinears.build(torch.nn.Linear(4, 4), 4)[0] is None:
-        return 0
-    return sum(m.weight.nbytes for m in server.cache.model.modules() if type(m) is torch.nn.Linear)
 
 
 def _raw(server) -> str:
@@ -109,16 +97,13 @@ def test_stats_scope_tenant_view_and_admin_view(server):
         assert 0 < mine["hit_rate"] <= 1 and mine["cached_tokens"] > 0
         # A tenant sees its own entries and evictions; other tenants' bytes and the queue are admin only.
         assert mine["entries"] > 0 and set(mine["evictions"]) == {"lru", "ttl", "quota", "flush"}
-        assert mine["tenant_bytes"] is None and mine["queue"] is None and mine["extra_weight_bytes"] is None
+        assert mine["tenant_bytes"] is None and mine["queue"] is None
         theirs = beta.get("/v1/cache/stats").json()
         assert theirs["bytes"] == 0 and theirs["entries"] == 0
         everyone = admin.get("/v1/cache/stats").json()
         assert everyone["tenant"] is None and everyone["entries"] > 0
         assert set(everyone["evictions"]) == {"lru", "ttl", "quota", "flush"}
         assert everyone["queue"] == {"running": 0, "waiting": 0, "capacity": 66}
-        # not KV: the batching engine's packed weights, process-wide
-        assert everyone["extra_weight_bytes"] == _linear_bytes(server)
-        assert admin.get("/v1/cache/stats", params={"tenant": "alpha"}).json()["extra_weight_bytes"] is None
         assert admin.get("/v1/cache/stats", params={"tenant": "alpha"}).json()["bytes"] == mine["bytes"]
 
 

@@ -10,22 +10,19 @@ from prefixcache.bench.engine_figures import (
     concurrent_vs_serial,
     conversation_steps,
     generate_threads,
-    packing_ab,
     short_behind_long,
     step_times,
 )
 from prefixcache.errors import ConfigError
-from prefixcache.model.cpu.packed_linear import PackedLinears
 from tests.conftest import build_tiny
 
 
 def test_step_times_on_a_tiny_model():
     model = build_tiny("llama-gqa")
     got = step_times(model, prefix_len=64, batch=4, new_tokens=6, block_size=16)
-    assert set(got) == {"single_step_s", "batch4_step_s", "ratio", "fast_path"}
+    assert set(got) == {"single_step_s", "batch4_step_s", "ratio"}
     assert _positive(got["single_step_s"], got["batch4_step_s"], got["ratio"])
     assert got["ratio"] == got["batch4_step_s"] / got["single_step_s"]
-    assert got["fast_path"] in (None, "fused", "packed")
 
 
 def _positive(*values: float) -> bool:
@@ -73,22 +70,6 @@ def test_conversation_steps_on_a_tiny_model():
     assert _positive(*got.values())
     assert got["in_place_over_folded"] == got["in_place_step_s"] / got["folded_step_s"]
     assert got["folded_over_alone"] == got["folded_step_s"] / got["alone_step_s"]
-
-
-def test_packing_ab_on_a_tiny_model():
-    model = build_tiny("llama-gqa")
-    if PackedLinears.build(model, 4)[0] is None:
-        pytest.skip("this torch build has no MKL packed linear")
-    got = packing_ab(model, prefix_len=64, batch=4, new_tokens=10, rounds=2, block_size=16)
-    assert got["steps_per_arm"] >= 3 and got["packed_fast_steps"] >= got["steps_per_arm"]  # every arm measured
-    assert got["fused_fast_steps"] > got["steps_per_arm"]  # Llama: the fused arm (and the single request's steps)
-    assert got["packed_ratio"] == got["batch4_packed_step_s"] / got["single_step_s"]
-    arms = ("fused", "packed", "unpacked")
-    assert _positive(got["single_step_s"], *(got[f"batch4_{arm}_step_s"] for arm in arms))
-    for arm in arms:  # every ratio is its arm's median step over the single request's
-        assert got[f"{arm}_ratio"] == got[f"batch4_{arm}_step_s"] / got["single_step_s"]
-    assert set(got) == {"single_step_s", "steps_per_arm", "packed_fast_steps", "fused_fast_steps",
-                        *(f"batch4_{arm}_step_s" for arm in arms), *(f"{arm}_ratio" for arm in arms)}
 
 
 def test_generate_threads_on_a_tiny_model():

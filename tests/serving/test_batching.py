@@ -44,7 +44,7 @@ def check_released(engine):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_parity_join_leave_and_two_prefixes(arch):
     model, ref = build_tiny(arch), build_tiny(arch)
-    engine = make_engine(model, max_batch=6, token_budget=24, prefill_chunk=7, private_chunk=4, fast_path=True)
+    engine = make_engine(model, max_batch=6, token_budget=24, prefill_chunk=7, private_chunk=4)
     try:
         assert engine.disabled_reason is None
         base_a, base_b = list(range(10, 60)), list(range(200, 237))
@@ -63,11 +63,6 @@ def test_parity_join_leave_and_two_prefixes(arch):
             got = engine.wait(req, timeout=60)
             assert got.tokens == expected(ref, prompt, new), prompt
         assert [r.stats.cached_tokens for r in reqs[:4]] == [50, 50, 50, 37]
-        fast = engine.runner.step_forward
-        if fast is not None and fast.kind == "fused":  # Llama, fp32 on CPU with MKL: the fused forward ran the steps
-            assert arch == "llama-gqa" and fast.fast_steps == engine.steps
-        elif fast is not None:  # other models there: steps of 3..6 rows used packed weights
-            assert fast.kind == "packed" and fast.fast_steps == engine.steps
         check_released(engine)
     finally:
         engine.close()
@@ -335,7 +330,7 @@ def test_reduced_precision_is_batched_and_chained_blocks_attend_as_one():
     store = KVStore(CacheConfig(block_size=4), BlockHasher(0), FakeClock())
     engine = BatchEngine(model, store, FakeClock(), BatchConfig())
     try:
-        assert engine.disabled_reason is None and engine.runner.step_forward is None  # the fast path is fp32 only
+        assert engine.disabled_reason is None
         prefix = list(range(10, 50))  # 10 blocks of 4
         engine.generate(prefix, ("t",), "t", SamplingParams(max_new_tokens=1))
         requests = [engine.submit(prefix + [60 + i], ("t",), "t", SamplingParams(max_new_tokens=2)) for i in range(3)]
@@ -481,8 +476,7 @@ def test_a_failure_while_admitting_fails_that_request_only():
 @pytest.mark.parametrize("field,value", [("max_batch", 0), ("token_budget", -1), ("prefill_chunk", 0),
 
                                          ("private_chunk", 1.5), ("pool_max_tokens", -1), ("fold_max_tokens", -5),
-                                         ("max_private_tokens", 0), ("max_wait_seconds", 0), ("max_batch", True),
-                                         ("fast_path", "yes"), ("fast_path_max_bytes", -1)])
+                                         ("max_private_tokens", 0), ("max_wait_seconds", 0), ("max_batch", True)])
 def test_batch_config_rejects_out_of_range_values(field, value):
     from prefixcache.errors import ConfigError
     with pytest.raises(ConfigError, match=field):
