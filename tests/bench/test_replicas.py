@@ -26,8 +26,9 @@ from tests.step_hooks import replica_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 GROUPS, QUESTIONS, SYSTEM_REPEAT = 3, 4, 16  # an odd number of groups: round-robin splits them
-#: New tokens of the answers in flight when a replica is killed.
-LONG = 300
+#: New tokens of the answers in flight when a replica is killed: with the step floor below they last
+#: at least 6 s, and the kill comes as soon as the victim has one in flight.
+LONG = 120
 RUNS = ("one replica", "router: cache_aware", "router: round_robin")
 #: Seconds each replica step takes at least. The router spreads new prefixes by load alone (with none in
 #: flight, every group goes to one replica), so an answer (4 tokens: 4 steps, >= 0.2 s) must still run
