@@ -121,3 +121,34 @@ def test_redis_stopped_mid_run_fails_no_request_and_recovers(tiny_model, tokeniz
         cache.flush(tiers=False)
         again = chat("probe")  # its blocks were written through after recovery, then restored
         assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+@pytest.mark.parametrize("failure", ["readonly", "oom"])
+def test_a_redis_that_refuses_writes_keeps_metrics_answering_and_requests_served(failure, tiny_model, tokenizer,
+                                                                                 redis_server, new_proxy_cache):
+    """READONLY (a failover left the tier on a replica) or OOM (maxmemory, noeviction): every request is still
+    answered, the tier shows as degraded, and ``/metrics`` stays 200."""
+    cache = new_proxy_cache(tiny_model, tokenizer, block_size=16, tier_redis=redis_server.url, hash_secret="s" * 32,
+                            tier_write_policy="write-through")
+    admin = redis_server.client()
+    with live(create_app(settings(), cache=cache)) as srv, srv.openai("sk-alpha") as client:
+        def chat(question: str):
+            msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+            return client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4)
+
+        chat("warm up")
+        if failure == "readonly":
+            admin.execute_command("REPLICAOF", "127.0.0.1", "1")  # a master that never answers: writes refused
+        else:
+            admin.config_set("maxmemory-policy", "noeviction")
+            admin.config_set("maxmemory", 1)
+        try:
+            answers = [chat(f"question {i} while Redis refuses writes") for i in range(3)]
+            assert all(a.choices[0].message.content is not None for a in answers)
+            cache.tiers.flush_writes(10)
+            r = httpx.get(srv.url + "/metrics", headers=auth(ADMIN), timeout=30)
+            assert r.status_code == 200
+            assert degraded(srv) == 1
+        finally:
+            admin.execute_command("REPLICAOF", "NO", "ONE")
+            admin.config_set("maxmemory", 0)
