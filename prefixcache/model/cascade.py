@@ -198,23 +198,19 @@ def _attend_private(qg: torch.Tensor, own: Sequence[tuple[int, int, torch.Tensor
         o, lse = _attend_batch(qg, batch, scale, masks, kernels)
         o_priv.index_copy_(2, batch.rows, o)
         l_priv.index_copy_(2, batch.rows, lse)
-    if not kernels.batch_own:
-        for start, end, k, v in own:
-            o, lse = kernels.causal(qg[:, :, start:end].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale, masks)
-            o_priv[:, :, start:end] = o[0]
-            l_priv[:, :, start:end] = lse[0]
-        return o_priv, l_priv
-    # Requests with as many rows over as many private keys (a burst of questions) share one call.
-    alike: dict[tuple[int, int], list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
+    # Requests with as many rows over as many private keys (a burst of questions) share one call where the
+    # kernels stack them; every other request is a call of its own.
+    alike: dict[tuple[int, ...], list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
     for item in own:
-        alike.setdefault((item[1] - item[0], item[2].shape[1]), []).append(item)
-    for (r, _), items in alike.items():
+        alike.setdefault((item[1] - item[0], item[2].shape[1]) if kernels.batch_own else (item[0],), []).append(item)
+    for items in alike.values():
         if len(items) == 1:
             start, end, k, v = items[0]
             o, lse = kernels.causal(qg[:, :, start:end].unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale, masks)
             o_priv[:, :, start:end] = o[0]
             l_priv[:, :, start:end] = lse[0]
             continue
+        r = items[0][1] - items[0][0]
         starts = tuple(item[0] for item in items)
         index = masks.get(("rows", r, starts))
         if index is None:  # their packed rows, once per forward

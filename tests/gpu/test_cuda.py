@@ -8,13 +8,12 @@ import torch
 
 from prefixcache import PrefixCache
 from prefixcache.errors import UnsupportedModelError
-from prefixcache.model import cascade
 from prefixcache.model.cascade import PrivateBatch, Shared, TorchKernels, cascade_attention, kernels_for
 from prefixcache.model.cuda import FusedKernels
 from prefixcache.model.cuda.attention import fused_kernels
 from prefixcache.model.hf_cache import check_cascade, enable_cascade_attention, measure_cascade, probe_layout
-from prefixcache.model.private_kv import PrivateKV
 from tests.conftest import ARCHS, build_tiny, untouched
+from tests.model.test_cascade_dtypes import BROKEN as CPU_BROKEN
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -66,12 +65,6 @@ def test_the_start_up_check_passes_and_batching_is_on(arch, dtype):
         assert pc.batching_disabled_reason is None
 
 
-def _write_one_late(self, layer, start, keys, values):
-    n, slab = keys.shape[1], self.pool.slab
-    slab[layer, 0, self.slot, :, start + 1 : start + 1 + n].copy_(keys)
-    slab[layer, 1, self.slot, :, start + 1 : start + 1 + n].copy_(values)
-
-
 _REAL_CALL = FusedKernels._call
 
 
@@ -80,8 +73,7 @@ def _never_causal(self, q, k, v, scale, causal):
 
 
 BROKEN = {
-    "private KV written one position late": (PrivateKV, "write", _write_one_late),
-    "merge drops the shared prefix": (cascade, "merge_two", lambda o_a, lse_a, o_b, lse_b: o_b),
+    **{bug: CPU_BROKEN[bug] for bug in ("private KV written one position late", "merge drops the shared prefix")},
     "held tokens ignored": (FusedKernels, "causal", lambda self, q, k, v, scale, masks:
                             TorchKernels().causal(q.float(), k[:, :, -q.shape[3]:].float(),
                                                   v[:, :, -q.shape[3]:].float(), scale, {})),

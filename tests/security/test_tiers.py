@@ -73,6 +73,15 @@ def first_meta() -> BlockMeta:
     return BlockMeta(chain[1], chain[0], keys().namespace_tag(NS["a"]), tuple(SEQ[:4]), None)
 
 
+def assert_refused_and_deleted(chain, tier: str, clock) -> None:
+    """A fresh store restoring ``SEQ`` through ``chain`` gets nothing: the planted first block was counted
+    corrupt once and deleted from the tier."""
+    fresh = make_store(clock, blocks_budget=100)
+    fresh.attach(chain)
+    assert restore(fresh, SEQ).cached_tokens == 0
+    assert chain.stats()[tier]["corrupt_entries"] == 1 and not chain.tiers[0].contains(first_meta().key)
+
+
 def test_a_forged_block_is_refused_and_the_answer_recomputed(redis_server):
     model = build_tiny("llama-gqa")
     ids = prompt()
@@ -112,10 +121,7 @@ def test_a_block_sealed_under_another_secret_is_refused(tier, tmp_path, request,
         prefix_files(tmp_path, NS["a"], SEQ)[0].write_bytes(forged)
     else:
         server.client().set(f"{KEY_PREFIX}b:{first_meta().key.hex()}", forged)
-    fresh = make_store(clock, blocks_budget=100)
-    fresh.attach(chain)
-    assert restore(fresh, SEQ).cached_tokens == 0
-    assert chain.stats()[tier]["corrupt_entries"] == 1 and not chain.tiers[0].contains(first_meta().key)
+    assert_refused_and_deleted(chain, tier, clock)
     chain.close()
 
 
@@ -156,10 +162,7 @@ def test_a_malformed_header_in_a_tier_is_deleted_and_the_tier_starts(tier, name,
         chain = disk_chain(tmp_path)  # a restart indexes it without parsing it
     else:
         server.client().set(f"{KEY_PREFIX}b:{first_meta().key.hex()}", blob)
-    fresh = make_store(clock, blocks_budget=100)
-    fresh.attach(chain)
-    assert restore(fresh, SEQ).cached_tokens == 0
-    assert chain.stats()[tier]["corrupt_entries"] == 1 and not chain.tiers[0].contains(first_meta().key)
+    assert_refused_and_deleted(chain, tier, clock)
     if server is not None:
         assert server.client().zscore(KEY_PREFIX + "lru", first_meta().key.hex()) is None
     chain.close()

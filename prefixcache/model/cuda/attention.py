@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixcache.model.cascade import accumulation_dtype
+from prefixcache.model.cascade import accumulation_dtype, merge_two
 
 _FLASH_DTYPES = (torch.bfloat16, torch.float16)
 _EFFICIENT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -66,8 +66,7 @@ class FusedKernels:
         o, lse = self._heads(heads, k[:, :, n - r:], v[:, :, n - r:], scale, causal=r > 1)
         if n > r:  # tokens held from earlier steps: every row sees them all
             held_o, held_lse = self._heads(heads, k[:, :, : n - r], v[:, :, : n - r], scale, causal=False)
-            weight = torch.sigmoid(held_lse - lse).unsqueeze(-1)  # the exact merge of two key sets
-            o, lse = torch.lerp(o, held_o, weight), torch.logaddexp(held_lse, lse)
+            o, lse = merge_two(held_o, held_lse, o, lse), torch.logaddexp(held_lse, lse)
         return o.view(b, hkv, g, r, dim), lse.view(b, hkv, g, r)
 
     def masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor,
