@@ -16,6 +16,7 @@ and ``unservable`` sends later calls to the serial engine.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -27,7 +28,7 @@ import torch
 
 from prefixcache.cache.store import KVStore
 from prefixcache.config import check_int, check_positive
-from prefixcache.errors import EngineFaultError, GenerationTimeoutError, UnsupportedModelError
+from prefixcache.errors import ConfigError, EngineFaultError, GenerationTimeoutError, UnsupportedModelError
 from prefixcache.model.hf_cache import check_cascade, enable_cascade_attention, probe_layout
 from prefixcache.model.layout import KVLayout
 from prefixcache.serving.model_runner import ModelRunner
@@ -139,6 +140,8 @@ class BatchEngine:
         self.model, self.store, self._clock = model, store, clock
         # None or a mapping of fields: sized for the device once its layout is known, the mapping over it.
         overrides = None if isinstance(config, BatchConfig) else dict(config or {})
+        for name in set(overrides or ()) - {f.name for f in dataclasses.fields(BatchConfig)}:
+            raise ConfigError(name, overrides[name], "a BatchConfig field")
         self.config = BatchConfig(**overrides) if overrides is not None else config
         self.cache_generated = cache_generated
         self.layout: KVLayout | None = None

@@ -29,3 +29,18 @@ def test_defaults_are_sized_for_the_device():
     small = device_defaults("cuda", 8 << 30, 20, 32 << 10)
     assert small["max_batch"] == 32 and small["token_budget"] == 2048
     BatchConfig(**h100)  # valid
+
+
+def test_batching_fields_over_the_device_defaults_are_checked():
+    import pytest
+
+    from prefixcache import PrefixCache
+    from prefixcache.errors import ConfigError
+    from tests.conftest import build_tiny
+
+    with pytest.raises(ConfigError, match="max_batsh"):
+        PrefixCache(build_tiny("llama-gqa"), batching={"max_batsh": 4}, start_sweeper=False)
+    with pytest.raises(ConfigError, match="max_batch"):
+        PrefixCache(build_tiny("llama-gqa"), batching={"max_batch": 0}, start_sweeper=False)
+    with PrefixCache(build_tiny("llama-gqa"), batching={"max_batch": 3}, start_sweeper=False) as cache:
+        assert cache.batcher.config.max_batch == 3 and cache.batching_disabled_reason is None
