@@ -19,7 +19,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request, Security
 from fastapi.dependencies.models import Dependant
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
@@ -33,7 +33,6 @@ from .errors import (
     PermissionDeniedError,
     RateLimitedError,
     UnavailableError,
-    map_exception,
     status_of,
 )
 from .fairness import InvalidBudget, retry_after_seconds
@@ -63,6 +62,7 @@ from .protocol import (
 )
 from .sampling import Job, chat_job, completion_job
 from .serving import GenerationStream, Serving
+from .streaming import SSE_RESPONSE, event, sse, tail
 
 log = logging.getLogger(__name__)
 _bearer = HTTPBearer(auto_error=False, description="A tenant's API key, or the admin key.")
@@ -73,7 +73,6 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (429, "Queue full, the key's rate or places in flight exceeded (Retry-After), or a pin over the "
               "tenant's pin quota"),
         (503, "Not ready, shutting down or out of cache capacity (Retry-After)"), (504, "Timed out"))}
-_SSE = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or server-sent events if stream is true"}}
 
 
 # -- dependencies --------------------------------------------------------------------
@@ -268,7 +267,7 @@ async def get_model(model: str, who: Caller, srv: Engine) -> ModelCard:
     return ModelCard(id=srv.model_name, created=srv.created)
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletion, responses={**_ERRORS, **_SSE}, tags=["openai"])
+@router.post("/v1/chat/completions", response_model=ChatCompletion, responses={**_ERRORS, **SSE_RESPONSE}, tags=["openai"])
 async def chat_completions(body: ChatCompletionRequest, request: Request, who: Caller, srv: Engine) -> Any:
     check_model(srv, body.model)
     check_chat(body, srv.settings)
@@ -282,7 +281,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, who: C
                          lambda stream, meta: _chat_events(stream, meta, usage_chunk, srv))
 
 
-@router.post("/v1/completions", response_model=Completion, responses={**_ERRORS, **_SSE}, tags=["openai"])
+@router.post("/v1/completions", response_model=Completion, responses={**_ERRORS, **SSE_RESPONSE}, tags=["openai"])
 async def completions(body: CompletionRequest, request: Request, who: Caller, srv: Engine) -> Any:
     check_model(srv, body.model)
     check_completion(body, srv.settings)
@@ -312,7 +311,7 @@ async def respond(job: Job, stream: bool, request: Request, srv: Serving, id_pre
     meta = Meta.new(id_prefix, srv)
     if stream:
         handle = await srv.open_stream(job, disconnected(request), place_of(request))
-        return sse(events(handle, meta))
+        return sse(tail(events(handle, meta), handle, request.scope["route"].path, srv))
     return answer(await srv.run(job, disconnected(request), place_of(request)), meta)
 
 
@@ -404,7 +403,7 @@ class Meta:
         body: dict[str, Any] = {**self.fields(), "object": kind, "choices": choices}
         if with_usage or usage is not None:
             body["usage"] = None if usage is None else usage.model_dump()
-        return _event(body)
+        return event(body)
 
 
 def _usage(result: GenerationResult, srv: Serving) -> UsageInfo:
@@ -417,15 +416,6 @@ def _finish(result: GenerationResult) -> str:
     return "length" if result.finish_reason == "length" else "stop"
 
 
-def _event(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-
-def sse(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
 async def _chat_events(stream: GenerationStream, meta: Meta, usage_chunk: bool, srv: Serving) -> AsyncIterator[str]:
     """OpenAI's chunk sequence: role, content deltas, finish_reason, [usage], [DONE].
 
@@ -436,19 +426,14 @@ async def _chat_events(stream: GenerationStream, meta: Meta, usage_chunk: bool, 
         return [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
 
     kind = "chat.completion.chunk"
-    try:
-        yield meta.chunk(kind, choice({"role": "assistant", "content": ""}), None, usage_chunk)
-        async for text in stream.texts():
-            yield meta.chunk(kind, choice({"content": text}), None, usage_chunk)
-        usage = _usage(stream.result, srv)
-        yield meta.chunk(kind, choice({}, _finish(stream.result)), None if usage_chunk else usage, usage_chunk)
-        if usage_chunk:
-            yield meta.chunk(kind, [], usage, True)
-        yield "data: [DONE]\n\n"
-    except Exception as exc:  # after the headers: the error becomes the stream's last event
-        yield _stream_error(exc, "/v1/chat/completions", srv)
-    finally:
-        stream.close()
+    yield meta.chunk(kind, choice({"role": "assistant", "content": ""}), None, usage_chunk)
+    async for text in stream.texts():
+        yield meta.chunk(kind, choice({"content": text}), None, usage_chunk)
+    usage = _usage(stream.result, srv)
+    yield meta.chunk(kind, choice({}, _finish(stream.result)), None if usage_chunk else usage, usage_chunk)
+    if usage_chunk:
+        yield meta.chunk(kind, [], usage, True)
+    yield "data: [DONE]\n\n"
 
 
 async def _completion_events(stream: GenerationStream, meta: Meta, usage_chunk: bool, echo: str | None,
@@ -457,25 +442,12 @@ async def _completion_events(stream: GenerationStream, meta: Meta, usage_chunk: 
         return [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
 
     kind = "text_completion"
-    try:
-        if echo:
-            yield meta.chunk(kind, choice(echo), None, usage_chunk)
-        async for text in stream.texts():
-            yield meta.chunk(kind, choice(text), None, usage_chunk)
-        usage = _usage(stream.result, srv)
-        yield meta.chunk(kind, choice("", _finish(stream.result)), None if usage_chunk else usage, usage_chunk)
-        if usage_chunk:
-            yield meta.chunk(kind, [], usage, True)
-        yield "data: [DONE]\n\n"
-    except Exception as exc:
-        yield _stream_error(exc, "/v1/completions", srv)
-    finally:
-        stream.close()
-
-
-def _stream_error(exc: Exception, route: str, srv: Serving) -> str:
-    mapped = map_exception(exc)
-    if mapped.status >= 500 and mapped.detail.code == "internal_error":
-        log.error("error while streaming", exc_info=exc)
-    srv.metrics.error(route, mapped.status)
-    return _event({"error": mapped.detail.model_dump()})
+    if echo:
+        yield meta.chunk(kind, choice(echo), None, usage_chunk)
+    async for text in stream.texts():
+        yield meta.chunk(kind, choice(text), None, usage_chunk)
+    usage = _usage(stream.result, srv)
+    yield meta.chunk(kind, choice("", _finish(stream.result)), None if usage_chunk else usage, usage_chunk)
+    if usage_chunk:
+        yield meta.chunk(kind, [], usage, True)
+    yield "data: [DONE]\n\n"

@@ -11,8 +11,6 @@ A stream sends ``message_start`` (with the usage known before generation),
 """
 from __future__ import annotations
 
-import json
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,13 +18,12 @@ from fastapi import APIRouter, Request
 
 from prefixcache import CacheUsage, GenerationResult
 
-from ..errors import map_exception
 from ..limits import check_anthropic
 from ..routes import Caller, Engine, GuardedRoute, Meta, check_model, place_of, respond
 from ..sampling import Job, limit_max_tokens, server_temperature
 from ..serving import GenerationStream, Serving
 from ..settings import Settings
-from .errors import anthropic_error
+from ..streaming import SSE_RESPONSE, event
 from .protocol import (
     CacheCreation,
     CountTokensRequest,
@@ -38,17 +35,15 @@ from .protocol import (
     Usage,
 )
 
-log = logging.getLogger(__name__)
 router = APIRouter(route_class=GuardedRoute, tags=["anthropic"])
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": text} for status, text in (
         (400, "invalid_request_error"), (401, "authentication_error"), (403, "permission_error"),
         (404, "not_found_error: unknown model"), (413, "request_too_large"), (429, "rate_limit_error: queue full"),
         (500, "api_error"), (504, "timeout_error"), (529, "overloaded_error: not ready or shutting down"))}
-_SSE = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or server-sent events if stream is true"}}
 
 
-@router.post("/v1/messages", response_model=Message, responses={**_ERRORS, **_SSE})
+@router.post("/v1/messages", response_model=Message, responses={**_ERRORS, **SSE_RESPONSE})
 async def messages(body: MessagesRequest, request: Request, who: Caller, srv: Engine) -> Any:
     """Anthropic's Messages API; ``cache_control`` breakpoints keep their prefixes for their TTL."""
     check_model(srv, body.model)
@@ -105,33 +100,20 @@ def stop_reason(result: GenerationResult, stops: list[str], srv: Serving) -> tup
     return "end_turn", None
 
 
-def _event(kind: str, body: dict[str, Any]) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **body}, ensure_ascii=False)}\n\n"
-
-
 async def _events(stream: GenerationStream, meta: Meta, stops: list[str], srv: Serving) -> AsyncIterator[str]:
-    """Anthropic's event sequence; a failure after the headers becomes an ``error`` event."""
-    try:
-        start = usage(stream.predicted, 0, srv).model_dump()
-        yield _event("message_start", {"message": {
-            "id": meta.id, "type": "message", "role": "assistant", "content": [], "model": meta.model,
-            "stop_reason": None, "stop_sequence": None, "usage": start}})
-        yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
-        yield _event("ping", {})
-        async for text in stream.texts():
-            if text:
-                yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
-        result = stream.result
-        reason, sequence = stop_reason(result, stops, srv)
-        final = usage(result.cache, result.usage.completion_tokens, srv).model_dump(exclude={"cache_creation"})
-        yield _event("content_block_stop", {"index": 0})
-        yield _event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": final})
-        yield _event("message_stop", {})
-    except Exception as exc:  # after the headers: the error becomes the stream's last event
-        mapped = map_exception(exc)
-        if mapped.status >= 500 and mapped.detail.code == "internal_error":
-            log.error("error while streaming", exc_info=exc)
-        srv.metrics.error("/v1/messages", mapped.status)
-        yield _event("error", {"error": anthropic_error(mapped.status, mapped.detail.message)[1]["error"]})
-    finally:
-        stream.close()
+    """Anthropic's event sequence (``streaming.tail`` turns a failure into an ``error`` event)."""
+    start = usage(stream.predicted, 0, srv).model_dump()
+    yield event({"message": {
+        "id": meta.id, "type": "message", "role": "assistant", "content": [], "model": meta.model,
+        "stop_reason": None, "stop_sequence": None, "usage": start}}, "message_start")
+    yield event({"index": 0, "content_block": {"type": "text", "text": ""}}, "content_block_start")
+    yield event({}, "ping")
+    async for text in stream.texts():
+        if text:
+            yield event({"index": 0, "delta": {"type": "text_delta", "text": text}}, "content_block_delta")
+    result = stream.result
+    reason, sequence = stop_reason(result, stops, srv)
+    final = usage(result.cache, result.usage.completion_tokens, srv).model_dump(exclude={"cache_creation"})
+    yield event({"index": 0}, "content_block_stop")
+    yield event({"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": final}, "message_delta")
+    yield event({}, "message_stop")

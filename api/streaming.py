@@ -1,0 +1,56 @@
+"""The one stream tail of every API the proxy speaks: server-sent events, errors after the headers, closing.
+
+Each API shapes its own events (OpenAI's chunks, Anthropic's typed events); what happens
+around them is shared: the response headers, how an event is written, what a failure
+once the stream has begun becomes (the stream's last event, in the route's error shape),
+and that the generation stops when the stream ends, however it ends.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+from .anthropic.errors import anthropic_error, is_anthropic
+from .errors import map_exception
+from .serving import GenerationStream, Serving
+
+log = logging.getLogger(__name__)
+
+#: The OpenAPI entry of a route that streams when asked.
+SSE_RESPONSE: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {}}, "description": "JSON, or server-sent events if stream is true"}}
+
+
+def event(body: dict[str, Any], kind: str | None = None) -> str:
+    """One server-sent event: ``data`` only (OpenAI), or named by ``kind`` with the kind as ``type`` (Anthropic)."""
+    if kind is None:
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **body}, ensure_ascii=False)}\n\n"
+
+
+def sse(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def tail(events: AsyncIterator[str], stream: GenerationStream, route: str, srv: Serving) -> AsyncIterator[str]:
+    """``events``, then: a failure becomes the stream's last event (in ``route``'s error shape, counted in
+    metrics), and the generation is stopped when the stream ends (done, failed, or the client gone)."""
+    try:
+        async for item in events:
+            yield item
+    except Exception as exc:  # after the headers: the error becomes the stream's last event
+        mapped = map_exception(exc)
+        if mapped.status >= 500 and mapped.detail.code == "internal_error":
+            log.error("error while streaming", exc_info=exc)
+        srv.metrics.error(route, mapped.status)
+        if is_anthropic(route):
+            yield event({"error": anthropic_error(mapped.status, mapped.detail.message)[1]["error"]}, "error")
+        else:
+            yield event({"error": mapped.detail.model_dump()})
+    finally:
+        stream.close()
