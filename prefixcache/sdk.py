@@ -240,23 +240,27 @@ class PrefixCache:
 
     def messages(self, messages: Sequence[dict[str, Any]], *, max_tokens: int, system: Any = None,
                  tools: Sequence[dict[str, Any]] | None = None, tool_choice: dict[str, Any] | None = None,
-                 stop_sequences: Sequence[str] | None = None, **options: Any) -> GenerationResult:
+                 cache_control: dict[str, Any] | None = None, stop_sequences: Sequence[str] | None = None,
+                 **options: Any) -> GenerationResult:
         """Answer an Anthropic-shaped request, honouring its ``cache_control`` breakpoints.
 
         ``system`` is a string or text blocks; ``messages`` hold strings or text, ``tool_use`` and
         ``tool_result`` blocks; ``tools`` are ``{name, description, input_schema}``. A block with
         ``cache_control={"type": "ephemeral", "ttl": "5m" | "1h"}`` keeps the prefix up to it for
-        that TTL (rules: ``serving/breakpoints.py``). ``result.cache`` holds the usage as Anthropic
-        counts it. Other options as ``complete``.
+        that TTL (rules: ``serving/breakpoints.py``); a top-level ``cache_control`` marks the last block
+        (automatic caching). ``result.cache`` holds the usage as Anthropic counts it. Other options as
+        ``complete``.
         """
-        prompt = self.encode_messages(messages, system=system, tools=tools, tool_choice=tool_choice)
+        prompt = self.encode_messages(messages, system=system, tools=tools, tool_choice=tool_choice,
+                                      cache_control=cache_control)
         return self.answer_messages(prompt, max_new_tokens=max_tokens, stop=stop_sequences, **options)
 
     def encode_messages(self, messages: Sequence[dict[str, Any]], *, system: Any = None,
                         tools: Sequence[dict[str, Any]] | None = None,
-                        tool_choice: dict[str, Any] | None = None) -> MessagesPrompt:
+                        tool_choice: dict[str, Any] | None = None,
+                        cache_control: dict[str, Any] | None = None) -> MessagesPrompt:
         """An Anthropic-shaped request's canonical ids and breakpoints (see ``messages``)."""
-        return encode_messages(self._canon(), messages, system, tools, tool_choice)
+        return encode_messages(self._canon(), messages, system, tools, tool_choice, cache_control)
 
     def answer_messages(self, prompt: MessagesPrompt, *, tenant: str | None = None, cache_salt: str | None = None,
                         **options: Any) -> GenerationResult:

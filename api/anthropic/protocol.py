@@ -96,6 +96,9 @@ class _Prompt(BaseModel):
     system: Text | list[TextBlock] | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
+    cache_control: CacheControl | None = Field(None, description="Automatic caching: a cache_control marker on "
+                                               "the last cacheable block (the last block of the last message), "
+                                               "one of the 4 breakpoints. A block with its own marker keeps it.")
     cache_salt: Text | None = Field(None, max_length=256, description="Extension (vLLM's name): a secret mixed "
                                     "into the cache namespace, so requests of this API key with different salts "
                                     "never share cached prefixes. Unset or empty: the key's namespace. Token "
@@ -103,9 +106,10 @@ class _Prompt(BaseModel):
 
     def prompt(self) -> dict[str, Any]:
         """Keyword arguments of ``PrefixCache.encode_messages``: plain dicts, cache_control kept."""
-        dump = self.model_dump(exclude_none=True, include={"messages", "system", "tools", "tool_choice"})
+        dump = self.model_dump(exclude_none=True, include={"messages", "system", "tools", "tool_choice",
+                                                           "cache_control"})
         return {"messages": dump["messages"], "system": dump.get("system"), "tools": dump.get("tools"),
-                "tool_choice": dump.get("tool_choice")}
+                "tool_choice": dump.get("tool_choice"), "cache_control": dump.get("cache_control")}
 
 
 class MessagesRequest(_Prompt):

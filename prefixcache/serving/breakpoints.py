@@ -48,6 +48,11 @@ class Breakpoint:
     def ttl_seconds(self) -> float:
         return TTL_SECONDS[self.ttl]
 
+    @property
+    def control(self) -> str:
+        """The path of its ``cache_control`` in the request (the top-level one is "cache_control")."""
+        return self.where if self.where == "cache_control" else f"{self.where}.cache_control"
+
 
 def check_breakpoints(marks: Sequence[Breakpoint]) -> None:
     """Anthropic's rules on the marked blocks, in prefix order. Raises ``InvalidRequestError``."""
@@ -57,13 +62,13 @@ def check_breakpoints(marks: Sequence[Breakpoint]) -> None:
     shorter = None
     for mark in marks:
         if mark.ttl not in TTL_SECONDS:
-            raise InvalidRequestError(f"{mark.where}.cache_control.ttl must be one of {sorted(TTL_SECONDS)}",
-                                      param=f"{mark.where}.cache_control.ttl")
+            raise InvalidRequestError(f"{mark.control}.ttl must be one of {sorted(TTL_SECONDS)}",
+                                      param=f"{mark.control}.ttl")
         if shorter is not None and mark.ttl_seconds > shorter.ttl_seconds:
             raise InvalidRequestError(
                 f"a cache_control block with ttl='{mark.ttl}' ({mark.where}) must not come after one with a shorter "
                 f"ttl='{shorter.ttl}' ({shorter.where}): longer TTLs go first (tools, then system, then messages)",
-                param=f"{mark.where}.cache_control.ttl")
+                param=f"{mark.control}.ttl")
         if shorter is None or mark.ttl_seconds < shorter.ttl_seconds:
             shorter = mark
 

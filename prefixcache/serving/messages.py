@@ -7,6 +7,11 @@ canonicalizer encodes: system blocks one system message (joined with "\\n", as t
 are), ``tool_use`` blocks an assistant's ``tool_calls``, ``tool_result`` blocks ``tool``
 messages, tools function definitions. Other blocks (images, documents, …) are refused.
 
+A top-level ``cache_control`` (automatic caching) marks the last cacheable block: the last
+block of the last message (the whole message when its content is a string). It is one of
+the ``MAX_BREAKPOINTS`` and follows the TTL order as any marker; on a block that carries its
+own ``cache_control`` it adds nothing (the block's marker, TTL included, stands).
+
 A breakpoint's position is the number of leading tokens the prompt shares with the same
 request cut right after the marked block (encoded without a generation prompt): exactly
 the tokens every request that agrees up to that block starts with, whatever the chat
@@ -37,14 +42,17 @@ class MessagesPrompt:
 
 
 def encode_messages(canon: Canonicalizer, messages: Sequence[dict[str, Any]], system: Any = None,
-                    tools: Sequence[dict[str, Any]] | None = None, tool_choice: dict[str, Any] | None = None
-                    ) -> MessagesPrompt:
-    """Encode a messages request and locate its breakpoints. Raises ``InvalidRequestError`` (with ``param``)."""
+                    tools: Sequence[dict[str, Any]] | None = None, tool_choice: dict[str, Any] | None = None,
+                    cache_control: dict[str, Any] | None = None) -> MessagesPrompt:
+    """Encode a messages request and locate its breakpoints (``cache_control``: the top-level, automatic
+    marker). Raises ``InvalidRequestError`` (with ``param``)."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise InvalidRequestError("messages must be a non-empty list of messages", param="messages")
     tools = list(tools or [])
     hide_tools = _tool_choice(tool_choice, tools)
     marks = _marks(messages, system, tools)
+    if cache_control is not None:
+        marks += _automatic(messages, cache_control, marks)
     check_breakpoints([bp for bp, _ in marks])
     chat, chat_tools = to_chat(messages, system, tools)
     chat_tools = None if hide_tools else chat_tools
@@ -88,13 +96,8 @@ def _marks(messages: Sequence[Any], system: Any, tools: Sequence[Any]) -> list[t
 
     def visit(block: Any, where: str, cut: Cut) -> None:
         control = block.get("cache_control") if isinstance(block, dict) else None
-        if control is None:
-            return
-        if not isinstance(control, dict) or control.get("type") != "ephemeral":
-            raise InvalidRequestError(f"{where}.cache_control.type must be 'ephemeral'",
-                                      param=f"{where}.cache_control.type")
-        ttl = control.get("ttl") or DEFAULT_TTL
-        found.append((Breakpoint(where, ttl if isinstance(ttl, str) else repr(ttl)), cut))
+        if control is not None:
+            found.append((_breakpoint(control, where), cut))
 
     for i, tool in enumerate(tools):
         visit(tool, f"tools[{i}]", ("tools", i))
@@ -109,6 +112,28 @@ def _marks(messages: Sequence[Any], system: Any, tools: Sequence[Any]) -> list[t
     return found
 
 
+def _breakpoint(control: Any, where: str) -> Breakpoint:
+    """The breakpoint a ``cache_control`` value at ``where`` asks for (``where`` is "cache_control" for the
+    top-level marker: its param is then ``cache_control.type``)."""
+    at = f"{where}.cache_control" if where != "cache_control" else where
+    if not isinstance(control, dict) or control.get("type") != "ephemeral":
+        raise InvalidRequestError(f"{at}.type must be 'ephemeral'", param=f"{at}.type")
+    ttl = control.get("ttl") or DEFAULT_TTL
+    return Breakpoint(where, ttl if isinstance(ttl, str) else repr(ttl))
+
+
+def _automatic(messages: Sequence[Any], control: Any, marks: list[tuple[Breakpoint, Cut]]
+               ) -> list[tuple[Breakpoint, Cut]]:
+    """The top-level marker on the last cacheable block, unless that block carries its own."""
+    bp = _breakpoint(control, "cache_control")
+    m = len(messages) - 1
+    content = messages[m].get("content") if isinstance(messages[m], dict) else None
+    cut: Cut = ("messages", m, len(content) - 1) if isinstance(content, list) and content else ("messages", m, None)
+    if any(c == cut for _, c in marks):
+        return []
+    return [(bp, cut)]
+
+
 def _position(canon: Canonicalizer, full: Sequence[int], messages: Sequence[Any], system: Any,
               tools: list, cut: Cut, hide_tools: bool) -> int:
     """Tokens ``full`` shares with the request cut right after the block at ``cut``."""
@@ -120,7 +145,7 @@ def _position(canon: Canonicalizer, full: Sequence[int], messages: Sequence[Any]
         probes = [(tools, system[: cut[1] + 1], [])]
     else:
         m, k = cut[1], cut[2]
-        last = dict(messages[m], content=messages[m]["content"][: k + 1])
+        last = messages[m] if k is None else dict(messages[m], content=messages[m]["content"][: k + 1])
         probes = [(tools, system, [*messages[:m], last])]
     shared = len(full)
     for probe_tools, probe_system, probe_messages in probes:

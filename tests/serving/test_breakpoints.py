@@ -90,6 +90,34 @@ def test_positions_are_the_tokens_shared_with_the_request_cut_after_the_marked_b
     assert tokenizer.decode(ids[system_bp.position: context_bp.position]).strip().endswith("Sundays.")
 
 
+def test_the_top_level_marker_closes_the_last_block_and_counts_as_a_breakpoint(tokenizer):
+    canon = Canonicalizer(tokenizer)
+    history = [{"role": "user", "content": "Open on Sunday?"}, {"role": "assistant", "content": "No."},
+               {"role": "user", "content": "And on Monday?"}]
+    auto = encode_messages(canon, history, SYSTEM, cache_control={"type": "ephemeral", "ttl": "1h"})
+    (bp,) = auto.breakpoints
+    whole = canon.encode_chat([{"role": "system", "content": SYSTEM}, *history], add_generation_prompt=False)
+    assert (bp.where, bp.ttl, bp.position) == ("cache_control", "1h", len(whole.token_ids))
+    # On blocks, it marks the last one; one that carries its own marker keeps it (no second breakpoint).
+    blocks = [{"role": "user", "content": [{"type": "text", "text": CTX}, {"type": "text", "text": "Sunday?"}]}]
+    (on_block,) = encode_messages(canon, blocks, cache_control={"type": "ephemeral"}).breakpoints
+    assert (on_block.where, on_block.ttl) == ("cache_control", "5m")
+    own = [{"role": "user", "content": [{"type": "text", "text": CTX}, marked("Sunday?", "1h")]}]
+    (kept,) = encode_messages(canon, own, cache_control={"type": "ephemeral"}).breakpoints
+    assert (kept.where, kept.ttl, kept.position) == ("messages[0].content[1]", "1h", on_block.position)
+    # Within the four, and after longer TTLs only.
+    four = [{"role": "user", "content": [marked(f"part {i}") for i in range(4)] + [{"type": "text", "text": "?"}]}]
+    with pytest.raises(InvalidRequestError, match="maximum of 4") as err:
+        encode_messages(canon, four, cache_control={"type": "ephemeral"})
+    assert err.value.param == "cache_control"
+    with pytest.raises(InvalidRequestError, match="must not come after") as err:
+        encode_messages(canon, history, [marked(SYSTEM, "5m")], cache_control={"type": "ephemeral", "ttl": "1h"})
+    assert err.value.param == "cache_control.ttl"
+    with pytest.raises(InvalidRequestError) as err:
+        encode_messages(canon, history, cache_control={"type": "persistent"})
+    assert err.value.param == "cache_control.type"
+
+
 def test_anthropic_blocks_become_chat_messages():
     messages = [{"role": "user", "content": "Stock of Dune?"},
                 {"role": "assistant", "content": [{"type": "text", "text": "Checking."},
