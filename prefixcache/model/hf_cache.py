@@ -17,6 +17,7 @@ from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kw
 
 from prefixcache.cache.runs import coalesce
 from prefixcache.errors import UnsupportedModelError
+from prefixcache.model.blend import ShiftTable, rerotate
 from prefixcache.model.cascade import AttentionKernels, attend_groups, member_rows
 from prefixcache.model.layout import KVLayout
 from prefixcache.model.precision import AttentionError, attention_error
@@ -128,6 +129,12 @@ class WorkingCache(DynamicCache):
         if not 0 <= start < end <= self.length:
             raise IndexError(f"slice [{start}, {end}) outside cached length {self.length}")
         return self._buf[:, :, :, start:end].clone()
+
+    def view(self, start: int, end: int) -> torch.Tensor:
+        """``slice`` without the copy: valid until the cache grows or is written there."""
+        if not 0 <= start < end <= self.length:
+            raise IndexError(f"view [{start}, {end}) outside cached length {self.length}")
+        return self._buf[:, :, :, start:end]
 
     @property
     def buffer_bytes(self) -> int:
@@ -451,3 +458,128 @@ def check_cascade(model: torch.nn.Module, layout: KVLayout,
         if not err <= tol:
             raise UnsupportedModelError(f"cascade self-check differs from plain attention by {err:.3g} "
                                         f"(tolerance {tol:.3g})")
+
+
+# -- chunk blending contact -----------------------------------------------------------
+# A blend forward runs some of a prompt's tokens (any positions, in order) through the
+# model's own forward against the request's whole KV buffer ``[L, 2, H, n, D]``: each layer
+# writes the rows' new K/V at their positions, then their queries attend to every key at or
+# before their own position, whether it was reused, recomputed or prefilled.
+
+class _StopForward(Exception):
+    """Raised by ``BlendCache.update`` at its stop layer: the rest of the forward is not needed."""
+
+
+class BlendCache(Cache):
+    """``past_key_values`` of a blend forward over ``buffer`` (written in place at ``positions``)."""
+
+    def __init__(self, buffer: torch.Tensor, positions: torch.Tensor, stop_layer: int | None = None):
+        """``buffer``: ``[L, 2, H, n, D]``; ``positions``: long ``[T]``, increasing, the rows' places in it.
+        With ``stop_layer`` the forward ends after writing that layer; ``previous`` then holds the KV
+        ``[2, H, T, D]`` the rows had there before it was overwritten."""
+        super().__init__(layers=[_CascadeLayer() for _ in range(buffer.shape[0])])
+        self.buffer, self.positions, self.stop_layer = buffer, positions, stop_layer
+        self.end = int(positions[-1]) + 1  # keys beyond the last row are never read
+        self.visible = torch.arange(self.end, device=buffer.device)[None, :] <= positions[:, None]  # [T, end]
+        self.previous: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        # key_states: [1, H, T, D]
+        if layer_idx == self.stop_layer:
+            self.previous = self.buffer[layer_idx, :, :, self.positions].clone()
+        self.buffer[layer_idx, 0, :, self.positions] = key_states[0].to(self.buffer.dtype)
+        self.buffer[layer_idx, 1, :, self.positions] = value_states[0].to(self.buffer.dtype)
+        if layer_idx == self.stop_layer:
+            raise _StopForward
+        return key_states, value_states
+
+    def attend(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """query: [1, Hq, T, D] → [1, T, Hq, D] over the buffer's keys up to each row's position."""
+        keys = self.buffer[layer, 0, :, : self.end]  # [H, end, D]
+        values = self.buffer[layer, 1, :, : self.end]
+        groups = query.shape[1] // keys.shape[0]
+        if groups > 1:
+            keys, values = keys.repeat_interleave(groups, 0), values.repeat_interleave(groups, 0)
+        out = torch.nn.functional.scaled_dot_product_attention(query[0], keys.to(query.dtype), values.to(query.dtype),
+                                                               attn_mask=self.visible, scale=scale)  # [Hq, T, D]
+        return out.transpose(0, 1).unsqueeze(0)
+
+
+def blend_forward(model: torch.nn.Module, input_ids: torch.Tensor, cache: BlendCache) -> None:
+    """Run ``input_ids`` ``[T]`` at ``cache.positions`` through the model (or up to its stop layer), writing their KV."""
+    try:
+        model(input_ids=input_ids.unsqueeze(0), position_ids=cache.positions.unsqueeze(0), past_key_values=cache,
+              use_cache=True, logits_to_keep=1, **{CASCADE_KWARG: cache})
+    except _StopForward:
+        pass
+
+
+def compute_alone(model: torch.nn.Module, layout: KVLayout, ids: Sequence[int],
+                  segments: Sequence[tuple[torch.Tensor, int]] = (), start: int = 0) -> WorkingCache:
+    """The KV of ``ids`` with nothing before them, at positions ``start, start+1, ...``, in a working cache.
+
+    ``segments`` (snapshots ``[L, 2, H, n, D]``, tokens used) hold the KV of a first part of ``ids``
+    already computed that way; only the rest is run."""
+    cache = WorkingCache(layout, segments, len(ids))
+    done = cache.prefix_len
+    if done < len(ids):
+        rest = torch.tensor([list(ids[done:])], device=layout.device)
+        positions = torch.arange(start + done, start + len(ids), device=layout.device).unsqueeze(0)
+        with torch.no_grad():
+            model(input_ids=rest, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return cache
+
+
+#: Rotary variants whose angles depend on the sequence length: a stored chunk cannot be re-rotated exactly.
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def rotary_shift(model: torch.nn.Module) -> ShiftTable:
+    """The model's rotation by ``delta`` positions as float32 ``(cos [D], sin [D])``, from its own rotary module.
+
+    Raises ``UnsupportedModelError`` for a model without one rotary embedding, or one whose angles
+    depend on the sequence length."""
+    rotary = {id(m): m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")
+              and isinstance(getattr(m, "inv_freq", None), torch.Tensor)}
+    if len(rotary) != 1:
+        raise UnsupportedModelError("no single rotary position embedding (absolute positions cannot be re-rotated)"
+                                    if not rotary else "several rotary embeddings (per layer type)")
+    module = next(iter(rotary.values()))
+    kind = getattr(module, "rope_type", "default")
+    if kind in _LENGTH_DEPENDENT_ROPE:
+        raise UnsupportedModelError(f"rotary scaling {kind!r} depends on the sequence length")
+    probe = torch.zeros(1, dtype=torch.float32, device=module.inv_freq.device)
+
+    def shift(delta: int) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            cos, sin = module(probe, torch.tensor([[delta]], device=probe.device))
+        return cos[0, 0].float(), sin[0, 0].float()
+    return shift
+
+
+def rerotation_error(model: torch.nn.Module, layout: KVLayout, shift: ShiftTable,
+                     ids: Sequence[int], delta: int) -> float:
+    """max |KV computed at 0 and re-rotated by ``delta`` - KV computed at ``delta``| / max |the latter|, every layer."""
+    at_zero = compute_alone(model, layout, ids).slice(0, len(ids))
+    in_place = compute_alone(model, layout, ids, start=delta).slice(0, len(ids)).float()
+    moved = rerotate(at_zero, delta, shift).float()
+    return float((moved - in_place).abs().max() / in_place.abs().max().clamp_min(1e-30))
+
+
+def check_rerotation(model: torch.nn.Module, layout: KVLayout) -> ShiftTable:
+    """The model's ``rotary_shift`` once a few tokens computed at position 0 and re-rotated match the same tokens
+    computed in place, in every layer; else ``UnsupportedModelError`` (chunks are then prefilled, not moved).
+
+    Tolerance: ``64 * eps(dtype)`` of the largest KV value, at least 1e-4 (float32 angles of a
+    position near the probe's differ by about that)."""
+    shift = rotary_shift(model)
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = [(7 * i + 3) % vocab for i in range(8)]
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 2048
+    delta = max(1, min(509, limit - len(ids)))
+    err = rerotation_error(model, layout, shift, ids, delta)
+    tol = max(1e-4, 64 * torch.finfo(layout.dtype).eps)
+    if not err <= tol:
+        raise UnsupportedModelError(f"keys re-rotated by {delta} positions differ from keys computed there by "
+                                    f"{err:.3g} of the largest (tolerance {tol:.3g})")
+    return shift

@@ -1,0 +1,159 @@
+"""Chunk blending: a marked chunk's KV reused anywhere in a prompt, a share of its tokens recomputed.
+
+A marked chunk's KV is computed alone (positions from 0, nothing before it) and stored in
+the KV store under the request's namespace plus ``CHUNK_PART``, keyed by the chunk's tokens:
+per tenant (and salt), like every prefix, and reused by any prompt of that namespace that
+holds the same tokens at any position.
+
+Building a prompt's KV (``Blender.build``), after prefix reuse matched its first ``c`` tokens:
+
+1. each chunk after ``c`` is looked up (a miss is computed alone now and stored) and its KV
+   placed at the chunk's position, keys re-rotated (``model/blend.py``);
+2. every prompt token after ``c`` runs through the first layers up to ``select_layer`` in
+   context (a full prefill of those layers), which gives each reused token's deviation there;
+3. the ``share`` of reused tokens that deviate most, and every token outside a chunk, run
+   through the whole model in context, attending to the reused KV of the rest.
+
+With share 1 every token is recomputed: a full prefill. The prompt's last token is left to
+``generate()``, so its logits come from the blended KV. Only the KV before the first token
+still holding reused KV equals a full prefill's; only that part is stored as a prefix.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from prefixcache.cache.handles import Lease
+from prefixcache.cache.store import KVStore
+from prefixcache.errors import UnsupportedModelError
+from prefixcache.model.blend import kv_deviation, rerotate, select_recompute
+from prefixcache.model.hf_cache import (
+    BlendCache,
+    blend_forward,
+    check_rerotation,
+    compute_alone,
+    enable_cascade_attention,
+)
+from prefixcache.model.layout import KVLayout
+
+log = logging.getLogger(__name__)
+
+#: Namespace part under which chunks' KV (computed alone) is stored; a NUL: no name or id holds one.
+CHUNK_PART = "\x00chunk"
+#: Layer whose KV deviation chooses the tokens to recompute (layer 0's KV has no context to deviate by).
+SELECT_LAYER = 1
+
+
+@dataclass(frozen=True, slots=True)
+class BlendRequest:
+    """Where a prompt's marked chunks lie (token spans ``[start, end)``, in order, disjoint) and the share to recompute."""
+
+    chunks: tuple[tuple[int, int], ...]
+    share: float
+
+
+@dataclass(slots=True)
+class BlendOutcome:
+    """What ``Blender.build`` did. ``buffer``: the prompt's KV ``[L, 2, H, n - 1, D]``."""
+
+    buffer: torch.Tensor
+    reused: int  # chunk tokens whose stored KV was used as is (re-rotated)
+    recomputed: int  # chunk tokens recomputed in context
+    stored: int  # chunk tokens computed alone and stored by this request (chunks not found)
+    exact: int  # leading tokens whose KV equals a full prefill's
+
+
+class Blender:
+    """Builds prompts' KV from stored chunks. ``unsupported_reason`` says why a model cannot (then None builds)."""
+
+    def __init__(self, model: torch.nn.Module, layout: KVLayout | None, store: KVStore,
+                 select_layer: int = SELECT_LAYER):
+        self.model, self.layout, self.store = model, layout, store
+        self.shift = None
+        self.unsupported_reason: str | None = "model not supported" if layout is None else None
+        if layout is not None:
+            self.select_layer = min(select_layer, layout.num_layers - 1)
+            try:
+                enable_cascade_attention(model)
+                self.shift = check_rerotation(model, layout)
+            except UnsupportedModelError as exc:
+                self.unsupported_reason = str(exc)
+                log.info("chunk blending off for this model: %s", exc)
+
+    def build(self, prompt: Sequence[int], request: BlendRequest, lease: Lease, namespace: tuple[str, ...],
+              tenant: str, ttl: float | None) -> BlendOutcome | None:
+        """The KV of ``prompt[:-1]`` with ``lease``'s prefix, the chunks placed and blended; None when no chunk
+        lies after the prefix. Holds the model: the caller serialises calls."""
+        assert self.layout is not None and self.shift is not None
+        end, cached = len(prompt) - 1, lease.cached_tokens
+        spans = [(max(s, cached), min(e, end), s, e) for s, e in request.chunks if min(e, end) > max(s, cached)]
+        if not spans:
+            return None
+        layout = self.layout
+        buffer = torch.empty((layout.num_layers, 2, layout.num_kv_heads, end, layout.head_dim), dtype=layout.dtype,
+                             device=layout.device)
+        pos = 0
+        for step in lease.steps:
+            buffer[:, :, :, pos : pos + step.used].copy_(step.node.kv[:, :, :, : step.used])
+            pos += step.used
+        stored = 0
+        reused_mask = torch.zeros(end, dtype=torch.bool)
+        for lo, hi, start, stop in spans:
+            stored += self._place(buffer, list(prompt[start:stop]), start, lo, hi, namespace, tenant, ttl)
+            reused_mask[lo:hi] = True
+        with torch.no_grad():
+            selected = self._select(buffer, prompt, cached, end, reused_mask, request.share)
+            compute = ~reused_mask
+            compute[:cached] = False
+            compute[selected] = True
+            rows = torch.nonzero(compute).flatten()
+            if rows.numel():
+                ids = torch.tensor([prompt[i] for i in rows.tolist()], device=layout.device)
+                blend_forward(self.model, ids, BlendCache(buffer, rows.to(layout.device)))
+        approximate = torch.nonzero(reused_mask & ~compute).flatten()
+        exact = int(approximate[0]) if approximate.numel() else end
+        reused = int(reused_mask.sum())
+        return BlendOutcome(buffer, reused - int(selected.numel()), int(selected.numel()), stored, exact)
+
+    def _place(self, buffer: torch.Tensor, tokens: list[int], start: int, lo: int, hi: int,
+               namespace: tuple[str, ...], tenant: str, ttl: float | None) -> int:
+        """Write the chunk ``tokens`` (at ``start`` in the prompt) into ``buffer[..., lo:hi]``, re-rotated; returns
+        how many of its tokens were computed alone and stored now."""
+        chunk_ns = (*namespace, CHUNK_PART)
+        lease = self.store.acquire(chunk_ns, tenant, tokens, len(tokens), ttl, restore=True)
+        try:
+            segments = [(step.node.kv, step.used) for step in lease.steps]
+            stored = 0
+            if lease.cached_tokens < len(tokens):
+                cache = compute_alone(self.model, self.layout, tokens, segments)
+                stored = len(tokens) - lease.cached_tokens
+                self.store.insert(chunk_ns, tenant, tokens, cache.slice, ttl)
+                segments = [(cache.view(0, len(tokens)), len(tokens))]
+            offset = 0  # the segment's first token, in the chunk
+            for snap, used in segments:
+                a, b = max(offset, lo - start), min(offset + used, hi - start)
+                if a < b:
+                    rerotate(snap[:, :, :, a - offset : b - offset], start, self.shift,
+                             out=buffer[:, :, :, start + a : start + b])
+                offset += used
+            return stored
+        finally:
+            self.store.release(lease)
+
+    def _select(self, buffer: torch.Tensor, prompt: Sequence[int], cached: int, end: int, reused: torch.Tensor,
+                share: float) -> torch.Tensor:
+        """Reused positions to recompute: run the prompt after ``cached`` through the layers up to the selection
+        layer (their KV is then a full prefill's for every token) and keep the ``share`` deviating most there."""
+        positions = torch.nonzero(reused).flatten()
+        if share >= 1 or share <= 0:
+            return positions if share >= 1 else positions[:0]
+        rows = torch.arange(cached, end, device=self.layout.device)
+        ids = torch.tensor(list(prompt[cached:end]), device=self.layout.device)
+        cache = BlendCache(buffer, rows, stop_layer=self.select_layer)
+        blend_forward(self.model, ids, cache)
+        assert cache.previous is not None
+        deviation = kv_deviation(cache.previous, buffer[self.select_layer, :, :, rows]).cpu()
+        return select_recompute(deviation[reused[cached:end]], positions, share)

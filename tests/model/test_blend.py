@@ -1,0 +1,122 @@
+"""Chunk blending at the model level: re-rotation is exact, the selection pass, and share 1 is a full prefill."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefixcache.cache.hashing import BlockHasher
+from prefixcache.cache.store import KVStore
+from prefixcache.config import CacheConfig
+from prefixcache.errors import UnsupportedModelError
+from prefixcache.model.blend import kv_deviation, recompute_count, rerotate, select_recompute
+from prefixcache.model.hf_cache import compute_alone, probe_layout, rerotation_error, rotary_shift
+from prefixcache.serving.blend import CHUNK_PART, Blender, BlendRequest
+from tests.conftest import build_tiny
+
+NS = ("tenant-a", "model")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_tiny("llama-gqa", seed=3)
+
+
+@pytest.fixture
+def blender(model, clock):
+    store = KVStore(CacheConfig(block_size=8), BlockHasher(0), clock)
+    return Blender(model, probe_layout(model), store)
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa", "qwen2", "mistral"])
+@pytest.mark.parametrize("delta", [1, 37, 700])
+def test_a_chunk_computed_at_zero_and_moved_equals_it_computed_in_place(arch, delta):
+    """float32, before any recompute: every layer's keys and values, to float rounding."""
+    model = build_tiny(arch)
+    layout = probe_layout(model)
+    ids = [int(t) for t in torch.randint(2, 300, (24,), generator=torch.Generator().manual_seed(delta))]
+    at_zero = compute_alone(model, layout, ids).slice(0, len(ids))
+    in_place = compute_alone(model, layout, ids, start=delta).slice(0, len(ids))
+    moved = rerotate(at_zero, delta, rotary_shift(model))
+    assert at_zero.dtype == torch.float32
+    assert not torch.allclose(at_zero[:, 0], in_place[:, 0], atol=1e-3)  # the keys did move
+    torch.testing.assert_close(moved, in_place, rtol=0, atol=2e-5 * float(in_place.abs().max()))
+    assert rerotation_error(model, layout, rotary_shift(model), ids, delta) < 1e-5
+
+
+def test_absolute_positions_cannot_be_rerotated(blender):
+    gpt2 = build_tiny("gpt2")
+    with pytest.raises(UnsupportedModelError, match="rotary"):
+        rotary_shift(gpt2)
+    other = Blender(gpt2, probe_layout(gpt2), blender.store)
+    assert other.shift is None and "rotary" in other.unsupported_reason
+
+
+def test_selection_takes_the_share_that_deviates_most():
+    old = torch.zeros(2, 2, 5, 4)
+    new = old.clone()
+    new[0, :, 3] = 3.0
+    new[1, :, 1] = 2.0
+    new[0, 0, 4] = 1.0
+    dev = kv_deviation(old, new)
+    assert dev.argmax() == 3
+    positions = torch.tensor([10, 11, 12, 13, 14])
+    assert select_recompute(dev, positions, 0.4).tolist() == [11, 13]
+    assert select_recompute(dev, positions, 0.0).tolist() == []
+    assert select_recompute(dev, positions, 1.0).tolist() == [10, 11, 12, 13, 14]
+    assert [recompute_count(100, s) for s in (0, 0.05, 0.15, 0.151, 1)] == [0, 5, 15, 16, 100]
+
+
+def _prompt() -> tuple[list[int], tuple[tuple[int, int], ...]]:
+    gen = torch.Generator().manual_seed(1)
+    head, doc_a, doc_b, tail = (torch.randint(2, 300, (n,), generator=gen).tolist() for n in (6, 20, 17, 5))
+    prompt = head + doc_a + doc_b + tail
+    return prompt, ((6, 26), (26, 43))
+
+
+def _full_kv(model, prompt):
+    layout = probe_layout(model)
+    return compute_alone(model, layout, prompt[:-1]).slice(0, len(prompt) - 1)
+
+
+def test_share_one_recomputes_everything_and_equals_a_full_prefill(model, blender):
+    prompt, chunks = _prompt()
+    lease = blender.store.acquire(NS, "a", prompt, len(prompt) - 1, None)
+    out = blender.build(prompt, BlendRequest(chunks, 1.0), lease, NS, "a", None)
+    blender.store.release(lease)
+    assert (out.reused, out.recomputed, out.stored, out.exact) == (0, 37, 37, len(prompt) - 1)
+    full = _full_kv(model, prompt)
+    torch.testing.assert_close(out.buffer, full, rtol=0, atol=1e-5 * float(full.abs().max()))
+
+
+def test_share_zero_keeps_the_chunks_kv_and_a_share_recomputes_some(model, blender):
+    prompt, chunks = _prompt()
+    shift = rotary_shift(model)
+    layout = probe_layout(model)
+    lease = blender.store.acquire(NS, "a", prompt, len(prompt) - 1, None)
+    out = blender.build(prompt, BlendRequest(chunks, 0.0), lease, NS, "a", None)
+    assert (out.reused, out.recomputed, out.stored, out.exact) == (37, 0, 37, 6)
+    for s, e in chunks:  # as stored (computed alone), moved: no layer recomputed
+        alone = compute_alone(model, layout, prompt[s:e]).slice(0, e - s)
+        torch.testing.assert_close(out.buffer[:, :, :, s:e], rerotate(alone, s, shift), rtol=0, atol=1e-6)
+    full = _full_kv(model, prompt)
+    again = blender.build(prompt, BlendRequest(chunks, 0.3), lease, NS, "a", None)
+    blender.store.release(lease)
+    assert (again.reused, again.recomputed, again.stored) == (25, 12, 0)  # found in the store this time
+    err0 = (out.buffer[:, :, :, 6:] - full[:, :, :, 6:]).abs().max()
+    err3 = (again.buffer[:, :, :, 6:] - full[:, :, :, 6:]).abs().max()
+    assert err3 < err0
+    # the prefix before the first chunk, and the tokens after the chunks, are computed in context
+    torch.testing.assert_close(again.buffer[:, :, :, :6], full[:, :, :, :6], rtol=0, atol=1e-5)
+
+
+def test_a_chunk_is_stored_per_namespace(blender):
+    prompt, chunks = _prompt()
+    lease = blender.store.acquire(NS, "a", prompt, len(prompt) - 1, None)
+    blender.build(prompt, BlendRequest(chunks, 0.15), lease, NS, "a", None)
+    blender.store.release(lease)
+    s, e = chunks[0]
+    mine = blender.store.acquire((*NS, CHUNK_PART), "a", prompt[s:e], e - s, None)
+    theirs = blender.store.acquire(("tenant-b", "model", CHUNK_PART), "b", prompt[s:e], e - s, None)
+    assert (mine.cached_tokens, theirs.cached_tokens) == (e - s, 0)
+    blender.store.release(mine)
+    blender.store.release(theirs)
