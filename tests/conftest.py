@@ -181,7 +181,7 @@ def chat_llama(tokenizer) -> torch.nn.Module:
 @pytest.fixture
 def redis_server(tmp_path_factory):
     """A real redis-server on a free loopback port (no persistence), stopped after the test."""
-    from prefixcache.bench.redis_server import RedisServer
+    from tests.support.redis_server import RedisServer
 
     if shutil.which("redis-server") is None:  # shown by -ra: never a silent pass
         pytest.skip("redis-server is not installed: run `make system-deps` as root, or apt-get install redis-server")

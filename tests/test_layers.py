@@ -1,15 +1,14 @@
 """The folder tree is the architecture: imports flow one way, and the fragile contacts stay put.
 
-cache <- model <- serving <- sdk <- api / cli / bench. ``errors`` and ``config`` sit under
-everything. ``transformers`` stays out of ``cache/``; its cache and attention internals
+cache <- model <- serving <- sdk <- api / cli / bench <- tests/support <- benchmarks. ``errors``
+and ``config`` sit under everything; nothing installed imports ``tests/`` or ``benchmarks/``, and
+``tests/support`` imports no test module. ``transformers`` stays out of ``cache/``; its cache and attention internals
 are touched in ``model/hf_cache.py`` only.
 """
 from __future__ import annotations
 
 import ast
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,6 +27,9 @@ LAYERS = {
     "prefixcache.cli": 5,
     "prefixcache.admin": 5,  # an HTTP client of the replicas, beside the command that runs it
     "prefixcache_api": 5,
+    "tests.support": 6,  # fleets and redis-server as processes: what the tests and the measurements start
+    "benchmarks": 7,  # one-off measurements (not installed): may start what tests/support starts
+    "tests": 8,  # the tests themselves: nothing above imports them
 }
 #: transformers internals that change between releases: only ``hf_cache`` may import them.
 INTERNALS = ("transformers.cache_utils", "transformers.masking_utils", "transformers.integrations",
@@ -48,7 +50,9 @@ def module_name(path: Path) -> str:
 
 
 def sources() -> list[Path]:
-    return sorted([*(ROOT / "prefixcache").rglob("*.py"), *(ROOT / "api").rglob("*.py")])
+    """Every module whose imports are checked: the package, the proxy, tests/support and benchmarks/."""
+    return sorted(path for folder in ("prefixcache", "api", "tests/support", "benchmarks")
+                  for path in (ROOT / folder).rglob("*.py"))
 
 
 def imports(path: Path, me: str) -> list[tuple[str, list[str]]]:
@@ -97,16 +101,26 @@ def internal_imports(me: str, path: Path) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("path", sources(), ids=lambda p: str(p.relative_to(ROOT)))
-def test_imports_flow_one_way(path: Path):
-    me = module_name(path)
-    assert not upward_imports(me, path), f"{me} (layer {layer(me)}) imports a higher layer"
+def test_imports_flow_one_way():
+    """Every checked module (one test for all: a finding names each module and what it imports)."""
+    found = {}
+    for path in sources():
+        me = module_name(path)
+        if upward := upward_imports(me, path):
+            found[f"{me} (layer {layer(me)})"] = upward
+    assert not found, f"modules importing a higher layer: {found}"
 
 
-@pytest.mark.parametrize("path", sources(), ids=lambda p: str(p.relative_to(ROOT)))
-def test_transformers_internals_stay_in_hf_cache(path: Path):
-    me = module_name(path)
-    assert not internal_imports(me, path), f"{me} touches transformers cache/attention internals"
+def test_transformers_internals_stay_in_hf_cache():
+    found = {me: bad for me, bad in ((module_name(p), internal_imports(module_name(p), p)) for p in sources()) if bad}
+    assert not found, f"modules touching transformers cache/attention internals: {found}"
+
+
+def test_the_new_folders_are_covered():
+    """tests/support and benchmarks/ are checked, and their modules have layers above the package's."""
+    names = {module_name(p) for p in sources()}
+    assert {"tests.support.fleet", "tests.support.redis_server", "benchmarks.tiers", "benchmarks.replicas"} <= names
+    assert layer("prefixcache.bench.runner") < layer("tests.support.fleet") < layer("benchmarks.soak") < layer("tests")
 
 
 def test_the_checker_sees_violations(tmp_path):
@@ -118,3 +132,8 @@ def test_the_checker_sees_violations(tmp_path):
     assert [m for m, _ in upward_imports(me, fake)] == ["prefixcache.serving.engine", "prefixcache.sdk"]
     assert len(internal_imports(me, fake)) == 4  # transformers twice (cache layer), DynamicCache, cache_utils
     assert internal_imports("prefixcache.model.hf_cache", fake) == []
+    shipped = tmp_path / "shipped.py"
+    shipped.write_text("from tests.support.fleet import Fleet\nimport benchmarks.tiers\nfrom tests import conftest\n")
+    assert [m for m, _ in upward_imports("prefixcache.bench.http", shipped)] == [
+        "tests.support.fleet", "benchmarks.tiers", "tests"]
+    assert [m for m, _ in upward_imports("tests.support.fleet", shipped)] == ["benchmarks.tiers", "tests"]

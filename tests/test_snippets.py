@@ -264,7 +264,7 @@ def check_python(argv: list[str], where: str) -> None:
         module, rest = argv[2], argv[3:]
         if module in ("pytest", "pip", "venv"):
             return
-        assert module.startswith("prefixcache"), f"{where}: python -m {module} is not this project's"
+        assert module.startswith(("prefixcache", "benchmarks.")), f"{where}: python -m {module} is not this project's"
         parse_program(load_main(module=module), optional_parts(rest), f"{where}: python -m {module}")
         return
     script, rest = ROOT / argv[1], argv[2:]
@@ -533,7 +533,7 @@ def test_the_checks_catch_what_they_are_for():
     """The checker itself: a wrong flag, a missing script, a missing make target and a wrong port fail."""
     where = "self-check"
     for bad in (["prefixcache", "serve", "--no-such-flag"], ["python", "examples/no_such_script.py"],
-                ["make", "no-such-target"], ["python", "-m", "prefixcache.bench.tiers", "--no-such-flag"],
+                ["make", "no-such-target"], ["python", "-m", "benchmarks.tiers", "--no-such-flag"],
                 ["PREFIXCACHE_API_KEYS=not-json", "prefixcache", "serve"]):
         with pytest.raises((pytest.fail.Exception, AssertionError)):
             check_command(bad, where)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +22,10 @@ HTTP_SYSTEMS = ("http-prefixcache", "http-transformers-serve")
 SYSTEMS = SEQUENTIAL_SYSTEMS + BATCH_SYSTEMS + HTTP_SYSTEMS
 DEFAULT_SYSTEMS = ("generate", "prefixcache", "manual-reuse", "limit", "prefixcache-batched", "generate-batch")
 DTYPES = ("float32", "bfloat16")
+#: What ``transformers serve`` (the http-transformers-serve peer) imports beyond the core install: the `bench` extra.
+SERVING_PACKAGES = ("openai", "fastapi", "uvicorn", "pydantic")
+#: The one line that says how to get the bench's optional parts (plots, the transformers serve peer).
+INSTALL_EXTRA = "pip install 'prefixcache[bench]'"
 
 
 @dataclass(slots=True)
@@ -156,7 +162,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-plot", dest="plot", action="store_false", help="skip the PNG plot")
 
 
-def options_from_args(args: argparse.Namespace) -> BenchOptions:
+def options_from_args(args: argparse.Namespace,
+                      find_spec: Callable[[str], object | None] = importlib.util.find_spec) -> BenchOptions:
+    """The options ``args`` describe; ``find_spec`` (injectable) tells whether a peer's packages are installed."""
     opts = _copy(PRESETS[args.preset])
     for name, (path, _) in _SIZE_FLAGS.items():
         value = getattr(args, name, None)
@@ -173,6 +181,10 @@ def options_from_args(args: argparse.Namespace) -> BenchOptions:
     opts.warmup_requests = getattr(args, "warmup_requests", 0)
     if opts.shared.prompts < 2 and "shared-prefix" in opts.workloads:
         raise argparse.ArgumentTypeError("--prompts must be >= 2 for any reuse to happen")
+    missing = [name for name in SERVING_PACKAGES if find_spec(name) is None]
+    if "http-transformers-serve" in opts.systems and missing:
+        raise argparse.ArgumentTypeError(f"http-transformers-serve runs `transformers serve`, which needs "
+                                         f"{', '.join(missing)} (not installed): {INSTALL_EXTRA}")
     return opts
 
 

@@ -152,7 +152,7 @@ def test_grafana_has_the_per_replica_panels_and_the_router_dashboard(compose):
 def test_deployment_page_documents_the_replicas(compose):
     page = (ROOT / "docs" / "deployment.md").read_text()
     for text in ("deploy/replicas/compose.yml", "prefixcache admin --replicas", "--balance-abs-threshold",
-                 "python -m prefixcache.bench.replicas", "deploy/k8s/replicas.yaml", "--tier-write-policy write-through",
+                 "python -m benchmarks.replicas", "deploy/k8s/replicas.yaml", "--tier-write-policy write-through",
                  "round_robin + shared Redis tier"):
         assert text in page, text
 

@@ -2,7 +2,7 @@
 hostile tenant; every hostile case and mid-stream disconnects, no 5xx, no hang, nothing held at idle."""
 from __future__ import annotations
 
-from prefixcache.bench import soak
+from benchmarks import soak
 
 
 def test_a_small_soak_has_no_5xx_no_hang_and_leaves_nothing_held():

@@ -1,9 +1,9 @@
-"""The batch-invariance measurement (python -m prefixcache.bench.batch_invariance) on a tiny model."""
+"""The batch-invariance measurement (python -m benchmarks.batch_invariance) on a tiny model."""
 from __future__ import annotations
 
 import torch
 
-from prefixcache.bench.batch_invariance import _first_difference, linear_probe, measure, prefix_attention_cost
+from benchmarks.batch_invariance import _first_difference, linear_probe, measure, prefix_attention_cost
 
 
 def test_first_difference():

@@ -78,6 +78,16 @@ def test_http_systems_are_opt_in_and_selectable():
         _args("--systems", "http-vllm")
 
 
+def test_the_transformers_serve_peer_without_the_bench_extra_says_how_to_install_it(capsys, monkeypatch):
+    """Without openai (part of the `bench` extra), ``prefixcache bench --systems http-transformers-serve`` exits 2
+    with the pip line, before loading anything; the proxy's own HTTP system needs no extra."""
+    monkeypatch.setitem(sys.modules, "openai", None)  # `import openai` fails, as where the extra is not installed
+    assert run(_args("--systems", "http-transformers-serve,generate")) == 2
+    assert ("needs openai (not installed): pip install 'prefixcache[bench]'"
+            in capsys.readouterr().err)
+    assert options_from_args(_args("--systems", "http-prefixcache")).systems == ("http-prefixcache",)
+
+
 def test_word_tokenizer_round_trips_every_token():
     tok = servers.word_tokenizer(700)
     ids = list(range(700))

@@ -1,4 +1,4 @@
-"""The batching engine's own figures (python -m prefixcache.bench.engine_figures) on a tiny model."""
+"""The batching engine's own figures (python -m benchmarks.engine_figures) on a tiny model."""
 from __future__ import annotations
 
 import math
@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from prefixcache.bench.engine_figures import (
+from benchmarks.engine_figures import (
     concurrent_vs_serial,
     conversation_steps,
     generate_threads,

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import random
 
-from prefixcache.bench import planner_replay
+from benchmarks import planner_replay
 from prefixcache.planner import synth
 from prefixcache.planner.replay import Scenario, replay
 from prefixcache.planner.trace import read_trace

@@ -17,12 +17,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.replicas import MODEL_NAME, Call, compare, drive, group_keys, measure, send, workload
 from prefixcache.admin import FanOut
-from prefixcache.bench.fleet import ADMIN_KEY, SharedTier, fleet, healthy, shared_redis, tiny_model_folder, wait_for
-from prefixcache.bench.replicas import MODEL_NAME, Call, compare, drive, group_keys, measure, send, workload
 from prefixcache.cli import main
 from tests.conftest import STEP_DELAY
 from tests.step_hooks import replica_cli
+from tests.support.fleet import ADMIN_KEY, SharedTier, fleet, healthy, shared_redis, tiny_model_folder, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 GROUPS, QUESTIONS, SYSTEM_REPEAT = 3, 4, 16  # an odd number of groups: round-robin splits them

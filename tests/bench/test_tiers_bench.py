@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixcache.bench import tiers
+from benchmarks import tiers
 
 
 class _Sleepy(torch.nn.Module):

@@ -1,6 +1,6 @@
 """How exact cascade attention is in a model's dtype, next to plain attention, against float64/float32.
 
-Run: ``python -m prefixcache.bench.cascade_precision [--dtype bfloat16] [--greedy 6]``
+Run: ``python -m benchmarks.cascade_precision [--dtype bfloat16] [--greedy 6]``
 (loads the embedded default model in that dtype; prints one JSON object).
 
 - ``layers``: the start-up self-check's packed step (``measure_cascade``), per layer: the
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     from prefixcache import load_default_model
     from prefixcache.loading import DTYPES
 
-    parser = argparse.ArgumentParser(prog="python -m prefixcache.bench.cascade_precision", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.cascade_precision", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--rows", type=int, default=4, help="packed rows of the measured step (at least 4)")

@@ -1,6 +1,6 @@
 """Soak: ``prefixcache serve`` with two tenant keys, one well-behaved and one hostile.
 
-``python -m prefixcache.bench.soak [--model tiny|default|PATH] [--requests N]`` starts the
+``python -m benchmarks.soak [--model tiny|default|PATH] [--requests N]`` starts the
 proxy as a subprocess on loopback and runs two phases in one invocation:
 
 1. **alone**: the well-behaved tenant's streamed chats on a shared system prompt;
@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from prefixcache.bench.hostile import ADMIN, GOOD, KEYS, HostileProcess, Tally, case_names, run_hostile
+from benchmarks.hostile import ADMIN, GOOD, KEYS, HostileProcess, Tally, case_names, run_hostile
 from prefixcache.bench.servers import Server, free_port
 
 SYSTEM = ("You are the support assistant of a parcel delivery company. Answer in one short sentence, "
@@ -233,7 +233,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m prefixcache.bench.soak", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny", help="tiny (a 2-layer random Llama, CI scale), default (the "
                         "embedded SmolLM2-135M) or a model folder")
     parser.add_argument("--requests", type=int, default=1000, help="requests in all: a quarter are the "

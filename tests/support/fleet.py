@@ -5,7 +5,7 @@ keys and extra flags (``replica_args``: where a shared tier's flags go; ``cli``:
 the CLI, a test's wrapper of it included), and stops them;
 ``router`` starts ``sglang-router`` in front of them with explicit worker URLs and
 loopback binds. ``shared_redis`` starts the ``redis-server`` replicas share a KV tier
-through (``SharedTier``). The replicas measurement (``prefixcache.bench.replicas``) and
+through (``SharedTier``). The replicas measurement (``benchmarks.replicas``) and
 the end-to-end tests both run on it.
 """
 from __future__ import annotations
@@ -23,8 +23,8 @@ from pathlib import Path
 import httpx
 import torch
 
-from prefixcache.bench.redis_server import RedisServer
 from prefixcache.bench.servers import Server, ServerError, free_port
+from tests.support.redis_server import RedisServer
 
 #: The admin key every replica of a fleet shares (loopback only; the admin fan-out uses it).
 ADMIN_KEY = "sk-fleet-admin"

@@ -1,6 +1,6 @@
 """Replicas behind ``sglang-router``: cache-aware vs round-robin routing, side by side in one run.
 
-    python -m prefixcache.bench.replicas --replicas 2 --groups 3 --questions 6 --rounds 3 --tier-redis
+    python -m benchmarks.replicas --replicas 2 --groups 3 --questions 6 --rounds 3 --tier-redis
 
 A workload of system-prompt groups (one tenant per group, so each replica's per-tenant
 stats say where each group ran) is sent by one client thread per group, streamed, to:
@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 
 from prefixcache.admin import FanOut
-from prefixcache.bench.fleet import ADMIN_KEY, Fleet, SharedTier, fleet, shared_redis, tiny_model_folder
+from tests.support.fleet import ADMIN_KEY, Fleet, SharedTier, fleet, shared_redis, tiny_model_folder
 
 MODEL_NAME = "replica-model"
 TOPICS = ("a shipping company's parcel desk", "a public library's catalogue", "a bakery's order line",
@@ -224,7 +224,7 @@ def table(rounds: list[list[RunResult]]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m prefixcache.bench.replicas", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.replicas", description=__doc__.split("\n")[0])
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--groups", type=int, default=4)
     parser.add_argument("--questions", type=int, default=6)

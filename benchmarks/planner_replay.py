@@ -1,6 +1,6 @@
 """CPU time and peak memory of the capacity planner's replay, one grid point per process.
 
-Run: ``python -m prefixcache.bench.planner_replay TRACE --format mooncake --kv-bytes-per-token B
+Run: ``python -m benchmarks.planner_replay TRACE --format mooncake --kv-bytes-per-token B
 --budget 20000blocks --ttl 1h`` (``--budget none``: the unlimited point). Prints one JSON object:
 the CPU seconds spent reading the trace and replaying it (user + system of this process, so a
 machine shared with other work does not inflate it as wall-clock time would), the peak RSS of
@@ -48,7 +48,7 @@ def peak_rss_mib() -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m prefixcache.bench.planner_replay",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.planner_replay",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("trace", help="a trace file (JSONL)")
     parser.add_argument("--format", choices=FORMATS, default="mooncake")

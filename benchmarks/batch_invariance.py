@@ -1,6 +1,6 @@
 """Batch invariance: does a greedy answer depend on what else is being served?
 
-Run: ``python -m prefixcache.bench.batch_invariance [--dtype bfloat16 float32] [--callers 8]``
+Run: ``python -m benchmarks.batch_invariance [--dtype bfloat16 float32] [--callers 8]``
 (loads the embedded default model; prints one JSON object per dtype).
 
 For each dtype and each engine (``batched``: the continuous-batching engine; ``serial``:

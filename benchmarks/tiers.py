@@ -1,7 +1,7 @@
 """Time to first token from each tier, side by side in one run: device hit, disk restore, Redis
 restore, recompute, and what configured tiers add to a plain miss.
 
-Run: ``python -m prefixcache.bench.tiers [--rounds 3] [--prefix 2048] [--question 128]``
+Run: ``python -m benchmarks.tiers [--rounds 3] [--prefix 2048] [--question 128]``
 (loads the embedded default model in float32; starts its own ``redis-server`` on a free
 loopback port with a temporary directory and stops it; prints one JSON object).
 
@@ -89,8 +89,8 @@ def timed(cache: PrefixCache, ids: torch.Tensor, model_clock: ModelClock) -> tup
 def run(rounds: int, prefix_len: int, question_len: int, block_size: int, model: torch.nn.Module | None = None,
         tokenizer: Any = None) -> dict:
     """The benchmark on ``model`` and ``tokenizer`` (default: the embedded default model in float32)."""
-    from prefixcache.bench.redis_server import RedisServer
     from prefixcache.loading import load_default_model
+    from tests.support.redis_server import RedisServer
 
     if model is None:
         model, tokenizer = load_default_model(dtype="float32")
@@ -204,7 +204,7 @@ def summarize(times: dict[str, list[float]], cached: dict[str, list[int]], model
 
 
 def main(argv: list[str] | None = None, out: Callable[[str], None] = print) -> int:
-    parser = argparse.ArgumentParser(prog="python -m prefixcache.bench.tiers", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tiers", description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prefix", type=int, default=2048, help="prefix tokens")
     parser.add_argument("--question", type=int, default=128, help="question tokens")

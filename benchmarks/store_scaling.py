@@ -1,6 +1,6 @@
 """Store work per inserted block under memory pressure, against how much is stored.
 
-Run: ``python -m prefixcache.bench.store_scaling [--sizes 1000 100000] [--rounds 200]``
+Run: ``python -m benchmarks.store_scaling [--sizes 1000 100000] [--rounds 200]``
 (no model: tiny fake KV tensors; prints one JSON object).
 
 For each size N the store is filled with N blocks (the budget is exactly N blocks), then
@@ -77,7 +77,7 @@ def measure(size: int, rounds: int, blocks_per_insert: int = 8, fill_blocks: int
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m prefixcache.bench.store_scaling", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.store_scaling", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[1000, 100_000], help="stored blocks")
     parser.add_argument("--rounds", type=int, default=200, help="timed inserts (and lookups, stats calls)")

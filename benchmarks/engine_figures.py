@@ -1,6 +1,6 @@
 """Figures of the batching engine on its own: decode step time, KV held, throughput.
 
-Run: ``python -m prefixcache.bench.engine_figures [--dtype bfloat16] [--new-tokens 128]``
+Run: ``python -m benchmarks.engine_figures [--dtype bfloat16] [--new-tokens 128]``
 (loads the embedded default model; prints one JSON object).
 
 - ``step``: median seconds per decode step with N requests on one stored prefix vs 1.
@@ -291,7 +291,7 @@ def conversation_steps(model, users: int = 3, turns: int = 3, system_len: int = 
 def main(argv: list[str] | None = None) -> None:
     from prefixcache.loading import load_default_model
 
-    parser = argparse.ArgumentParser(prog="python -m prefixcache.bench.engine_figures", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.engine_figures", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--prefix", type=int, default=2048, help="shared prefix tokens")
