@@ -35,6 +35,9 @@ CANON_VERSION = "canon-1"
 # fingerprints its behaviour beyond the vocab size.
 _PROBE = "Hello, world! 123 \u00fcn\u00efc\u00f6d\u00e9\n\tx  y"
 _HSPACE = re.compile(r"[ \t]+")
+#: Extension field of a text content part: ``true`` marks the part a reusable chunk (its KV is reused
+#: wherever it appears in a prompt, ``serving/blend.py``). Other servers ignore or refuse unknown fields.
+CHUNK_FIELD = "prefixcache_chunk"
 # Partial renders may add up to this many times the full render's length (plus the
 # allowance, so short conversations are always located exactly); see ``_Cutter``.
 _RENDER_BUDGET, _RENDER_ALLOWANCE = 4, 64 << 10
@@ -53,6 +56,10 @@ class CanonicalPrompt:
     token_ids: tuple[int, ...]
     boundaries: tuple[int, ...]
     drift: bool
+    #: Token spans ``[start, end)`` of the parts marked ``CHUNK_FIELD``, in order; each is its text tokenized alone.
+    chunks: tuple[tuple[int, int], ...] = ()
+    #: Marked parts whose text the chat template did not render verbatim (not reusable as chunks).
+    unplaced: int = 0
 
 
 def template_fingerprint(tokenizer: Any, *, normalize_whitespace: bool = False,
@@ -132,6 +139,8 @@ class Canonicalizer:
         if tools and not re.search(r"\btools\b", self._tok.get_chat_template(None, tools)):
             raise InvalidRequestError("this model's chat template does not support tools", param="tools")
         full, cuts, ends, drift = self._plan(msgs, tools, add_generation_prompt)
+        marked, unplaced = _place_chunks(full, ends, _marked_texts(messages, self._clean))
+        cuts = sorted({*cuts, *(at for span in marked for at in span)})
         spans = [full[a:b] for a, b in zip(cuts, cuts[1:])]
         encoded = self._tokenize_spans(spans)
         ids = [tid for span in encoded for tid in span]
@@ -142,7 +151,8 @@ class Canonicalizer:
         for cut, span in zip(cuts[1:], encoded):
             pos += len(span)
             token_at[cut] = pos
-        return CanonicalPrompt(tuple(prefix + ids), tuple(token_at[e] for e in ends), drift)
+        chunks = tuple((token_at[a], token_at[b]) for a, b in marked if token_at[b] > token_at[a])
+        return CanonicalPrompt(tuple(prefix + ids), tuple(token_at[e] for e in ends), drift, chunks, unplaced)
 
     def _tokenize_spans(self, spans: list[str]) -> list[list[int]]:
         """Each span's ids, tokenizing each distinct span once (headers and short turns repeat)."""
@@ -275,6 +285,27 @@ class _Cutter:
         return at
 
 
+def _marked_texts(messages: Sequence[dict], clean: Callable[[str], str]) -> list[tuple[int, str]]:
+    """(message index, text as rendered) of every content part marked ``CHUNK_FIELD`` (validated already)."""
+    return [(i, clean(part["text"])) for i, msg in enumerate(messages) if isinstance(msg.get("content"), (list, tuple))
+            for part in msg["content"] if part.get(CHUNK_FIELD)]
+
+
+def _place_chunks(full: str, ends: list[int], marked: list[tuple[int, str]]) -> tuple[list[tuple[int, int]], int]:
+    """Character spans of the marked texts in the render ``full``, each found verbatim inside its own message and
+    after the previous one (a template that rewrites content leaves a part unplaced); and how many were not."""
+    spans, after, unplaced = [], 0, 0
+    for i, text in marked:
+        start = max(after, ends[i - 1] if i else 0)
+        at = full.find(text, start, ends[i]) if text else -1
+        if at < 0:
+            unplaced += 1
+            continue
+        spans.append((at, at + len(text)))
+        after = at + len(text)
+    return spans, unplaced
+
+
 def _auto_prefix_ids(tokenizer: Any) -> list[int]:
     """The ids the tokenizer puts in front of text by default (usually [BOS] or [])."""
     with_special = tokenizer(_PROBE)["input_ids"]
@@ -357,6 +388,9 @@ def _canonical_content(where: str, role: str, content: Any, clean: Callable[[str
         if not isinstance(part.get("text"), str):
             raise InvalidRequestError(f"{where}.content[{j}].text must be a string",
                                       param=f"{where}.content[{j}].text")
+        if not isinstance(part.get(CHUNK_FIELD, False), bool):
+            raise InvalidRequestError(f"{where}.content[{j}].{CHUNK_FIELD} must be true or false",
+                                      param=f"{where}.content[{j}].{CHUNK_FIELD}")
         texts.append(clean(check_text(part["text"], f"{where}.content[{j}].text")))
     return "\n".join(texts)
 

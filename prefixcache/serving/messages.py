@@ -26,7 +26,7 @@ from typing import Any
 
 from prefixcache.errors import InvalidRequestError
 from prefixcache.serving.breakpoints import DEFAULT_TTL, Breakpoint, check_breakpoints
-from prefixcache.serving.canonicalize import Canonicalizer
+from prefixcache.serving.canonicalize import CHUNK_FIELD, Canonicalizer
 
 ROLES = ("user", "assistant")
 #: Where the cut of a breakpoint falls: ("tools", i), ("system", j) or ("messages", m, k).
@@ -68,7 +68,7 @@ def to_chat(messages: Sequence[Any], system: Any, tools: Sequence[Any]) -> tuple
     """OpenAI-shaped chat messages and tool definitions of an Anthropic-shaped request."""
     chat: list[dict] = []
     if system is not None and system != []:
-        chat.append({"role": "system", "content": _texts(system, "system")})
+        chat.append({"role": "system", "content": _joined(_blocks(system, "system"))})
     for i, message in enumerate(messages):
         chat += _message(message, f"messages[{i}]")
     defs = [_tool(tool, f"tools[{i}]") for i, tool in enumerate(tools)]
@@ -166,8 +166,13 @@ def _common(a: Sequence[int], b: Sequence[int]) -> int:
 
 def _texts(value: Any, where: str) -> str:
     """A string, or text blocks joined with "\\n"."""
+    return "\n".join(text for text, _ in _blocks(value, where))
+
+
+def _blocks(value: Any, where: str) -> list[tuple[str, bool]]:
+    """(text, marked ``CHUNK_FIELD``) of a string or of each text block."""
     if isinstance(value, str):
-        return value
+        return [(value, False)]
     if not isinstance(value, list):
         raise InvalidRequestError(f"{where} must be a string or a list of text blocks", param=where)
     parts = []
@@ -176,8 +181,22 @@ def _texts(value: Any, where: str) -> str:
         if kind != "text" or not isinstance(block.get("text"), str):
             raise InvalidRequestError(f"{where}[{j}] must be a text block ({{'type': 'text', 'text': ...}}); got "
                                       f"type {kind!r}", param=f"{where}[{j}]")
-        parts.append(block["text"])
-    return "\n".join(parts)
+        parts.append((block["text"], _marked(block, f"{where}[{j}]")))
+    return parts
+
+
+def _marked(block: dict, at: str) -> bool:
+    marked = block.get(CHUNK_FIELD, False)
+    if not isinstance(marked, bool):
+        raise InvalidRequestError(f"{at}.{CHUNK_FIELD} must be true or false", param=f"{at}.{CHUNK_FIELD}")
+    return marked
+
+
+def _joined(texts: list[tuple[str, bool]]) -> str | list[dict[str, Any]]:
+    """Texts joined with "\\n"; as text parts when one is marked a chunk (rendered the same: parts join with "\\n")."""
+    if not any(marked for _, marked in texts):
+        return "\n".join(text for text, _ in texts)
+    return [{"type": "text", "text": text, CHUNK_FIELD: marked} for text, marked in texts]
 
 
 def _message(message: Any, where: str) -> list[dict]:
@@ -191,18 +210,18 @@ def _message(message: Any, where: str) -> list[dict]:
         raise InvalidRequestError(f"{where}.content must be a string or a list of content blocks",
                                   param=f"{where}.content")
     out: list[dict] = []
-    texts: list[str] = []
+    texts: list[tuple[str, bool]] = []
     calls: list[dict] = []
     for k, block in enumerate(content):
         at = f"{where}.content[{k}]"
         kind = block.get("type") if isinstance(block, dict) else None
         if kind == "text" and isinstance(block.get("text"), str):
-            texts.append(block["text"])
+            texts.append((block["text"], _marked(block, at)))
         elif kind == "tool_use" and role == "assistant":
             calls.append(_tool_call(block, at))
         elif kind == "tool_result" and role == "user":
             if texts:  # a text before a tool result: keep the order
-                out.append({"role": "user", "content": "\n".join(texts)})
+                out.append({"role": "user", "content": _joined(texts)})
                 texts = []
             out.append({"role": "tool", "tool_call_id": _string(block, "tool_use_id", at),
                         "content": _result_text(block.get("content"), f"{at}.content")})
@@ -211,7 +230,7 @@ def _message(message: Any, where: str) -> list[dict]:
                                       f"{' and tool_use' if role == 'assistant' else ' and tool_result'} blocks "
                                       "(images, documents and other blocks are not supported)", param=f"{at}.type")
     if texts or calls or not out:
-        turn: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
+        turn: dict[str, Any] = {"role": role, "content": _joined(texts)}
         if calls:
             turn["tool_calls"] = calls
         out.append(turn)

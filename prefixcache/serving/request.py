@@ -62,6 +62,13 @@ class CallStats:
     total_seconds: float = 0.0
     bypass_reason: str | None = None  # why the cache was not used at all
     executor: str = "batched"  # "batched" or "serial": which engine served the call
+    #: Marked chunks (``serving/blend.py``): prompt tokens whose stored chunk KV was used (re-rotated), chunk
+    #: tokens recomputed in context, chunk tokens computed alone and stored by this call, and why marked
+    #: chunks were prefilled instead (None: blended, or none marked).
+    chunk_reused_tokens: int = 0
+    chunk_recomputed_tokens: int = 0
+    chunk_stored_tokens: int = 0
+    blend_reason: str | None = None
 
     @property
     def outcome(self) -> str:

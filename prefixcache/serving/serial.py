@@ -23,6 +23,7 @@ from prefixcache.cache.store import KVStore
 from prefixcache.errors import GenerationTimeoutError, RequestCancelledError, UnsupportedModelError
 from prefixcache.model.hf_cache import WorkingCache, probe_layout
 from prefixcache.model.layout import KVLayout
+from prefixcache.serving.blend import Blender, BlendRequest
 from prefixcache.serving.request import CallStats
 from prefixcache.serving.sampling import fresh_seed
 
@@ -104,12 +105,15 @@ class Engine:
         except UnsupportedModelError as exc:
             self.layout, self.unsupported_reason = None, str(exc)
             log.warning("prefix caching disabled for this model: %s", exc)
+        self.blender = Blender(model, self.layout, store)
 
     # -- public --------------------------------------------------------------------
     def generate(self, input_ids: torch.Tensor, namespace: tuple[str, ...], tenant: str,
                  generation_config: GenerationConfig | None, kwargs: dict[str, Any],
-                 ttl_seconds: float | None, cache_generated: bool) -> tuple[Any, CallStats]:
-        """Run ``model.generate`` for one prompt ``input_ids: [1, n]``, reusing cached KV."""
+                 ttl_seconds: float | None, cache_generated: bool,
+                 blend: BlendRequest | None = None) -> tuple[Any, CallStats]:
+        """Run ``model.generate`` for one prompt ``input_ids: [1, n]``, reusing cached KV; with ``blend``, the
+        stored KV of its marked chunks too (``serving/blend.py``)."""
         start = self._clock()
         n = int(input_ids.shape[1])
         stats = CallStats(prompt_tokens=n, executor="serial")
@@ -121,17 +125,22 @@ class Engine:
         max_new = effective.max_new_tokens if effective.max_new_tokens is not None else max(
             int(effective.max_length or 20) - n, 1)
         stats.bypass_reason = self._bypass_reason(effective, kwargs, n + int(max_new))
+        if blend is not None and (stats.bypass_reason or self.blender.unsupported_reason):
+            stats.blend_reason = stats.bypass_reason or f"model not supported: {self.blender.unsupported_reason}"
+            blend = None
         device = next(self.model.parameters()).device
         # Its working cache (or generate()'s own) holds the whole sequence: reserved against the KV
         # total first (bounded wait, or ``KVMemoryError``). Seeded inside the model lock, so
         # concurrent calls cannot interleave their draws.
-        with self.store.ledger.reserve("serial", self._bytes(n + int(max_new))), self._model_lock, \
+        # A blended call also holds the prompt's blended KV until it is copied into the working cache.
+        need = self._bytes(n + int(max_new) + (n if blend is not None else 0))
+        with self.store.ledger.reserve("serial", need), self._model_lock, \
                 isolated_rng(device, seed if seed is not None else self._entropy()):
             if stats.bypass_reason is not None:
                 out = self.model.generate(input_ids, generation_config=generation_config, **kwargs)
             else:
                 out = self._cached_generate(input_ids, namespace, tenant, generation_config, kwargs,
-                                            ttl_seconds, cache_generated, max_new, stats, start)
+                                            ttl_seconds, cache_generated, max_new, stats, start, blend)
         seq = out.sequences if hasattr(out, "sequences") else out
         stats.completion_tokens = int(seq.shape[1]) - n
         stats.ttft_seconds = None if timer.at is None else timer.at - start
@@ -186,7 +195,8 @@ class Engine:
 
     # -- internals -----------------------------------------------------------------
     def _cached_generate(self, input_ids, namespace, tenant, generation_config, kwargs, ttl_seconds,
-                         cache_generated, max_new, stats: CallStats, start: float) -> Any:
+                         cache_generated, max_new, stats: CallStats, start: float,
+                         blend: BlendRequest | None = None) -> Any:
         assert self.layout is not None
         prompt = input_ids[0].tolist()
         n = len(prompt)
@@ -195,14 +205,25 @@ class Engine:
         try:
             stats.cached_tokens = lease.cached_tokens
             stats.lookup_seconds = self._clock() - start
-            cache = WorkingCache(self.layout, [(s.node.kv, s.used) for s in lease.steps], n + max_new)
+            blended = None if blend is None else self.blender.build(prompt, blend, lease, namespace, tenant,
+                                                                    ttl_seconds)
+            if blended is None:
+                cache = WorkingCache(self.layout, [(s.node.kv, s.used) for s in lease.steps], n + max_new)
+            else:
+                stats.chunk_reused_tokens, stats.chunk_recomputed_tokens = blended.reused, blended.recomputed
+                stats.chunk_stored_tokens = blended.stored
+                cache = WorkingCache(self.layout, [(blended.buffer, n - 1)], n + max_new)
             mask = torch.ones_like(input_ids)
             out = self.model.generate(input_ids, attention_mask=mask, past_key_values=cache,
                                       generation_config=generation_config, **kwargs)
             seq = out.sequences if hasattr(out, "sequences") else out
             keep = cache.length if cache_generated else n
+            if blended is not None and blended.exact < n - 1:
+                keep = blended.exact  # reused chunk KV is close to a full prefill's, not equal: never a prefix
             tokens = seq[0, :keep].tolist()
-            stats.stored_tokens = self.store.insert(namespace, tenant, tokens, cache.slice, ttl_seconds).stored_tokens
+            if tokens:
+                stats.stored_tokens = self.store.insert(namespace, tenant, tokens, cache.slice,
+                                                        ttl_seconds).stored_tokens
             return out
         finally:
             self.store.release(lease)
@@ -233,6 +254,10 @@ class Engine:
             c["prompt_tokens"] += stats.prompt_tokens
             c["cached_tokens"] += stats.cached_tokens
             c["completion_tokens"] += stats.completion_tokens
+            c["chunk_reused_tokens"] += stats.chunk_reused_tokens
+            c["chunk_recomputed_tokens"] += stats.chunk_recomputed_tokens
+            c["blended"] += 1 if stats.chunk_reused_tokens or stats.chunk_recomputed_tokens else 0
+            c["blend_fallbacks"] += 1 if stats.blend_reason else 0
             c["bypassed" if stats.bypass_reason else stats.outcome] += 1
 
 

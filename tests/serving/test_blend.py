@@ -1,0 +1,96 @@
+"""Blended requests on the serial engine: share 1 is a full prefill token for token, chunks are per tenant,
+reused anywhere and in any order, and only exact KV becomes a prefix."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prefixcache.cache.hashing import BlockHasher
+from prefixcache.cache.store import KVStore
+from prefixcache.config import CacheConfig
+from prefixcache.serving.blend import BlendRequest
+from prefixcache.serving.serial import Engine
+from tests.conftest import build_tiny, untouched
+
+NEW = 12
+
+
+@pytest.fixture
+def engine(llama, clock):
+    return Engine(llama, KVStore(CacheConfig(block_size=8), BlockHasher(0), clock), clock)
+
+
+def docs() -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    gen = torch.Generator().manual_seed(5)
+    return tuple(torch.randint(2, 300, (n,), generator=gen).tolist() for n in (10, 40, 33, 29, 6))
+
+
+def layout_of(*parts: list[int]) -> tuple[list[int], tuple[tuple[int, int], ...]]:
+    """The prompt of ``parts`` (system, documents..., question) and the documents' spans."""
+    prompt, spans = list(parts[0]), []
+    for doc in parts[1:-1]:
+        spans.append((len(prompt), len(prompt) + len(doc)))
+        prompt += doc
+    return prompt + list(parts[-1]), tuple(spans)
+
+
+def run(engine, prompt, spans, share, tenant="a"):
+    ns = (tenant, "model")
+    out, stats = engine.generate(torch.tensor([prompt]), ns, tenant, None,
+                                 {"max_new_tokens": NEW, "do_sample": False}, None, True,
+                                 BlendRequest(spans, share) if spans else None)
+    return out[0, len(prompt):].tolist(), stats
+
+
+def reference(model, prompt) -> list[int]:
+    out = untouched(model).generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def test_share_one_equals_full_prefill_token_for_token(llama, engine):
+    system, a, b, c, question = docs()
+    for parts in ((system, a, b, question), (system, c, a, question), (system, b, c, a, question)):
+        prompt, spans = layout_of(*parts)
+        tokens, stats = run(engine, prompt, spans, 1.0)
+        assert tokens == reference(llama, prompt)
+        assert stats.chunk_reused_tokens == 0
+        assert stats.chunk_recomputed_tokens == sum(e - s for s, e in spans) - (
+            len(system) if stats.cached_tokens >= spans[0][1] else 0)
+
+
+def test_documents_are_reused_in_any_order_and_only_exact_kv_is_a_prefix(llama, engine):
+    system, a, b, c, question = docs()
+    first, spans = layout_of(system, a, b, question)
+    _, stats = run(engine, first, spans, 0.15)
+    assert (stats.chunk_stored_tokens, stats.chunk_reused_tokens + stats.chunk_recomputed_tokens) == (73, 73)
+    # the system prompt and any recomputed run at the start of the first document: never reused KV, nor the answer
+    assert spans[0][0] <= stats.stored_tokens < spans[0][1]
+    second, spans = layout_of(system, b, c, a, question)
+    tokens, stats = run(engine, second, spans, 0.15)
+    assert stats.cached_tokens == len(system)  # prefix reuse first
+    assert stats.chunk_stored_tokens == len(c)  # b and a found: computed alone once, reused at new positions
+    assert stats.chunk_recomputed_tokens == sum(-(-(e - s) * 15 // 100) for s, e in [(0, 102)])
+    assert stats.chunk_reused_tokens == 102 - stats.chunk_recomputed_tokens
+    assert len(tokens) == NEW
+    counters = engine.tenant_counters("a")
+    assert counters["blended"] == 2 and counters["chunk_reused_tokens"] > 0
+
+
+def test_a_chunk_of_another_tenant_is_never_used(engine):
+    system, a, b, _, question = docs()
+    prompt, spans = layout_of(system, a, b, question)
+    run(engine, prompt, spans, 0.0, tenant="a")
+    _, mine = run(engine, prompt, spans, 0.0, tenant="a")
+    _, theirs = run(engine, prompt, spans, 0.0, tenant="b")
+    assert mine.chunk_stored_tokens == 0 and mine.chunk_reused_tokens == len(a) + len(b)
+    assert theirs.chunk_stored_tokens == len(a) + len(b)  # computed its own: tenant a's were not found
+
+
+def test_a_model_that_cannot_move_keys_prefills_and_says_why(clock):
+    gpt2 = build_tiny("gpt2")
+    engine = Engine(gpt2, KVStore(CacheConfig(block_size=8), BlockHasher(0), clock), clock)
+    system, a, b, _, question = docs()
+    prompt, spans = layout_of(system, a, b, question)
+    tokens, stats = run(engine, prompt, spans, 0.15)
+    assert "rotary" in stats.blend_reason and stats.chunk_reused_tokens == 0
+    assert tokens == reference(gpt2, prompt)
