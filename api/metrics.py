@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from prefixcache.serving.diagnostics import REASONS
 from prefixcache.serving.request import CallStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -44,6 +45,7 @@ BREAKPOINTS = "prefixcache_breakpoints"  # counter{ttl, event}: read | write | s
 BREAKPOINT_TOKENS = "prefixcache_breakpoint_tokens"  # counter{ttl, kind}: read | write
 CACHE_KEY = "prefixcache_prompt_cache_key_requests"  # counter{tenant, outcome}: requests carrying prompt_cache_key
 RETENTION = "prefixcache_prompt_cache_retention_requests"  # counter{retention}: in_memory | 24h
+MISS_REASONS = "prefixcache_cache_miss_reasons"  # counter{reason}: cache diagnostics' cache_miss_reason types
 BATCHING = "prefixcache_batching_enabled"  # gauge: 1 when the batching engine serves, 0 when every call is serial
 QUEUE_DEPTH = "prefixcache_queue_depth"  # gauge: admitted, waiting for a worker
 RUNNING = "prefixcache_requests_running"  # gauge
@@ -82,7 +84,7 @@ _TIER_GAUGES = (
 )
 
 COUNTERS = (REQUESTS, EXECUTOR, ERRORS, PROMPT_TOKENS, CACHED_TOKENS, COMPLETION_TOKENS, EVICTIONS, RECLAIMED,
-            BREAKPOINTS, BREAKPOINT_TOKENS, CACHE_KEY, RETENTION, *(name for name, _, _ in _TIER_COUNTERS))
+            BREAKPOINTS, BREAKPOINT_TOKENS, CACHE_KEY, RETENTION, MISS_REASONS, *(name for name, _, _ in _TIER_COUNTERS))
 HISTOGRAMS = (TTFT, TPOT, LOOKUP, QUEUE_WAIT, DURATION, TIER_RESTORE_SECONDS)
 GAUGES = (HIT_RATIO, CACHE_BYTES, BUDGET_BYTES, PINNED_BYTES, TENANT_BYTES, ENTRIES, KV_BYTES, KV_TOTAL, BATCHING,
           QUEUE_DEPTH, RUNNING, *(name for name, _, _ in _TIER_GAUGES))
@@ -127,6 +129,11 @@ class Metrics:
                                  ["tenant", "outcome"], registry=r)
         self.retention = Counter(RETENTION, "OpenAI requests carrying a prompt_cache_retention, by value.",
                                  ["retention"], registry=r)
+        self.miss_reasons = Counter(MISS_REASONS, "Requests with cache diagnostics (diagnostics.previous_message_id) "
+                                    "by why they could not reuse all of the named request's prompt "
+                                    "(cache_miss_reason.type).", ["reason"], registry=r)
+        for reason in REASONS:  # every reason exposed from the start, at 0
+            self.miss_reasons.labels(reason)
         self._state = _EngineCollector()
         r.register(self._state)
 
@@ -142,6 +149,8 @@ class Metrics:
         self.cached_tokens.labels(tenant).inc(stats.cached_tokens)
         self.completion_tokens.labels(tenant).inc(stats.completion_tokens)
         self.lookup.observe(stats.lookup_seconds)
+        if stats.miss_reason is not None:
+            self.miss_reasons.labels(stats.miss_reason).inc()
         if stats.ttft_seconds is not None:
             self.ttft.observe(stats.ttft_seconds)
             if stats.completion_tokens > 1:

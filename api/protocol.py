@@ -94,6 +94,15 @@ class Tool(BaseModel):
     function: FunctionDefinition
 
 
+class DiagnosticsRequest(BaseModel):
+    """Cache diagnostics (Anthropic's ``diagnostics``): the request opts in; its fingerprint is kept under its
+    response id."""
+
+    model_config = _REQUEST
+    previous_message_id: Text | None = Field(None, max_length=256, description="The id of this API key's "
+                                             "earlier response to compare with (null: opt in, nothing to compare).")
+
+
 class StreamOptions(BaseModel):
     model_config = _REQUEST
     include_usage: bool | None = Field(None, description="Send a last chunk with usage (choices empty).")
@@ -172,6 +181,10 @@ class ChatCompletionRequest(GenerationFields):
                                             "reasoning parser: the whole answer is content).")
     stream_reasoning: bool | None = Field(None, description="SGLang extension: accepted, no effect (as "
                                           "separate_reasoning).")
+    diagnostics: DiagnosticsRequest | None = Field(None, description="Extension (Anthropic's cache diagnostics): "
+                                                   "previous_message_id names an earlier chat completion id of this "
+                                                   "API key; the answer's diagnostics.cache_miss_reason says why this "
+                                                   "request could not reuse all of that one's prompt.")
 
 
 class CompletionRequest(GenerationFields):
@@ -216,6 +229,35 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class CacheMissChanged(BaseModel):
+    """The prompt parted from the compared request's at the model (or cache namespace), tools, system or an
+    earlier message."""
+
+    type: Literal["model_changed", "tools_changed", "system_changed", "messages_changed"]
+    cache_missed_input_tokens: int = Field(description="About how many of the compared request's prompt tokens "
+                                           "would have been read from the cache had the prefix matched.")
+
+
+class CacheMissUndiagnosed(BaseModel):
+    """No comparison: the compared id is unknown to this key (or expired), or another prompt-affecting
+    parameter (tool_choice) differs."""
+
+    type: Literal["previous_message_not_found", "unavailable"]
+
+
+class CacheDiagnostics(BaseModel):
+    cache_miss_reason: Annotated[CacheMissChanged | CacheMissUndiagnosed, Field(discriminator="type")] | None = None
+
+    @classmethod
+    def of(cls, reason: str | None, missed: int | None) -> CacheDiagnostics | None:
+        """A call's diagnosis from its stats (``CallStats.miss_reason``); None when there is no divergence."""
+        if reason is None:
+            return None
+        if missed is None:
+            return cls(cache_miss_reason=CacheMissUndiagnosed(type=reason))
+        return cls(cache_miss_reason=CacheMissChanged(type=reason, cache_missed_input_tokens=missed))
+
+
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -249,6 +291,8 @@ class _Answer(BaseModel):
 class ChatCompletion(_Answer):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
+    diagnostics: CacheDiagnostics | None = Field(None, description="Extension: cache diagnostics, when the "
+                                                 "request asked and its prompt parted from the compared one.")
 
 
 class Completion(_Answer):

@@ -39,6 +39,7 @@ from .fairness import InvalidBudget, retry_after_seconds
 from .limits import NOT_JSON, check_chat, check_completion, check_counts, check_prewarm, read_body, utf8_text
 from .metrics import CONTENT_TYPE
 from .protocol import (
+    CacheDiagnostics,
     CacheStats,
     ChatChoice,
     ChatCompletion,
@@ -275,7 +276,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, who: C
 
     def answer(result: GenerationResult, meta: Meta) -> ChatCompletion:
         return ChatCompletion(**meta.fields(), usage=_usage(result, srv), choices=[ChatChoice(
-            index=0, message=ResponseMessage(content=result.text), finish_reason=_finish(result))])
+            index=0, message=ResponseMessage(content=result.text), finish_reason=_finish(result))],
+            diagnostics=CacheDiagnostics.of(result.stats.miss_reason, result.stats.cache_missed_tokens))
     usage_chunk = _usage_chunk(body)
     return await respond(job, bool(body.stream), request, srv, "chatcmpl", answer,
                          lambda stream, meta: _chat_events(stream, meta, usage_chunk, srv))
@@ -309,6 +311,7 @@ async def respond(job: Job, stream: bool, request: Request, srv: Serving, id_pre
     The one generation path of every API the proxy speaks (OpenAI's and Anthropic's).
     """
     meta = Meta.new(id_prefix, srv)
+    job.record_id = meta.id  # cache diagnostics keep the job's fingerprint under its response's id
     if stream:
         handle = await srv.open_stream(job, disconnected(request), place_of(request))
         return sse(tail(events(handle, meta), handle, request.scope["route"].path, srv))
@@ -399,8 +402,9 @@ class Meta:
         """The fields every answer and chunk carries."""
         return {"id": self.id, "created": self.created, "model": self.model, "system_fingerprint": self.fingerprint}
 
-    def chunk(self, kind: str, choices: list[dict[str, Any]], usage: UsageInfo | None, with_usage: bool) -> str:
-        body: dict[str, Any] = {**self.fields(), "object": kind, "choices": choices}
+    def chunk(self, kind: str, choices: list[dict[str, Any]], usage: UsageInfo | None, with_usage: bool,
+              **extra: Any) -> str:
+        body: dict[str, Any] = {**self.fields(), "object": kind, "choices": choices, **extra}
         if with_usage or usage is not None:
             body["usage"] = None if usage is None else usage.model_dump()
         return event(body)
@@ -426,7 +430,10 @@ async def _chat_events(stream: GenerationStream, meta: Meta, usage_chunk: bool, 
         return [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
 
     kind = "chat.completion.chunk"
-    yield meta.chunk(kind, choice({"role": "assistant", "content": ""}), None, usage_chunk)
+    miss = stream.miss  # cache diagnostics ride on the first chunk, known before generation
+    diagnosed = {} if miss is None else {"diagnostics": CacheDiagnostics.of(
+        miss.type, miss.cache_missed_input_tokens).model_dump(exclude_none=True)}
+    yield meta.chunk(kind, choice({"role": "assistant", "content": ""}), None, usage_chunk, **diagnosed)
     async for text in stream.texts():
         yield meta.chunk(kind, choice({"content": text}), None, usage_chunk)
     usage = _usage(stream.result, srv)

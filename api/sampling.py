@@ -38,6 +38,12 @@ class Job:
     cache_key: str | None = None  # OpenAI's prompt_cache_key, counted in metrics
     retention: str | None = None  # OpenAI's prompt_cache_retention, counted in metrics
     cache_salt: str | None = None  # vLLM's cache_salt: splits the tenant's namespace (None or "": not split)
+    #: Cache diagnostics: asked for, the id compared with, this job's own id (its response's, set by
+    #: ``routes.respond``) and a chat's ``tool_choice`` (a prompt-affecting parameter).
+    diagnose: bool = False
+    previous_id: str | None = None
+    record_id: str | None = None
+    tool_choice: str | None = None
     max_tokens: int | None = None  # None: the default, capped to what fits (see ``max_new_tokens``)
     echo: bool = False
     options: dict[str, Any] = field(default_factory=dict)  # PrefixCache.chat/complete keyword arguments
@@ -78,7 +84,9 @@ def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     return Job("chat", tenant, messages=messages, tools=tools, max_tokens=limit_max_tokens(max_tokens, settings),
                options=_options(req, settings, vocab_size), cache_key=req.prompt_cache_key,
-               retention=req.prompt_cache_retention, cache_salt=req.cache_salt or None)
+               retention=req.prompt_cache_retention, cache_salt=req.cache_salt or None,
+               diagnose=req.diagnostics is not None, tool_choice=req.tool_choice,
+               previous_id=req.diagnostics.previous_message_id if req.diagnostics else None)
 
 
 def completion_job(req: CompletionRequest, tenant: str, settings: Settings, vocab_size: int) -> Job:

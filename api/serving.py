@@ -22,6 +22,8 @@ import xxhash
 from prefixcache import CacheUsage, GenerationResult, PrefixCache, WarmResult
 from prefixcache.errors import ContextLengthExceededError, InvalidRequestError
 from prefixcache.planner.request_log import RequestLog
+from prefixcache.serving.diagnostics import MissReason
+from prefixcache.serving.messages import to_chat
 
 from .admission import Admission, Place, Skipped
 from .errors import ClientClosedError, RequestTimeoutError, UnavailableError
@@ -237,16 +239,19 @@ class Serving:
         except UnicodeError as exc:  # protocol validation should have caught it; never a 500
             raise InvalidRequestError(f"the text cannot be encoded: {exc}") from exc
         max_new = job.max_new_tokens(len(ids), cache.max_context, self.settings.default_max_tokens)
+        miss = self._diagnose(job, ids) if job.diagnose else None
         if emit is not None:  # a messages stream reports its cache usage up front, as Anthropic's does
             predicted = None if prompt is None else cache.breakpoints.predict(
                 cache.namespace(job.tenant, job.cache_salt), job.tenant, ids, prompt.breakpoints)
-            emit("started", (len(ids), predicted))
+            emit("started", (len(ids), predicted, miss))
         # The timeout bounds this worker thread too: a generation still running then is cancelled.
         kwargs = dict(job.options, tenant=job.tenant, cache_salt=job.cache_salt, max_new_tokens=max_new, cancel=cancel,
                       timeout_seconds=self.settings.request_timeout_seconds,
                       on_text=None if emit is None else (lambda text: emit("text", text)))
         # The ids encoded above: no second encoding.
         result = cache.answer(ids, **kwargs) if prompt is None else cache.answer_messages(prompt, **kwargs)
+        if miss is not None:
+            result.stats.miss_reason, result.stats.cache_missed_tokens = miss.type, miss.cache_missed_input_tokens
         self.metrics.observe(job.endpoint, job.tenant, result.stats)
         if self.request_log is not None:
             self.request_log.record(job.tenant, ids, result.token_ids, result.stats.cached_tokens,
@@ -255,6 +260,17 @@ class Serving:
         if result.finish_reason == "cancelled" and self.closing:  # cut short by shutdown: not an answer
             raise UnavailableError("the server is shutting down; the generation was cancelled", code="shutting_down")
         return result
+
+    def _diagnose(self, job: Job, ids: list[int]) -> MissReason | None:
+        """Worker thread: cache diagnostics of a chat or messages job (its fingerprint kept under its id)."""
+        if job.endpoint == "messages":
+            p = job.anthropic
+            chat, tools = to_chat(p["messages"], p.get("system"), p.get("tools") or [])
+            choice = p.get("tool_choice")
+        else:
+            chat, tools, choice = job.messages or [], job.tools, job.tool_choice
+        return self.cache.diagnose(chat, tools, ids, tenant=job.tenant, cache_salt=job.cache_salt,
+                                   tool_choice=choice, previous_id=job.previous_id, record_id=job.record_id)
 
     def _held_tokens(self, prompt_len: int, result: GenerationResult) -> int:
         """Tokens the engine stores for a finished request: the prompt, and the answer but its last token
@@ -276,12 +292,13 @@ class GenerationStream:
         self._closed = False
         self.prompt_tokens = 0
         self.predicted: CacheUsage | None = None
+        self.miss: MissReason | None = None  # cache diagnostics, when the job asked (None: no divergence)
         self.result: GenerationResult | None = None
 
     async def wait_started(self) -> None:
         kind, value = await self._next()
         if kind == "started":
-            self.prompt_tokens, self.predicted = value
+            self.prompt_tokens, self.predicted, self.miss = value
         else:  # the job ended before it started: it failed
             _unwrap(value)
             raise UnavailableError("the generation ended before it started")

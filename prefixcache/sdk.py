@@ -21,8 +21,9 @@ from prefixcache.errors import CapacityError, ContextLengthExceededError, Invali
 from prefixcache.loading import model_fingerprint
 from prefixcache.serving.breakpoints import Breakpoints, CacheUsage
 from prefixcache.serving.canonicalize import Canonicalizer, check_text
+from prefixcache.serving.diagnostics import MissReason, PromptRecords, fingerprint
 from prefixcache.serving.engine import BatchConfig, BatchEngine
-from prefixcache.serving.messages import MessagesPrompt, encode_messages
+from prefixcache.serving.messages import MessagesPrompt, encode_messages, to_chat
 from prefixcache.serving.request import CallStats
 from prefixcache.serving.router import Router
 from prefixcache.serving.sampling import as_id_set, openai_params, penalty_params
@@ -94,6 +95,7 @@ class PrefixCache:
         self.store = KVStore(self.config, BlockHasher(self.config.hash_seed, hash_fn), clock, on_evict)
         self.engine = Engine(self.model, self.store, clock)
         self.breakpoints = Breakpoints(self.store, self.config.breakpoint_min_tokens)
+        self.prompt_records = PromptRecords(clock)
         # Every call the batching engine reproduces exactly runs there (continuous batching with
         # cascade attention over shared prefixes); the rest runs on the serial engine (``Router``).
         self.batcher: BatchEngine | None = None
@@ -217,10 +219,19 @@ class PrefixCache:
 
     # -- OpenAI-shaped calls -------------------------------------------------------
     def chat(self, messages: Sequence[dict[str, Any]], *, tools: Sequence[dict[str, Any]] | None = None,
-             **options: Any) -> GenerationResult:
-        """Answer a chat conversation. Options: see ``complete``."""
-        prompt = self._canon().encode_chat(list(messages), tools=tools)
-        return self.answer(list(prompt.token_ids), **options)
+             previous_id: str | None = None, record_id: str | None = None, **options: Any) -> GenerationResult:
+        """Answer a chat conversation. Options: see ``complete``.
+
+        Cache diagnostics: ``record_id`` keeps this call's prompt fingerprint under that id; ``previous_id``
+        compares with the fingerprint kept under it, and ``result.stats.miss_reason`` says why this call
+        could not reuse all of that prompt (``serving/diagnostics.py``; None: it could).
+        """
+        ids = list(self._canon().encode_chat(list(messages), tools=tools).token_ids)
+        miss = None
+        if previous_id is not None or record_id is not None:
+            miss = self.diagnose(messages, tools, ids, tenant=options.get("tenant"),
+                                 cache_salt=options.get("cache_salt"), previous_id=previous_id, record_id=record_id)
+        return _noted(self.answer(ids, **options), miss)
 
     def complete(self, prompt: str, **options: Any) -> GenerationResult:
         """Continue a text prompt.
@@ -241,19 +252,25 @@ class PrefixCache:
     def messages(self, messages: Sequence[dict[str, Any]], *, max_tokens: int, system: Any = None,
                  tools: Sequence[dict[str, Any]] | None = None, tool_choice: dict[str, Any] | None = None,
                  cache_control: dict[str, Any] | None = None, stop_sequences: Sequence[str] | None = None,
-                 **options: Any) -> GenerationResult:
+                 previous_id: str | None = None, record_id: str | None = None, **options: Any) -> GenerationResult:
         """Answer an Anthropic-shaped request, honouring its ``cache_control`` breakpoints.
 
         ``system`` is a string or text blocks; ``messages`` hold strings or text, ``tool_use`` and
         ``tool_result`` blocks; ``tools`` are ``{name, description, input_schema}``. A block with
         ``cache_control={"type": "ephemeral", "ttl": "5m" | "1h"}`` keeps the prefix up to it for
         that TTL (rules: ``serving/breakpoints.py``); a top-level ``cache_control`` marks the last block
-        (automatic caching). ``result.cache`` holds the usage as Anthropic counts it. Other options as
-        ``complete``.
+        (automatic caching). ``result.cache`` holds the usage as Anthropic counts it. Cache diagnostics
+        (``previous_id``, ``record_id``) as ``chat``. Other options as ``complete``.
         """
         prompt = self.encode_messages(messages, system=system, tools=tools, tool_choice=tool_choice,
                                       cache_control=cache_control)
-        return self.answer_messages(prompt, max_new_tokens=max_tokens, stop=stop_sequences, **options)
+        miss = None
+        if previous_id is not None or record_id is not None:
+            chat, defs = to_chat(messages, system, tools or [])
+            miss = self.diagnose(chat, defs, prompt.token_ids, tenant=options.get("tenant"),
+                                 cache_salt=options.get("cache_salt"), tool_choice=tool_choice,
+                                 previous_id=previous_id, record_id=record_id)
+        return _noted(self.answer_messages(prompt, max_new_tokens=max_tokens, stop=stop_sequences, **options), miss)
 
     def encode_messages(self, messages: Sequence[dict[str, Any]], *, system: Any = None,
                         tools: Sequence[dict[str, Any]] | None = None,
@@ -270,6 +287,18 @@ class PrefixCache:
         usage = self.breakpoints.settle(self.namespace(tenant, cache_salt), tenant, prompt.token_ids,
                                         prompt.breakpoints, result.usage.cached_tokens)
         return dataclasses.replace(result, cache=usage)
+
+    def diagnose(self, chat: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
+                 token_ids: Sequence[int], *, tenant: str | None = None, cache_salt: str | None = None,
+                 tool_choice: Any = None, previous_id: str | None = None,
+                 record_id: str | None = None) -> MissReason | None:
+        """Cache diagnostics (``serving/diagnostics.py``): compare an OpenAI-shaped chat that encodes to
+        ``token_ids`` with the tenant's call recorded under ``previous_id``, then record it under ``record_id``.
+        Returns why it cannot reuse all of that call's prompt (None: it can, or nothing was compared)."""
+        tenant = self._tenant(tenant)
+        current = fingerprint(self.namespace(tenant, cache_salt), chat, tools, {"tool_choice": tool_choice},
+                              token_ids)
+        return self.prompt_records.diagnose(tenant, current, previous_id, record_id)
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
         return list(self._canon().encode_chat(list(messages), tools=tools).token_ids)
@@ -525,6 +554,13 @@ class PrefixCache:
                 return int(cfg.pad_token_id)
         eos = sorted(as_id_set(self.model.generation_config.eos_token_id))
         return eos[0] if eos else 0
+
+
+def _noted(result: GenerationResult, miss: MissReason | None) -> GenerationResult:
+    """``result`` with a cache diagnosis on its stats (and on ``last_call``, the same object)."""
+    if miss is not None:
+        result.stats.miss_reason, result.stats.cache_missed_tokens = miss.type, miss.cache_missed_input_tokens
+    return result
 
 
 def _salt(cache_salt: Any) -> str:

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..protocol import JSONObject, Text
+from ..protocol import CacheDiagnostics, DiagnosticsRequest, JSONObject, Text
 
 _REQUEST = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -126,6 +126,9 @@ class MessagesRequest(_Prompt):
     top_k: int | None = Field(None, ge=0)
     stream: bool | None = False
     metadata: Metadata | None = None
+    diagnostics: DiagnosticsRequest | None = Field(None, description="Cache diagnostics: opt in, and name "
+                                                   "previous_message_id to learn why this request could not reuse "
+                                                   "all of that one's prompt (diagnostics.cache_miss_reason).")
 
 
 class CountTokensRequest(_Prompt):
@@ -160,6 +163,8 @@ class Message(BaseModel):
     stop_reason: Literal["end_turn", "max_tokens", "stop_sequence"] | None
     stop_sequence: str | None
     usage: Usage
+    diagnostics: CacheDiagnostics | None = Field(None, description="Null when the request did not ask, or when "
+                                                 "its prompt did not part from the compared one.")
 
 
 class TokenCount(BaseModel):

@@ -19,6 +19,7 @@ from fastapi import APIRouter, Request
 from prefixcache import CacheUsage, GenerationResult
 
 from ..limits import check_anthropic
+from ..protocol import CacheDiagnostics
 from ..routes import Caller, Engine, GuardedRoute, Meta, check_model, place_of, respond
 from ..sampling import Job, limit_max_tokens, server_temperature
 from ..serving import GenerationStream, Serving
@@ -54,7 +55,8 @@ async def messages(body: MessagesRequest, request: Request, who: Caller, srv: En
     def answer(result: GenerationResult, meta: Meta) -> Message:
         reason, sequence = stop_reason(result, stops, srv)
         return Message(id=meta.id, content=[ResponseText(text=result.text)], model=meta.model, stop_reason=reason,
-                       stop_sequence=sequence, usage=usage(result.cache, result.usage.completion_tokens, srv))
+                       stop_sequence=sequence, usage=usage(result.cache, result.usage.completion_tokens, srv),
+                       diagnostics=CacheDiagnostics.of(result.stats.miss_reason, result.stats.cache_missed_tokens))
     return await respond(job, bool(body.stream), request, srv, "msg", answer,
                          lambda stream, meta: _events(stream, meta, stops, srv))
 
@@ -73,7 +75,8 @@ def messages_job(req: MessagesRequest, tenant: str, settings: Settings) -> Job:
     options = {"temperature": server_temperature(req.temperature, settings), "top_p": req.top_p,
                "top_k": req.top_k or None, "stop": req.stop_sequences or None}
     return Job("messages", tenant, anthropic=req.prompt(), max_tokens=limit_max_tokens(req.max_tokens, settings),
-               options=options, cache_salt=req.cache_salt or None)
+               options=options, cache_salt=req.cache_salt or None, diagnose=req.diagnostics is not None,
+               previous_id=req.diagnostics.previous_message_id if req.diagnostics else None)
 
 
 def usage(cache: CacheUsage | None, output_tokens: int, srv: Serving) -> Usage:
@@ -105,7 +108,8 @@ async def _events(stream: GenerationStream, meta: Meta, stops: list[str], srv: S
     start = usage(stream.predicted, 0, srv).model_dump()
     yield event({"message": {
         "id": meta.id, "type": "message", "role": "assistant", "content": [], "model": meta.model,
-        "stop_reason": None, "stop_sequence": None, "usage": start}}, "message_start")
+        "stop_reason": None, "stop_sequence": None, "usage": start, "diagnostics": _diagnostics(stream)}},
+        "message_start")
     yield event({"index": 0, "content_block": {"type": "text", "text": ""}}, "content_block_start")
     yield event({}, "ping")
     async for text in stream.texts():
@@ -117,3 +121,10 @@ async def _events(stream: GenerationStream, meta: Meta, stops: list[str], srv: S
     yield event({"index": 0}, "content_block_stop")
     yield event({"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": final}, "message_delta")
     yield event({}, "message_stop")
+
+
+def _diagnostics(stream: GenerationStream) -> dict[str, Any] | None:
+    """A stream's cache diagnostics, known before generation (None: not asked, or no divergence)."""
+    miss = stream.miss
+    found = None if miss is None else CacheDiagnostics.of(miss.type, miss.cache_missed_input_tokens)
+    return None if found is None else found.model_dump(exclude_none=True)

@@ -69,6 +69,10 @@ class CallStats:
     chunk_recomputed_tokens: int = 0
     chunk_stored_tokens: int = 0
     blend_reason: str | None = None
+    #: Cache diagnostics, when the call asked (``previous_id``): why it could not reuse all of that call's
+    #: prompt (a ``diagnostics.REASONS`` type; None: it could) and the previous prompt's tokens it missed.
+    miss_reason: str | None = None
+    cache_missed_tokens: int | None = None
 
     @property
     def outcome(self) -> str:

@@ -7,9 +7,12 @@ minimum cacheable length is set low and blocks are 8 tokens.
 from __future__ import annotations
 
 import anthropic
+import httpx
 import pytest
 from prefixcache_api import create_app
-from proxy_support import ALPHA, MODEL, live, make_cache, settings
+from proxy_support import ADMIN, ALPHA, BETA, MODEL, live, make_cache, settings
+
+from prefixcache.serving.diagnostics import REASONS
 
 SYSTEM_TEXT = "You are the support assistant of a small bookshop. Be brief and kind. " * 4
 
@@ -68,3 +71,94 @@ def test_automatic_caching_counts_within_the_four_breakpoints_and_their_ttl_orde
     ok = alpha.messages.create(model=MODEL, max_tokens=2, cache_control={"type": "ephemeral"},
                                messages=[{"role": "user", "content": [marked] * 4}])
     assert ok.usage.output_tokens >= 1
+
+
+# -- cache diagnostics ---------------------------------------------------------------------------
+def prompt_tokens(message) -> int:
+    u = message.usage
+    return u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens
+
+
+def reason(message) -> tuple[str, int | None] | None:
+    if message.diagnostics is None:
+        return None
+    miss = message.diagnostics.cache_miss_reason
+    return miss.type, getattr(miss, "cache_missed_input_tokens", None)
+
+
+def test_every_cache_miss_reason_from_the_request_that_causes_it(srv, alpha):
+    ask = [{"role": "user", "content": "Do you sell maps of the old town?"}]
+    first = alpha.messages.create(model=MODEL, max_tokens=3, system=SYSTEM_TEXT, messages=ask,
+                                  diagnostics={"previous_message_id": None})
+    assert first.diagnostics is None
+    total = prompt_tokens(first)
+    since = {"diagnostics": {"previous_message_id": first.id}}
+
+    def diagnosed(**changes):
+        body = {"model": MODEL, "max_tokens": 2, "system": SYSTEM_TEXT, "messages": ask, **changes, **since}
+        return reason(alpha.messages.create(**body))
+
+    # Messages appended (the next turn), or the same request again: no divergence, and the prefix is read.
+    turn = ask + [{"role": "assistant", "content": first.content[0].text}, {"role": "user", "content": "Globes?"}]
+    nxt = alpha.messages.create(model=MODEL, max_tokens=2, system=SYSTEM_TEXT, messages=turn, **since)
+    assert nxt.diagnostics is None and nxt.usage.cache_read_input_tokens > 0
+    assert diagnosed() is None
+    # A cache marker is no prompt change: moving or adding one leaves the diagnosis alone.
+    assert diagnosed(cache_control={"type": "ephemeral"}) is None
+
+    kind, missed = diagnosed(extra_body={"cache_salt": "another namespace"})
+    assert (kind, missed) == ("model_changed", total)  # another cache: nothing of the earlier prompt is readable
+    kind, missed = diagnosed(system="You are the night shift of the bookshop.")
+    assert kind == "system_changed" and 0 < missed <= total
+    kind, missed = diagnosed(tools=[{"name": "stock", "input_schema": {"type": "object"}}], tool_choice={"type": "none"})
+    assert kind == "tools_changed" and missed is not None
+    assert diagnosed(tool_choice={"type": "auto"}) == ("unavailable", None)
+    kind, missed = diagnosed(messages=[{"role": "user", "content": "Do you sell maps of the new town?"}])
+    assert kind == "messages_changed" and 0 < missed < total  # the system prompt was still shared
+    assert diagnosed(extra_body={"diagnostics": {"previous_message_id": "msg_unknown"}}) == (
+        "previous_message_not_found", None)
+    # Another key's id is not found: fingerprints are kept per tenant.
+    other = client(srv.url, BETA).messages.create(model=MODEL, max_tokens=2, system=SYSTEM_TEXT, messages=ask,
+                                                  **since)
+    assert reason(other) == ("previous_message_not_found", None)
+
+    # Streamed: message_start carries it, so the SDK's final message has it.
+    with alpha.messages.stream(model=MODEL, max_tokens=2, system="Another system prompt.", messages=ask,
+                               **since) as stream:
+        final = stream.get_final_message()
+    assert reason(final)[0] == "system_changed"
+
+    text = httpx.get(f"{srv.url}/metrics", headers={"Authorization": f"Bearer {ADMIN}"}).text
+    counts = {r: _sample(text, f'prefixcache_cache_miss_reasons_total{{reason="{r}"}}') for r in REASONS}
+    assert counts["system_changed"] >= 2 and counts["previous_message_not_found"] >= 2
+    assert all(counts[r] >= 1 for r in REASONS)
+
+
+def _sample(text: str, series: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{series} not exposed")
+
+
+def test_openai_callers_get_the_same_reasons_as_an_extension(srv):
+    oa = srv.openai(ALPHA)
+    srv.cache.flush()
+    chat = [{"role": "system", "content": SYSTEM_TEXT}, {"role": "user", "content": "Maps?"}]
+    first = oa.chat.completions.create(model=MODEL, messages=chat, max_tokens=2,
+                                       extra_body={"diagnostics": {"previous_message_id": None}})
+    assert first.model_extra.get("diagnostics") is None
+    since = {"diagnostics": {"previous_message_id": first.id}}
+    turn = chat + [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "?"}]
+    assert oa.chat.completions.create(model=MODEL, messages=turn, max_tokens=2,
+                                      extra_body=since).model_extra.get("diagnostics") is None
+    changed = [{"role": "developer", "content": "Answer in French."}, *chat[1:]]
+    r = oa.chat.completions.create(model=MODEL, messages=changed, max_tokens=2, extra_body=since)
+    miss = r.model_extra["diagnostics"]["cache_miss_reason"]
+    assert miss["type"] == "system_changed" and miss["cache_missed_input_tokens"] > 0
+    chunks = list(oa.chat.completions.create(model=MODEL, messages=chat[1:], max_tokens=2, stream=True,
+                                             extra_body=since))
+    assert chunks[0].model_extra["diagnostics"]["cache_miss_reason"]["type"] == "system_changed"
+    gone = oa.chat.completions.create(model=MODEL, messages=chat, max_tokens=2,
+                                      extra_body={"diagnostics": {"previous_message_id": "chatcmpl-gone"}})
+    assert gone.model_extra["diagnostics"] == {"cache_miss_reason": {"type": "previous_message_not_found"}}
