@@ -40,6 +40,8 @@ from typing import Any
 
 import xxhash
 
+from prefixcache.serving.messages import common_prefix
+
 #: Most ids recorded per tenant, tenants recorded, and how long an id stays, in seconds.
 PER_TENANT = 512
 TENANTS = 4096
@@ -61,12 +63,6 @@ class MissReason:
 
     type: str
     cache_missed_input_tokens: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"type": self.type}
-        if self.cache_missed_input_tokens is not None:
-            out["cache_missed_input_tokens"] = self.cache_missed_input_tokens
-        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +101,7 @@ def compare(previous: Fingerprint, current: Fingerprint) -> MissReason | None:
     """Why ``current`` could not reuse all of ``previous``'s prompt (None: it could)."""
     if previous.model != current.model:
         return MissReason("model_changed", previous.prompt_tokens)
-    missed = previous.prompt_tokens - BLOCK * _shared(previous.blocks, current.blocks)
+    missed = previous.prompt_tokens - BLOCK * common_prefix(previous.blocks, current.blocks)
     for kind, same in (("tools_changed", previous.tools == current.tools),
                        ("system_changed", previous.system == current.system)):
         if not same:
@@ -158,15 +154,6 @@ class PromptRecords:
             ids.popitem(last=False)  # ids expire in the order they were recorded
         while len(self._records) > self.tenants:
             self._records.popitem(last=False)
-
-
-def _shared(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _hash(value: Any) -> int:

@@ -151,11 +151,12 @@ def _position(canon: Canonicalizer, full: Sequence[int], messages: Sequence[Any]
     for probe_tools, probe_system, probe_messages in probes:
         chat, defs = to_chat(probe_messages, probe_system, probe_tools)
         ids = canon.encode_chat(chat, None if hide_tools else defs, add_generation_prompt=False).token_ids
-        shared = min(shared, _common(full, ids))
+        shared = min(shared, common_prefix(full, ids))
     return shared
 
 
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """How many leading items ``a`` and ``b`` share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
