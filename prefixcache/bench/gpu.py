@@ -212,10 +212,13 @@ def clients(cache, model, spec: GpuSpec, clock: _Clock, gen: torch.Generator) ->
     if any(len(a) != new for a in answers):
         raise RuntimeError("a client got fewer tokens than asked")
     ours = n * new / wall
+    graphs = cache.batcher.runner.graphs
+    captured = {} if graphs is None else {"captured_steps": graphs.captures, "replayed_steps": graphs.replays,
+                                          "capture_off_reason": graphs.disabled}
     ids = torch.tensor(prompts, device=clock.device)
     model.generate(ids[:2, :16], max_new_tokens=2, min_new_tokens=2, do_sample=False)  # warm-up
     static = clock.time(lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False))
-    out = {"prefixcache_tok_s": ours, "static_batch_tok_s": n * new / static}
+    out = {"prefixcache_tok_s": ours, "static_batch_tok_s": n * new / static, **captured}
     previous = model.config._attn_implementation
     try:  # generate_batch takes only transformers' own attention implementations
         model.set_attn_implementation("sdpa")

@@ -177,8 +177,11 @@ class _CascadeLayer(DynamicLayer):
 class CascadeCache(Cache):
     """``past_key_values`` of one packed forward over several requests (see ``CascadeRow``)."""
 
-    def __init__(self, rows: Sequence[CascadeRow], num_layers: int, kernels: AttentionKernels | None = None):
-        """``kernels``: the device's attention calls (``cascade.kernels_for``; None: chosen per call)."""
+    def __init__(self, rows: Sequence[CascadeRow], num_layers: int, kernels: AttentionKernels | None = None,
+                 whole_decodes: bool = False):
+        """``kernels``: the device's attention calls (``cascade.kernels_for``; None: chosen per call).
+        ``whole_decodes``: pooled decodes attend over their slots' whole capacity, so a step of decodes
+        has the same shapes as the previous one while nobody joins or leaves (``step_key``)."""
         super().__init__(layers=[_CascadeLayer() for _ in range(num_layers)])
         self.kernels = kernels
         self.rows = list(rows)
@@ -206,11 +209,46 @@ class CascadeCache(Cache):
                 entry = pools.setdefault(id(row.private.pool), (row.private.pool, [], []))
                 entry[1].append(row.private)
                 entry[2].append(s)
-        self.decoding = [pool.decode_group(members, rows) for pool, members, rows in pools.values()]
+        self.decoding = [pool.decode_group(members, rows, whole_decodes) for pool, members, rows in pools.values()]
         self.batched = {id(kv) for _, members, _ in pools.values() for kv in members}
         self.own = [(s, e, row) for row, (s, e) in zip(self.rows, self.spans) if id(row.private) not in self.batched]
         self.masks: dict[tuple[int, int], torch.Tensor] = {}  # causal masks of prefill chunks, for every layer
         self._plan: list | None = None  # per group: query rows, its runs' keys/values [L, H, n, D] (first attend)
+
+    def plan(self, device: torch.device) -> None:
+        """Build what attention needs that does not depend on the layer (else done at the first layer)."""
+        total = self.spans[-1][1] if self.spans else 0
+        self._plan = [(member_rows(members, self.spans, total, device),
+                       [(snap[:, 0, :, :used], snap[:, 1, :, :used]) for snap, used in segments])
+                      for members, segments in self.groups]
+
+    def step_key(self) -> tuple | None:
+        """What fixes every shape and address a forward over this cache reads, or None when it is not a
+        step of pooled decodes only. Two caches with equal keys run the same kernels on the same tensors
+        (stored snapshots, pool slabs) and differ only in ``step_tensors()``'s first list: a step captured
+        over one replays for the other once those are copied over."""
+        if self.own or not self.decoding:
+            return None
+        total = self.spans[-1][1]
+
+        def where(t: torch.Tensor) -> tuple:
+            return t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype
+
+        groups = tuple((members, tuple((where(snap), used) for snap, used in segments))
+                       for members, segments in self.groups)
+        # The slab each group was built over (a view of it in the template: the pool may have moved on since).
+        decoding = tuple((d.template.keys.data_ptr(), tuple(d.shape), d.slots, d.rows, d.end) for d in self.decoding)
+        return total, groups, decoding
+
+    def step_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(tensors whose values change from step to step under one ``step_key``: the pooled decodes'
+        masks and write targets; index tensors a captured step reads that equal keys make equal)."""
+        if self._plan is None:
+            raise RuntimeError("plan() the cache first")
+        changing = [t for d in self.decoding for t in (d.template.mask, d.targets)]
+        constant = [rows for rows, _ in self._plan if rows is not None]
+        constant += [t for d in self.decoding for t in (d.template.rows, d.template.slots) if t is not None]
+        return changing, constant
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         # key_states: [1, H, T, D] packed; each request's rows go to its private KV
@@ -226,10 +264,7 @@ class CascadeCache(Cache):
         # set per layer per step costs more than the extra calls and merges. What does not
         # depend on the layer (query rows of each group, the runs' views) is planned once.
         if self._plan is None:
-            total = query.shape[2]
-            self._plan = [(member_rows(members, self.spans, total, query.device),
-                           [(snap[:, 0, :, :used], snap[:, 1, :, :used]) for snap, used in segments])
-                          for members, segments in self.groups]
+            self.plan(query.device)
         groups = [(rows, [(keys[layer], values[layer]) for keys, values in runs]) for rows, runs in self._plan]
         own = [(s, e, *row.private.view(layer, row.start + row.count)) for s, e, row in self.own]
         batches = [group.batch(layer) for group in self.decoding]

@@ -111,13 +111,16 @@ class PrivatePool:
             kv.slot, owners[new_slot] = new_slot, kv
         self.slab, self.owners = grown, owners
 
-    def decode_group(self, members: list[PrivateKV], rows: list[int]) -> DecodeGroup:
+    def decode_group(self, members: list[PrivateKV], rows: list[int], whole: bool = False) -> DecodeGroup:
         """The members decoding one token each in the next forward (``rows``: their packed query rows).
 
         Its indices and mask do not depend on the layer, so they are built here, once per step.
+        ``whole``: attend over every slot's whole capacity (masked to each member's length), so the
+        step's shapes stay the same from one step to the next while the pool keeps its shape (what a
+        captured step needs); otherwise over the longest member's length only.
         """
         lengths = [kv.length + 1 for kv in members]  # their new key included
-        end = max(lengths)
+        end = self.capacity if whole else max(lengths)
         slots = [kv.slot for kv in members]
         template = PrivateBatch.build(self.slab[0, 0, :, :, :end], self.slab[0, 1, :, :, :end], rows, slots, lengths)
         # Where the new keys and values go in one layer's [2, S, H, C, D] viewed as rows of D:
@@ -129,7 +132,7 @@ class PrivatePool:
         head_t = torch.arange(heads, dtype=torch.long, device=self.device).unsqueeze(1)  # [H, 1]
         keys_at = ((slot_t * heads + head_t) * capacity + pos_t).reshape(-1)  # [H·n]
         targets = torch.cat([keys_at, keys_at + n_slots * heads * capacity])
-        return DecodeGroup(self, template, targets, self.slab.shape, end)
+        return DecodeGroup(self, template, targets, self.slab.shape, end, tuple(slots), tuple(rows))
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +144,8 @@ class DecodeGroup:
     targets: torch.Tensor  # long [2·H·n]: rows of a layer's slab viewed as [2·S·H·C, D]
     shape: torch.Size  # the slab's shape the targets were computed for
     end: int  # keys read per slot
+    slots: tuple[int, ...]  # each member's slot (host copy of what the tensors encode)
+    rows: tuple[int, ...]  # each member's packed query row
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store the members' new keys/values, taken from packed ``[H, T, D]`` at their rows: one indexed copy."""

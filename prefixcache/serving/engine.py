@@ -31,6 +31,7 @@ from prefixcache.config import check_int, check_positive
 from prefixcache.errors import ConfigError, EngineFaultError, GenerationTimeoutError, UnsupportedModelError
 from prefixcache.model.hf_cache import check_cascade, enable_cascade_attention, probe_layout
 from prefixcache.model.layout import KVLayout
+from prefixcache.model.step_graphs import Capture, device_capture
 from prefixcache.serving.model_runner import ModelRunner
 from prefixcache.serving.request import CallStats, Request, SamplingParams, Status, finish_reason
 from prefixcache.serving.sampling import Sampler, fresh_seed
@@ -78,16 +79,23 @@ class BatchConfig:
     fault_streak: int = 3
     #: ... until a step succeeds or this many seconds pass without another fault.
     fault_window_seconds: float = 30.0
+    #: On CUDA, capture steps of decodes whose shape repeats as CUDA graphs and replay them (one
+    #: launch instead of about a thousand); off, every step runs kernel by kernel.
+    step_graphs: bool = True
+    #: Captured step shapes kept (the most recently used): each holds one step's activations.
+    captured_steps: int = 8
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "token_budget", "prefill_chunk", "private_chunk",
-                     "max_private_tokens"):
+                     "max_private_tokens", "captured_steps"):
             check_int(name, getattr(self, name), 1, None)
         check_int("fault_streak", self.fault_streak, 1, None)
         check_positive("fault_window_seconds", self.fault_window_seconds)
         check_int("pool_max_tokens", self.pool_max_tokens, 0, None)
         check_int("fold_max_tokens", self.fold_max_tokens, 0, None)
         check_positive("max_wait_seconds", self.max_wait_seconds)
+        if not isinstance(self.step_graphs, bool):
+            raise ConfigError("step_graphs", self.step_graphs, "true or false")
 
     @classmethod
     def for_device(cls, layout: KVLayout, **overrides: object) -> BatchConfig:
@@ -131,12 +139,13 @@ class BatchEngine:
     ``disabled_reason`` says why the model cannot be served here (then ``submit`` raises
     ``UnsupportedModelError``); ``failure`` why the loop thread stopped (then ``submit`` raises
     ``EngineFaultError``); ``unservable`` why one request cannot be. ``entropy`` seeds sampled
-    requests that carry no seed (each gets a generator of its own).
+    requests that carry no seed (each gets a generator of its own). ``step_capture``: how steps of
+    decodes are captured (default: the device's, CUDA graphs on CUDA, when ``step_graphs`` is on).
     """
 
     def __init__(self, model: torch.nn.Module, store: KVStore, clock: Callable[[], float],
                  config: BatchConfig | dict[str, Any] | None = None, cache_generated: bool = True,
-                 entropy: Callable[[], int] = fresh_seed):
+                 entropy: Callable[[], int] = fresh_seed, step_capture: Capture | None = None):
         self.model, self.store, self._clock = model, store, clock
         # None or a mapping of fields: sized for the device once its layout is known, the mapping over it.
         overrides = None if isinstance(config, BatchConfig) else dict(config or {})
@@ -162,7 +171,8 @@ class BatchEngine:
             self.layout = layout
             if overrides is not None:
                 self.config = BatchConfig.for_device(layout, **overrides)
-            self.runner = ModelRunner(model, layout)
+            capture = step_capture or (device_capture(layout.device) if self.config.step_graphs else None)
+            self.runner = ModelRunner(model, layout, capture, self.config.captured_steps)
             self.scheduler = Scheduler(store, layout, self.config, clock, self._finish, entropy)
         except UnsupportedModelError as exc:
             self.disabled_reason = str(exc)

@@ -3,7 +3,8 @@
 The runner owns the tensors of a step: it packs every request's new tokens into one
 sequence, builds the ``CascadeCache`` that routes each request's attention over its shared
 prefix snapshots (read in place) and its private KV, and runs one forward: the model's own
-forward (``cascade_step``).
+forward (``cascade_step``). With a ``Capture`` (CUDA graphs on CUDA), steps of decodes whose
+shape repeats are captured and replayed (``StepGraphs``).
 """
 from __future__ import annotations
 
@@ -15,13 +16,18 @@ from prefixcache.errors import UnsupportedModelError
 from prefixcache.model.cascade import kernels_for
 from prefixcache.model.hf_cache import CascadeCache, CascadeRow, cascade_step
 from prefixcache.model.layout import KVLayout, index_tensor
+from prefixcache.model.step_graphs import Capture, StepGraphs
 from prefixcache.serving.request import Request
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, layout: KVLayout):
+    def __init__(self, model: torch.nn.Module, layout: KVLayout, capture: Capture | None = None,
+                 captured_steps: int = 8):
+        """``capture``: how steps of decodes are captured (None: every step runs eagerly);
+        ``captured_steps``: how many step shapes stay captured (the most recently used)."""
         self.model, self.layout = model, layout
         self.kernels = kernels_for(layout.device, layout.dtype, layout.head_dim)  # attention calls, one per model
+        self.graphs = None if capture is None else StepGraphs(self._forward, capture, limit=captured_steps)
         self.steps = 0
 
     def run(self, plan: Sequence[tuple[Request, int]]) -> torch.Tensor:
@@ -38,13 +44,22 @@ class ModelRunner:
             at += n
             if start + n >= len(req.prompt):
                 keep.append(at - 1)
-        cache = CascadeCache(rows, self.layout.num_layers, self.kernels)
+        cache = CascadeCache(rows, self.layout.num_layers, self.kernels, whole_decodes=self.graphs is not None)
         device = self.layout.device
         packed = index_tensor([*ids, *pos, *keep], device)  # one copy to the device
         ids_t, pos_t, keep_t = packed[: at], packed[at : 2 * at], packed[2 * at :]  # [T], [T] packed; [K]
         with torch.inference_mode():
-            logits = cascade_step(self.model, ids_t, pos_t, cache, keep_t)
-        if cache.calls != self.layout.num_layers:
-            raise UnsupportedModelError(f"cascade attention ran in {cache.calls} of {self.layout.num_layers} layers")
+            if self.graphs is None:
+                logits = self._forward(ids_t, pos_t, cache, keep_t)
+            else:
+                logits = self.graphs.run(cache, ids_t, pos_t, keep_t)
         self.steps += 1
-        return logits.clone()  # [K, V], a normal tensor for the samplers
+        return logits.clone()  # [K, V], a normal tensor for the samplers (a replay refills its output)
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, cache: CascadeCache, keep: torch.Tensor) -> torch.Tensor:
+        before = cache.calls
+        logits = cascade_step(self.model, ids, pos, cache, keep)
+        if cache.calls - before != self.layout.num_layers:
+            raise UnsupportedModelError(f"cascade attention ran in {cache.calls - before} of "
+                                        f"{self.layout.num_layers} layers")
+        return logits

@@ -12,6 +12,8 @@ from prefixcache.model.cascade import PrivateBatch, Shared, TorchKernels, cascad
 from prefixcache.model.cuda import FusedKernels
 from prefixcache.model.cuda.attention import fused_kernels
 from prefixcache.model.hf_cache import check_cascade, enable_cascade_attention, measure_cascade, probe_layout
+from prefixcache.serving.engine import BatchConfig
+from prefixcache.serving.request import SamplingParams
 from tests.conftest import ARCHS, build_tiny, untouched
 from tests.model.test_cascade_dtypes import BROKEN as CPU_BROKEN
 
@@ -141,3 +143,51 @@ def test_reduced_precision_layers_measured(dtype, capsys):
         for i, e in enumerate(m.layers):
             print(f"\n{dtype} layer {i}: cascade {e.cascade:.3g} plain {e.plain:.3g} scale {e.scale:.3g}")
     assert m.exact < 1e-4
+
+
+def _decode_burst(engine, prompts, news):
+    reqs = [engine.submit(p, ("t", "m"), "t", SamplingParams(max_new_tokens=n, min_new_tokens=n))
+            for p, n in zip(prompts, news)]
+    return [engine.wait(r, timeout=120).tokens for r in reqs]
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa", "gpt2", "qwen2"])
+def test_decode_steps_are_captured_as_cuda_graphs_and_answer_exactly(arch):
+    """float32: requests leaving at different steps (each stretch one step shape, captured as a CUDA graph
+    and replayed): answers equal ``generate()``; the graphs were captured, replayed and never switched off."""
+    model = build_tiny(arch).to("cuda")
+    ref = untouched(model).to("cuda")
+    prefix = [5 + (j * 13) % 300 for j in range(48)]
+    prompts = [prefix + [100 + i] * (1 + i % 3) for i in range(6)]
+    news = [30, 12, 24, 6, 18, 36]
+    want = [ref.generate(torch.tensor([p], device="cuda"), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False)[0, len(p):].tolist() for p, n in zip(prompts, news)]
+    with PrefixCache(model, start_sweeper=False) as pc:
+        assert pc.batching_disabled_reason is None
+        engine = pc.batcher
+        engine.generate(prefix, ("t", "m"), "t", SamplingParams(max_new_tokens=1))
+        got = _decode_burst(engine, prompts, news)
+        graphs = engine.runner.graphs
+        assert graphs is not None and graphs.disabled is None, graphs and graphs.disabled
+        assert graphs.captures >= 3 and graphs.replays >= 20, (graphs.captures, graphs.replays)
+    assert got == want
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+def test_decode_steps_are_captured_in_reduced_precision(dtype):
+    """bfloat16/float16: captured steps replay what the eager step computed (the capture's own check),
+    and the same greedy answers as an engine that runs every step eagerly."""
+    prefix = [5 + (j * 13) % 300 for j in range(48)]
+    prompts = [prefix + [100 + i] * (1 + i % 3) for i in range(6)]
+    news = [30, 12, 24, 6, 18, 36]
+    answers = {}
+    for graphs_on in (False, True):
+        model = build_tiny("llama-gqa").to("cuda", dtype)
+        with PrefixCache(model, start_sweeper=False, batching=BatchConfig(step_graphs=graphs_on)) as pc:
+            engine = pc.batcher
+            assert (engine.runner.graphs is not None) == graphs_on
+            engine.wait(engine.submit(prefix, ("t", "m"), "t", SamplingParams(max_new_tokens=1)))
+            answers[graphs_on] = _decode_burst(engine, prompts, news)
+            if graphs_on:
+                assert engine.runner.graphs.disabled is None and engine.runner.graphs.replays >= 20
+    assert answers[True] == answers[False]
