@@ -24,6 +24,7 @@ from prefixcache.errors import (
     PinQuotaExceededError,
     RequestCancelledError,
     TierPurgeError,
+    ToolCallError,
     UnsupportedModelError,
 )
 
@@ -147,6 +148,9 @@ def map_exception(exc: BaseException) -> Mapped:
         return Mapped(503, ErrorDetail(message=str(exc), type="server_error", code="tier_unavailable"), True)
     if isinstance(exc, EngineFaultError):  # not the request's doing: a retry may well succeed
         return Mapped(503, ErrorDetail(message=str(exc), type="server_error", code="engine_fault"), True)
+    if isinstance(exc, ToolCallError):  # the request was fine; the model's answer broke its tool_choice
+        return Mapped(422, ErrorDetail(message=str(exc), type="invalid_request_error", param="tool_choice",
+                                       code="tool_call_missing"))
     if isinstance(exc, GenerationTimeoutError):
         return Mapped(504, ErrorDetail(message=str(exc), type="timeout_error", code="request_timeout"))
     if isinstance(exc, RequestCancelledError):  # the client left (or the server shuts down): nobody reads this

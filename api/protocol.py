@@ -103,6 +103,19 @@ class DiagnosticsRequest(BaseModel):
                                              "earlier response to compare with (null: opt in, nothing to compare).")
 
 
+class NamedFunction(BaseModel):
+    model_config = _REQUEST
+    name: Text
+
+
+class NamedToolChoice(BaseModel):
+    """Force a call to this tool."""
+
+    model_config = _REQUEST
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class StreamOptions(BaseModel):
     model_config = _REQUEST
     include_usage: bool | None = Field(None, description="Send a last chunk with usage (choices empty).")
@@ -169,9 +182,11 @@ class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens.")
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto"] | None = Field(None, description="'none' hides the tools from the "
-                                                        "model; forcing a tool call is not supported.")
-    parallel_tool_calls: bool | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="'none' hides the tools from the model; 'required' or a named tool: an answer without "
+        "that call is an error (422 tool_call_missing), never a text answer. The model's calls are parsed in "
+        "its chat template's syntax (Hermes/Qwen, Llama 3.1+ JSON, Mistral).")
+    parallel_tool_calls: bool | None = Field(None, description="false: calls after the first are dropped.")
     response_format: ResponseFormat | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -258,23 +273,36 @@ class CacheDiagnostics(BaseModel):
         return cls(cache_miss_reason=CacheMissChanged(type=reason, cache_missed_input_tokens=missed))
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="The arguments, a JSON object as text.")
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None = Field(description="The text (null when the answer is tool calls alone).")
     refusal: None = None
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class _Choice(BaseModel):
     index: int
-    finish_reason: Literal["stop", "length"]
     logprobs: None = None
 
 
 class ChatChoice(_Choice):
+    finish_reason: Literal["stop", "length", "tool_calls"]
     message: ResponseMessage
 
 
 class CompletionChoice(_Choice):
+    finish_reason: Literal["stop", "length"]
     text: str
 
 

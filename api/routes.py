@@ -24,6 +24,7 @@ from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from prefixcache import GenerationResult
+from prefixcache.serving.tool_calls import Text, ToolUse, calls_of, text_of
 
 from .admission import Place
 from .auth import Principal
@@ -49,6 +50,7 @@ from .protocol import (
     CompletionRequest,
     ErrorResponse,
     FlushResponse,
+    FunctionCall,
     GenerationFields,
     Health,
     ModelCard,
@@ -58,12 +60,13 @@ from .protocol import (
     PromptTokensDetails,
     QueueInfo,
     ResponseMessage,
+    ResponseToolCall,
     TierInfo,
     UsageInfo,
 )
 from .sampling import Job, chat_job, completion_job
 from .serving import GenerationStream, Serving
-from .streaming import SSE_RESPONSE, event, sse, tail
+from .streaming import SSE_RESPONSE, call_id, event, pieces, read, sse, tail
 
 log = logging.getLogger(__name__)
 _bearer = HTTPBearer(auto_error=False, description="A tenant's API key, or the admin key.")
@@ -272,15 +275,19 @@ async def get_model(model: str, who: Caller, srv: Engine) -> ModelCard:
 async def chat_completions(body: ChatCompletionRequest, request: Request, who: Caller, srv: Engine) -> Any:
     check_model(srv, body.model)
     check_chat(body, srv.settings)
-    job = chat_job(body, who.tenant, srv.settings, srv.vocab_size)
+    job = chat_job(body, who.tenant, srv.settings, srv.vocab_size, srv.tool_family)
 
     def answer(result: GenerationResult, meta: Meta) -> ChatCompletion:
+        parts = read(result, job.tool_use)
+        calls = [ResponseToolCall(id=call_id(meta.id, i, job.tool_use, "call_"), function=FunctionCall(
+            name=call.name, arguments=call.arguments)) for i, call in enumerate(calls_of(parts))]
+        message = ResponseMessage(content=text_of(parts) or (None if calls else ""), tool_calls=calls or None)
         return ChatCompletion(**meta.fields(), usage=_usage(result, srv), choices=[ChatChoice(
-            index=0, message=ResponseMessage(content=result.text), finish_reason=_finish(result))],
+            index=0, message=message, finish_reason="tool_calls" if calls else _finish(result))],
             diagnostics=CacheDiagnostics.of(result.stats.miss_reason, result.stats.cache_missed_tokens))
     usage_chunk = _usage_chunk(body)
     return await respond(job, bool(body.stream), request, srv, "chatcmpl", answer,
-                         lambda stream, meta: _chat_events(stream, meta, usage_chunk, srv))
+                         lambda stream, meta: _chat_events(stream, meta, usage_chunk, job.tool_use, srv))
 
 
 @router.post("/v1/completions", response_model=Completion, responses={**_ERRORS, **SSE_RESPONSE}, tags=["openai"])
@@ -420,24 +427,36 @@ def _finish(result: GenerationResult) -> str:
     return "length" if result.finish_reason == "length" else "stop"
 
 
-async def _chat_events(stream: GenerationStream, meta: Meta, usage_chunk: bool, srv: Serving) -> AsyncIterator[str]:
-    """OpenAI's chunk sequence: role, content deltas, finish_reason, [usage], [DONE].
+async def _chat_events(stream: GenerationStream, meta: Meta, usage_chunk: bool, tools: ToolUse | None,
+                       srv: Serving) -> AsyncIterator[str]:
+    """OpenAI's chunk sequence: role, content and tool-call deltas, finish_reason, [usage], [DONE].
 
-    Without ``include_usage`` the usage rides on the finish chunk, so every response
+    A call comes as OpenAI streams one: its id, type and name with empty arguments, then the
+    arguments. Without ``include_usage`` the usage rides on the finish chunk, so every response
     reports ``cached_tokens``; with it, a last chunk with empty choices carries it.
     """
     def choice(delta: dict[str, Any], finish: str | None = None) -> list[dict[str, Any]]:
         return [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
 
-    kind = "chat.completion.chunk"
+    kind, calls = "chat.completion.chunk", 0
     miss = stream.miss  # cache diagnostics ride on the first chunk, known before generation
     diagnosed = {} if miss is None else {"diagnostics": CacheDiagnostics.of(
         miss.type, miss.cache_missed_input_tokens).model_dump(exclude_none=True)}
     yield meta.chunk(kind, choice({"role": "assistant", "content": ""}), None, usage_chunk, **diagnosed)
-    async for text in stream.texts():
-        yield meta.chunk(kind, choice({"content": text}), None, usage_chunk)
+    async for piece in pieces(stream, tools):
+        if isinstance(piece, Text):
+            yield meta.chunk(kind, choice({"content": piece.text}), None, usage_chunk)
+            continue
+        assert tools is not None  # calls are parsed only where tools were declared
+        call = {"index": calls, "id": call_id(meta.id, calls, tools, "call_"), "type": "function",
+                "function": {"name": piece.name, "arguments": ""}}
+        yield meta.chunk(kind, choice({"tool_calls": [call]}), None, usage_chunk)
+        yield meta.chunk(kind, choice({"tool_calls": [{"index": calls, "function": {"arguments": piece.arguments}}]}),
+                         None, usage_chunk)
+        calls += 1
     usage = _usage(stream.result, srv)
-    yield meta.chunk(kind, choice({}, _finish(stream.result)), None if usage_chunk else usage, usage_chunk)
+    finish = "tool_calls" if calls else _finish(stream.result)
+    yield meta.chunk(kind, choice({}, finish), None if usage_chunk else usage, usage_chunk)
     if usage_chunk:
         yield meta.chunk(kind, [], usage, True)
     yield "data: [DONE]\n\n"

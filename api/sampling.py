@@ -2,14 +2,15 @@
 
 Honoured: max_tokens / max_completion_tokens, temperature, top_p, top_k and ignore_eos
 (extensions, as in vLLM), stop, seed, presence_penalty, frequency_penalty, logit_bias, echo, tools (rendered by
-the chat template; tool calls come back as text), tool_choice "none" (tools hidden).
+the chat template; the model's calls parsed in its template's syntax, ``tool_calls.py``), tool_choice
+"none" (tools hidden), "auto", "required" and a named tool (an answer without the call is an error),
+parallel_tool_calls.
 Refused with a 400 naming the parameter, here: logprobs, suffix, response_format
 other than text, max_tokens over the server's limit, SGLang's extensions (which
 sglang-router adds to every chat body) with a value other than what this server does
 (``no_stop_trim``, ``skip_special_tokens``, ``return_hidden_states``,
 ``continue_final_message``); by the schema (``protocol``):
-n > 1, best_of > 1, tool_choice "required" or a named tool, token-id or multi-prompt
-completions, non-text content parts.
+n > 1, best_of > 1, token-id or multi-prompt completions, non-text content parts.
 """
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from typing import Any, Literal
 from prefixcache.errors import ContextLengthExceededError, InvalidRequestError
 from prefixcache.serving.breakpoints import RETENTION_SECONDS
 from prefixcache.serving.sampling import GREEDY_BELOW
+from prefixcache.serving.tool_calls import ToolUse, tool_use
 
-from .protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
+from .protocol import ChatCompletionRequest, CompletionRequest, GenerationFields, NamedToolChoice
 from .settings import Settings
 
 
@@ -47,6 +49,7 @@ class Job:
     max_tokens: int | None = None  # None: the default, capped to what fits (see ``max_new_tokens``)
     echo: bool = False
     options: dict[str, Any] = field(default_factory=dict)  # PrefixCache.chat/complete keyword arguments
+    tool_use: ToolUse | None = None  # how the answer's tool calls are read (None: the answer is text)
 
     def max_new_tokens(self, prompt_tokens: int, max_context: int, default: int) -> int:
         """The requested ``max_tokens``, or the default capped to the room left in the context.
@@ -67,7 +70,9 @@ class Job:
         return self.max_tokens if self.max_tokens is not None else min(default, room)
 
 
-def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_size: int) -> Job:
+def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_size: int,
+             tool_family: str | None = None) -> Job:
+    """``tool_family``: the syntax of the model's tool calls (``tool_calls.tokenizer_family``)."""
     _only_defaults(req, continue_final_message=False)
     if req.logprobs or req.top_logprobs:
         raise InvalidRequestError("logprobs are not supported by this server", param="logprobs")
@@ -82,10 +87,13 @@ def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_
         tools = [t.model_dump(exclude_none=True) for t in req.tools]
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    choice = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
+    names = [t.function.name for t in req.tools or []]
+    reading = tool_use(tool_family, names, choice, req.parallel_tool_calls is not False)
     return Job("chat", tenant, messages=messages, tools=tools, max_tokens=limit_max_tokens(max_tokens, settings),
                options=_options(req, settings, vocab_size), cache_key=req.prompt_cache_key,
                retention=req.prompt_cache_retention, cache_salt=req.cache_salt or None,
-               diagnose=req.diagnostics is not None, tool_choice=req.tool_choice,
+               diagnose=req.diagnostics is not None, tool_choice=choice, tool_use=reading,
                previous_id=req.diagnostics.previous_message_id if req.diagnostics else None)
 
 

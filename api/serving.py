@@ -24,6 +24,7 @@ from prefixcache.errors import ContextLengthExceededError, InvalidRequestError
 from prefixcache.planner.request_log import RequestLog
 from prefixcache.serving.diagnostics import MissReason
 from prefixcache.serving.messages import to_chat
+from prefixcache.serving.tool_calls import tokenizer_family
 
 from .admission import Admission, Place, Skipped
 from .errors import ClientClosedError, RequestTimeoutError, UnavailableError
@@ -53,6 +54,8 @@ class Serving:
         self.vocab_size = int(cache.model.config.get_text_config(decoder=True).vocab_size)
         self.system_fingerprint = "fp_" + xxhash.xxh64_hexdigest(repr(cache.namespace("")).encode())[:12]
         self.created = int(time.time())
+        #: The syntax of the model's tool calls, from its chat template (None: calls come back as text).
+        self.tool_family = tokenizer_family(cache.tokenizer)
 
     # -- state ---------------------------------------------------------------------
     def queue(self) -> tuple[int, int]:

@@ -3,7 +3,9 @@
 Each API shapes its own events (OpenAI's chunks, Anthropic's typed events); what happens
 around them is shared: the response headers, how an event is written, what a failure
 once the stream has begun becomes (the stream's last event, in the route's error shape),
-and that the generation stops when the stream ends, however it ends.
+and that the generation stops when the stream ends, however it ends. Both read the answer
+as the same pieces (``pieces``, ``read``): text, and the tool calls parsed out of it when
+the request declared tools, so a streamed and an unstreamed answer hold the same calls.
 """
 from __future__ import annotations
 
@@ -12,7 +14,11 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import xxhash
 from fastapi.responses import StreamingResponse
+
+from prefixcache import GenerationResult
+from prefixcache.serving.tool_calls import Piece, Text, ToolUse
 
 from .anthropic.errors import anthropic_error, is_anthropic
 from .errors import map_exception
@@ -54,3 +60,34 @@ async def tail(events: AsyncIterator[str], stream: GenerationStream, route: str,
             yield event({"error": mapped.detail.model_dump()})
     finally:
         stream.close()
+
+
+async def pieces(stream: GenerationStream, tools: ToolUse | None) -> AsyncIterator[Piece]:
+    """The answer as it streams: text deltas, and its calls once each is complete (``tools``: how they are read;
+    None: all text). At the end a call ``tool_choice`` required and did not get raises ``ToolCallError``."""
+    if tools is None:
+        async for text in stream.texts():
+            if text:
+                yield Text(text)
+        return
+    parser, seen = tools.parser(), []
+    async for text in stream.texts():
+        for piece in parser.feed(text):
+            seen.append(piece)
+            yield piece
+    for piece in parser.finish():
+        seen.append(piece)
+        yield piece
+    tools.check(seen)
+
+
+def read(result: GenerationResult, tools: ToolUse | None) -> list[Piece]:
+    """The whole answer's pieces, as ``pieces`` streams them (adjacent texts joined)."""
+    return [Text(result.text)] if tools is None else tools.read(result.text)
+
+
+def call_id(response_id: str, index: int, tools: ToolUse, prefix: str) -> str:
+    """The id of a response's ``index``-th call: stable per response; nine alphanumerics for Mistral's
+    templates, which refuse any other id when the call is sent back."""
+    digest = xxhash.xxh64_hexdigest(f"{response_id}/{index}".encode())
+    return digest[:9] if tools.family == "mistral" else prefix + digest

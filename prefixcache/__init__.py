@@ -29,6 +29,7 @@ if TYPE_CHECKING:
         PrefixCacheError,
         RequestCancelledError,
         TierPurgeError,
+        ToolCallError,
         UnsupportedModelError,
     )
     from prefixcache.loading import load_default_model, load_model
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 #: Every error class a caller may catch (``prefixcache.errors``; each derives from ``PrefixCacheError``).
 _ERRORS = ("CapacityError", "ConfigError", "ContextLengthExceededError", "EngineFaultError", "GenerationTimeoutError",
            "InvalidRequestError", "KVMemoryError", "ModelLoadError", "PinQuotaExceededError", "PrefixCacheError",
-           "RequestCancelledError", "TierPurgeError", "UnsupportedModelError")
+           "RequestCancelledError", "TierPurgeError", "ToolCallError", "UnsupportedModelError")
 
 #: Each public name and the module that defines it.
 _HOMES = {

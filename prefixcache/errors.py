@@ -95,3 +95,7 @@ class RequestCancelledError(PrefixCacheError):
 
 class TierPurgeError(PrefixCacheError, RuntimeError):
     """A flush could not reach every lower tier (the message names those it could not); retry later."""
+
+
+class ToolCallError(PrefixCacheError, RuntimeError):
+    """``tool_choice`` asked for a call (any, or to a named tool) that the model's answer does not make."""

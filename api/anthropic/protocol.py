@@ -75,10 +75,13 @@ class ToolDefinition(BaseModel):
 
 
 class ToolChoice(BaseModel):
+    """auto; any (a call is required); tool (a call to ``name`` is required); none (the tools are hidden).
+    A required call the model does not make is an error (422), never a text answer."""
+
     model_config = _REQUEST
     type: Literal["auto", "any", "tool", "none"]
     name: Text | None = None
-    disable_parallel_tool_use: bool | None = None
+    disable_parallel_tool_use: bool | None = Field(None, description="true: calls after the first are dropped.")
 
 
 class Metadata(BaseModel):
@@ -154,13 +157,20 @@ class ResponseText(BaseModel):
     text: str
 
 
+class ResponseToolUse(BaseModel):
+    type: Literal["tool_use"] = "tool_use"
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
 class Message(BaseModel):
     id: str
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
-    content: list[ResponseText]
+    content: list[ResponseText | ResponseToolUse]
     model: str
-    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence"] | None
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"] | None
     stop_sequence: str | None
     usage: Usage
     diagnostics: CacheDiagnostics | None = Field(None, description="Null when the request did not ask, or when "

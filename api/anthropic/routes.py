@@ -4,10 +4,12 @@ Same tenancy (``x-api-key`` or Bearer, authenticated before the body is read), l
 queue and generation path as the OpenAI routes (``routes.respond``); only the shapes
 differ. ``cache_control`` breakpoints are the library's (``PrefixCache.encode_messages``,
 ``serving/breakpoints.py``); errors take Anthropic's shape (``anthropic/errors.py``).
-A stream sends ``message_start`` (with the usage known before generation),
-``content_block_start``, ``ping``, text deltas, ``content_block_stop``, ``message_delta``
-(stop reason, output tokens and the final input figures), ``message_stop``, or an
-``error`` event if the generation fails once the stream has begun.
+The model's tool calls (parsed in its chat template's syntax, ``tool_calls.py``) become
+``tool_use`` blocks, with ``stop_reason`` "tool_use". A stream sends ``message_start`` (with
+the usage known before generation), then each block: ``content_block_start`` (the first
+followed by ``ping``), text deltas or a call's ``input_json_delta``, ``content_block_stop``;
+then ``message_delta`` (stop reason, output tokens and the final input figures),
+``message_stop``, or an ``error`` event if the generation fails once the stream has begun.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from prefixcache import CacheUsage, GenerationResult
+from prefixcache.serving.tool_calls import Text, ToolUse, tool_use
 
 from ..limits import check_anthropic
 from ..protocol import CacheDiagnostics
@@ -24,7 +27,7 @@ from ..routes import Caller, Engine, GuardedRoute, Meta, check_model, place_of, 
 from ..sampling import Job, limit_max_tokens, server_temperature
 from ..serving import GenerationStream, Serving
 from ..settings import Settings
-from ..streaming import SSE_RESPONSE, event
+from ..streaming import SSE_RESPONSE, call_id, event, pieces, read
 from .protocol import (
     CacheCreation,
     CountTokensRequest,
@@ -32,6 +35,7 @@ from .protocol import (
     Message,
     MessagesRequest,
     ResponseText,
+    ResponseToolUse,
     TokenCount,
     Usage,
 )
@@ -49,16 +53,25 @@ async def messages(body: MessagesRequest, request: Request, who: Caller, srv: En
     """Anthropic's Messages API; ``cache_control`` breakpoints keep their prefixes for their TTL."""
     check_model(srv, body.model)
     check_anthropic(body, srv.settings)
-    job = messages_job(body, who.tenant, srv.settings)
+    job = messages_job(body, who.tenant, srv.settings, srv.tool_family)
     stops = body.stop_sequences or []
 
     def answer(result: GenerationResult, meta: Meta) -> Message:
+        content: list[ResponseText | ResponseToolUse] = []
+        for piece in read(result, job.tool_use):
+            if isinstance(piece, Text):
+                content.append(ResponseText(text=piece.text))
+            else:
+                content.append(ResponseToolUse(id=_use_id(meta, len(content), job.tool_use), name=piece.name,
+                                               input=piece.input))
         reason, sequence = stop_reason(result, stops, srv)
-        return Message(id=meta.id, content=[ResponseText(text=result.text)], model=meta.model, stop_reason=reason,
+        if any(isinstance(block, ResponseToolUse) for block in content):
+            reason, sequence = "tool_use", None
+        return Message(id=meta.id, content=content or [ResponseText(text="")], model=meta.model, stop_reason=reason,
                        stop_sequence=sequence, usage=usage(result.cache, result.usage.completion_tokens, srv),
                        diagnostics=CacheDiagnostics.of(result.stats.miss_reason, result.stats.cache_missed_tokens))
     return await respond(job, bool(body.stream), request, srv, "msg", answer,
-                         lambda stream, meta: _events(stream, meta, stops, srv))
+                         lambda stream, meta: _events(stream, meta, stops, job.tool_use, srv))
 
 
 @router.post("/v1/messages/count_tokens", response_model=TokenCount, responses=_ERRORS)
@@ -71,12 +84,22 @@ async def count_tokens(body: CountTokensRequest, request: Request, who: Caller, 
     return TokenCount(input_tokens=len(prompt.token_ids))
 
 
-def messages_job(req: MessagesRequest, tenant: str, settings: Settings) -> Job:
+def messages_job(req: MessagesRequest, tenant: str, settings: Settings, tool_family: str | None = None) -> Job:
+    """``tool_family``: the syntax of the model's tool calls (``tool_calls.tokenizer_family``)."""
     options = {"temperature": server_temperature(req.temperature, settings), "top_p": req.top_p,
                "top_k": req.top_k or None, "stop": req.stop_sequences or None}
+    choice = req.tool_choice
+    kind = None if choice is None else {"any": "required", "tool": choice.name}.get(choice.type, choice.type)
+    reading = tool_use(tool_family, [t.name for t in req.tools or []], kind,
+                       not (choice is not None and choice.disable_parallel_tool_use), param="tool_choice.type")
     return Job("messages", tenant, anthropic=req.prompt(), max_tokens=limit_max_tokens(req.max_tokens, settings),
                options=options, cache_salt=req.cache_salt or None, diagnose=req.diagnostics is not None,
-               previous_id=req.diagnostics.previous_message_id if req.diagnostics else None)
+               previous_id=req.diagnostics.previous_message_id if req.diagnostics else None, tool_use=reading)
+
+
+def _use_id(meta: Meta, index: int, tools: ToolUse | None) -> str:
+    assert tools is not None  # calls are parsed only where tools were declared
+    return call_id(meta.id, index, tools, "toolu_")
 
 
 def usage(cache: CacheUsage | None, output_tokens: int, srv: Serving) -> Usage:
@@ -103,22 +126,46 @@ def stop_reason(result: GenerationResult, stops: list[str], srv: Serving) -> tup
     return "end_turn", None
 
 
-async def _events(stream: GenerationStream, meta: Meta, stops: list[str], srv: Serving) -> AsyncIterator[str]:
+async def _events(stream: GenerationStream, meta: Meta, stops: list[str], tools: ToolUse | None,
+                  srv: Serving) -> AsyncIterator[str]:
     """Anthropic's event sequence (``streaming.tail`` turns a failure into an ``error`` event)."""
     start = usage(stream.predicted, 0, srv).model_dump()
     yield event({"message": {
         "id": meta.id, "type": "message", "role": "assistant", "content": [], "model": meta.model,
         "stop_reason": None, "stop_sequence": None, "usage": start, "diagnostics": _diagnostics(stream)}},
         "message_start")
-    yield event({"index": 0, "content_block": {"type": "text", "text": ""}}, "content_block_start")
-    yield event({}, "ping")
-    async for text in stream.texts():
-        if text:
-            yield event({"index": 0, "delta": {"type": "text_delta", "text": text}}, "content_block_delta")
+    blocks, text_open, calls = 0, False, 0  # blocks started; whether the last is a text block still open
+
+    def begin(block: dict[str, Any]) -> list[str]:
+        opened = [event({"index": blocks, "content_block": block}, "content_block_start")]
+        return opened + [event({}, "ping")] if blocks == 0 else opened
+
+    async for piece in pieces(stream, tools):
+        if isinstance(piece, Text):
+            if not text_open:
+                for item in begin({"type": "text", "text": ""}):
+                    yield item
+                blocks, text_open = blocks + 1, True
+            yield event({"index": blocks - 1, "delta": {"type": "text_delta", "text": piece.text}},
+                        "content_block_delta")
+            continue
+        if text_open:
+            yield event({"index": blocks - 1}, "content_block_stop")
+        for item in begin({"type": "tool_use", "id": _use_id(meta, blocks, tools), "name": piece.name, "input": {}}):
+            yield item
+        yield event({"index": blocks, "delta": {"type": "input_json_delta", "partial_json": piece.arguments}},
+                    "content_block_delta")
+        yield event({"index": blocks}, "content_block_stop")
+        blocks, text_open, calls = blocks + 1, False, calls + 1
+    if blocks == 0:  # an empty answer is one empty text block, as unstreamed
+        for item in begin({"type": "text", "text": ""}):
+            yield item
+        blocks, text_open = 1, True
+    if text_open:
+        yield event({"index": blocks - 1}, "content_block_stop")
     result = stream.result
-    reason, sequence = stop_reason(result, stops, srv)
+    reason, sequence = ("tool_use", None) if calls else stop_reason(result, stops, srv)
     final = usage(result.cache, result.usage.completion_tokens, srv).model_dump(exclude={"cache_creation"})
-    yield event({"index": 0}, "content_block_stop")
     yield event({"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": final}, "message_delta")
     yield event({}, "message_stop")
 

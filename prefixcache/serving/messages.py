@@ -76,18 +76,16 @@ def to_chat(messages: Sequence[Any], system: Any, tools: Sequence[Any]) -> tuple
 
 
 def _tool_choice(choice: dict[str, Any] | None, tools: list) -> bool:
-    """Whether the tools are hidden from the model (``none``); forcing a tool call is refused."""
+    """Whether the tools are hidden from the model (``none``). Forcing a call (``any``, ``tool``) is read off
+    the answer (``tool_calls.tool_use``): the prompt is the same as for ``auto``."""
     if choice is None:
         return False
     kind = choice.get("type") if isinstance(choice, dict) else None
-    if kind == "none":
-        return True
-    if kind == "auto":
-        return False
-    if kind in ("any", "tool"):
-        raise InvalidRequestError(f"tool_choice type '{kind}' is not supported: this server cannot force a tool "
-                                  "call (use 'auto' or 'none')", param="tool_choice.type")
-    raise InvalidRequestError("tool_choice.type must be one of auto, any, tool, none", param="tool_choice.type")
+    if kind not in ("auto", "any", "tool", "none"):
+        raise InvalidRequestError("tool_choice.type must be one of auto, any, tool, none", param="tool_choice.type")
+    if kind == "tool" and not isinstance(choice.get("name"), str):
+        raise InvalidRequestError("tool_choice of type 'tool' needs the tool's name", param="tool_choice.name")
+    return kind == "none"
 
 
 def _marks(messages: Sequence[Any], system: Any, tools: Sequence[Any]) -> list[tuple[Breakpoint, Cut]]:

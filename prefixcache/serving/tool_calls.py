@@ -1,0 +1,327 @@
+"""A model's tool calls, parsed out of its text in the syntax its chat template taught it.
+
+Families, chosen from the tokenizer's chat template (``family_of``):
+
+- ``hermes`` (Qwen 2.5+, Hermes, and others): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
+  one tag per call, text allowed around them; a last tag the model did not close counts if its JSON parses.
+- ``llama3_json`` (Llama 3.1+): the whole answer is ``{"name": ..., "parameters": {...}}`` (``arguments``
+  accepted too), optionally after ``<|python_tag|>``; several calls separated by ``;``.
+- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``, after any text.
+
+Special tokens are left out of decoded text, so a marker that is a special token of the
+tokenizer (``<|python_tag|>``, Mistral's ``[TOOL_CALLS]``) may be missing: an answer that
+opens with the family's JSON (``{`` or ``[``) is read as calls too.
+
+``ToolUse`` holds what a request asks of its calls and checks ``tool_choice``.
+``ToolCallParser`` reads text as it streams (``feed`` each delta, then ``finish``) and returns
+``Text`` and ``ToolCall`` pieces; a whole answer fed at once gives the same pieces, so a
+streamed and an unstreamed answer agree. Text before a call is released as it comes (less
+what could begin a marker). A call whose JSON does not parse, or that names a tool the
+request did not declare, is returned as the text the model wrote, and the reason logged.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+from prefixcache.errors import InvalidRequestError, ToolCallError
+
+log = logging.getLogger(__name__)
+
+FAMILIES = ("hermes", "llama3_json", "mistral")
+
+
+@dataclass(frozen=True, slots=True)
+class Text:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One call: the tool's ``name`` and its ``arguments``, a JSON object as compact text."""
+
+    name: str
+    arguments: str
+
+    @property
+    def input(self) -> dict[str, Any]:
+        """The arguments as a dict (Anthropic's ``input``)."""
+        return json.loads(self.arguments)
+
+
+Piece = Text | ToolCall
+
+
+@dataclass(frozen=True, slots=True)
+class _Syntax:
+    start: str  # the marker that opens the calls
+    end: str | None  # the marker that closes one call; None: the calls run to the end of the answer
+    bare: str | None  # what opens calls written without the marker, at the very start of an answer
+    arguments: tuple[str, ...]  # the keys that may hold a call's arguments
+
+
+_SYNTAX = {
+    "hermes": _Syntax("<tool_call>", "</tool_call>", None, ("arguments",)),
+    "llama3_json": _Syntax("<|python_tag|>", None, "{", ("parameters", "arguments")),
+    "mistral": _Syntax("[TOOL_CALLS]", None, "[", ("arguments",)),
+}
+
+
+def family_of(template: str | None) -> str | None:
+    """The tool-call family a chat template teaches its model, or None if it is none of ``FAMILIES``."""
+    if not template:
+        return None
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<tool_call>" in template:
+        return "hermes"
+    if "<|python_tag|>" in template or ("<|start_header_id|>" in template and '"parameters"' in template):
+        return "llama3_json"
+    return None
+
+
+def tokenizer_family(tokenizer: Any) -> str | None:
+    """``family_of`` the template the tokenizer applies when tools are given."""
+    try:
+        template = tokenizer.get_chat_template(None, [{"type": "function", "function": {"name": "f"}}])
+    except Exception:  # no template at all (or none for tools): no calls to parse
+        return None
+    return family_of(template)
+
+
+class ToolCallParser:
+    """Splits an answer into ``Text`` and ``ToolCall`` pieces as it streams (see the module docstring).
+
+    ``tools``: the names the request declared (a call to another name stays text).
+    """
+
+    def __init__(self, family: str, tools: Collection[str], limit: int | None = None):
+        if family not in _SYNTAX:
+            raise ValueError(f"unknown tool-call family {family!r}; one of {FAMILIES}")
+        self._syntax, self._tools, self._limit = _SYNTAX[family], frozenset(tools), limit
+        self._calls = 0
+        self._buffer = ""  # text not yet released
+        self._inside = False  # in a call: the buffer holds its body
+        self._opened = ""  # the marker that opened the call ("" for a bare one)
+        self._started = False  # something was released or opened: a bare call can no longer begin
+        self._after_call = False  # a call just closed: the whitespace that follows is not an answer
+
+    def feed(self, text: str) -> list[Piece]:
+        """The pieces ``text`` (the next delta) completes."""
+        self._buffer += text
+        out: list[Piece] = []
+        while self._step(out):
+            pass
+        return out
+
+    def finish(self) -> list[Piece]:
+        """The pieces left at the end of the answer."""
+        out: list[Piece] = []
+        if self._inside:
+            self._close(self._buffer, "", out)
+        elif self._buffer and not self._after_call:
+            out.append(Text(self._buffer))
+        self._buffer = ""
+        return merge_texts(out)
+
+    def _step(self, out: list[Piece]) -> bool:
+        """Release what the buffer decides; True if it may decide more."""
+        syntax = self._syntax
+        if self._inside:
+            if syntax.end is None or syntax.end not in self._buffer:
+                return False
+            body, _, self._buffer = self._buffer.partition(syntax.end)
+            self._close(body, syntax.end, out)
+            return True
+        if self._after_call:
+            self._buffer = self._buffer.lstrip()
+            if not self._buffer:
+                return False
+            self._after_call = False
+        if not self._started and syntax.bare is not None:
+            head = self._buffer.lstrip()
+            if not head or (syntax.start.startswith(head) and head != syntax.start):
+                return False  # only whitespace, or what may still become the marker: undecided
+            if head.startswith(syntax.bare) and not head.startswith(syntax.start):
+                self._open("", self._buffer)
+                return True
+        at = self._buffer.find(syntax.start)
+        if at >= 0:
+            self._release(self._buffer[:at].rstrip(), out)  # the whitespace before a call is the call's
+            self._open(syntax.start, self._buffer[at + len(syntax.start):])
+            return True
+        # Held back: what may begin a marker, and the whitespace before it (dropped if a call follows).
+        cut = len(self._buffer[:len(self._buffer) - _held(self._buffer, syntax.start)].rstrip())
+        self._release(self._buffer[:cut], out)
+        self._buffer = self._buffer[cut:]
+        return False
+
+    def _release(self, text: str, out: list[Piece]) -> None:
+        if text:
+            out.append(Text(text))
+            self._started = True
+
+    def _open(self, marker: str, rest: str) -> None:
+        self._inside, self._opened, self._buffer, self._started = True, marker, rest, True
+
+    def _close(self, body: str, end: str, out: list[Piece]) -> None:
+        """A call's body is complete: its calls, or (invalid) the text the model wrote."""
+        self._inside = False
+        calls, reason = self._parse(body)
+        if calls:
+            room = len(calls) if self._limit is None else max(self._limit - self._calls, 0)
+            if room < len(calls):
+                log.warning("dropped %d tool call(s) past the %d allowed (parallel calls off)", len(calls) - room,
+                            self._limit)
+            out.extend(calls[:room])
+            self._calls += len(calls)
+            self._after_call = True
+        else:
+            log.warning("tool call returned as text: %s", reason)
+            out.append(Text(self._opened + body + end))
+
+    def _parse(self, body: str) -> tuple[list[ToolCall], str]:
+        """The calls in ``body``, or ([], why not)."""
+        try:
+            values = _json_values(body)
+        except ValueError as exc:
+            return [], f"not JSON ({exc}): {body[:200]!r}"
+        objects = [item for value in values for item in (value if isinstance(value, list) else [value])]
+        if not objects:
+            return [], "no call in the tool-call syntax"
+        calls = []
+        for obj in objects:
+            call = self._call(obj)
+            if isinstance(call, str):
+                return [], call
+            calls.append(call)
+        return calls, ""
+
+    def _call(self, obj: Any) -> ToolCall | str:
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return f"a call must be an object with a string name: {json.dumps(obj)[:200]}"
+        name = obj["name"]
+        if name not in self._tools:
+            return f"the model called {name!r}, which the request did not declare"
+        args = next((obj[k] for k in self._syntax.arguments if k in obj), {})
+        if isinstance(args, str):  # some models write the arguments as a JSON string
+            try:
+                args = json.loads(args)
+            except ValueError:
+                return f"the arguments of {name!r} are a string that is not JSON"
+        if not isinstance(args, dict):
+            return f"the arguments of {name!r} are not a JSON object"
+        return ToolCall(name, json.dumps(args, ensure_ascii=False))
+
+
+@dataclass(frozen=True, slots=True)
+class ToolUse:
+    """How one request reads its answer's calls: the template's ``family``, the declared tool ``names``,
+    what ``tool_choice`` asks ("auto", "required" or a tool's name) and whether several calls may come back
+    (``parallel``; if not, calls after the first are dropped and logged)."""
+
+    family: str
+    names: frozenset[str]
+    choice: str = "auto"
+    parallel: bool = True
+
+    def parser(self) -> ToolCallParser:
+        return ToolCallParser(self.family, self.names, None if self.parallel else 1)
+
+    def check(self, pieces: list[Piece]) -> list[Piece]:
+        """``pieces``, once ``check_choice`` accepts their calls."""
+        check_choice(calls_of(pieces), self.choice)
+        return pieces
+
+    def read(self, text: str) -> list[Piece]:
+        """The checked pieces of a whole answer."""
+        parser = self.parser()
+        return self.check(merge_texts(parser.feed(text) + parser.finish()))
+
+
+def tool_use(family: str | None, names: Collection[str], choice: str | None, parallel: bool = True,
+             param: str = "tool_choice") -> ToolUse | None:
+    """How a request's answer is read for calls (None: as plain text), or ``InvalidRequestError``.
+
+    ``choice``: None or "auto", "none" (the tools are hidden: no calls), "required", or a declared tool's
+    name. A request forcing a call needs tools, and a template whose call syntax is known (``family``).
+    """
+    names = frozenset(names)
+    if choice == "none":
+        return None
+    forced = choice not in (None, "auto")
+    if forced and not names:
+        raise InvalidRequestError(f"tool_choice {choice!r} needs tools", param=param)
+    if forced and choice != "required" and choice not in names:
+        raise InvalidRequestError(f"tool_choice names {choice!r}, which is not one of the tools", param=param)
+    if family is None:
+        if forced:
+            raise InvalidRequestError(f"tool_choice {choice!r} cannot be honoured: this model's chat template "
+                                      f"writes tool calls in none of the syntaxes this server reads "
+                                      f"({', '.join(FAMILIES)})", param=param)
+        return None
+    if not names:
+        return None
+    return ToolUse(family, names, "auto" if choice is None else choice, parallel)
+
+
+def parse(family: str, tools: Collection[str], text: str) -> list[Piece]:
+    """The pieces of a whole answer (as ``feed`` of all of it, then ``finish``)."""
+    parser = ToolCallParser(family, tools)
+    return merge_texts(parser.feed(text) + parser.finish())
+
+
+def calls_of(pieces: list[Piece]) -> list[ToolCall]:
+    return [p for p in pieces if isinstance(p, ToolCall)]
+
+
+def text_of(pieces: list[Piece]) -> str:
+    return "".join(p.text for p in pieces if isinstance(p, Text))
+
+
+def check_choice(calls: list[ToolCall], choice: str | None) -> None:
+    """Raise ``ToolCallError`` if the answer's calls break ``choice``: "required" (at least one call) or a
+    tool's name (a call, every one to that tool). None, "auto" and "none" accept anything."""
+    if choice in (None, "auto", "none"):
+        return
+    if not calls:
+        wanted = "a tool call" if choice == "required" else f"a call to {choice!r}"
+        raise ToolCallError(f"tool_choice asked for {wanted}; the model answered without one")
+    if choice != "required":
+        other = next((c.name for c in calls if c.name != choice), None)
+        if other is not None:
+            raise ToolCallError(f"tool_choice named {choice!r}; the model called {other!r}")
+
+
+def _json_values(body: str) -> list[Any]:
+    """The JSON values in ``body``, separated by whitespace or ``;`` (Llama's several calls)."""
+    decoder, values, at = json.JSONDecoder(), [], 0
+    while True:
+        while at < len(body) and (body[at].isspace() or body[at] == ";"):
+            at += 1
+        if at == len(body):
+            return values
+        value, at = decoder.raw_decode(body, at)
+        values.append(value)
+
+
+def _held(text: str, marker: str) -> int:
+    """How many characters at the end of ``text`` to hold back: a marker may begin there."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def merge_texts(pieces: list[Piece]) -> list[Piece]:
+    """``pieces`` with adjacent texts joined (a stream splits text where its deltas fall)."""
+    out: list[Piece] = []
+    for piece in pieces:
+        if isinstance(piece, Text) and out and isinstance(out[-1], Text):
+            out[-1] = Text(out[-1].text + piece.text)
+        else:
+            out.append(piece)
+    return out

@@ -1,0 +1,170 @@
+"""Tool calls out: for each template family, a scripted model's call reaches the official clients as
+OpenAI ``tool_calls`` and Anthropic ``tool_use`` blocks, the same streamed and not; ``tool_choice`` is
+honoured, a broken call comes back as text, and the tool result sent back reads the previous turn from the cache."""
+from __future__ import annotations
+
+import json
+
+import anthropic
+import openai
+import pytest
+from prefixcache_api import create_app
+from proxy_support import ALPHA, MODEL, live, make_cache, settings
+
+from tests.support.tool_templates import CALL_START, TEXT_BEFORE, broken_bias, family_tokenizer, scripted_model
+
+FAMILIES = ("hermes", "llama3_json", "mistral")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+TOOLS = [WEATHER, CLOCK]
+ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"].get("description", ""),
+                    "input_schema": t["function"]["parameters"]} for t in TOOLS]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+PARIS = {"city": "Paris"}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_server(request, tokenizer):
+    family = request.param
+    tok = family_tokenizer(tokenizer, family)
+    cache = make_cache(scripted_model(tok, family), tok)
+    with live(create_app(settings(default_max_tokens=16), cache=cache)) as srv:
+        yield family, tok, srv
+    cache.close()
+
+
+def openai_client(srv) -> openai.OpenAI:
+    return srv.openai(ALPHA)
+
+
+def anthropic_client(srv) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=srv.url, api_key=ALPHA, max_retries=0, timeout=60)
+
+
+def streamed_chat(client: openai.OpenAI, **body) -> tuple[str, list[dict], str]:
+    """(content, calls, finish_reason) accumulated from the chunks, as a client assembles them."""
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(model=MODEL, stream=True, **body):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = delta.id or call["id"]
+                if delta.function is not None:
+                    call["name"] += delta.function.name or ""
+                    call["arguments"] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def test_openai_tool_calls_are_parsed_the_same_streamed_and_not(family_server):
+    family, _, srv = family_server
+    client = openai_client(srv)
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == \
+        [("get_weather", PARIS)]
+    assert (choice.message.content or "") == TEXT_BEFORE[family]
+    content, calls, finish = streamed_chat(client, messages=ASK, tools=TOOLS)
+    assert (content, finish) == (choice.message.content or "", "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in calls] == \
+        [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert all(c["id"] for c in calls)
+    if family == "mistral":  # its template takes back only 9-character ids
+        assert len(choice.message.tool_calls[0].id) == 9
+
+
+def test_anthropic_tool_use_blocks_the_same_streamed_and_not(family_server):
+    family, _, srv = family_server
+    client = anthropic_client(srv)
+    body = dict(model=MODEL, max_tokens=16, tools=ANTHROPIC_TOOLS, messages=ASK)
+    r = client.messages.create(**body)
+    assert r.stop_reason == "tool_use"
+    texts = [b.text for b in r.content if b.type == "text"]
+    uses = [(b.name, b.input) for b in r.content if b.type == "tool_use"]
+    assert uses == [("get_weather", PARIS)] and "".join(texts) == TEXT_BEFORE[family]
+    assert r.content[-1].type == "tool_use" and r.content[-1].id.startswith("toolu_" if family != "mistral" else "")
+    with client.messages.stream(**body) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert "input_json" in kinds and kinds.count("content_block_start") == len(r.content)
+    assert final.stop_reason == "tool_use"
+    assert [(b.type, getattr(b, "text", None), getattr(b, "name", None), getattr(b, "input", None))
+            for b in final.content] == \
+        [(b.type, getattr(b, "text", None), getattr(b, "name", None), getattr(b, "input", None)) for b in r.content]
+
+
+def test_the_tool_result_reads_the_previous_turn_from_the_cache(family_server):
+    _, _, srv = family_server
+    client = openai_client(srv)
+    first = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, prompt_cache_key="weather")
+    call = first.choices[0].message.tool_calls[0]
+    follow = [*ASK, first.choices[0].message.model_dump(exclude_none=True),
+              {"role": "tool", "tool_call_id": call.id, "content": "18 C, sunny"}]
+    second = client.chat.completions.create(model=MODEL, messages=follow, tools=TOOLS)
+    block = srv.cache.config.block_size
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - block
+    # The same through Anthropic's blocks: tool_use back, then its tool_result.
+    claude = anthropic_client(srv)
+    body = dict(model=MODEL, max_tokens=16, tools=ANTHROPIC_TOOLS)
+    asked = claude.messages.create(**body, messages=ASK)
+    use = next(b for b in asked.content if b.type == "tool_use")
+    answered = claude.messages.create(**body, messages=[
+        *ASK, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in asked.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18 C, sunny"}]}])
+    prompt = asked.usage.input_tokens + asked.usage.cache_read_input_tokens
+    assert answered.usage.cache_read_input_tokens >= prompt - block
+
+
+def test_tool_choice_none_hides_the_tools_and_the_answer_is_text(family_server):
+    family, _, srv = family_server
+    r = openai_client(srv).chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none")
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.tool_calls is None
+    assert "get_weather" in r.choices[0].message.content
+
+
+def test_required_and_named_calls_the_model_makes_are_served(family_server):
+    _, _, srv = family_server
+    client = openai_client(srv)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice)
+        assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
+    r = anthropic_client(srv).messages.create(model=MODEL, max_tokens=16, tools=ANTHROPIC_TOOLS, messages=ASK,
+                                              tool_choice={"type": "tool", "name": "get_weather"})
+    assert r.stop_reason == "tool_use"
+
+
+def test_a_required_or_named_call_the_model_does_not_make_is_an_error(family_server):
+    family, _, srv = family_server
+    client, claude = openai_client(srv), anthropic_client(srv)
+    cut = {"stop": [CALL_START[family]]}  # the answer ends before its call
+    other = {"type": "function", "function": {"name": "get_time"}}
+    for body in (dict(tool_choice="required", **cut), dict(tool_choice=other)):
+        with pytest.raises(openai.UnprocessableEntityError, match="tool_choice"):
+            client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, **body)
+        with pytest.raises(openai.APIError, match="tool_choice"):  # streamed: the stream's last event
+            streamed_chat(client, messages=ASK, tools=TOOLS, **body)
+    body = dict(model=MODEL, max_tokens=16, tools=ANTHROPIC_TOOLS, messages=ASK, tool_choice={"type": "any"},
+                stop_sequences=[CALL_START[family]])
+    with pytest.raises(anthropic.UnprocessableEntityError, match="tool_choice"):
+        claude.messages.create(**body)
+    with pytest.raises(anthropic.APIStatusError, match="tool_choice"), claude.messages.stream(**body) as stream:
+        stream.get_final_message()
+    with pytest.raises(openai.BadRequestError, match="not one of the tools"):
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                       tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def test_a_broken_call_comes_back_as_text_never_a_500(family_server, caplog):
+    family, tok, srv = family_server
+    client = openai_client(srv)
+    body = dict(messages=ASK, tools=TOOLS, logit_bias=broken_bias(tok, family))
+    r = client.chat.completions.create(model=MODEL, **body)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.tool_calls is None
+    assert "{city: Paris}" in r.choices[0].message.content
+    content, calls, finish = streamed_chat(client, **body)
+    assert (content, calls, finish) == (r.choices[0].message.content, [], "stop")
+    assert "tool call returned as text" in caplog.text
