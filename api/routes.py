@@ -74,6 +74,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": text} for status, text in (
         (400, "Invalid request (validation, context length)"), (401, "Missing or wrong API key"),
         (403, "Needs the admin key"), (404, "Unknown model"), (413, "Body too large"),
+        (422, "tool_choice required a tool call the model's answer does not make (tool_call_missing)"),
         (429, "Queue full, the key's rate or places in flight exceeded (Retry-After), or a pin over the "
               "tenant's pin quota"),
         (503, "Not ready, shutting down or out of cache capacity (Retry-After)"), (504, "Timed out"))}

@@ -44,7 +44,9 @@ router = APIRouter(route_class=GuardedRoute, tags=["anthropic"])
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse, "description": text} for status, text in (
         (400, "invalid_request_error"), (401, "authentication_error"), (403, "permission_error"),
-        (404, "not_found_error: unknown model"), (413, "request_too_large"), (429, "rate_limit_error: queue full"),
+        (404, "not_found_error: unknown model"), (413, "request_too_large"),
+        (422, "invalid_request_error: tool_choice required a tool call the answer does not make"),
+        (429, "rate_limit_error: queue full"),
         (500, "api_error"), (504, "timeout_error"), (529, "overloaded_error: not ready or shutting down"))}
 
 

@@ -8,8 +8,13 @@ import json
 import anthropic
 import openai
 import pytest
+from anthropic.types import Message as AnthropicMessage
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from prefixcache_api import create_app
-from proxy_support import ALPHA, MODEL, live, make_cache, settings
+from proxy_support import ALPHA, MODEL, live, make_cache
+from proxy_support import settings as proxy_settings
 
 from tests.support.tool_templates import CALL_START, TEXT_BEFORE, broken_bias, family_tokenizer, scripted_model
 
@@ -29,7 +34,7 @@ def family_server(request, tokenizer):
     family = request.param
     tok = family_tokenizer(tokenizer, family)
     cache = make_cache(scripted_model(tok, family), tok)
-    with live(create_app(settings(default_max_tokens=16), cache=cache)) as srv:
+    with live(create_app(proxy_settings(default_max_tokens=16), cache=cache)) as srv:
         yield family, tok, srv
     cache.close()
 
@@ -168,3 +173,138 @@ def test_a_broken_call_comes_back_as_text_never_a_500(family_server, caplog):
     content, calls, finish = streamed_chat(client, **body)
     assert (content, calls, finish) == (r.choices[0].message.content, [], "stop")
     assert "tool call returned as text" in caplog.text
+
+
+# -- fuzzing the tool fields: never a 5xx, and a stream always says what the answer says --------------------
+_NAMES = ("get_weather", "get_time", "lookup")
+_tools = st.lists(st.sampled_from(_NAMES), unique=True, max_size=3)
+_choice = st.one_of(st.none(), st.sampled_from(["none", "auto", "required"]), st.sampled_from([*_NAMES, "nope"]))
+_fields = st.fixed_dictionaries({"tools": _tools, "choice": _choice, "parallel": st.one_of(st.none(), st.booleans()),
+                                 "cut": st.booleans(), "broken": st.booleans()})
+
+
+def openai_body(family: str, tok, fields: dict) -> dict:
+    body: dict = {"model": MODEL, "messages": ASK, "max_tokens": 12}
+    if fields["tools"]:
+        body["tools"] = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+                         for n in fields["tools"]]
+    choice = fields["choice"]
+    if choice is not None:
+        body["tool_choice"] = choice if choice in ("none", "auto", "required") else \
+            {"type": "function", "function": {"name": choice}}
+    if fields["parallel"] is not None:
+        body["parallel_tool_calls"] = fields["parallel"]
+    if fields["cut"]:
+        body["stop"] = [CALL_START[family]]
+    if fields["broken"]:
+        body["logit_bias"] = broken_bias(tok, family)
+    return body
+
+
+def anthropic_body(family: str, fields: dict) -> dict:
+    body: dict = {"model": MODEL, "messages": ASK, "max_tokens": 12}
+    if fields["tools"]:
+        body["tools"] = [{"name": n, "input_schema": {"type": "object"}} for n in fields["tools"]]
+    choice = fields["choice"]
+    if choice is not None:
+        body["tool_choice"] = {"type": {"required": "any"}.get(choice, choice)} if choice in (
+            "none", "auto", "required") else {"type": "tool", "name": choice}
+        if fields["parallel"] is not None:
+            body["tool_choice"]["disable_parallel_tool_use"] = not fields["parallel"]
+    if fields["cut"]:
+        body["stop_sequences"] = [CALL_START[family]]
+    return body
+
+
+def sse_data(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def openai_stream_answer(text: str) -> tuple:
+    """(content, calls, finish) assembled from a chat stream's chunks, or ("error", code) if it ended in one."""
+    content, calls, finish = "", {}, None
+    for chunk in sse_data(text):
+        if "error" in chunk:
+            return "error", chunk["error"]["code"]
+        ChatCompletionChunk.model_validate(chunk)
+        for choice in chunk["choices"]:
+            content += choice["delta"].get("content") or ""
+            for delta in choice["delta"].get("tool_calls") or []:
+                call = calls.setdefault(delta["index"], {"id": None, "name": "", "arguments": ""})
+                call["id"] = delta.get("id") or call["id"]
+                call["name"] += delta.get("function", {}).get("name") or ""
+                call["arguments"] += delta.get("function", {}).get("arguments") or ""
+            finish = choice["finish_reason"] or finish
+    return content, [(c["name"], c["arguments"]) for _, c in sorted(calls.items())], finish
+
+
+def anthropic_stream_answer(text: str) -> tuple:
+    """(blocks, stop_reason) assembled from a messages stream, or ("error", type) if it ended in one."""
+    blocks, reason = [], None
+    for event in sse_data(text):
+        kind = event["type"]
+        if kind == "error":
+            return "error", event["error"]["type"]
+        if kind == "content_block_start":
+            block = event["content_block"]
+            blocks.append([block["type"], block.get("text", ""), block.get("name"), ""])
+        elif kind == "content_block_delta":
+            delta = event["delta"]
+            blocks[event["index"]][1 if delta["type"] == "text_delta" else 3] += \
+                delta.get("text", delta.get("partial_json", ""))
+        elif kind == "message_delta":
+            reason = event["delta"]["stop_reason"]
+    return [(t, text, name, json.loads(args) if t == "tool_use" else None) for t, text, name, args in blocks], reason
+
+
+def _fuzz_settings(test):
+    return settings(max_examples=12, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=list(HealthCheck))(test)
+
+
+@_fuzz_settings
+@given(fields=_fields)
+def test_fuzzed_openai_tool_fields_are_never_a_5xx_and_streams_agree(family_server, fields):
+    family, tok, srv = family_server
+    body = openai_body(family, tok, fields)
+    with srv.client(ALPHA) as http:
+        whole = http.post("/v1/chat/completions", json=body)
+        streamed = http.post("/v1/chat/completions", json={**body, "stream": True})
+    assert whole.status_code in (200, 400, 422), whole.text
+    if whole.status_code == 400:
+        assert streamed.status_code == 400 and whole.json()["error"]["param"] == "tool_choice", whole.text
+        return
+    assert streamed.status_code == 200, streamed.text
+    if whole.status_code == 422:
+        assert openai_stream_answer(streamed.text) == ("error", "tool_call_missing")
+        return
+    message = ChatCompletion.model_validate(whole.json()).choices[0]
+    calls = [(c.function.name, c.function.arguments) for c in message.message.tool_calls or []]
+    assert openai_stream_answer(streamed.text) == (message.message.content or "", calls, message.finish_reason)
+    declared = "get_weather" in fields["tools"] and fields["choice"] != "none"
+    assert calls == ([("get_weather", '{"city": "Paris"}')] if declared and not fields["cut"]
+                     and not fields["broken"] else [])
+
+
+@_fuzz_settings
+@given(fields=_fields)
+def test_fuzzed_anthropic_tool_fields_are_never_a_5xx_and_streams_agree(family_server, fields):
+    family, _, srv = family_server
+    body = anthropic_body(family, fields)
+    with srv.client(ALPHA) as http:
+        whole = http.post("/v1/messages", json=body)
+        streamed = http.post("/v1/messages", json={**body, "stream": True})
+    assert whole.status_code in (200, 400, 422), whole.text
+    if whole.status_code != 200:
+        assert whole.json()["error"]["type"] == "invalid_request_error"
+    if whole.status_code == 400:
+        assert streamed.status_code == 400, streamed.text
+        return
+    assert streamed.status_code == 200, streamed.text
+    if whole.status_code == 422:
+        assert anthropic_stream_answer(streamed.text) == ("error", "invalid_request_error")
+        return
+    message = AnthropicMessage.model_validate(whole.json())
+    blocks = [(b.type, getattr(b, "text", ""), getattr(b, "name", None), getattr(b, "input", None))
+              for b in message.content]
+    assert anthropic_stream_answer(streamed.text) == (blocks, message.stop_reason)
