@@ -212,7 +212,7 @@ class _EngineCollector:
             for reason, value in sorted(s[key].items()):
                 family.add_metric([reason], value)
             yield family
-        events = CounterMetricFamily(BREAKPOINTS, "Cache breakpoints (cache_control) by TTL: read (the whole prefix "
+        events = CounterMetricFamily(BREAKPOINTS, "Cache breakpoints (cache_control; prompt_cache_breakpoint and OpenAI's implicit one) by TTL: read (the whole prefix "
                                      "came from the cache), write (kept now), short (below breakpoint_min_tokens), "
                                      "dropped (not stored: memory pressure).", labels=["ttl", "event"])
         tokens = CounterMetricFamily(BREAKPOINT_TOKENS, "Prompt tokens read from and written at cache breakpoints, "

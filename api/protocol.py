@@ -38,12 +38,22 @@ _REQUEST = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 # -- requests ----------------------------------------------------------------------
+class PromptCacheBreakpoint(BaseModel):
+    model_config = _REQUEST
+    mode: Literal["explicit"]
+    ttl: Literal["30m", "12h"] | None = Field(None, description="Least lifetime of this breakpoint. Unset: the "
+                                              "request's prompt_cache_options.ttl.")
+
+
 class ContentPart(BaseModel):
     """Only text parts: a text-only model has nothing to do with images, audio or files."""
 
     model_config = ConfigDict(extra="ignore")
     type: Literal["text"]
     text: Text
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = Field(
+        None, description="Marks the end of a reusable prefix: up to 4 are written per request (3 beside the "
+        "implicit one in implicit mode), the latest ones.")
 
 
 class _Message(BaseModel):
@@ -116,6 +126,16 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
+class PromptCacheOptions(BaseModel):
+    model_config = _REQUEST
+    mode: Literal["implicit", "explicit"] | None = Field(None, description="implicit (unset): one implicit "
+                                                         "breakpoint at the end of the newest non-assistant "
+                                                         "message and the latest 3 marked ones are written; "
+                                                         "explicit: only the latest 4 marked ones.")
+    ttl: Literal["30m", "12h"] | None = Field(None, description="Least lifetime of the breakpoints written. "
+                                              "Unset: 30m.")
+
+
 class StreamOptions(BaseModel):
     model_config = _REQUEST
     include_usage: bool | None = Field(None, description="Send a last chunk with usage (choices empty).")
@@ -161,8 +181,12 @@ class GenerationFields(BaseModel):
                                           "tenant and finds every shared prefix there with or without it; the key "
                                           "never reaches another tenant's entries.")
     prompt_cache_retention: Literal["in_memory", "24h"] | None = Field(
-        None, description="How long this request's prefix is kept when idle: in_memory = the server's TTL, "
-        "24h = 24 hours (in the lowest persistent tier where tiers are configured).")
+        None, description="Deprecated by OpenAI for prompt_cache_options.ttl, still honoured: how long this "
+        "request's prefix is kept when idle: in_memory = the server's TTL, 24h = 24 hours (in the lowest "
+        "persistent tier where tiers are configured).")
+    prompt_cache_options: PromptCacheOptions | None = Field(
+        None, description="OpenAI's cache breakpoints: which prefixes this request writes and for how long "
+        "(prompt_tokens_details.cache_write_tokens counts them).")
     cache_salt: Text | None = Field(None, max_length=256, description="vLLM's extension: a secret mixed into "
                                     "the cache namespace, so requests of this API key with different salts never "
                                     "share cached prefixes (callers sharing a key cannot learn each other's "
@@ -178,7 +202,12 @@ class GenerationFields(BaseModel):
 class ChatCompletionRequest(GenerationFields):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra={"examples": [{
         "model": "default", "max_tokens": 16, "stream": True, "prompt_cache_key": "support",
-        "messages": [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Hello"}]}]})
+        "messages": [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Hello"}]}, {
+        "model": "default", "max_tokens": 8, "prompt_cache_options": {"mode": "explicit", "ttl": "30m"},
+        "diagnostics": {"previous_message_id": None},
+        "messages": [{"role": "system", "content": [{"type": "text", "text": "You are brief.",
+                                                     "prompt_cache_breakpoint": {"mode": "explicit", "ttl": "12h"}}]},
+                     {"role": "user", "content": "Hello"}]}]})
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens.")
     tools: list[Tool] | None = None
@@ -235,6 +264,9 @@ class PrewarmRequest(BaseModel):
 # -- responses ---------------------------------------------------------------------
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = Field(description="Prompt tokens whose KV came from the prefix cache.")
+    cache_write_tokens: int = Field(0, description="Prompt tokens this request wrote to the cache: after the "
+                                    "read ones up to its last breakpoint kept (prompt_cache_options or "
+                                    "prompt_cache_breakpoint), else those it stored.")
 
 
 class UsageInfo(BaseModel):

@@ -420,8 +420,10 @@ class Meta:
 
 def _usage(result: GenerationResult, srv: Serving) -> UsageInfo:
     u = result.usage
+    written = 0 if result.cache is None else result.cache.cache_creation_input_tokens
     return UsageInfo(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, total_tokens=u.total_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=srv.reported_cached(u.cached_tokens)))
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=srv.reported_cached(u.cached_tokens),
+                                                               cache_write_tokens=written))
 
 
 def _finish(result: GenerationResult) -> str:

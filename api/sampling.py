@@ -4,7 +4,8 @@ Honoured: max_tokens / max_completion_tokens, temperature, top_p, top_k and igno
 (extensions, as in vLLM), stop, seed, presence_penalty, frequency_penalty, logit_bias, echo, tools (rendered by
 the chat template; the model's calls parsed in its template's syntax, ``tool_calls.py``), tool_choice
 "none" (tools hidden), "auto", "required" and a named tool (an answer without the call is an error),
-parallel_tool_calls.
+parallel_tool_calls; prompt_cache_options and prompt_cache_breakpoint (``serving/prompt_cache.py``),
+prompt_cache_retention, and the diagnostics extension.
 Refused with a 400 naming the parameter, here: logprobs, suffix, response_format
 other than text, max_tokens over the server's limit, SGLang's extensions (which
 sglang-router adds to every chat body) with a value other than what this server does
@@ -46,6 +47,11 @@ class Job:
     previous_id: str | None = None
     record_id: str | None = None
     tool_choice: str | None = None
+    #: OpenAI's cache breakpoints: written under OpenAI's rules when asked for (``prompt_cache_options`` or a
+    #: ``prompt_cache_breakpoint``); the options' mode and ttl.
+    breakpoints: bool = False
+    cache_mode: str | None = None
+    cache_ttl: str | None = None
     max_tokens: int | None = None  # None: the default, capped to what fits (see ``max_new_tokens``)
     echo: bool = False
     options: dict[str, Any] = field(default_factory=dict)  # PrefixCache.chat/complete keyword arguments
@@ -94,7 +100,10 @@ def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_
                options=_options(req, settings, vocab_size), cache_key=req.prompt_cache_key,
                retention=req.prompt_cache_retention, cache_salt=req.cache_salt or None,
                diagnose=req.diagnostics is not None, tool_choice=choice, tool_use=reading,
-               previous_id=req.diagnostics.previous_message_id if req.diagnostics else None)
+               previous_id=req.diagnostics.previous_message_id if req.diagnostics else None,
+               breakpoints=req.prompt_cache_options is not None or any(
+                   isinstance(m.content, list) and any(p.prompt_cache_breakpoint for p in m.content)
+                   for m in req.messages), **_cache_options(req))
 
 
 def completion_job(req: CompletionRequest, tenant: str, settings: Settings, vocab_size: int) -> Job:
@@ -109,7 +118,13 @@ def completion_job(req: CompletionRequest, tenant: str, settings: Settings, voca
     return Job("completions", tenant, prompt=prompt, max_tokens=limit_max_tokens(req.max_tokens, settings),
                echo=bool(req.echo),
                options=_options(req, settings, vocab_size), cache_key=req.prompt_cache_key,
-               retention=req.prompt_cache_retention, cache_salt=req.cache_salt or None)
+               retention=req.prompt_cache_retention, cache_salt=req.cache_salt or None,
+               breakpoints=req.prompt_cache_options is not None, **_cache_options(req))
+
+
+def _cache_options(req: GenerationFields) -> dict[str, str | None]:
+    options = req.prompt_cache_options
+    return {"cache_mode": options.mode if options else None, "cache_ttl": options.ttl if options else None}
 
 
 #: SGLang's extensions and the one value each may take here: what this server does anyway.

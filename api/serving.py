@@ -11,6 +11,7 @@ the job's pins.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -23,7 +24,8 @@ from prefixcache import CacheUsage, GenerationResult, PrefixCache, WarmResult
 from prefixcache.errors import ContextLengthExceededError, InvalidRequestError
 from prefixcache.planner.request_log import RequestLog
 from prefixcache.serving.diagnostics import MissReason
-from prefixcache.serving.messages import to_chat
+from prefixcache.serving.messages import MessagesPrompt, to_chat
+from prefixcache.serving.prompt_cache import text_breakpoints
 from prefixcache.serving.tool_calls import tokenizer_family
 
 from .admission import Admission, Place, Skipped
@@ -236,6 +238,12 @@ class Serving:
         try:
             if job.endpoint == "messages":
                 prompt = cache.encode_messages(**job.anthropic)
+            elif job.breakpoints and job.endpoint == "chat":  # OpenAI's breakpoints, written as Anthropic's are
+                prompt = cache.encode_chat_breakpoints(job.messages, job.tools, mode=job.cache_mode, ttl=job.cache_ttl)
+            elif job.breakpoints:
+                text = cache.encode_text(job.prompt)
+                prompt = MessagesPrompt(tuple(text), text_breakpoints(text, job.cache_mode, job.cache_ttl))
+            if prompt is not None:
                 ids = list(prompt.token_ids)
             else:
                 ids = cache.encode_chat(job.messages, job.tools) if job.endpoint == "chat" else cache.encode_text(job.prompt)
@@ -252,7 +260,16 @@ class Serving:
                       timeout_seconds=self.settings.request_timeout_seconds,
                       on_text=None if emit is None else (lambda text: emit("text", text)))
         # The ids encoded above: no second encoding.
-        result = cache.answer(ids, **kwargs) if prompt is None else cache.answer_messages(prompt, **kwargs)
+        if prompt is None:
+            namespace = cache.namespace(job.tenant, job.cache_salt)
+            held = cache.breakpoints.held(namespace, job.tenant, ids)
+            result = cache.answer(ids, **kwargs)
+            # Without breakpoints, what it wrote is what it stored: the prompt tokens held now and not before.
+            read = result.usage.cached_tokens
+            written = max(0, cache.breakpoints.held(namespace, job.tenant, ids) - max(held, read))
+            result = dataclasses.replace(result, cache=CacheUsage(len(ids) - read - written, read, written, 0, 0))
+        else:
+            result = cache.answer_messages(prompt, **kwargs)
         if miss is not None:
             result.stats.miss_reason, result.stats.cache_missed_tokens = miss.type, miss.cache_missed_input_tokens
         self.metrics.observe(job.endpoint, job.tenant, result.stats)

@@ -19,6 +19,7 @@ from prefixcache.cache.tiers import KVShape, TierChain, build_chain
 from prefixcache.config import CacheConfig
 from prefixcache.errors import CapacityError, ContextLengthExceededError, InvalidRequestError, PinQuotaExceededError
 from prefixcache.loading import model_fingerprint
+from prefixcache.serving import prompt_cache
 from prefixcache.serving.breakpoints import Breakpoints, CacheUsage
 from prefixcache.serving.canonicalize import Canonicalizer, check_text
 from prefixcache.serving.diagnostics import MissReason, PromptRecords, fingerprint
@@ -287,6 +288,13 @@ class PrefixCache:
         usage = self.breakpoints.settle(self.namespace(tenant, cache_salt), tenant, prompt.token_ids,
                                         prompt.breakpoints, result.usage.cached_tokens)
         return dataclasses.replace(result, cache=usage)
+
+    def encode_chat_breakpoints(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
+                                *, mode: str | None = None, ttl: str | None = None) -> MessagesPrompt:
+        """An OpenAI-shaped chat's canonical ids and the prompt-cache breakpoints it writes under OpenAI's rules
+        (``prompt_cache_breakpoint`` on parts, ``mode`` and ``ttl`` of ``prompt_cache_options``;
+        ``serving/prompt_cache.py``); answer it with ``answer_messages``."""
+        return prompt_cache.encode_chat(self._canon(), list(messages), tools, mode, ttl)
 
     def diagnose(self, chat: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
                  token_ids: Sequence[int], *, tenant: str | None = None, cache_salt: str | None = None,

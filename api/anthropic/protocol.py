@@ -120,7 +120,9 @@ class MessagesRequest(_Prompt):
         "model": "default", "max_tokens": 16, "stream": stream,
         "system": [{"type": "text", "text": "You are brief.", "cache_control": {"type": "ephemeral", "ttl": "1h"}}],
         "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello", "cache_control": {
-            "type": "ephemeral"}}]}]} for stream in (False, True)]})
+            "type": "ephemeral"}}]}]} for stream in (False, True)] + [{
+        "model": "default", "max_tokens": 8, "stream": True, "cache_control": {"type": "ephemeral", "ttl": "5m"},
+        "diagnostics": {"previous_message_id": "msg-unknown"}, "messages": [{"role": "user", "content": "Hi"}]}]})
     max_tokens: int = Field(ge=1, description="Most tokens to generate.")
     stop_sequences: Annotated[list[Annotated[Text, Field(min_length=1)]], Field(max_length=8)] | None = Field(
         None, description="Up to 8 strings; generation stops before the first one (stop_reason stop_sequence).")

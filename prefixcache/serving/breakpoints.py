@@ -26,8 +26,11 @@ from dataclasses import dataclass
 from prefixcache.cache.store import KVStore
 from prefixcache.errors import InvalidRequestError
 
-#: Breakpoint TTLs as Anthropic names them, in seconds.
-TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
+#: Breakpoint TTLs as Anthropic names them (``cache_control.ttl``), and as OpenAI does
+#: (``prompt_cache_options.ttl``, ``prompt_cache_breakpoint.ttl``), in seconds.
+ANTHROPIC_TTLS = {"5m": 300.0, "1h": 3600.0}
+OPENAI_TTLS = {"30m": 1800.0, "12h": 43200.0}
+TTL_SECONDS = {**ANTHROPIC_TTLS, **OPENAI_TTLS}
 DEFAULT_TTL = "5m"
 MAX_BREAKPOINTS = 4
 #: ``prompt_cache_retention`` values (OpenAI): None keeps the server's default TTL.
@@ -61,8 +64,8 @@ def check_breakpoints(marks: Sequence[Breakpoint]) -> None:
                                   f"Found {len(marks)}.", param=marks[MAX_BREAKPOINTS].where)
     shorter = None
     for mark in marks:
-        if mark.ttl not in TTL_SECONDS:
-            raise InvalidRequestError(f"{mark.control}.ttl must be one of {sorted(TTL_SECONDS)}",
+        if mark.ttl not in ANTHROPIC_TTLS:
+            raise InvalidRequestError(f"{mark.control}.ttl must be one of {sorted(ANTHROPIC_TTLS)}",
                                       param=f"{mark.control}.ttl")
         if shorter is not None and mark.ttl_seconds > shorter.ttl_seconds:
             raise InvalidRequestError(
@@ -124,6 +127,10 @@ class Breakpoints:
         """The usage a request would report if served now (nothing pinned, touched or counted)."""
         read = self.store.peek(namespace, tenant, tokens, len(tokens) - 1)
         return account(len(tokens), read, breakpoints, [bp.position >= self.min_tokens for bp in breakpoints])[0]
+
+    def held(self, namespace: tuple[str, ...], tenant: str, tokens: Sequence[int]) -> int:
+        """Leading tokens of ``tokens`` the store holds now (nothing pinned, touched or counted)."""
+        return self.store.peek(namespace, tenant, tokens, len(tokens))
 
     def settle(self, namespace: tuple[str, ...], tenant: str, tokens: Sequence[int],
                breakpoints: Sequence[Breakpoint], read: int) -> CacheUsage:

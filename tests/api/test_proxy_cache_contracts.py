@@ -162,3 +162,108 @@ def test_openai_callers_get_the_same_reasons_as_an_extension(srv):
     gone = oa.chat.completions.create(model=MODEL, messages=chat, max_tokens=2,
                                       extra_body={"diagnostics": {"previous_message_id": "chatcmpl-gone"}})
     assert gone.model_extra["diagnostics"] == {"cache_miss_reason": {"type": "previous_message_not_found"}}
+
+
+# -- OpenAI: prompt_cache_options and prompt_cache_breakpoint ----------------------------------------
+POLICY = "Returns are accepted within thirty days with the receipt. " * 3
+
+
+def part(text: str, **ttl: str) -> dict:
+    """A text part marked with ``prompt_cache_breakpoint`` (its own ``ttl=...`` if given)."""
+    return {"type": "text", "text": text, "prompt_cache_breakpoint": {"mode": "explicit", **ttl}}
+
+
+def written(srv, ttl: str) -> tuple[int, int]:
+    counts = srv.cache.stats("alpha")["breakpoints"][ttl]
+    return counts["writes"], counts["write_tokens"]
+
+
+def test_implicit_mode_writes_the_conversation_then_reads_it(srv):
+    oa = srv.openai(ALPHA)
+    srv.cache.flush()
+    chat = [{"role": "system", "content": SYSTEM_TEXT}, {"role": "user", "content": "Maps?"}]
+    before = written(srv, "30m")
+    first = oa.chat.completions.create(model=MODEL, messages=chat, max_tokens=2,
+                                       prompt_cache_options={"mode": "implicit", "ttl": "30m"})
+    d = first.usage.prompt_tokens_details
+    # The implicit breakpoint closes the newest user message: all of it is written (nothing was read).
+    whole = len(srv.cache.canonicalizer.encode_chat(chat, add_generation_prompt=False).token_ids)
+    (implicit,) = srv.cache.encode_chat_breakpoints(chat, mode="implicit").breakpoints
+    assert (implicit.where, implicit.ttl, implicit.position) == ("messages[1]", "30m", whole)
+    assert d.cached_tokens == 0 and d.cache_write_tokens == whole
+    assert written(srv, "30m") == (before[0] + 1, before[1] + whole)  # equal to the tokens written
+    again = oa.chat.completions.create(model=MODEL, messages=chat, max_tokens=2, prompt_cache_options={})
+    assert again.usage.prompt_tokens_details.cached_tokens >= whole
+    assert again.usage.prompt_tokens_details.cache_write_tokens == 0
+    # Streamed, the usage chunk carries the same figures.
+    chunks = list(oa.chat.completions.create(model=MODEL, messages=chat, max_tokens=2, stream=True,
+                                             stream_options={"include_usage": True},
+                                             prompt_cache_options={"mode": "implicit"}))
+    assert chunks[-1].usage.prompt_tokens_details.cache_write_tokens == 0
+
+
+def test_explicit_mode_writes_only_the_marked_prefixes(srv):
+    oa = srv.openai(ALPHA)
+    srv.cache.flush()
+    ask = {"role": "user", "content": "Can I return a map?"}
+    before, long_before = written(srv, "30m"), written(srv, "12h")
+    none = oa.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": POLICY}, ask],
+                                      max_tokens=2, prompt_cache_options={"mode": "explicit"})
+    assert none.usage.prompt_tokens_details.cache_write_tokens == 0 and written(srv, "30m") == before
+
+    srv.cache.flush()
+    marked = [{"role": "system", "content": [part(POLICY, ttl="12h")]}, ask]
+    r = oa.chat.completions.create(model=MODEL, messages=marked, max_tokens=2,
+                                   prompt_cache_options={"mode": "explicit"})
+    (bp,) = srv.cache.encode_chat_breakpoints(marked, mode="explicit").breakpoints
+    assert bp.ttl == "12h" and 16 < bp.position < r.usage.prompt_tokens
+    assert r.usage.prompt_tokens_details.cache_write_tokens == bp.position
+    assert written(srv, "12h") == (long_before[0] + 1, long_before[1] + bp.position)
+    assert written(srv, "30m") == before  # no implicit breakpoint
+    # The next question reads the marked prefix.
+    other = oa.chat.completions.create(model=MODEL, messages=[marked[0], {"role": "user", "content": "Globes?"}],
+                                       max_tokens=2, prompt_cache_options={"mode": "explicit"})
+    assert other.usage.prompt_tokens_details.cached_tokens >= bp.position
+    assert other.usage.prompt_tokens_details.cache_write_tokens == 0
+
+
+def test_at_most_four_breakpoints_are_written_the_latest_ones(srv):
+    oa = srv.openai(ALPHA)
+    texts = [f"Section {i}: " + POLICY for i in range(5)]
+    for mode, implicit in (("explicit", 0), ("implicit", 1)):
+        srv.cache.flush()
+        chat = [{"role": "system", "content": [part(t) for t in texts]}, {"role": "user", "content": "Ok?"}]
+        prompt = srv.cache.encode_chat_breakpoints(chat, mode=mode)
+        assert [bp.where for bp in prompt.breakpoints] == [
+            f"messages[0].content[{k}]" for k in range(1 + implicit, 5)] + ["messages[1]"] * implicit
+        before = written(srv, "30m")
+        r = oa.chat.completions.create(model=MODEL, messages=chat, max_tokens=2, prompt_cache_options={"mode": mode})
+        after = written(srv, "30m")
+        assert (after[0] - before[0], after[1] - before[1]) == (4, r.usage.prompt_tokens_details.cache_write_tokens)
+        assert r.usage.prompt_tokens_details.cache_write_tokens == prompt.breakpoints[-1].position
+
+
+def test_without_breakpoints_cache_write_tokens_are_the_tokens_stored(srv):
+    oa = srv.openai(ALPHA)
+    srv.cache.flush()
+    chat = [{"role": "user", "content": "Do you sell maps?"}]
+    first = oa.chat.completions.create(model=MODEL, messages=chat, max_tokens=2)
+    held = srv.cache.breakpoints.held(srv.cache.namespace("alpha"), "alpha", srv.cache.encode_chat(chat))
+    assert first.usage.prompt_tokens_details.cache_write_tokens == held == first.usage.prompt_tokens
+    again = oa.chat.completions.create(model=MODEL, messages=chat, max_tokens=2, prompt_cache_retention="24h")
+    assert again.usage.prompt_tokens_details.cache_write_tokens == 0
+    text = oa.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=2,
+                                 extra_body={"prompt_cache_options": {"mode": "explicit"}})
+    assert text.usage.prompt_tokens_details.cache_write_tokens == 0
+
+
+def test_bad_prompt_cache_values_are_refused(srv):
+    oa = srv.openai(ALPHA)
+    chat = [{"role": "user", "content": [part("x")]}]
+    for bad in ({"prompt_cache_options": {"mode": "sometimes"}}, {"prompt_cache_options": {"ttl": "5m"}},
+                {"messages": [{"role": "user", "content": [{"type": "text", "text": "x",
+                                                           "prompt_cache_breakpoint": {"mode": "implicit"}}]}]}):
+        body = {"model": MODEL, "messages": chat, "max_tokens": 2, **bad}
+        r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {ALPHA}"})
+        assert r.status_code == 400, (bad, r.text)
+    assert oa.chat.completions.create(model=MODEL, messages=chat, max_tokens=2).usage.prompt_tokens > 0

@@ -137,6 +137,15 @@ def _content_type(response) -> str:
     return value[0] if isinstance(value, list) else value  # schemathesis keeps header values as lists
 
 
+def test_the_cache_contract_fields_are_in_the_fuzzed_schema(fuzzed):
+    """The generated requests cover them: every field the schema declares is drawn from."""
+    with fuzzed.client() as client:
+        text = client.get("/openapi.json").text
+    for field in ("prompt_cache_options", "prompt_cache_breakpoint", "prompt_cache_retention", "diagnostics",
+                  "previous_message_id", "cache_control", "cache_write_tokens", "cache_miss_reason"):
+        assert f'"{field}"' in text, field
+
+
 def _fuzz(operation, mode: GenerationMode, key: str, statuses: Counter, failures: list[str]) -> None:
     """Send generated requests for one operation; count statuses and record any 5xx."""
 
@@ -193,7 +202,10 @@ _chat = st.fixed_dictionaries(_required, optional={
     "top_k": st.integers(0, 50), "seed": st.integers(0, 2**32), "stop": st.lists(_text, max_size=2),
     "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2),
     "logit_bias": st.dictionaries(st.integers(0, 49151).map(str), st.floats(-100, 100), max_size=3),
-    "stream": st.booleans(), "user": _text})
+    "stream": st.booleans(), "user": _text,
+    "prompt_cache_options": st.fixed_dictionaries({}, optional={"mode": st.sampled_from(["implicit", "explicit"]),
+                                                                "ttl": st.sampled_from(["30m", "12h"])}),
+    "diagnostics": st.fixed_dictionaries({"previous_message_id": st.none() | _text})})
 
 
 @settings(max_examples=30, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
