@@ -105,7 +105,7 @@ class ToolCallParser:
         self._calls = 0
         self._buffer = ""  # text not yet released
         self._inside = False  # in a call: the buffer holds its body
-        self._opened = ""  # the marker that opened the call ("" for a bare one)
+        self._opened = ""  # the marker that opened the call, with the whitespace before it ("" for a bare one)
         self._started = False  # something was released or opened: a bare call can no longer begin
         self._after_call = False  # a call just closed: the whitespace that follows is not an answer
 
@@ -150,8 +150,9 @@ class ToolCallParser:
                 return True
         at = self._buffer.find(syntax.start)
         if at >= 0:
-            self._release(self._buffer[:at].rstrip(), out)  # the whitespace before a call is the call's
-            self._open(syntax.start, self._buffer[at + len(syntax.start):])
+            before = self._buffer[:at].rstrip()  # the whitespace before a call is the call's
+            self._release(before, out)
+            self._open(self._buffer[len(before):at + len(syntax.start)], self._buffer[at + len(syntax.start):])
             return True
         # Held back: what may begin a marker, and the whitespace before it (dropped if a call follows).
         cut = len(self._buffer[:len(self._buffer) - _held(self._buffer, syntax.start)].rstrip())

@@ -77,6 +77,7 @@ def test_text_before_a_call_streams_before_the_call_ends():
     ("hermes", '<tool_call>{"name": "delete_all", "arguments": {}}</tool_call>', "did not declare"),
     ("llama3_json", '{"name": "get_weather", "parameters": [1]}', "not a JSON object"),
     ("mistral", '[TOOL_CALLS][{"arguments": {}}]', "string name"),
+    ("mistral", 'Checking. \n[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": }]', "not JSON"),
 ])
 def test_an_invalid_call_is_returned_as_text_and_the_reason_logged(family, text, reason, caplog):
     with caplog.at_level(logging.WARNING, logger="prefixcache.serving.tool_calls"):
