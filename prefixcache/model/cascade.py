@@ -160,6 +160,11 @@ def attend_groups(q: torch.Tensor, groups: Sequence[tuple[torch.Tensor | None, S
     hkv = batches[0].keys.shape[1] if batches else own[0][2].shape[0]
     g = hq // hkv
     kernels = kernels_for(q.device, q.dtype, dim) if kernels is None else kernels
+    if not groups and not batches and len(own) == 1 and own[0][:2] == (0, total):
+        # One request over its own keys alone (a prompt's first chunk): one call, nothing to merge.
+        out = kernels.alone(q.reshape(hkv, g, total, dim), own[0][2], own[0][3], scale)
+        if out is not None:
+            return out.reshape(hq, total, dim)
     qg = kernels.prepare(q.reshape(hkv, g, total, dim))  # [Hkv, g, T, D]
     acc, acc_lse = _attend_private(qg, own, scale, batches, masks, kernels)  # present on every row
     for n, (rows, segs) in enumerate(groups):
@@ -263,6 +268,11 @@ class AttentionKernels(Protocol):
         """Rows over their request's private keys, whose last ``r`` are the rows' own (bottom-right causal).
         q [B, Hkv, g, r, D], k/v [B, Hkv, n, D] with n >= r → out [B, Hkv, g, r, D], lse [B, Hkv, g, r]."""
 
+    def alone(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """One request's rows over its own keys, which are the rows' keys and nothing else (bottom-right
+        causal: a prompt's first chunk). q [Hkv, g, r, D], k/v [Hkv, r, D] → out [Hkv, g, r, D] in q's
+        dtype, rounded once by the kernel. None: the kernels have no such call (the general path serves)."""
+
     def masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor,
                masks: dict[tuple, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """One-token rows of several slots. q [S, H, g, D], k/v [S, H, C, D], mask additive [S, 1, 1, C]
@@ -293,6 +303,9 @@ class TorchKernels:
                 mask = masks[(r, k.shape[2])] = causal_tail_mask(r, k.shape[2], g, q.dtype, q.device)
         o, lse = attend(q.reshape(b, hkv, g * r, dim), k, v, scale, mask)
         return o.view(b, hkv, g, r, dim), lse.view(b, hkv, g, r)
+
+    def alone(self, q, k, v, scale):
+        return None  # the general path: the same calls, one part
 
     def masked(self, q, k, v, scale, mask, masks):
         return attend(q, k, v, scale, mask)

@@ -16,6 +16,7 @@ from prefixcache.serving.engine import BatchConfig
 from prefixcache.serving.request import SamplingParams
 from tests.conftest import ARCHS, build_tiny, untouched
 from tests.model.test_cascade_dtypes import BROKEN as CPU_BROKEN
+from tests.model.test_fused_kernels import _alone_not_causal
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -70,8 +71,8 @@ def test_the_start_up_check_passes_and_batching_is_on(arch, dtype):
 _REAL_CALL = FusedKernels._call
 
 
-def _never_causal(self, q, k, v, scale, causal):
-    return _REAL_CALL(self, q, k, v, scale, False)
+def _never_causal(self, q, k, v, scale, causal, widen=True):
+    return _REAL_CALL(self, q, k, v, scale, False, widen)
 
 
 BROKEN = {
@@ -80,6 +81,7 @@ BROKEN = {
                             TorchKernels().causal(q.float(), k[:, :, -q.shape[3]:].float(),
                                                   v[:, :, -q.shape[3]:].float(), scale, {})),
     "causal flag dropped": (FusedKernels, "_call", _never_causal),
+    "a prompt alone not causal": (FusedKernels, "alone", _alone_not_causal),
 }
 
 

@@ -78,6 +78,29 @@ def test_fused_cascade_equals_torch_cascade(flash, hq, hkv, native_gqa):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("flash", [True, False])
+@pytest.mark.parametrize("held", [0, 3])
+def test_a_prompt_alone_over_its_own_keys_is_one_call_in_the_model_s_dtype(flash, held):
+    """A cold prompt's step (one request, no stored prefix): one kernel call returning the model's dtype,
+    equal to the general path; with tokens held from earlier steps the general path serves."""
+    gen = torch.Generator().manual_seed(held)
+    hq, hkv, d, r = 8, 2, 16, 6
+    q = torch.randn(hq, r, d, generator=gen)
+    k, v = torch.randn(hkv, r + held, d, generator=gen), torch.randn(hkv, r + held, d, generator=gen)
+    calls = []
+
+    def counted(op):
+        return lambda *a, **kw: calls.append(op) or op(*a, **kw)
+
+    fused = FusedKernels(flash, flash_op=counted(flash_stand_in), efficient_op=counted(efficient_stand_in))
+    got = cascade_attention(q, [(0, r)], [], [(k, v)], 0.3, kernels=fused)
+    want = cascade_attention(q, [(0, r)], [], [(k, v)], 0.3, kernels=TorchKernels())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got.dtype == q.dtype
+    assert len(calls) == (1 if held == 0 else 2)
+    assert fused.alone(q.view(hkv, 4, r, d), k, v, 0.3) is None or held == 0
+
+
 def test_fused_bias_is_built_once_per_step():
     fused = FusedKernels(False, flash_op=flash_stand_in, efficient_op=efficient_stand_in)
     keys = torch.randn(2, 2, 5, 8)
@@ -117,7 +140,14 @@ def _held_ignored(self, q, k, v, scale, masks):
     return TorchKernels().causal(q, k[:, :, -r:], v[:, :, -r:], scale, masks)
 
 
-@pytest.mark.parametrize("bug", ["none", "held tokens ignored", "causal flag dropped"])
+def _alone_not_causal(self, q, k, v, scale):
+    hkv, g, r, dim = q.shape
+    out, _ = self._heads(q.reshape(1, hkv * g, r, dim), k.unsqueeze(0), v.unsqueeze(0), scale, causal=False,
+                         widen=False)
+    return out.view(hkv, g, r, dim)
+
+
+@pytest.mark.parametrize("bug", ["none", "held tokens ignored", "causal flag dropped", "a prompt alone not causal"])
 def test_the_start_up_check_judges_the_fused_kernels(bug, monkeypatch):
     """The self-check runs a model through the CUDA kernels' code (stand-in ops here): it passes
     them as they are and refuses them broken."""
@@ -135,8 +165,10 @@ def test_the_start_up_check_judges_the_fused_kernels(bug, monkeypatch):
     if bug == "held tokens ignored":
         monkeypatch.setattr(FusedKernels, "causal", _held_ignored)
     elif bug == "causal flag dropped":
-        monkeypatch.setattr(FusedKernels, "_call", lambda self, q, k, v, scale, causal: real_call(self, q, k, v, scale,
-                                                                                                 False))
+        monkeypatch.setattr(FusedKernels, "_call", lambda self, q, k, v, scale, causal, widen=True:
+                            real_call(self, q, k, v, scale, False, widen))
+    elif bug == "a prompt alone not causal":
+        monkeypatch.setattr(FusedKernels, "alone", _alone_not_causal)
     if bug == "none":
         check_cascade(model, layout)
     else:

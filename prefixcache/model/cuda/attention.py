@@ -69,6 +69,14 @@ class FusedKernels:
             o, lse = merge_two(held_o, held_lse, o, lse), torch.logaddexp(held_lse, lse)
         return o.view(b, hkv, g, r, dim), lse.view(b, hkv, g, r)
 
+    def alone(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
+        hkv, g, r, dim = q.shape  # k/v [Hkv, n, D]
+        if k.shape[1] != r:
+            return None  # tokens held from earlier steps: two parts to merge
+        heads = q.reshape(1, hkv * g, r, dim)
+        out, _ = self._heads(heads, k.unsqueeze(0), v.unsqueeze(0), scale, causal=r > 1, widen=False)
+        return out.view(hkv, g, r, dim)
+
     def masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor,
                masks: dict[tuple, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         # q [S, H, g, D], k/v [S, H, C, D], mask [S, 1, 1, C]: one bias per step, shared by the layers
@@ -83,41 +91,43 @@ class FusedKernels:
         return self._efficient(q, k, v, scale, bias, causal=False)
 
     def _heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-               causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+               causal: bool, widen: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """q [B, Hq, r, D] against k/v [B, Hkv, n, D]: the kernel's own GQA, else KV heads repeated."""
         g = q.shape[1] // k.shape[1]
         if g > 1 and self.native_gqa:
-            got = self._grouped(q, k, v, scale, causal)
+            got = self._grouped(q, k, v, scale, causal, widen)
             if got is not None:
                 return got
         if g > 1:
             k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-        return self._call(q, k, v, scale, causal)
+        return self._call(q, k, v, scale, causal, widen)
 
     def _grouped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                 causal: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+                 causal: bool, widen: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The flash kernel with fewer KV heads than query heads, or None (and not again) if it refuses."""
         try:
-            return self._call(q, k, v, scale, causal)
+            return self._call(q, k, v, scale, causal, widen)
         except RuntimeError:
             self.native_gqa = False
             return None
 
     def _call(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-              causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+              causal: bool, widen: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         if self.flash:
             out = self._flash_op(q, k, v, 0.0, causal, False, scale=scale)
-            return _widen(out[0], out[1], q.shape[2])
-        return self._efficient(q, k, v, scale, None, causal)
+            return _widen(out[0], out[1], q.shape[2], widen)
+        return self._efficient(q, k, v, scale, None, causal, widen)
 
     def _efficient(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, bias: torch.Tensor | None,
-                   causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                   causal: bool, widen: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         out = self._efficient_op(q, k, v, bias, True, 0.0, causal, scale=scale)
-        return _widen(out[0], out[1], q.shape[2])
+        return _widen(out[0], out[1], q.shape[2], widen)
 
 
-def _widen(out: torch.Tensor, lse: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's output and log-sum-exp in the accumulation dtype; the memory-efficient kernel
-    pads the log-sum-exp's rows to a multiple of 32."""
+def _widen(out: torch.Tensor, lse: torch.Tensor, rows: int, widen: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's output and log-sum-exp in the accumulation dtype (``widen``; else as the kernel
+    returned them); the memory-efficient kernel pads the log-sum-exp's rows to a multiple of 32."""
+    if not widen:
+        return out, lse[..., :rows]
     wide = accumulation_dtype(out.dtype)
     return out.to(wide), lse[..., :rows].to(wide)
