@@ -1,14 +1,15 @@
 """Lower tiers through the proxy: restarts of ``prefixcache serve`` on a disk or Redis tier, two servers
 sharing one real redis-server, and Redis stopped mid-run.
 
-The servers are real ``prefixcache serve`` subprocesses on loopback ports, loading a tiny random
-Llama saved with the default model's tokenizer; the Redis server is a real ``redis-server``.
+The first server of the restart test is a real ``prefixcache serve`` subprocess on a loopback port (its
+tiers from the command line, stopped by a signal), loading a tiny random Llama saved with the default
+model's tokenizer; the servers after it run the same settings and start-up on uvicorn threads of the test's
+process. The Redis server is a real ``redis-server``.
 """
 from __future__ import annotations
 
 import re
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -46,39 +47,40 @@ def ask(server: Server) -> tuple[str, int]:
     return body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+def in_process(model_dir, **tiers):
+    """``prefixcache serve``'s settings and start-up (the model loaded from the folder by the app's lifespan), on
+    a uvicorn thread of this process: what a restarted replica does, without another interpreter to start."""
+    from prefixcache_api import Settings
+
+    return live(create_app(Settings(model=str(model_dir), served_model_name=MODEL, block_size=16,
+                                    default_temperature=0.0, workers=2, local_admin=True, **tiers)))
+
+
 def test_restart_on_disk_and_redis_and_sharing_by_secret(model_dir, redis_server, tmp_path):
-    """A computes a prefix and is stopped (a signal: write-back keeps its blocks on disk and in Redis).
-    Then three servers run at once: A restarted on its disk tier, B on the Redis tier with A's secret,
-    C on it with another secret. A and B report cached tokens and A's answer; C reports none."""
-    disk = ("--tier-disk", str(tmp_path / "kv"))
-    redis = ("--tier-redis", redis_server.url)
-    a = serve(model_dir, *disk, *redis, "--hash-secret", "one secret of the first deployment, 32+ bytes")
+    """A (a ``prefixcache serve`` process, its tiers from the command line) computes a prefix and is stopped by
+    a signal: write-back keeps its blocks on disk and in Redis. Then three servers run at once: A restarted on
+    its disk tier, B on the Redis tier with A's secret, C on it with another secret. A and B report cached
+    tokens and A's answer; C reports none."""
+    first, second = "one secret of the first deployment, 32+ bytes", "another secret, of a second deployment, 32+ bytes"
+    a = serve(model_dir, "--tier-disk", str(tmp_path / "kv"), "--tier-redis", redis_server.url, "--hash-secret", first)
     try:
         answer, cached = ask(a)
         assert cached == 0
     finally:
         a.stop()
-    flags = {"a": (*disk, "--hash-secret", "one secret of the first deployment, 32+ bytes"), "b": (*redis, "--hash-secret", "one secret of the first deployment, 32+ bytes"),
-             "c": (*redis, "--hash-secret", "another secret, of a second deployment, 32+ bytes")}
-    with ThreadPoolExecutor(3) as pool:  # started side by side: the machine's cores load them at once
-        starts = {name: pool.submit(serve, model_dir, *f) for name, f in flags.items()}
-        servers = {}
-        try:
-            for name, started in starts.items():
-                servers[name] = started.result()
-            replies = {name: ask(server) for name, server in servers.items()}
-            assert replies["a"][1] > 0 and replies["a"][0] == answer  # restart on the disk tier
-            assert replies["b"][1] > 0 and replies["b"][0] == answer  # a prefix only A computed, via Redis
-            assert replies["c"] == (answer, 0)  # another secret never hits
-            tiers = {name: httpx.get(s.url + "/v1/cache/stats").json()["tiers"] for name, s in servers.items()}
-            assert tiers["a"]["disk"]["restores"] == 1 and tiers["b"]["redis"]["restores"] == 1
-            assert tiers["c"]["redis"]["restores"] == 0 and tiers["c"]["redis"]["misses"] == 1
-        finally:
-            for started in starts.values():
-                try:
-                    started.result().stop()
-                except Exception:  # noqa: BLE001 - a server that failed to start has nothing to stop
-                    pass
+    tiers = {"a": dict(tier_disk=str(tmp_path / "kv"), hash_secret=first),
+             "b": dict(tier_redis=redis_server.url, hash_secret=first),
+             "c": dict(tier_redis=redis_server.url, hash_secret=second)}
+    with in_process(model_dir, **tiers["a"]) as ra, in_process(model_dir, **tiers["b"]) as rb, \
+            in_process(model_dir, **tiers["c"]) as rc:
+        servers = {"a": ra, "b": rb, "c": rc}
+        replies = {name: ask(server) for name, server in servers.items()}
+        assert replies["a"][1] > 0 and replies["a"][0] == answer  # restart on the disk tier
+        assert replies["b"][1] > 0 and replies["b"][0] == answer  # a prefix only A computed, via Redis
+        assert replies["c"] == (answer, 0)  # another secret never hits
+        stats = {name: httpx.get(s.url + "/v1/cache/stats").json()["tiers"] for name, s in servers.items()}
+        assert stats["a"]["disk"]["restores"] == 1 and stats["b"]["redis"]["restores"] == 1
+        assert stats["c"]["redis"]["restores"] == 0 and stats["c"]["redis"]["misses"] == 1
 
 
 def test_a_redis_tier_needs_a_hash_secret(model_dir):
