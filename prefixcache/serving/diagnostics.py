@@ -23,10 +23,11 @@ Anthropic's is. No divergence (the same prompt, or messages appended) is no reas
 parameters, then messages. Cache markers (``cache_control``, ``prompt_cache_breakpoint``)
 are not part of a fingerprint: moving a breakpoint changes no prompt.
 
-A fingerprint holds hashes and token counts only, never prompt text. The record is per
-tenant, bounded (``PER_TENANT`` ids each, ``TENANTS`` tenants, the least recently used
-dropped first) and ids expire ``RETAIN_SECONDS`` after they were recorded, on the injected
-clock. The comparison runs before generation, so a stream carries it from its first event.
+A fingerprint holds hashes and token counts only, never prompt text (8 bytes per message and
+per ``BLOCK`` prompt tokens). The record is per tenant and bounded: ``PER_TENANT`` ids each,
+``TENANTS`` tenants and ``RECORD_BYTES`` of fingerprints in all, the least recently used
+tenant's oldest ids dropped first; ids expire ``RETAIN_SECONDS`` after they were recorded, on
+the injected clock. The comparison runs before generation, so a stream carries it from its first event.
 """
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ from prefixcache.serving.messages import common_prefix
 PER_TENANT = 512
 TENANTS = 4096
 RETAIN_SECONDS = 3600.0
+#: Most bytes of fingerprint hashes recorded, all tenants together.
+RECORD_BYTES = 64 << 20
 #: Tokens per hashed block when estimating the tokens two prompts share.
 BLOCK = 16
 #: Every ``cache_miss_reason`` type, in the order they are checked (the last one found without a comparison).
@@ -73,9 +76,14 @@ class Fingerprint:
     tools: int
     system: int
     other: int
-    messages: tuple[int, ...]  # message i's hash chains messages 0..i
-    blocks: tuple[int, ...]  # block i's hash chains the prompt's tokens [0, (i + 1) * BLOCK)
+    messages: array  # ("Q") message i's hash chains messages 0..i
+    blocks: array  # ("Q") block i's hash chains the prompt's tokens [0, (i + 1) * BLOCK)
     prompt_tokens: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes its hashes take (what the record's byte bound counts)."""
+        return 8 * (4 + len(self.messages) + len(self.blocks))
 
 
 def fingerprint(namespace: Sequence[str], chat: Sequence[dict[str, Any]], tools: Sequence[Any] | None,
@@ -85,16 +93,16 @@ def fingerprint(namespace: Sequence[str], chat: Sequence[dict[str, Any]], tools:
     split = 0
     while split < len(chat) and chat[split].get("role") in _SYSTEM_ROLES:
         split += 1
-    chained, hashes = 0, []
+    chained, hashes = 0, array("Q")
     for message in chat[split:]:
         chained = xxhash.xxh3_64_intdigest(_canonical(message), chained)
         hashes.append(chained)
-    blocks, key = [], 0
+    blocks, key = array("Q"), 0
     for start in range(0, len(token_ids) - BLOCK + 1, BLOCK):
         key = xxhash.xxh3_64_intdigest(array("q", token_ids[start: start + BLOCK]).tobytes(), key)
         blocks.append(key)
     return Fingerprint(_hash(list(namespace)), _hash(list(tools or [])), _hash(list(chat[:split])), _hash(other),
-                       tuple(hashes), tuple(blocks), len(token_ids))
+                       hashes, blocks, len(token_ids))
 
 
 def compare(previous: Fingerprint, current: Fingerprint) -> MissReason | None:
@@ -118,10 +126,12 @@ class PromptRecords:
     """Fingerprints of recent calls by tenant and id, bounded; thread-safe."""
 
     def __init__(self, clock: Callable[[], float], per_tenant: int = PER_TENANT, tenants: int = TENANTS,
-                 retain_seconds: float = RETAIN_SECONDS):
+                 retain_seconds: float = RETAIN_SECONDS, max_bytes: int = RECORD_BYTES):
         self._clock, self.per_tenant, self.tenants, self.retain_seconds = clock, per_tenant, tenants, retain_seconds
+        self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._records: OrderedDict[str, OrderedDict[str, tuple[float, Fingerprint]]] = OrderedDict()
+        self._bytes = 0
 
     def diagnose(self, tenant: str, current: Fingerprint, previous_id: str | None,
                  record_id: str | None) -> MissReason | None:
@@ -145,15 +155,29 @@ class PromptRecords:
         with self._lock:
             return sum(len(ids) for ids in self._records.values())
 
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
     def _record(self, tenant: str, record_id: str, current: Fingerprint, now: float) -> None:
         ids = self._records.pop(tenant, None) or OrderedDict()
         self._records[tenant] = ids  # most recently used last
-        ids.pop(record_id, None)
+        self._drop(ids, record_id)
         ids[record_id] = (now + self.retain_seconds, current)
+        self._bytes += current.nbytes
         while ids and (len(ids) > self.per_tenant or next(iter(ids.values()))[0] <= now):
-            ids.popitem(last=False)  # ids expire in the order they were recorded
-        while len(self._records) > self.tenants:
-            self._records.popitem(last=False)
+            self._drop(ids, next(iter(ids)))  # ids expire in the order they were recorded
+        while len(self._records) > self.tenants or self._bytes > self.max_bytes:
+            oldest = next(iter(self._records.values()))  # the least recently used tenant's ids, oldest first
+            if oldest:
+                self._drop(oldest, next(iter(oldest)))
+            else:
+                self._records.popitem(last=False)
+
+    def _drop(self, ids: OrderedDict[str, tuple[float, Fingerprint]], record_id: str) -> None:
+        found = ids.pop(record_id, None)
+        if found is not None:
+            self._bytes -= found[1].nbytes
 
 
 def _hash(value: Any) -> int:

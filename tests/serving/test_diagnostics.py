@@ -57,6 +57,18 @@ def test_the_record_is_per_tenant_bounded_and_expires(clock):
     assert records.diagnose("d", base, "x", None) is None and len(records) == 2
 
 
+def test_the_record_is_bounded_in_bytes_the_least_recently_used_tenant_first(clock):
+    base = fp(ids=range(1600))  # 100 blocks
+    records = PromptRecords(clock, max_bytes=3 * base.nbytes)
+    for tenant, record_id in (("a", "1"), ("b", "1"), ("a", "2"), ("b", "2")):
+        records.diagnose(tenant, base, None, record_id)
+    assert len(records) == 3 and records.nbytes == 3 * base.nbytes
+    assert records.diagnose("a", base, "1", None).type == "previous_message_not_found"  # a's oldest went first
+    assert records.diagnose("b", base, "1", None) is None
+    records.diagnose("c", fp(ids=range(16000)), None, "big")  # larger than the bound: recorded, then dropped
+    assert records.nbytes <= 3 * base.nbytes
+
+
 def test_sdk_call_stats_carry_the_miss_reason(new_cache, chat_llama, tokenizer, clock):
     cache = new_cache(chat_llama, tokenizer, CacheConfig(block_size=8), clock=clock, start_sweeper=False)
     first = cache.chat([SYSTEM, ASK], max_new_tokens=2, record_id="turn-1")
