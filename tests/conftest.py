@@ -36,6 +36,10 @@ STEP_DELAY = float(os.environ.get("PREFIXCACHE_TEST_STEP_DELAY") or 0)
 OUR_THREADS = "prefixcache-"
 #: Seconds a thread of ours may take to end after its test (a pool's workers wind down after its shutdown).
 THREAD_GRACE = 2.0
+#: torch's intra-op threads in the test process and in the processes the tests start. The tests' models are tiny
+#: (a step is a few small products, dominated by dispatch) and servers run beside the tests on the same cores: a
+#: second thread only adds contention, many times slower on a busy 2-core machine.
+TORCH_THREADS = 1
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -43,6 +47,26 @@ def slower_steps():
     """Every batched step ``STEP_DELAY`` s longer in this process (test_replicas passes it on to its replicas)."""
     with step_delay(STEP_DELAY):
         yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def few_torch_threads():
+    """``TORCH_THREADS`` for the session: here, and through ``OMP_NUM_THREADS`` in every process a test starts."""
+    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(TORCH_THREADS)
+    torch.set_num_threads(TORCH_THREADS)
+    yield
+    torch.set_num_threads(threads)
+    if omp is None:
+        del os.environ["OMP_NUM_THREADS"]
+    else:
+        os.environ["OMP_NUM_THREADS"] = omp
+
+
+@pytest.fixture(autouse=True)
+def torch_threads_reset():
+    """Each test starts on ``TORCH_THREADS`` (an app built with ``torch_threads`` set changes it process-wide)."""
+    torch.set_num_threads(TORCH_THREADS)
 
 
 @pytest.fixture(autouse=True)

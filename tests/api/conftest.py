@@ -10,23 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-import torch
 from prefixcache_api import create_app
 from proxy_support import LiveServer, live, make_cache, settings
 
 from prefixcache import PrefixCache
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """Tiny matmuls on a shared 2-core machine are ~10x faster without thread contention.
-
-    Restored after each module, so tests outside tests/api keep torch's default.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

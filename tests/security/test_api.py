@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-import torch
 import uvicorn
 from prefixcache_api import create_app
 from prefixcache_api.admission import SIDE_PER_TENANT
@@ -36,14 +35,6 @@ BODY_TIMEOUT, HEADER_TIMEOUT, KEEP_ALIVE = 2.0, 1.5, 1.0
 FAST = dict(body_timeout_seconds=BODY_TIMEOUT, header_timeout_seconds=HEADER_TIMEOUT,
             keep_alive_timeout_seconds=KEEP_ALIVE, tenant_invalid_rate=None)
 SLACK = 3.0  # seconds on top of a deadline for a shared 2-core machine
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class Served(LiveServer):
