@@ -26,6 +26,8 @@ ERRORS = "prefixcache_request_errors"  # counter{route, status}
 PROMPT_TOKENS = "prefixcache_prompt_tokens"  # counter{tenant}
 CACHED_TOKENS = "prefixcache_cached_tokens"  # counter{tenant}
 COMPLETION_TOKENS = "prefixcache_completion_tokens"  # counter{tenant}
+CHUNK_TOKENS = "prefixcache_chunk_tokens"  # counter{tenant, kind}: reused | recomputed | stored (marked chunks)
+BLENDS = "prefixcache_blend_requests"  # counter{outcome}: blended | prefilled (marked chunks not blended)
 TTFT = "prefixcache_time_to_first_token_seconds"  # histogram
 TPOT = "prefixcache_time_per_output_token_seconds"  # histogram
 LOOKUP = "prefixcache_lookup_seconds"  # histogram
@@ -83,8 +85,9 @@ _TIER_GAUGES = (
      "is retried with backoff; disk full: writes stop, reads go on)."),
 )
 
-COUNTERS = (REQUESTS, EXECUTOR, ERRORS, PROMPT_TOKENS, CACHED_TOKENS, COMPLETION_TOKENS, EVICTIONS, RECLAIMED,
-            BREAKPOINTS, BREAKPOINT_TOKENS, CACHE_KEY, RETENTION, MISS_REASONS, *(name for name, _, _ in _TIER_COUNTERS))
+COUNTERS = (REQUESTS, EXECUTOR, ERRORS, PROMPT_TOKENS, CACHED_TOKENS, COMPLETION_TOKENS, CHUNK_TOKENS, BLENDS,
+            EVICTIONS, RECLAIMED, BREAKPOINTS, BREAKPOINT_TOKENS, CACHE_KEY, RETENTION, MISS_REASONS,
+            *(name for name, _, _ in _TIER_COUNTERS))
 HISTOGRAMS = (TTFT, TPOT, LOOKUP, QUEUE_WAIT, DURATION, TIER_RESTORE_SECONDS)
 GAUGES = (HIT_RATIO, CACHE_BYTES, BUDGET_BYTES, PINNED_BYTES, TENANT_BYTES, ENTRIES, KV_BYTES, KV_TOTAL, BATCHING,
           QUEUE_DEPTH, RUNNING, *(name for name, _, _ in _TIER_GAUGES))
@@ -120,6 +123,12 @@ class Metrics:
         self.cached_tokens = Counter(CACHED_TOKENS, "Prompt tokens served from the prefix cache.", ["tenant"],
                                      registry=r)
         self.completion_tokens = Counter(COMPLETION_TOKENS, "Tokens generated.", ["tenant"], registry=r)
+        self.chunk_tokens = Counter(CHUNK_TOKENS, "Prompt tokens of marked chunks (documents): reused from their "
+                                    "stored KV at a new place, recomputed in context, or computed alone and stored.",
+                                    ["tenant", "kind"], registry=r)
+        self.blends = Counter(BLENDS, "Requests with marked chunks: blended, or prefilled (blending off, or the "
+                              "model or an option cannot blend; the reason is in the request's stats).",
+                              ["outcome"], registry=r)
         self.ttft = Histogram(TTFT, "Time from engine start to the first token.", buckets=_LATENCY, registry=r)
         self.tpot = Histogram(TPOT, "Decode time per output token after the first.", buckets=_PER_TOKEN, registry=r)
         self.lookup = Histogram(LOOKUP, "Prefix lookup and pin time.", buckets=_LOOKUP, registry=r)
@@ -148,6 +157,12 @@ class Metrics:
         self.prompt_tokens.labels(tenant).inc(stats.prompt_tokens)
         self.cached_tokens.labels(tenant).inc(stats.cached_tokens)
         self.completion_tokens.labels(tenant).inc(stats.completion_tokens)
+        for kind, tokens in (("reused", stats.chunk_reused_tokens), ("recomputed", stats.chunk_recomputed_tokens),
+                             ("stored", stats.chunk_stored_tokens)):
+            if tokens:
+                self.chunk_tokens.labels(tenant, kind).inc(tokens)
+        if stats.chunk_reused_tokens or stats.chunk_recomputed_tokens or stats.blend_reason:
+            self.blends.labels("prefilled" if stats.blend_reason else "blended").inc()
         self.lookup.observe(stats.lookup_seconds)
         if stats.miss_reason is not None:
             self.miss_reasons.labels(stats.miss_reason).inc()

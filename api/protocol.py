@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 
@@ -54,6 +54,9 @@ class ContentPart(BaseModel):
     prompt_cache_breakpoint: PromptCacheBreakpoint | None = Field(
         None, description="Marks the end of a reusable prefix: up to 4 are written per request (3 beside the "
         "implicit one in implicit mode), the latest ones.")
+    prefixcache_chunk: StrictBool | None = Field(None, description="Extension: true marks this part a reusable chunk (a retrieved document): its KV is kept on its "
+        "own and reused wherever it appears in a later prompt of this API key, a share of its tokens "
+        "recomputed (usage.prompt_tokens_details.chunk_*). Other servers ignore or refuse it.")
 
 
 class _Message(BaseModel):
@@ -199,6 +202,13 @@ class GenerationFields(BaseModel):
         return self
 
 
+#: A request's blending switch (extension): false = prefill its marked chunks this time, a number = the share recomputed.
+BlendSwitch = StrictBool | Annotated[float, Field(ge=0, le=1, strict=True)] | None
+BLEND_DESC = ("Extension: false = this request's parts marked prefixcache_chunk are prefilled like other text; a "
+              "number in [0, 1] = the share of their tokens recomputed (1 = a full prefill). Unset or true: the "
+              "server's share, if the server blends.")
+
+
 class ChatCompletionRequest(GenerationFields):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra={"examples": [{
         "model": "default", "max_tokens": 16, "stream": True, "prompt_cache_key": "support",
@@ -209,6 +219,7 @@ class ChatCompletionRequest(GenerationFields):
                                                      "prompt_cache_breakpoint": {"mode": "explicit", "ttl": "12h"}}]},
                      {"role": "user", "content": "Hello"}]}]})
     messages: list[ChatMessage] = Field(min_length=1)
+    prefixcache_blend: BlendSwitch = Field(None, description=BLEND_DESC)
     max_completion_tokens: int | None = Field(None, ge=1, description="Alias of max_tokens.")
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
@@ -267,6 +278,10 @@ class PromptTokensDetails(BaseModel):
     cache_write_tokens: int = Field(0, description="Prompt tokens this request wrote to the cache: after the "
                                     "read ones up to its last breakpoint kept (prompt_cache_options or "
                                     "prompt_cache_breakpoint), else those it stored.")
+    chunk_reused_tokens: int = Field(0, description="Extension: tokens of parts marked prefixcache_chunk whose "
+                                     "stored KV was reused at their place in this prompt (not in cached_tokens).")
+    chunk_recomputed_tokens: int = Field(0, description="Extension: tokens of marked parts recomputed in context "
+                                         "(the recompute share) instead of reused.")
 
 
 class UsageInfo(BaseModel):

@@ -422,8 +422,10 @@ def _usage(result: GenerationResult, srv: Serving) -> UsageInfo:
     u = result.usage
     written = 0 if result.cache is None else result.cache.cache_creation_input_tokens
     return UsageInfo(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, total_tokens=u.total_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=srv.reported_cached(u.cached_tokens),
-                                                               cache_write_tokens=written))
+                     prompt_tokens_details=PromptTokensDetails(
+                         cached_tokens=srv.reported_cached(u.cached_tokens), cache_write_tokens=written,
+                         chunk_reused_tokens=result.stats.chunk_reused_tokens,
+                         chunk_recomputed_tokens=result.stats.chunk_recomputed_tokens))
 
 
 def _finish(result: GenerationResult) -> str:

@@ -96,8 +96,11 @@ def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_
     choice = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
     names = [t.function.name for t in req.tools or []]
     reading = tool_use(tool_family, names, choice, req.parallel_tool_calls is not False)
+    options = _options(req, settings, vocab_size)
+    if req.prefixcache_blend is not None:
+        options["blend"] = req.prefixcache_blend
     return Job("chat", tenant, messages=messages, tools=tools, max_tokens=limit_max_tokens(max_tokens, settings),
-               options=_options(req, settings, vocab_size), cache_key=req.prompt_cache_key,
+               options=options, cache_key=req.prompt_cache_key,
                retention=req.prompt_cache_retention, cache_salt=req.cache_salt or None,
                diagnose=req.diagnostics is not None, tool_choice=choice, tool_use=reading,
                previous_id=req.diagnostics.previous_message_id if req.diagnostics else None,

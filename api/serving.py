@@ -235,6 +235,7 @@ class Serving:
         """Worker thread: encode, check the context, generate, record metrics."""
         cache = self.cache
         prompt = None
+        chunks: dict[str, Any] = {}  # a chat prompt's marked parts (``PrefixCache.answer``'s chunks, unplaced)
         try:
             if job.endpoint == "messages":
                 prompt = cache.encode_messages(**job.anthropic)
@@ -246,7 +247,10 @@ class Serving:
             if prompt is not None:
                 ids = list(prompt.token_ids)
             else:
-                ids = cache.encode_chat(job.messages, job.tools) if job.endpoint == "chat" else cache.encode_text(job.prompt)
+                encoded = cache.encode_chat_prompt(job.messages, job.tools) if job.endpoint == "chat" else None
+                ids = list(encoded.token_ids) if encoded is not None else cache.encode_text(job.prompt)
+                if encoded is not None and (encoded.chunks or encoded.unplaced):
+                    chunks = {"chunks": encoded.chunks, "unplaced": encoded.unplaced}
         except UnicodeError as exc:  # protocol validation should have caught it; never a 500
             raise InvalidRequestError(f"the text cannot be encoded: {exc}") from exc
         max_new = job.max_new_tokens(len(ids), cache.max_context, self.settings.default_max_tokens)
@@ -263,7 +267,7 @@ class Serving:
         if prompt is None:
             namespace = cache.namespace(job.tenant, job.cache_salt)
             held = cache.breakpoints.held(namespace, job.tenant, ids)
-            result = cache.answer(ids, **kwargs)
+            result = cache.answer(ids, **kwargs, **chunks)
             # Without breakpoints, what it wrote is what it stored: the prompt tokens held now and not before.
             read = result.usage.cached_tokens
             written = max(0, cache.breakpoints.held(namespace, job.tenant, ids) - max(held, read))

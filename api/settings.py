@@ -116,6 +116,12 @@ class Settings(BaseSettings):
         "and 256 MiB.")
     kv_wait_seconds: float = Field(_cache_default("kv_wait_seconds"), gt=0, description="Longest a request "
                                    "waits for KV memory before its 503 (insufficient_capacity).")
+    blend: bool = Field(_cache_default("blend"), description="Reuse the KV of documents marked prefixcache_chunk "
+                        "anywhere in a prompt, a share of their tokens recomputed; false: they are prefilled like "
+                        "other text (a request may also turn it off: prefixcache_blend).")
+    blend_recompute_share: float = Field(_cache_default("blend_recompute_share"), ge=0, le=1, description="Share "
+                                         "of a reused document's tokens recomputed in context (0 to 1; 1 = a full "
+                                         "prefill). A request may ask for another.")
     breakpoint_min_tokens: int = Field(_cache_default("breakpoint_min_tokens"), ge=1, description="Shortest "
                                        "prefix, in tokens, a cache breakpoint (Anthropic's cache_control) keeps for "
                                        "its TTL; a shorter one writes nothing and fails nothing.")
@@ -315,7 +321,8 @@ class Settings(BaseSettings):
                            tenant_quota_bytes=self.tenant_quota(), block_size=self.block_size,
                            tenant_pin_quota_bytes=self.pin_quota(), pin_ttl_seconds=self.pin_ttl_seconds,
                            max_kv_bytes_total=self.max_kv_bytes_total, kv_wait_seconds=self.kv_wait_seconds,
-                           breakpoint_min_tokens=self.breakpoint_min_tokens,
+                           breakpoint_min_tokens=self.breakpoint_min_tokens, blend=self.blend,
+                           blend_recompute_share=self.blend_recompute_share,
                            tier_host_bytes=self.tier_host_bytes, tier_disk=self.tier_disk,
                            tier_disk_bytes=self.tier_disk_bytes, tier_redis=_secret(self.tier_redis),
                            tier_redis_bytes=self.tier_redis_bytes, tier_write_policy=self.tier_write_policy,

@@ -59,6 +59,13 @@ class CacheConfig:
     breakpoint_min_tokens: int = 1024
     #: Cache the generated answer with the prompt, so the next chat turn hits.
     cache_generated: bool = True
+    #: Reuse the KV of marked chunks (documents) wherever they appear in a prompt, a share of their tokens
+    #: recomputed (``blend_recompute_share``); False: marked chunks are prefilled like other text. A request
+    #: may turn it off for itself.
+    blend: bool = True
+    #: Share (0 to 1) of a reused chunk's tokens recomputed in context, those whose KV deviates most from a
+    #: full prefill's on an early layer; 1 = a full prefill (docs/benchmarks.md measures the trade).
+    blend_recompute_share: float = 0.15
     #: Before tokenizing message content: line breaks become ``\n``, runs of spaces and tabs one
     #: space, spaces at line ends and the text's ends go (opt-in: it changes what the model sees).
     normalize_whitespace: bool = False
@@ -112,6 +119,9 @@ class CacheConfig:
         check_positive("kv_wait_seconds", self.kv_wait_seconds)
         check_positive("sweep_interval_seconds", self.sweep_interval_seconds)
         check_int("breakpoint_min_tokens", self.breakpoint_min_tokens, 1, None)
+        if not isinstance(self.blend, bool):
+            raise ConfigError("blend", self.blend, "True or False")
+        check_share("blend_recompute_share", self.blend_recompute_share)
         if self.unicode_normalization is not None and self.unicode_normalization not in UNICODE_FORMS:
             raise ConfigError("unicode_normalization", self.unicode_normalization, f"None or one of {UNICODE_FORMS}")
         if self.hash_seed is not None:
@@ -178,3 +188,9 @@ def check_positive(name: str, value: object) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 and math.isfinite(value)
     if not ok:
         raise ConfigError(name, value, "a finite number > 0")
+
+
+def check_share(name: str, value: object) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1
+    if not ok:
+        raise ConfigError(name, value, "a number in [0, 1]")

@@ -20,8 +20,9 @@ from prefixcache.config import CacheConfig
 from prefixcache.errors import CapacityError, ContextLengthExceededError, InvalidRequestError, PinQuotaExceededError
 from prefixcache.loading import model_fingerprint
 from prefixcache.serving import prompt_cache
+from prefixcache.serving.blend import blend_plan, with_documents
 from prefixcache.serving.breakpoints import Breakpoints, CacheUsage
-from prefixcache.serving.canonicalize import Canonicalizer, check_text
+from prefixcache.serving.canonicalize import Canonicalizer, CanonicalPrompt, check_text
 from prefixcache.serving.diagnostics import MissReason, PromptRecords, fingerprint
 from prefixcache.serving.engine import BatchConfig, BatchEngine
 from prefixcache.serving.messages import MessagesPrompt, encode_messages, to_chat
@@ -220,19 +221,28 @@ class PrefixCache:
 
     # -- OpenAI-shaped calls -------------------------------------------------------
     def chat(self, messages: Sequence[dict[str, Any]], *, tools: Sequence[dict[str, Any]] | None = None,
-             previous_id: str | None = None, record_id: str | None = None, **options: Any) -> GenerationResult:
+             previous_id: str | None = None, record_id: str | None = None, documents: Sequence[str] | None = None,
+             **options: Any) -> GenerationResult:
         """Answer a chat conversation. Options: see ``complete``.
+
+        ``documents``: texts placed, in order, at the start of the last user message as content parts
+        marked ``prefixcache_chunk`` (parts marked in ``messages`` count the same). Each marked part's KV
+        is kept on its own and reused wherever it appears in a later prompt of the tenant, a share of its
+        tokens recomputed (``blend``, ``CacheConfig.blend_recompute_share``); ``result.stats`` says how
+        many tokens were reused and recomputed.
 
         Cache diagnostics: ``record_id`` keeps this call's prompt fingerprint under that id; ``previous_id``
         compares with the fingerprint kept under it, and ``result.stats.miss_reason`` says why this call
         could not reuse all of that prompt (``serving/diagnostics.py``; None: it could).
         """
-        ids = list(self._canon().encode_chat(list(messages), tools=tools).token_ids)
+        messages = with_documents(list(messages), documents)
+        prompt = self._canon().encode_chat(messages, tools=tools)
+        ids = list(prompt.token_ids)
         miss = None
         if previous_id is not None or record_id is not None:
             miss = self.diagnose(messages, tools, ids, tenant=options.get("tenant"),
                                  cache_salt=options.get("cache_salt"), previous_id=previous_id, record_id=record_id)
-        return _noted(self.answer(ids, **options), miss)
+        return _noted(self.answer(ids, chunks=prompt.chunks, unplaced=prompt.unplaced, **options), miss)
 
     def complete(self, prompt: str, **options: Any) -> GenerationResult:
         """Continue a text prompt.
@@ -284,7 +294,8 @@ class PrefixCache:
                         **options: Any) -> GenerationResult:
         """Answer an encoded messages request, then keep its breakpoints' prefixes (options as ``answer``)."""
         tenant = self._tenant(tenant)
-        result = self.answer(list(prompt.token_ids), tenant=tenant, cache_salt=cache_salt, **options)
+        result = self.answer(list(prompt.token_ids), tenant=tenant, cache_salt=cache_salt, chunks=prompt.chunks,
+                             unplaced=prompt.unplaced, **options)
         usage = self.breakpoints.settle(self.namespace(tenant, cache_salt), tenant, prompt.token_ids,
                                         prompt.breakpoints, result.usage.cached_tokens)
         return dataclasses.replace(result, cache=usage)
@@ -307,6 +318,10 @@ class PrefixCache:
         current = fingerprint(self.namespace(tenant, cache_salt), chat, tools, {"tool_choice": tool_choice},
                               token_ids)
         return self.prompt_records.diagnose(tenant, current, previous_id, record_id)
+    def encode_chat_prompt(self, messages: Sequence[dict[str, Any]],
+                           tools: Sequence[dict[str, Any]] | None = None) -> CanonicalPrompt:
+        """A chat request's canonical ids with its marked chunks' spans (pass them to ``answer`` as ``chunks``)."""
+        return self._canon().encode_chat(list(messages), tools=tools)
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
         return list(self._canon().encode_chat(list(messages), tools=tools).token_ids)
@@ -320,11 +335,17 @@ class PrefixCache:
                presence_penalty: float | None = None, frequency_penalty: float | None = None,
                logit_bias: dict[int, float] | None = None, on_text: Callable[[str], None] | None = None,
                cancel: threading.Event | None = None, ttl_seconds: float | None = None, ignore_eos: bool = False,
-               timeout_seconds: float | None = None, cache_salt: str | None = None, **kwargs: Any) -> GenerationResult:
+               timeout_seconds: float | None = None, cache_salt: str | None = None,
+               chunks: Sequence[tuple[int, int]] | None = None, blend: bool | float | None = None,
+               unplaced: int = 0, **kwargs: Any) -> GenerationResult:
         """Answer already-encoded prompt ids (from ``encode_chat``/``encode_text``); options as ``complete``.
-        ``cache_salt`` (as vLLM's): reuse and store prefixes only among calls of the tenant with the same salt."""
+        ``cache_salt`` (as vLLM's): reuse and store prefixes only among calls of the tenant with the same salt.
+        ``chunks``: token spans ``[start, end)`` of reusable chunks (``CanonicalPrompt.chunks``); ``blend``:
+        False = prefill them this time, a number in [0, 1] = the share recomputed (default
+        ``config.blend_recompute_share``); ``unplaced``: marked parts the encoding could not locate."""
         if not prompt:
             raise InvalidRequestError("the prompt encodes to zero tokens", param="prompt")
+        plan, why_not = blend_plan(chunks, blend, len(prompt), self.config, unplaced)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InvalidRequestError("max_new_tokens must be an integer >= 1", param="max_tokens")
         if len(prompt) + max_new_tokens > self.max_context:
@@ -347,7 +368,7 @@ class PrefixCache:
         stream = TextStream(self.tokenizer, on_text, stops)
         gen["streamer"] = stream
         penalties = penalty_params(presence_penalty, frequency_penalty, logit_bias)
-        params, _ = self.router.route(len(prompt), None, gen, penalties)
+        params, _ = (None, None) if plan is not None else self.router.route(len(prompt), None, gen, penalties)
         ns = self.namespace(tenant, cache_salt)
         if params is not None:
             new, stats, reason = self.router.answer_batched(prompt, params, ns, tenant, ttl, stream, cancel,
@@ -355,7 +376,8 @@ class PrefixCache:
         else:
             gen.setdefault("pad_token_id", self._pad_id(None))
             new, stats, reason = self.router.answer_serial(prompt, gen, penalties, cancel, ns, tenant, ttl,
-                                                           next(self.model.parameters()).device)
+                                                           next(self.model.parameters()).device, plan)
+        stats.blend_reason = stats.blend_reason or why_not
         self._local.last = stats
         text = self.tokenizer.decode(new, skip_special_tokens=True)
         cut = first_stop(text, stops)
@@ -429,6 +451,9 @@ class PrefixCache:
             "completion_tokens": c["completion_tokens"],
             "hit_rate": (c["hit"] + c["partial"]) / queries if queries else 0.0,
             "token_hit_rate": c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
+            # marked chunks: calls that blended, their chunk tokens reused and recomputed, calls that could not
+            "blended": c["blended"], "chunk_reused_tokens": c["chunk_reused_tokens"],
+            "chunk_recomputed_tokens": c["chunk_recomputed_tokens"], "blend_fallbacks": c["blend_fallbacks"],
         }
         out.update(mem)
         out["breakpoints"] = self.breakpoints.stats(tenant)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
-from ..protocol import CacheDiagnostics, DiagnosticsRequest, JSONObject, Text
+from ..protocol import BlendSwitch, CacheDiagnostics, DiagnosticsRequest, JSONObject, Text
 
 _REQUEST = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -31,6 +31,10 @@ class _Block(BaseModel):
 class TextBlock(_Block):
     type: Literal["text"]
     text: Text
+    prefixcache_chunk: StrictBool | None = Field(None, description="Extension: true marks this block a reusable chunk "
+                                           "(a retrieved document): its KV is kept on its own and reused wherever "
+                                           "it appears in a later prompt of this API key, a share of its tokens "
+                                           "recomputed (usage.chunk_*_input_tokens).")
     citations: list[JSONObject] | None = Field(None, description="Accepted and ignored (echoed responses).")
 
 
@@ -134,6 +138,9 @@ class MessagesRequest(_Prompt):
     diagnostics: DiagnosticsRequest | None = Field(None, description="Cache diagnostics: opt in, and name "
                                                    "previous_message_id to learn why this request could not reuse "
                                                    "all of that one's prompt (diagnostics.cache_miss_reason).")
+    prefixcache_blend: BlendSwitch = Field(
+        None, description="Extension: false = this request's blocks marked prefixcache_chunk are prefilled like "
+        "other text; a number in [0, 1] = the share of their tokens recomputed. Unset or true: the server's share.")
 
 
 class CountTokensRequest(_Prompt):
@@ -151,6 +158,10 @@ class Usage(BaseModel):
     output_tokens: int
     cache_creation_input_tokens: int = Field(description="Tokens written at this request's breakpoints.")
     cache_read_input_tokens: int = Field(description="Prompt tokens read from the cache.")
+    chunk_reused_input_tokens: int = Field(0, description="Extension: tokens of blocks marked prefixcache_chunk "
+                                           "whose stored KV was reused at their place in this prompt.")
+    chunk_recomputed_input_tokens: int = Field(0, description="Extension: tokens of marked blocks recomputed in "
+                                               "context (the recompute share).")
     cache_creation: CacheCreation
 
 

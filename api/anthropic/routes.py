@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from prefixcache import CacheUsage, GenerationResult
+from prefixcache.serving.request import CallStats
 from prefixcache.serving.tool_calls import Text, ToolUse, tool_use
 
 from ..limits import check_anthropic
@@ -70,7 +71,8 @@ async def messages(body: MessagesRequest, request: Request, who: Caller, srv: En
         if any(isinstance(block, ResponseToolUse) for block in content):
             reason, sequence = "tool_use", None
         return Message(id=meta.id, content=content or [ResponseText(text="")], model=meta.model, stop_reason=reason,
-                       stop_sequence=sequence, usage=usage(result.cache, result.usage.completion_tokens, srv),
+                       stop_sequence=sequence, usage=usage(result.cache, result.usage.completion_tokens, srv,
+                                                                       result.stats),
                        diagnostics=CacheDiagnostics.of(result.stats.miss_reason, result.stats.cache_missed_tokens))
     return await respond(job, bool(body.stream), request, srv, "msg", answer,
                          lambda stream, meta: _events(stream, meta, stops, job.tool_use, srv))
@@ -95,7 +97,8 @@ def messages_job(req: MessagesRequest, tenant: str, settings: Settings, tool_fam
     reading = tool_use(tool_family, [t.name for t in req.tools or []], kind,
                        not (choice is not None and choice.disable_parallel_tool_use), param="tool_choice.type")
     return Job("messages", tenant, anthropic=req.prompt(), max_tokens=limit_max_tokens(req.max_tokens, settings),
-               options=options, cache_salt=req.cache_salt or None, diagnose=req.diagnostics is not None,
+               options=options if req.prefixcache_blend is None else {**options, "blend": req.prefixcache_blend},
+               cache_salt=req.cache_salt or None, diagnose=req.diagnostics is not None,
                previous_id=req.diagnostics.previous_message_id if req.diagnostics else None, tool_use=reading)
 
 
@@ -104,7 +107,7 @@ def _use_id(meta: Meta, index: int, tools: ToolUse | None) -> str:
     return call_id(meta.id, index, tools, "toolu_")
 
 
-def usage(cache: CacheUsage | None, output_tokens: int, srv: Serving) -> Usage:
+def usage(cache: CacheUsage | None, output_tokens: int, srv: Serving, stats: CallStats | None = None) -> Usage:
     """Anthropic's usage; tokens read from the cache as the server reports them (``cached_tokens_granularity``:
     what rounding takes off the read tokens counts as input tokens, so the parts still sum to the prompt)."""
     cache = cache or CacheUsage(0, 0, 0, 0, 0)
@@ -112,6 +115,8 @@ def usage(cache: CacheUsage | None, output_tokens: int, srv: Serving) -> Usage:
     return Usage(input_tokens=cache.input_tokens + cache.cache_read_input_tokens - read, output_tokens=output_tokens,
                  cache_creation_input_tokens=cache.cache_creation_input_tokens,
                  cache_read_input_tokens=read,
+                 chunk_reused_input_tokens=0 if stats is None else stats.chunk_reused_tokens,
+                 chunk_recomputed_input_tokens=0 if stats is None else stats.chunk_recomputed_tokens,
                  cache_creation=CacheCreation(ephemeral_5m_input_tokens=cache.ephemeral_5m_input_tokens,
                                               ephemeral_1h_input_tokens=cache.ephemeral_1h_input_tokens))
 
@@ -167,7 +172,8 @@ async def _events(stream: GenerationStream, meta: Meta, stops: list[str], tools:
         yield event({"index": blocks - 1}, "content_block_stop")
     result = stream.result
     reason, sequence = ("tool_use", None) if calls else stop_reason(result, stops, srv)
-    final = usage(result.cache, result.usage.completion_tokens, srv).model_dump(exclude={"cache_creation"})
+    final = usage(result.cache, result.usage.completion_tokens, srv, result.stats).model_dump(
+        exclude={"cache_creation"})
     yield event({"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": final}, "message_delta")
     yield event({}, "message_stop")
 

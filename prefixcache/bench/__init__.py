@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prefixcache.bench.options import BenchOptions, add_arguments, describe, options_from_args
+from prefixcache.bench.options import RAG, BenchOptions, add_arguments, describe, options_from_args
 
 __all__ = ["BenchOptions", "add_arguments", "run"]
 
@@ -35,6 +35,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"\nprefixcache bench: {exc}", file=sys.stderr)
             return 1
         return 0
+    if args.workloads and RAG in args.workloads:
+        return _run_rag(args)
     try:
         opts = options_from_args(args)
     except argparse.ArgumentTypeError as exc:
@@ -55,6 +57,19 @@ def run(args: argparse.Namespace) -> int:
     paths = report.write(result, opts.out, plot=opts.plot)
     print(report.markdown(result))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def _run_rag(args: argparse.Namespace) -> int:
+    from prefixcache.bench import rag
+
+    if args.workloads != (RAG,):
+        print(f"prefixcache bench: the {RAG} workload runs on its own (--workloads {RAG})", file=sys.stderr)
+        return 2
+    result = rag.run_rag(rag.RagSpec(seed=args.seed), args.out,
+                         progress=lambda line: print(line, file=sys.stderr, flush=True) if args.progress else None)
+    print(rag.markdown(result))
+    print(f"wrote {args.out / 'rag.md'}, {args.out / 'rag.json'}")
     return 0
 
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 WORKLOADS = ("shared-prefix", "multi-turn", "no-reuse")
+#: Runs on its own (``bench/rag.py``): documents reused anywhere in the prompt, on the embedded default model.
+RAG = "rag"
 #: Systems run one request at a time, interleaved request by request (same noise for all).
 SEQUENTIAL_SYSTEMS = ("generate", "prefixcache", "manual-reuse", "limit")
 #: Systems that take the whole workload (or one multi-turn round) in one call.
@@ -145,8 +147,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", nargs="+", choices=DTYPES, default=None,
                         help="one or more dtypes, each a separate run (default: the preset's: float32 for small, "
                              "float32 and bfloat16 for default, bfloat16 for gpu)")
-    parser.add_argument("--workloads", type=_names(WORKLOADS), default=None,
-                        help=f"comma-separated subset of {','.join(WORKLOADS)}")
+    parser.add_argument("--workloads", type=_names((*WORKLOADS, RAG)), default=None,
+                        help=f"comma-separated subset of {','.join(WORKLOADS)}; or {RAG} alone: documents "
+                             "reused anywhere in the prompt (blended vs prefix reuse vs no cache, and the "
+                             "fidelity of each recompute share) on the embedded default model")
     parser.add_argument("--systems", type=_names(SYSTEMS), default=None,
                         help=f"comma-separated subset of {','.join(SYSTEMS)} (default {','.join(DEFAULT_SYSTEMS)})")
     for name, (_, text) in _SIZE_FLAGS.items():

@@ -23,12 +23,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from prefixcache.cache.handles import Lease
 from prefixcache.cache.store import KVStore
-from prefixcache.errors import UnsupportedModelError
+from prefixcache.config import CacheConfig
+from prefixcache.errors import InvalidRequestError, UnsupportedModelError
 from prefixcache.model.blend import kv_deviation, rerotate, select_recompute
 from prefixcache.model.hf_cache import (
     BlendCache,
@@ -38,6 +40,7 @@ from prefixcache.model.hf_cache import (
     enable_cascade_attention,
 )
 from prefixcache.model.layout import KVLayout
+from prefixcache.serving.canonicalize import CHUNK_FIELD
 
 log = logging.getLogger(__name__)
 
@@ -67,26 +70,33 @@ class BlendOutcome:
 
 
 class Blender:
-    """Builds prompts' KV from stored chunks. ``unsupported_reason`` says why a model cannot (then None builds)."""
+    """Builds prompts' KV from stored chunks, once ``prepare`` found the model able to."""
 
     def __init__(self, model: torch.nn.Module, layout: KVLayout | None, store: KVStore,
                  select_layer: int = SELECT_LAYER):
         self.model, self.layout, self.store = model, layout, store
+        self.select_layer = 0 if layout is None else min(select_layer, layout.num_layers - 1)
         self.shift = None
+        self._checked = False
         self.unsupported_reason: str | None = "model not supported" if layout is None else None
-        if layout is not None:
-            self.select_layer = min(select_layer, layout.num_layers - 1)
+
+    def prepare(self) -> str | None:
+        """Why this model cannot blend (None: it can). The first call checks re-rotation on a few tokens and
+        switches the model to cascade-capable attention (left alone until a request blends); hold the model."""
+        if not self._checked and self.layout is not None:
+            self._checked = True
             try:
-                enable_cascade_attention(model)
-                self.shift = check_rerotation(model, layout)
+                self.shift = check_rerotation(self.model, self.layout)
+                enable_cascade_attention(self.model)
             except UnsupportedModelError as exc:
-                self.unsupported_reason = str(exc)
+                self.shift, self.unsupported_reason = None, str(exc)
                 log.info("chunk blending off for this model: %s", exc)
+        return self.unsupported_reason
 
     def build(self, prompt: Sequence[int], request: BlendRequest, lease: Lease, namespace: tuple[str, ...],
               tenant: str, ttl: float | None) -> BlendOutcome | None:
         """The KV of ``prompt[:-1]`` with ``lease``'s prefix, the chunks placed and blended; None when no chunk
-        lies after the prefix. Holds the model: the caller serialises calls."""
+        lies after the prefix. Holds the model: the caller serialises calls (after ``prepare`` returned None)."""
         assert self.layout is not None and self.shift is not None
         end, cached = len(prompt) - 1, lease.cached_tokens
         spans = [(max(s, cached), min(e, end), s, e) for s, e in request.chunks if min(e, end) > max(s, cached)]
@@ -157,3 +167,50 @@ class Blender:
         assert cache.previous is not None
         deviation = kv_deviation(cache.previous, buffer[self.select_layer, :, :, rows]).cpu()
         return select_recompute(deviation[reused[cached:end]], positions, share)
+
+
+def blend_plan(chunks: Sequence[tuple[int, int]] | None, blend: bool | float | None, prompt_len: int,
+               config: CacheConfig, unplaced: int = 0) -> tuple[BlendRequest | None, str | None]:
+    """A call's ``BlendRequest`` (None: its chunks, if any, are prefilled) and why marked chunks are not blended.
+
+    ``blend``: None or True = the server's share, False = off for this call, a number in [0, 1] = the
+    share. Raises ``InvalidRequestError`` for a bad ``blend`` or spans outside the prompt, overlapping or
+    out of order."""
+    if blend is not None and not isinstance(blend, bool) and not (
+            isinstance(blend, (int, float)) and 0 <= blend <= 1):
+        raise InvalidRequestError("blend must be true, false or a recompute share in [0, 1]", param="blend")
+    lost = f"{unplaced} marked part(s) not rendered verbatim by the chat template" if unplaced else None
+    if not chunks:
+        return None, lost
+    spans, end = [], 0
+    for span in chunks:
+        ok = isinstance(span, (tuple, list)) and len(span) == 2 and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in span)
+        if not ok or not end <= span[0] < span[1] <= prompt_len:
+            raise InvalidRequestError(f"chunks must be increasing, disjoint [start, end) token spans inside the "
+                                      f"prompt of {prompt_len} tokens; got {span!r}", param="chunks")
+        spans.append((span[0], span[1]))
+        end = span[1]
+    if blend is False:
+        return None, "blending turned off for this request"
+    if not config.blend:
+        return None, "blending turned off on this server"
+    share = config.blend_recompute_share if blend is None or blend is True else float(blend)
+    return BlendRequest(tuple(spans), share), lost
+
+
+def with_documents(messages: list[Any], documents: Sequence[str] | None) -> list[Any]:
+    """``messages`` with ``documents`` as marked text parts, in order, at the start of the last user message."""
+    if documents is None:
+        return messages
+    if isinstance(documents, str) or not isinstance(documents, Sequence) or not all(
+            isinstance(d, str) and d for d in documents):
+        raise InvalidRequestError("documents must be a list of non-empty strings", param="documents")
+    last = next((i for i in range(len(messages) - 1, -1, -1)
+                 if isinstance(messages[i], dict) and messages[i].get("role") == "user"), None)
+    if last is None:
+        raise InvalidRequestError("documents go into the last user message, and there is none", param="documents")
+    content = messages[last].get("content")
+    rest = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+    parts = [{"type": "text", "text": d, CHUNK_FIELD: True} for d in documents]
+    return [*messages[:last], {**messages[last], "content": parts + rest}, *messages[last + 1:]]

@@ -39,6 +39,8 @@ class MessagesPrompt:
 
     token_ids: tuple[int, ...]
     breakpoints: tuple[Breakpoint, ...]
+    chunks: tuple[tuple[int, int], ...] = ()  # text blocks marked ``CHUNK_FIELD`` (``CanonicalPrompt.chunks``)
+    unplaced: int = 0
 
 
 def encode_messages(canon: Canonicalizer, messages: Sequence[dict[str, Any]], system: Any = None,
@@ -56,12 +58,13 @@ def encode_messages(canon: Canonicalizer, messages: Sequence[dict[str, Any]], sy
     check_breakpoints([bp for bp, _ in marks])
     chat, chat_tools = to_chat(messages, system, tools)
     chat_tools = None if hide_tools else chat_tools
-    full = canon.encode_chat(chat, chat_tools).token_ids
+    encoded = canon.encode_chat(chat, chat_tools)
+    full = encoded.token_ids
     located, floor = [], 0
     for bp, cut in marks:
         floor = max(floor, _position(canon, full, messages, system, tools, cut, hide_tools))
         located.append(Breakpoint(bp.where, bp.ttl, floor))
-    return MessagesPrompt(full, tuple(located))
+    return MessagesPrompt(full, tuple(located), encoded.chunks, encoded.unplaced)
 
 
 def to_chat(messages: Sequence[Any], system: Any, tools: Sequence[Any]) -> tuple[list[dict], list[dict] | None]:

@@ -37,7 +37,8 @@ def encode_chat(canon: Canonicalizer, messages: Sequence[dict[str, Any]], tools:
                 mode: str | None = None, ttl: str | None = None) -> MessagesPrompt:
     """A chat's ids and the breakpoints it writes, in prefix order. Raises ``InvalidRequestError``."""
     mode, ttl = _options(mode, ttl)
-    full = canon.encode_chat(messages, tools).token_ids
+    encoded = canon.encode_chat(messages, tools)
+    full = encoded.token_ids
     marks = _marks(messages, ttl)
     written = marks[-(MAX_WRITTEN - (mode == "implicit")):] if marks else []
     if mode == "implicit":
@@ -48,7 +49,7 @@ def encode_chat(canon: Canonicalizer, messages: Sequence[dict[str, Any]], tools:
     for bp, cut in written:  # an explicit breakpoint where the implicit one falls: one write
         position = _position(canon, full, messages, tools, cut)
         located.setdefault(position, Breakpoint(bp.where, bp.ttl, position))
-    return MessagesPrompt(full, tuple(located[p] for p in sorted(located)))
+    return MessagesPrompt(full, tuple(located[p] for p in sorted(located)), encoded.chunks, encoded.unplaced)
 
 
 def text_breakpoints(token_ids: Sequence[int], mode: str | None = None, ttl: str | None = None

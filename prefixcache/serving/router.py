@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, StoppingCriteriaList
 
+from prefixcache.serving.blend import BlendRequest
 from prefixcache.serving.engine import BatchEngine, BatchResult
 from prefixcache.serving.request import CallStats, SamplingParams, finish_reason
 from prefixcache.serving.sampling import OpenAIPenalties, as_id_set, batch_params, stop_string_check
@@ -93,9 +94,10 @@ class Router:
 
     def answer_serial(self, prompt: list[int], gen: dict[str, Any], penalties: dict[str, Any],
                       cancel: threading.Event | None, namespace: tuple[str, ...], tenant: str, ttl: float | None,
-                      device: torch.device) -> tuple[list[int], CallStats, str]:
+                      device: torch.device, blend: BlendRequest | None = None) -> tuple[list[int], CallStats, str]:
         """(new tokens, stats, finish reason) from the serial engine; ``gen``: generate() kwargs, its
-        ``streamer`` the call's ``TextStream`` (which also ends the call at a stop string)."""
+        ``streamer`` the call's ``TextStream`` (which also ends the call at a stop string); ``blend``: the
+        prompt's marked chunks, reused (``serving/blend.py``)."""
         if penalties:
             processor = OpenAIPenalties(SamplingParams(**penalties), len(prompt))
             gen["logits_processor"] = [*(gen.get("logits_processor") or []), processor]
@@ -105,7 +107,8 @@ class Router:
         criteria = StoppingCriteriaList(gen.pop("stopping_criteria", None) or [])
         criteria.append(CancelCriteria(Halt(cancel, gen["streamer"])))
         gen["stopping_criteria"] = criteria
-        out, stats = self.serial(torch.tensor([prompt], device=device), namespace, tenant, None, gen, ttl)
+        out, stats = self.engine.generate(torch.tensor([prompt], device=device), namespace, tenant, None, gen, ttl,
+                                          self.cache_generated, blend)
         new = out[0, len(prompt):].tolist()
         config = self.engine.effective_config(None, gen)
         params = SamplingParams(max_new_tokens=gen["max_new_tokens"], eos_token_ids=frozenset(as_id_set(config.eos_token_id)))

@@ -125,9 +125,8 @@ class Engine:
         max_new = effective.max_new_tokens if effective.max_new_tokens is not None else max(
             int(effective.max_length or 20) - n, 1)
         stats.bypass_reason = self._bypass_reason(effective, kwargs, n + int(max_new))
-        if blend is not None and (stats.bypass_reason or self.blender.unsupported_reason):
-            stats.blend_reason = stats.bypass_reason or f"model not supported: {self.blender.unsupported_reason}"
-            blend = None
+        if blend is not None and stats.bypass_reason:
+            stats.blend_reason, blend = stats.bypass_reason, None
         device = next(self.model.parameters()).device
         # Its working cache (or generate()'s own) holds the whole sequence: reserved against the KV
         # total first (bounded wait, or ``KVMemoryError``). Seeded inside the model lock, so
@@ -205,8 +204,11 @@ class Engine:
         try:
             stats.cached_tokens = lease.cached_tokens
             stats.lookup_seconds = self._clock() - start
-            blended = None if blend is None else self.blender.build(prompt, blend, lease, namespace, tenant,
-                                                                    ttl_seconds)
+            unable = None if blend is None else self.blender.prepare()
+            if unable is not None:
+                stats.blend_reason = f"model not supported: {unable}"
+            blended = None if blend is None or unable else self.blender.build(prompt, blend, lease, namespace, tenant,
+                                                                              ttl_seconds)
             if blended is None:
                 cache = WorkingCache(self.layout, [(s.node.kv, s.used) for s in lease.steps], n + max_new)
             else:

@@ -24,7 +24,9 @@ def model():
 @pytest.fixture
 def blender(model, clock):
     store = KVStore(CacheConfig(block_size=8), BlockHasher(0), clock)
-    return Blender(model, probe_layout(model), store)
+    blender = Blender(model, probe_layout(model), store)
+    assert blender.prepare() is None
+    return blender
 
 
 @pytest.mark.parametrize("arch", ["llama-gqa", "qwen2", "mistral"])
@@ -48,7 +50,8 @@ def test_absolute_positions_cannot_be_rerotated(blender):
     with pytest.raises(UnsupportedModelError, match="rotary"):
         rotary_shift(gpt2)
     other = Blender(gpt2, probe_layout(gpt2), blender.store)
-    assert other.shift is None and "rotary" in other.unsupported_reason
+    assert "rotary" in other.prepare() and other.shift is None
+    assert gpt2.config._attn_implementation != "prefixcache_cascade"  # left alone
 
 
 def test_selection_takes_the_share_that_deviates_most():

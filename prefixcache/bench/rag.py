@@ -1,0 +1,263 @@
+"""``prefixcache bench --workloads rag``: documents reused anywhere in the prompt (chunk blending).
+
+Documents are the language reference topics every Python ships (``pydoc_data.topics``), cut at
+a line to 300-1,000 tokens. A prompt is a shared system prompt, a user turn holding a few of
+them (each a marked part, drawn in varying order and combination) and a question about one.
+Two sets, from disjoint halves of the topics: the timed workload and a held-out fidelity set
+(nothing in the blending code was chosen on either).
+
+- TTFT: each request served by plain ``generate()`` (no cache), by prefixcache with prefix
+  reuse only (documents not marked) and by prefixcache blending the marked documents, one
+  after another request by request (same machine noise); the two prefixcache arms on the
+  serial engine, each with its own store.
+- Fidelity: per held-out prompt, the full prefill's greedy answer and its log-likelihood; per
+  recompute share, the blended greedy answer (equal to the full prefill's or not), the
+  log-likelihood of the full prefill's answer under the blended KV, and the first-token time.
+"""
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from prefixcache.bench import models
+from prefixcache.bench.systems import FirstTokenTimer
+from prefixcache.config import CacheConfig
+from prefixcache.loading import load_default_model
+from prefixcache.model.hf_cache import WorkingCache
+from prefixcache.sdk import PrefixCache
+from prefixcache.serving.blend import BlendRequest
+
+SYSTEM = ("You are a careful assistant for Python programmers. Answer the question using only the documents "
+          "provided, in one or two sentences.")
+#: Recompute shares the fidelity table measures.
+SHARES = (0.0, 0.05, 0.15, 0.30, 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class RagSpec:
+    documents: int = 6  # documents of the timed workload
+    requests: int = 16
+    per_prompt: tuple[int, int] = (2, 3)  # documents per prompt, at least and at most
+    tokens: tuple[int, int] = (300, 700)  # document length range (tokens), within 300-1,000
+    output_tokens: int = 8  # timed workload: tokens generated per request
+    fidelity_prompts: int = 16
+    answer_tokens: int = 16  # fidelity: greedy answer length compared
+    shares: tuple[float, ...] = SHARES
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Document:
+    title: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class RagPrompt:
+    ids: list[int]
+    chunks: tuple[tuple[int, int], ...]
+    titles: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class RagResult:
+    spec: RagSpec
+    machine: dict[str, object]
+    default_share: float
+    ttft: dict[str, list[float]] = field(default_factory=dict)  # arm -> seconds per request
+    prompt_tokens: list[int] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+    prefix_answers_equal: int = 0  # prefix-only answers equal to generate()'s
+    fidelity: list[dict[str, float]] = field(default_factory=list)  # one row per share
+    full_ttft: list[float] = field(default_factory=list)  # fidelity prompts, full prefill
+    elapsed: float = 0.0
+
+
+def documents(tokenizer, spec: RagSpec, half: int) -> list[Document]:
+    """Topics of one half (0: timed, 1: held out), each cut at a line to a length drawn in ``spec.tokens``."""
+    from pydoc_data.topics import topics
+
+    rng = random.Random(f"{spec.seed}:docs:{half}")
+    names = sorted(topics)[half::2]
+    rng.shuffle(names)
+    out = []
+    for name in names:
+        target = rng.randint(*spec.tokens)
+        text, lines = "", topics[name].strip().splitlines()
+        for line in lines:
+            longer = f"{text}\n{line}" if text else line
+            if len(tokenizer(longer, add_special_tokens=False)["input_ids"]) > target:
+                break
+            text = longer
+        if len(tokenizer(text, add_special_tokens=False)["input_ids"]) >= spec.tokens[0]:
+            out.append(Document(name, f"Document '{name}':\n{text}"))
+    return out
+
+
+def prompts(cache: PrefixCache, docs: Sequence[Document], count: int, spec: RagSpec, salt: str) -> list[RagPrompt]:
+    """``count`` prompts: the system prompt, then documents drawn in varying order and combination, then a question."""
+    rng = random.Random(f"{spec.seed}:{salt}")
+    out = []
+    for _ in range(count):
+        chosen = rng.sample(list(docs), rng.randint(*spec.per_prompt))
+        subject = rng.choice(chosen).title
+        parts = [{"type": "text", "text": d.text, "prefixcache_chunk": True} for d in chosen]
+        parts.append({"type": "text", "text": f"Question: what does the document '{subject}' explain?"})
+        encoded = cache.canonicalizer.encode_chat([{"role": "system", "content": SYSTEM},
+                                                   {"role": "user", "content": parts}])
+        if encoded.unplaced:
+            raise RuntimeError(f"{encoded.unplaced} document(s) not rendered verbatim by the chat template")
+        out.append(RagPrompt(list(encoded.token_ids), encoded.chunks, tuple(d.title for d in chosen)))
+    return out
+
+
+def run_rag(spec: RagSpec, out: Path, progress: Callable[[str], None] = print,
+            clock: Callable[[], float] = time.perf_counter) -> RagResult:
+    """The timed workload and the fidelity table on the embedded default model, float32."""
+    start = clock()
+    model, tokenizer = load_default_model(dtype=torch.float32)
+    config = CacheConfig(ttl_seconds=None)
+    prefix_only = PrefixCache(model, tokenizer, config, batching=False, start_sweeper=False)
+    blended = PrefixCache(model, tokenizer, config, batching=False, start_sweeper=False)
+    result = RagResult(spec, models.machine(), blended.config.blend_recompute_share)
+    try:
+        timed = prompts(blended, documents(tokenizer, spec, 0)[: spec.documents], spec.requests, spec, "timed")
+        held_out = prompts(blended, documents(tokenizer, spec, 1), spec.fidelity_prompts, spec, "held-out")
+        _warm_up(model)
+        _timed(result, model, prefix_only, blended, timed, spec, progress, clock)
+        _fidelity(result, model, blended, held_out, spec, progress, clock)
+    finally:
+        prefix_only.close()
+        blended.close()
+    result.elapsed = clock() - start
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "rag.json").write_text(json.dumps(asdict(result), indent=1, default=str))
+    (out / "rag.md").write_text(markdown(result))
+    return result
+
+
+def _warm_up(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        model(input_ids=torch.zeros((1, 64), dtype=torch.long))
+
+
+def _generate(model: torch.nn.Module, ids: list[int], tokens: int, clock) -> tuple[list[int], float, torch.Tensor]:
+    """Plain ``generate()``: greedy answer, first-token time, and the raw logits of each step ``[tokens, V]``."""
+    timer = FirstTokenTimer(clock)
+    t0 = clock()
+    out = model.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False, eos_token_id=None,
+                         pad_token_id=0, logits_processor=[timer], output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(ids):].tolist(), timer.at - t0, torch.cat(out.logits).float()
+
+
+def _timed(result: RagResult, model, prefix_only: PrefixCache, blended: PrefixCache, timed: list[RagPrompt],
+           spec: RagSpec, progress, clock) -> None:
+    arms = {"no cache (generate)": [], "prefix reuse only": [], "blended": []}
+    opts = {"max_new_tokens": spec.output_tokens, "ignore_eos": True}
+    for i, p in enumerate(timed):
+        reference, ttft, _ = _generate(model, p.ids, spec.output_tokens, clock)
+        arms["no cache (generate)"].append(ttft)
+        plain = prefix_only.answer(p.ids, **opts)
+        arms["prefix reuse only"].append(plain.stats.ttft_seconds)
+        result.prefix_answers_equal += list(plain.token_ids) == reference
+        mixed = blended.answer(p.ids, chunks=p.chunks, **opts)
+        arms["blended"].append(mixed.stats.ttft_seconds)
+        result.prompt_tokens.append(len(p.ids))
+        result.chunk_tokens.append(sum(e - s for s, e in p.chunks))
+        progress(f"rag timed {i + 1}/{len(timed)}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in arms.items()))
+    result.ttft = arms
+
+
+def _fidelity(result: RagResult, model, cache: PrefixCache, held_out: list[RagPrompt], spec: RagSpec,
+              progress, clock) -> None:
+    """Per prompt and share: the blended KV built once (chunks found in the store, as stored by the first
+    share; no prompt prefix stored, so every share starts alike), then the greedy answer and the
+    log-likelihood of the full prefill's answer after it."""
+    rows = {share: {"agree": 0, "first": 0, "gap": [], "ttft": []} for share in spec.shares}
+    if cache.engine.blender.prepare() is not None:
+        raise RuntimeError(f"the model cannot blend: {cache.engine.blender.unsupported_reason}")
+    for i, p in enumerate(held_out):
+        answer, ttft, logits = _generate(model, p.ids, spec.answer_tokens, clock)
+        full = _loglik(logits, answer)
+        result.full_ttft.append(ttft)
+        for share in spec.shares:
+            got, ttft, loglik = _blended(model, cache, p, share, answer, clock)
+            row = rows[share]
+            row["agree"] += got == answer
+            row["first"] += got[:1] == answer[:1]
+            row["ttft"].append(ttft)
+            row["gap"].append((full - loglik) / len(answer))
+        progress(f"rag fidelity {i + 1}/{len(held_out)}")
+    n = len(held_out)
+    result.fidelity = [{"share": share, "agree": r["agree"] / n, "first_token": r["first"] / n,
+                        "loglik_gap_per_token": statistics.fmean(r["gap"]),
+                        "loglik_gap_max": max(r["gap"]), "ttft_p50": statistics.median(r["ttft"])}
+                       for share, r in rows.items()]
+
+
+def _loglik(logits: torch.Tensor, answer: list[int]) -> float:
+    """Sum of log p(answer token) under ``logits`` ``[len(answer), V]``."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return float(logp[torch.arange(len(answer)), torch.tensor(answer)].sum())
+
+
+def _blended(model, cache: PrefixCache, p: RagPrompt, share: float, answer: list[int],
+             clock) -> tuple[list[int], float, float]:
+    """(greedy answer, first-token time, log-likelihood of ``answer``) after the prompt's blended KV: what the
+    serial engine does for a blended call (lease, build, the last prompt token), without storing the prompt."""
+    engine, n, tenant = cache.engine, len(p.ids), "default"
+    ns = cache.namespace(tenant)
+    t0 = clock()
+    lease = cache.store.acquire(ns, tenant, p.ids, n - 1, None)
+    try:
+        with torch.no_grad():
+            built = engine.blender.build(p.ids, BlendRequest(p.chunks, share), lease, ns, tenant, None)
+            kv = WorkingCache(engine.layout, [(built.buffer, n - 1)], n + len(answer))
+            token = int(model(input_ids=torch.tensor([p.ids[-1:]]), past_key_values=kv).logits[0, -1].argmax())
+            ttft = clock() - t0
+            greedy = [token]
+            while len(greedy) < len(answer):
+                step = model(input_ids=torch.tensor([[greedy[-1]]]), past_key_values=kv).logits[0, -1]
+                greedy.append(int(step.argmax()))
+            scored = WorkingCache(engine.layout, [(built.buffer, n - 1)], n + len(answer))
+            logits = model(input_ids=torch.tensor([[p.ids[-1], *answer[:-1]]]), past_key_values=scored).logits[0]
+    finally:
+        cache.store.release(lease)
+    return greedy, ttft, _loglik(logits, answer)
+
+
+def markdown(result: RagResult) -> str:
+    spec, m = result.spec, result.machine
+    p50 = {arm: statistics.median(v) for arm, v in result.ttft.items()}
+    prefix = p50["prefix reuse only"]
+    lines = [
+        "# prefixcache bench — workload `rag`", "",
+        f"- machine: {m['cpu']}, {m['cpus']} CPUs, torch threads {m['torch_threads']}; torch {m['torch']}, "
+        f"transformers {m['transformers']}; prefixcache commit {m.get('commit')}; run took {result.elapsed:.0f} s",
+        "- model: SmolLM2-135M-Instruct (embedded default), float32; serial engine for both prefixcache arms",
+        f"- timed: {spec.requests} requests over {spec.documents} documents ({spec.per_prompt[0]}-{spec.per_prompt[1]} "
+        f"per prompt, {spec.tokens[0]}-{spec.tokens[1]} tokens each), prompts of "
+        f"{min(result.prompt_tokens)}-{max(result.prompt_tokens)} tokens ({statistics.fmean(result.chunk_tokens):.0f} "
+        f"document tokens on average), {spec.output_tokens} tokens out; blended at the default share "
+        f"{result.default_share:.0%}; prefix-only answers equal to generate()'s: "
+        f"{result.prefix_answers_equal}/{len(result.prompt_tokens)}",
+        "", "| arm | TTFT p50 s | TTFT mean s | vs prefix reuse only (p50) |", "|---|---|---|---|"]
+    for arm, values in result.ttft.items():
+        lines.append(f"| {arm} | {p50[arm]:.3f} | {statistics.fmean(values):.3f} | {p50[arm] / prefix:.2f}x |")
+    lines += ["", f"Fidelity: {len(result.full_ttft)} held-out prompts, greedy answers of {spec.answer_tokens} "
+              f"tokens; full prefill TTFT p50 {statistics.median(result.full_ttft):.3f} s.", "",
+              "| recompute share | answers = full prefill | first token = | log-likelihood gap per token (mean) "
+              "| gap (worst prompt) | TTFT p50 s |", "|---|---|---|---|---|---|"]
+    for row in result.fidelity:
+        lines.append(f"| {row['share']:.0%} | {row['agree']:.0%} | {row['first_token']:.0%} | "
+                     f"{row['loglik_gap_per_token']:.4f} | {row['loglik_gap_max']:.4f} | {row['ttft_p50']:.3f} |")
+    lines += ["", "Log-likelihood gap: (log p of the full prefill's greedy answer after a full prefill − the same "
+              "after the blended KV) / answer tokens, in nats; 0 = the blended KV predicts the answer as well."]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,32 @@
+"""The rag workload's prompts: public documents of 300-1,000 tokens, marked, varied, two disjoint sets."""
+from __future__ import annotations
+
+import argparse
+
+from prefixcache import PrefixCache
+from prefixcache.bench import add_arguments, rag, run
+
+
+def test_documents_and_prompts(chat_llama, tokenizer, new_cache):
+    spec = rag.RagSpec()
+    timed, held_out = rag.documents(tokenizer, spec, 0), rag.documents(tokenizer, spec, 1)
+    assert len(timed) >= spec.documents and len(held_out) >= spec.per_prompt[1]
+    assert not {d.title for d in timed} & {d.title for d in held_out}
+    for doc in timed + held_out:
+        assert 300 <= len(tokenizer(doc.text, add_special_tokens=False)["input_ids"]) <= 1000
+    cache: PrefixCache = new_cache(chat_llama, tokenizer, start_sweeper=False)
+    prompts = rag.prompts(cache, timed[: spec.documents], spec.requests, spec, "timed")
+    assert len(prompts) == spec.requests and len({p.titles for p in prompts}) > spec.requests // 2
+    texts = {d.title: d.text for d in timed}
+    for p in prompts:
+        assert spec.per_prompt[0] <= len(p.chunks) == len(p.titles) <= spec.per_prompt[1]
+        for (s, e), title in zip(p.chunks, p.titles):
+            assert tokenizer.decode(p.ids[s:e]) == texts[title]
+        assert p.ids[: p.chunks[0][0]] == prompts[0].ids[: prompts[0].chunks[0][0]]  # one system prompt
+
+
+def test_rag_runs_on_its_own(capsys):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert run(parser.parse_args(["--workloads", "rag,shared-prefix"])) == 2
+    assert "on its own" in capsys.readouterr().err

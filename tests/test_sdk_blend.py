@@ -1,0 +1,88 @@
+"""The SDK's documents: chat(documents=...), marked parts and text blocks, the switches, tenants, bad input."""
+from __future__ import annotations
+
+import pytest
+
+from prefixcache import CacheConfig, InvalidRequestError
+
+SYSTEM = {"role": "system", "content": "Answer from the documents."}
+DOCS = ["The heron stands in the shallow water of the river at dawn, waiting. " * 4,
+        "Granite forms when magma cools slowly deep below the surface of the earth. " * 4,
+        "A sourdough starter is flour and water kept alive by wild yeast and bacteria. " * 4]
+QUESTION = {"role": "user", "content": "Which document is about rocks?"}
+
+
+@pytest.fixture
+def cache(chat_llama, tokenizer, new_cache):
+    return new_cache(chat_llama, tokenizer, CacheConfig(block_size=16), start_sweeper=False)
+
+
+def doc_tokens(tokenizer, *docs: str) -> int:
+    return sum(len(tokenizer(d, add_special_tokens=False)["input_ids"]) for d in docs)
+
+
+def test_documents_are_reused_in_another_order(cache, tokenizer):
+    first = cache.chat([SYSTEM, QUESTION], documents=DOCS[:2], max_new_tokens=4)
+    assert first.stats.chunk_stored_tokens == doc_tokens(tokenizer, *DOCS[:2])
+    second = cache.chat([SYSTEM, QUESTION], documents=[DOCS[2], DOCS[0]], max_new_tokens=4)
+    assert second.stats.chunk_stored_tokens == doc_tokens(tokenizer, DOCS[2])  # DOCS[0] found, at a new place
+    assert second.stats.chunk_reused_tokens + second.stats.chunk_recomputed_tokens == doc_tokens(tokenizer, DOCS[2], DOCS[0])
+    assert second.stats.chunk_recomputed_tokens > 0 and second.stats.blend_reason is None
+    stats = cache.stats()
+    assert stats["chunk_reused_tokens"] >= second.stats.chunk_reused_tokens and stats["blended"] == 2
+
+
+def test_full_recompute_answers_as_a_full_prefill(cache):
+    """The same call with the documents prefilled (blend off) is the reference: tests/serving/test_blend.py
+    compares the engine's blended answers with model.generate() itself."""
+    messages = [SYSTEM, QUESTION]
+    cache.chat(messages, documents=DOCS[:2], max_new_tokens=2)
+    got = cache.chat(messages, documents=DOCS[1:], blend=1.0, max_new_tokens=10, ignore_eos=True)
+    want = cache.chat(messages, documents=DOCS[1:], blend=False, max_new_tokens=10, ignore_eos=True)
+    assert list(got.token_ids) == list(want.token_ids)
+    assert got.stats.chunk_reused_tokens == 0 and got.stats.chunk_recomputed_tokens > 0
+    assert want.stats.chunk_reused_tokens == want.stats.chunk_recomputed_tokens == 0
+
+
+def test_marked_parts_and_anthropic_text_blocks_are_chunks(cache, tokenizer):
+    parts = [{"type": "text", "text": DOCS[0], "prefixcache_chunk": True}, {"type": "text", "text": "Rocks?"}]
+    cache.chat([SYSTEM, {"role": "user", "content": parts}], max_new_tokens=2)
+    blocks = [{"type": "text", "text": "Other question first."},
+              {"type": "text", "text": DOCS[0], "prefixcache_chunk": True}]
+    result = cache.messages([{"role": "user", "content": blocks}], system="Be brief.", max_tokens=2)
+    assert result.stats.chunk_stored_tokens == 0  # found: stored by the chat call
+    assert result.stats.chunk_reused_tokens + result.stats.chunk_recomputed_tokens == doc_tokens(tokenizer, DOCS[0])
+
+
+def test_off_per_request_and_per_server(cache, chat_llama, tokenizer, new_cache):
+    off = cache.chat([SYSTEM, QUESTION], documents=DOCS[:1], blend=False, max_new_tokens=2)
+    assert off.stats.blend_reason == "blending turned off for this request" and off.stats.chunk_reused_tokens == 0
+    server_off = new_cache(chat_llama, tokenizer, CacheConfig(blend=False), start_sweeper=False)
+    again = server_off.chat([SYSTEM, QUESTION], documents=DOCS[:1], max_new_tokens=2)
+    assert again.stats.blend_reason == "blending turned off on this server"
+    assert again.stats.executor == "batched"  # prefilled like any prompt
+
+
+def test_a_chunk_of_another_tenant_is_never_used(cache, tokenizer):
+    cache.chat([SYSTEM, QUESTION], documents=DOCS[:2], max_new_tokens=2, tenant="a")
+    mine = cache.chat([SYSTEM, QUESTION], documents=DOCS[:2], max_new_tokens=2, tenant="a")
+    theirs = cache.chat([SYSTEM, QUESTION], documents=DOCS[:2], max_new_tokens=2, tenant="b")
+    salted = cache.chat([SYSTEM, QUESTION], documents=DOCS[:2], max_new_tokens=2, tenant="a", cache_salt="s")
+    assert mine.stats.chunk_stored_tokens == 0
+    assert theirs.stats.chunk_stored_tokens == salted.stats.chunk_stored_tokens == doc_tokens(tokenizer, *DOCS[:2])
+
+
+@pytest.mark.parametrize("call, param", [
+    (lambda c: c.chat([SYSTEM, QUESTION], documents="one text", max_new_tokens=1), "documents"),
+    (lambda c: c.chat([SYSTEM, QUESTION], documents=[""], max_new_tokens=1), "documents"),
+    (lambda c: c.chat([SYSTEM], documents=["x"], max_new_tokens=1), "documents"),
+    (lambda c: c.chat([SYSTEM, QUESTION], documents=["x"], blend=1.5, max_new_tokens=1), "blend"),
+    (lambda c: c.answer([5, 6, 7], chunks=[(2, 9)], max_new_tokens=1), "chunks"),
+    (lambda c: c.answer([5, 6, 7, 8], chunks=[(0, 2), (1, 3)], max_new_tokens=1), "chunks"),
+    (lambda c: c.chat([{"role": "user", "content": [{"type": "text", "text": "x", "prefixcache_chunk": "yes"}]}],
+                      max_new_tokens=1), "messages[0].content[0].prefixcache_chunk"),
+])
+def test_bad_input_is_refused_with_its_parameter(cache, call, param):
+    with pytest.raises(InvalidRequestError) as info:
+        call(cache)
+    assert info.value.param == param
