@@ -109,8 +109,7 @@ def test_the_tool_result_reads_the_previous_turn_from_the_cache(family_server):
     follow = [*ASK, first.choices[0].message.model_dump(exclude_none=True),
               {"role": "tool", "tool_call_id": call.id, "content": "18 C, sunny"}]
     second = client.chat.completions.create(model=MODEL, messages=follow, tools=TOOLS)
-    block = srv.cache.config.block_size
-    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - block
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens  # the whole last prompt
     # The same through Anthropic's blocks: tool_use back, then its tool_result.
     claude = anthropic_client(srv)
     body = dict(model=MODEL, max_tokens=16, tools=ANTHROPIC_TOOLS)
@@ -120,7 +119,7 @@ def test_the_tool_result_reads_the_previous_turn_from_the_cache(family_server):
         *ASK, {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in asked.content]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18 C, sunny"}]}])
     prompt = asked.usage.input_tokens + asked.usage.cache_read_input_tokens
-    assert answered.usage.cache_read_input_tokens >= prompt - block
+    assert answered.usage.cache_read_input_tokens >= prompt
 
 
 def test_tool_choice_none_hides_the_tools_and_the_answer_is_text(family_server):
