@@ -20,8 +20,8 @@ tokens after the longest token prefix the two share (the whole previous prompt f
 ``model_changed``), counted in whole blocks of ``BLOCK`` tokens: an estimate, as
 Anthropic's is. No divergence (the same prompt, or messages appended) is no reason:
 ``None``. They are checked in prompt order: model, tools, system, then the other
-parameters, then messages. Cache markers (``cache_control``, ``prompt_cache_breakpoint``)
-are not part of a fingerprint: moving a breakpoint changes no prompt.
+parameters, then messages. Cache markers (``cache_control``, ``prompt_cache_breakpoint``,
+``prefixcache_chunk``) are not part of a fingerprint: moving one changes no prompt.
 
 A fingerprint holds hashes and token counts only, never prompt text (8 bytes per message and
 per ``BLOCK`` prompt tokens). The record is per tenant and bounded: ``PER_TENANT`` ids each,
@@ -41,6 +41,7 @@ from typing import Any
 
 import xxhash
 
+from prefixcache.serving.canonicalize import CHUNK_FIELD
 from prefixcache.serving.messages import common_prefix
 
 #: Most ids recorded per tenant, tenants recorded, and how long an id stays, in seconds.
@@ -55,7 +56,7 @@ BLOCK = 16
 REASONS = ("model_changed", "tools_changed", "system_changed", "unavailable", "messages_changed",
            "previous_message_not_found")
 #: Keys that mark cache breakpoints: not part of the prompt.
-_MARKERS = frozenset({"cache_control", "prompt_cache_breakpoint"})
+_MARKERS = frozenset({"cache_control", "prompt_cache_breakpoint", CHUNK_FIELD})
 _SYSTEM_ROLES = ("system", "developer")
 
 

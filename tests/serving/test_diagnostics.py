@@ -28,7 +28,8 @@ def test_the_first_divergence_in_prompt_order_names_the_reason():
     assert compare(base, fp(chat=(SYSTEM, {"role": "user", "content": "Globes?"}))).type == "messages_changed"
     assert compare(base, fp(chat=(SYSTEM,))).type == "messages_changed"  # fewer messages: one was dropped
     # Text parts render as the text, and cache markers are no part of a prompt.
-    parts = {"role": "user", "content": [{"type": "text", "text": "Maps?", "cache_control": {"type": "ephemeral"}}]}
+    parts = {"role": "user", "content": [{"type": "text", "text": "Maps?", "cache_control": {"type": "ephemeral"},
+                                          "prefixcache_chunk": True}]}
     assert compare(base, fp(chat=(SYSTEM, parts))) is None
 
 
