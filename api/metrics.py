@@ -16,6 +16,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from prefixcache.serving.diagnostics import REASONS
 from prefixcache.serving.request import CallStats
+from prefixcache.serving.stats import CacheReport
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -103,8 +104,8 @@ _PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _LOOKUP = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 _LONG = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
-#: Returns the engine's state at scrape time: (cache.stats() for all tenants, running, waiting); None before load.
-StateSource = Callable[[], "tuple[dict[str, Any], int, int] | None"]
+#: Returns the engine's state at scrape time: (cache.report() of all tenants, running, waiting); None before load.
+StateSource = Callable[[], "tuple[CacheReport, int, int] | None"]
 
 
 class Metrics:
@@ -199,32 +200,33 @@ class _EngineCollector:
         state = self.source() if self.source is not None else None
         if state is None:
             return
-        s, running, waiting = state
+        r, running, waiting = state
+        server = r.server
         ratio = GaugeMetricFamily(HIT_RATIO, "Share of requests (partly) served from cache, and of prompt "
                                   "tokens, since start.", labels=["basis"])
-        ratio.add_metric(["requests"], s["hit_rate"])
-        ratio.add_metric(["tokens"], s["token_hit_rate"])
+        ratio.add_metric(["requests"], r.counts.hit_rate)
+        ratio.add_metric(["tokens"], r.counts.token_hit_rate)
         yield ratio
-        yield GaugeMetricFamily(CACHE_BYTES, "Bytes of KV held.", value=s["bytes"])
-        yield GaugeMetricFamily(BUDGET_BYTES, "Byte budget of cached KV.", value=s["budget_bytes"])
-        yield GaugeMetricFamily(PINNED_BYTES, "Bytes held by pinned prefixes.", value=s["pinned_bytes"])
+        yield GaugeMetricFamily(CACHE_BYTES, "Bytes of KV held.", value=r.bytes)
+        yield GaugeMetricFamily(BUDGET_BYTES, "Byte budget of cached KV.", value=r.budget_bytes)
+        yield GaugeMetricFamily(PINNED_BYTES, "Bytes held by pinned prefixes.", value=r.pinned_bytes)
         per_tenant = GaugeMetricFamily(TENANT_BYTES, "Bytes of KV held per tenant.", labels=["tenant"])
-        for tenant, nbytes in sorted(s["tenant_bytes"].items()):
+        for tenant, nbytes in sorted(r.tenant_bytes.items()):
             per_tenant.add_metric([tenant], nbytes)
         yield per_tenant
-        yield GaugeMetricFamily(ENTRIES, "Cached blocks (trie nodes).", value=s["entries"])
+        yield GaugeMetricFamily(ENTRIES, "Cached blocks (trie nodes).", value=r.entries)
         kv = GaugeMetricFamily(KV_BYTES, "All KV memory, by kind: stored snapshots, and what running requests "
                                "reserve for their buffers (private: batching pools; serial: working caches; prewarm).",
                                labels=["kind"])
-        for kind, nbytes in s["kv_bytes"].items():
+        for kind, nbytes in server.kv_bytes.items():
             kv.add_metric([kind], nbytes)
         yield kv
         yield GaugeMetricFamily(KV_TOTAL, "The bound on all KV memory together (max_kv_bytes_total).",
-                                value=s["kv_total_bytes"])
-        for name, key, doc in ((EVICTIONS, "evictions", "Blocks evicted, by reason."),
-                               (RECLAIMED, "reclaimed_bytes", "Bytes freed by eviction, by reason.")):
+                                value=server.kv_total_bytes)
+        for name, counts, doc in ((EVICTIONS, r.evictions, "Blocks evicted, by reason."),
+                                  (RECLAIMED, r.reclaimed_bytes, "Bytes freed by eviction, by reason.")):
             family = CounterMetricFamily(name, doc, labels=["reason"])
-            for reason, value in sorted(s[key].items()):
+            for reason, value in sorted(counts.items()):
                 family.add_metric([reason], value)
             yield family
         events = CounterMetricFamily(BREAKPOINTS, "Cache breakpoints (cache_control; prompt_cache_breakpoint and OpenAI's implicit one) by TTL: read (the whole prefix "
@@ -232,7 +234,7 @@ class _EngineCollector:
                                      "dropped (not stored: memory pressure).", labels=["ttl", "event"])
         tokens = CounterMetricFamily(BREAKPOINT_TOKENS, "Prompt tokens read from and written at cache breakpoints, "
                                      "by TTL.", labels=["ttl", "kind"])
-        for ttl, counts in sorted(s["breakpoints"].items()):
+        for ttl, counts in sorted(r.breakpoints.items()):
             for event, name in (("reads", "read"), ("writes", "write"), ("short", "short"), ("dropped", "dropped")):
                 events.add_metric([ttl, name], counts[event])
             tokens.add_metric([ttl, "read"], counts["read_tokens"])
@@ -241,10 +243,10 @@ class _EngineCollector:
         yield tokens
         yield GaugeMetricFamily(BATCHING, "1 when the batching engine serves the model, 0 when every request runs "
                                 "one at a time on the serial engine (the reason: /readyz, admin cache stats).",
-                                value=int(s["batching_enabled"]))
+                                value=int(server.batching_enabled))
         yield GaugeMetricFamily(QUEUE_DEPTH, "Requests admitted and waiting for a worker.", value=waiting)
         yield GaugeMetricFamily(RUNNING, "Requests running on a worker.", value=running)
-        yield from _tier_families(s.get("tiers") or {})
+        yield from _tier_families(server.tiers or {})
 
 
 def _tier_families(tiers: dict[str, dict[str, Any]]) -> Iterator[Metric]:

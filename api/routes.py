@@ -362,21 +362,24 @@ async def cache_stats(request: Request, who: Caller, srv: Engine, tenant: Tenant
     scope = who.scope(tenant)
     if audit and not who.admin:
         raise PermissionDeniedError("audit=true needs the admin key")
-    s = await srv.stats(scope, place_of(request))
-    stats = CacheStats(tenant=scope, tenant_quota_bytes=srv.cache.config.tenant_quota_bytes,
-                       **{k: s[k] for k in ("queries", "hits", "partial_hits", "misses", "bypassed", "prompt_tokens",
-                                            "cached_tokens", "completion_tokens", "hit_rate", "token_hit_rate",
-                                            "bytes", "budget_bytes", "entries", "pinned_bytes", "evictions",
-                                            "reclaimed_bytes", "breakpoints")})
+    r = await srv.report(scope, place_of(request))
+    c = r.counts
+    stats = CacheStats(tenant=scope, tenant_quota_bytes=srv.cache.config.tenant_quota_bytes, queries=c.queries,
+                       hits=c.hits, partial_hits=c.partial_hits, misses=c.misses, bypassed=c.bypassed,
+                       prompt_tokens=c.prompt_tokens, cached_tokens=c.cached_tokens,
+                       completion_tokens=c.completion_tokens, hit_rate=c.hit_rate, token_hit_rate=c.token_hit_rate,
+                       bytes=r.bytes, budget_bytes=r.budget_bytes, entries=r.entries, pinned_bytes=r.pinned_bytes,
+                       evictions=r.evictions, reclaimed_bytes=r.reclaimed_bytes, breakpoints=r.breakpoints)
     if who.admin:  # other tenants' bytes and the shared queue are not a tenant's business
         running, waiting = srv.queue()
-        stats = stats.model_copy(update={
-            "tenant_bytes": s["tenant_bytes"],
-            "batching_enabled": s.get("batching_enabled"), "batching_disabled_reason": s.get("batching_disabled_reason"),
-            "kv_bytes": s.get("kv_bytes"), "kv_total_bytes": s.get("kv_total_bytes"),
-            "tiers": None if s.get("tiers") is None else {k: TierInfo(**v) for k, v in s["tiers"].items()},
-            "queue": QueueInfo(running=running, waiting=waiting, capacity=srv.capacity),
-            "engine_faulting": srv.cache.engine_faulting})
+        update: dict[str, Any] = {"tenant_bytes": r.tenant_bytes, "engine_faulting": srv.cache.engine_faulting,
+                                  "queue": QueueInfo(running=running, waiting=waiting, capacity=srv.capacity)}
+        if r.server is not None:  # all tenants: the server's figures
+            sf = r.server
+            update.update(batching_enabled=sf.batching_enabled, batching_disabled_reason=sf.batching_disabled_reason,
+                          kv_bytes=sf.kv_bytes, kv_total_bytes=sf.kv_total_bytes,
+                          tiers=None if sf.tiers is None else {k: TierInfo(**v) for k, v in sf.tiers.items()})
+        stats = stats.model_copy(update=update)
     if audit:
         counted = await srv.side(srv.cache.audit)
         stats = stats.model_copy(update={"live_tensor_bytes": counted["live_tensor_bytes"],

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from prefixcache.errors import ContextLengthExceededError, InvalidRequestError
 from prefixcache.serving.breakpoints import RETENTION_SECONDS
+from prefixcache.serving.options import AnswerOptions
 from prefixcache.serving.sampling import GREEDY_BELOW
 from prefixcache.serving.tool_calls import ToolUse, tool_use
 
@@ -54,7 +55,9 @@ class Job:
     cache_ttl: str | None = None
     max_tokens: int | None = None  # None: the default, capped to what fits (see ``max_new_tokens``)
     echo: bool = False
-    options: dict[str, Any] = field(default_factory=dict)  # PrefixCache.chat/complete keyword arguments
+    #: Sampling and stops, checked; the worker sets the length, callbacks and timeout (``Serving``).
+    options: AnswerOptions = field(default_factory=AnswerOptions)
+    ttl_seconds: float | None = None  # None: the cache's default TTL
     tool_use: ToolUse | None = None  # how the answer's tool calls are read (None: the answer is text)
 
     def max_new_tokens(self, prompt_tokens: int, max_context: int, default: int) -> int:
@@ -96,9 +99,7 @@ def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_
     choice = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
     names = [t.function.name for t in req.tools or []]
     reading = tool_use(tool_family, names, choice, req.parallel_tool_calls is not False)
-    options = _options(req, settings, vocab_size)
-    if req.prefixcache_blend is not None:
-        options["blend"] = req.prefixcache_blend
+    options = _options(req, settings, vocab_size, blend=req.prefixcache_blend)
     return Job("chat", tenant, messages=messages, tools=tools, max_tokens=limit_max_tokens(max_tokens, settings),
                options=options, cache_key=req.prompt_cache_key,
                retention=req.prompt_cache_retention, cache_salt=req.cache_salt or None,
@@ -106,7 +107,7 @@ def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_
                previous_id=req.diagnostics.previous_message_id if req.diagnostics else None,
                breakpoints=req.prompt_cache_options is not None or any(
                    isinstance(m.content, list) and any(p.prompt_cache_breakpoint for p in m.content)
-                   for m in req.messages), **_cache_options(req))
+                   for m in req.messages), **_cache_options(req), ttl_seconds=_retention_ttl(req))
 
 
 def completion_job(req: CompletionRequest, tenant: str, settings: Settings, vocab_size: int) -> Job:
@@ -122,7 +123,8 @@ def completion_job(req: CompletionRequest, tenant: str, settings: Settings, voca
                echo=bool(req.echo),
                options=_options(req, settings, vocab_size), cache_key=req.prompt_cache_key,
                retention=req.prompt_cache_retention, cache_salt=req.cache_salt or None,
-               breakpoints=req.prompt_cache_options is not None, **_cache_options(req))
+               breakpoints=req.prompt_cache_options is not None, **_cache_options(req),
+               ttl_seconds=_retention_ttl(req))
 
 
 def _cache_options(req: GenerationFields) -> dict[str, str | None]:
@@ -157,17 +159,19 @@ def server_temperature(temperature: float | None, settings: Settings) -> float:
     return 0.0 if temperature < GREEDY_BELOW else temperature
 
 
-def _options(req: GenerationFields, settings: Settings, vocab_size: int) -> dict[str, Any]:
+def _options(req: GenerationFields, settings: Settings, vocab_size: int,
+             blend: bool | float | None = None) -> AnswerOptions:
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    options: dict[str, Any] = {"temperature": server_temperature(req.temperature, settings), "top_p": req.top_p, "top_k": req.top_k or None,
-                               "seed": req.seed, "stop": [s for s in stops if s] or None,
-                               "ignore_eos": bool(req.ignore_eos)}
-    options.update(presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                   logit_bias=_logit_bias(req.logit_bias, vocab_size) or None)
-    ttl = RETENTION_SECONDS.get(req.prompt_cache_retention or "in_memory")
-    if ttl is not None:
-        options["ttl_seconds"] = ttl
-    return options
+    return AnswerOptions.parse(temperature=server_temperature(req.temperature, settings), top_p=req.top_p,
+                               top_k=req.top_k or None, seed=req.seed, stop=[s for s in stops if s] or None,
+                               ignore_eos=bool(req.ignore_eos), presence_penalty=req.presence_penalty,
+                               frequency_penalty=req.frequency_penalty,
+                               logit_bias=_logit_bias(req.logit_bias, vocab_size) or None, blend=blend)
+
+
+def _retention_ttl(req: GenerationFields) -> float | None:
+    """The TTL OpenAI's ``prompt_cache_retention`` asks for (None: the cache's default)."""
+    return RETENTION_SECONDS.get(req.prompt_cache_retention or "in_memory")
 
 
 def _logit_bias(raw: dict[str, float] | None, vocab_size: int) -> dict[int, float]:

@@ -25,7 +25,9 @@ from prefixcache.errors import ContextLengthExceededError, InvalidRequestError
 from prefixcache.planner.request_log import RequestLog
 from prefixcache.serving.diagnostics import MissReason
 from prefixcache.serving.messages import MessagesPrompt, to_chat
+from prefixcache.serving.options import seconds
 from prefixcache.serving.prompt_cache import text_breakpoints
+from prefixcache.serving.stats import CacheReport
 from prefixcache.serving.tool_calls import tokenizer_family
 
 from .admission import Admission, Place, Skipped
@@ -109,10 +111,10 @@ class Serving:
             return tokens - tokens % self.cache.config.block_size
         return tokens
 
-    def engine_state(self) -> tuple[dict[str, Any], int, int]:
-        """What /metrics reads at scrape time: cache stats of all tenants, running, waiting."""
+    def engine_state(self) -> tuple[CacheReport, int, int]:
+        """What /metrics reads at scrape time: the cache report of all tenants, running, waiting."""
         running, waiting = self.queue()
-        return self.cache.stats(), running, waiting
+        return self.cache.report(), running, waiting
 
     # -- generation ----------------------------------------------------------------
     async def run(self, job: Job, disconnected: Callable[[], Awaitable[None]] | None = None,
@@ -173,13 +175,10 @@ class Serving:
         return await self._wait(fut, cancel, disconnected)
 
     def _prefix_ids(self, prefix: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
-        """Worker thread: the prefix's ids, as ``PrefixCache.warm`` would encode it (no generation prompt)."""
+        """Worker thread: the prefix's ids (``PrefixCache.encode_prefix``), refused over the prewarm limit."""
         cache = self.cache
-        if isinstance(prefix, str) or cache.canonicalizer is None:  # the latter: encode_text says why not
-            ids, param = cache.encode_text(prefix), "prompt"
-        else:
-            ids = list(cache.canonicalizer.encode_chat(prefix, tools, add_generation_prompt=False).token_ids)
-            param = "messages"
+        ids = cache.encode_prefix(prefix, tools)
+        param = "prompt" if isinstance(prefix, str) else "messages"
         limit = min(self.settings.max_prewarm_tokens or cache.max_context, cache.max_context)
         if len(ids) > limit:
             raise ContextLengthExceededError(f"the prefix is {len(ids)} tokens; a prewarm fills at most {limit} "
@@ -193,8 +192,8 @@ class Serving:
         # Cancelled (the request's task is), the call is too if it has not started (its place is given back).
         return await asyncio.wrap_future(self.admission.run_side(fn, place))
 
-    async def stats(self, tenant: str | None, place: Place | None = None) -> dict[str, Any]:
-        return await self.side(lambda: self.cache.stats(tenant), place)
+    async def report(self, tenant: str | None, place: Place | None = None) -> CacheReport:
+        return await self.side(lambda: self.cache.report(tenant), place)
 
     async def flush(self, tenant: str | None, place: Place | None = None) -> int:
         """Drop ``tenant``'s prefixes (None: all) from the device and the tiers below (``TierPurgeError``,
@@ -235,7 +234,7 @@ class Serving:
         """Worker thread: encode, check the context, generate, record metrics."""
         cache = self.cache
         prompt = None
-        chunks: dict[str, Any] = {}  # a chat prompt's marked parts (``PrefixCache.answer``'s chunks, unplaced)
+        chunks: dict[str, Any] = {}  # a chat prompt's marked parts (``AnswerOptions.chunks``, ``unplaced``)
         try:
             if job.endpoint == "messages":
                 prompt = cache.encode_messages(**job.anthropic)
@@ -255,25 +254,25 @@ class Serving:
             raise InvalidRequestError(f"the text cannot be encoded: {exc}") from exc
         max_new = job.max_new_tokens(len(ids), cache.max_context, self.settings.default_max_tokens)
         miss = self._diagnose(job, ids) if job.diagnose else None
+        scope = cache.scope(job.tenant, job.cache_salt, job.ttl_seconds)
         if emit is not None:  # a messages stream reports its cache usage up front, as Anthropic's does
             predicted = None if prompt is None else cache.breakpoints.predict(
-                cache.namespace(job.tenant, job.cache_salt), job.tenant, ids, prompt.breakpoints)
+                scope.namespace, scope.tenant, ids, prompt.breakpoints)
             emit("started", (len(ids), predicted, miss))
         # The timeout bounds this worker thread too: a generation still running then is cancelled.
-        kwargs = dict(job.options, tenant=job.tenant, cache_salt=job.cache_salt, max_new_tokens=max_new, cancel=cancel,
-                      timeout_seconds=self.settings.request_timeout_seconds,
-                      on_text=None if emit is None else (lambda text: emit("text", text)))
+        options = dataclasses.replace(job.options, max_new_tokens=max_new, cancel=cancel,
+                                      timeout_seconds=seconds(self.settings.request_timeout_seconds, "timeout"),
+                                      on_text=None if emit is None else (lambda text: emit("text", text)), **chunks)
         # The ids encoded above: no second encoding.
         if prompt is None:
-            namespace = cache.namespace(job.tenant, job.cache_salt)
-            held = cache.breakpoints.held(namespace, job.tenant, ids)
-            result = cache.answer(ids, **kwargs, **chunks)
+            held = cache.breakpoints.held(scope.namespace, scope.tenant, ids)
+            result = cache.run(ids, options, scope)
             # Without breakpoints, what it wrote is what it stored: the prompt tokens held now and not before.
             read = result.usage.cached_tokens
-            written = max(0, cache.breakpoints.held(namespace, job.tenant, ids) - max(held, read))
+            written = max(0, cache.breakpoints.held(scope.namespace, scope.tenant, ids) - max(held, read))
             result = dataclasses.replace(result, cache=CacheUsage(len(ids) - read - written, read, written, 0, 0))
         else:
-            result = cache.answer_messages(prompt, **kwargs)
+            result = cache.run_messages(prompt, options, scope)
         if miss is not None:
             result.stats.miss_reason, result.stats.cache_missed_tokens = miss.type, miss.cache_missed_input_tokens
         self.metrics.observe(job.endpoint, job.tenant, result.stats)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -14,22 +13,26 @@ from transformers import GenerationConfig
 
 from prefixcache.cache.handles import EvictHook
 from prefixcache.cache.hashing import BlockHasher, HashFn, xxh3_64
+from prefixcache.cache.scope import Scope
 from prefixcache.cache.store import KVStore
 from prefixcache.cache.tiers import KVShape, TierChain, build_chain
 from prefixcache.config import CacheConfig
 from prefixcache.errors import CapacityError, ContextLengthExceededError, InvalidRequestError, PinQuotaExceededError
 from prefixcache.loading import model_fingerprint
+from prefixcache.model.hf_cache import probe
 from prefixcache.serving import prompt_cache
 from prefixcache.serving.blend import blend_plan, with_documents
 from prefixcache.serving.breakpoints import Breakpoints, CacheUsage
-from prefixcache.serving.canonicalize import Canonicalizer, CanonicalPrompt, check_text
+from prefixcache.serving.canonicalize import Canonicalizer, CanonicalPrompt
 from prefixcache.serving.diagnostics import MissReason, PromptRecords, fingerprint
 from prefixcache.serving.engine import BatchConfig, BatchEngine
 from prefixcache.serving.messages import MessagesPrompt, encode_messages, to_chat
+from prefixcache.serving.options import AnswerOptions, seconds
 from prefixcache.serving.request import CallStats
 from prefixcache.serving.router import Router
-from prefixcache.serving.sampling import as_id_set, openai_params, penalty_params
+from prefixcache.serving.sampling import as_id_set
 from prefixcache.serving.serial import Engine
+from prefixcache.serving.stats import CacheReport, HitCounts, ServerFigures
 from prefixcache.serving.text_stream import TextStream, first_stop
 
 DEFAULT_TENANT = "default"
@@ -95,7 +98,8 @@ class PrefixCache:
             tokenizer, normalize_whitespace=self.config.normalize_whitespace,
             unicode_normalization=self.config.unicode_normalization)
         self.store = KVStore(self.config, BlockHasher(self.config.hash_seed, hash_fn), clock, on_evict)
-        self.engine = Engine(self.model, self.store, clock)
+        support = probe(self.model)  # the model's KV layout, once for both engines
+        self.engine = Engine(self.model, self.store, clock, support=support)
         self.breakpoints = Breakpoints(self.store, self.config.breakpoint_min_tokens)
         self.prompt_records = PromptRecords(clock)
         # Every call the batching engine reproduces exactly runs there (continuous batching with
@@ -104,7 +108,8 @@ class PrefixCache:
         if batching is not False:  # True, a BatchConfig, or a mapping of fields (an empty one too)
             # A BatchConfig as given; else sized for the device, with a mapping's fields over those defaults.
             batch_config = batching if isinstance(batching, (BatchConfig, dict)) else None
-            self.batcher = BatchEngine(self.model, self.store, clock, batch_config, self.config.cache_generated)
+            self.batcher = BatchEngine(self.model, self.store, clock, batch_config, self.config.cache_generated,
+                                       support=support)
         self.router = Router(self.engine, self.batcher, self.config.cache_generated)
         self.tiers: TierChain | None = None
         layout = self.engine.layout
@@ -141,6 +146,13 @@ class PrefixCache:
         template = self.canonicalizer.fingerprint if self.canonicalizer is not None else "no-tokenizer"
         base = (tenant, *self._model_key, template, *self.config.namespace_extra)
         return (*base, SALT_PART, _salt(cache_salt)) if cache_salt else base
+
+    def scope(self, tenant: str | None = None, cache_salt: str | None = None,
+              ttl_seconds: float | None = None) -> Scope:
+        """A call's checked scope: the tenant (default ``"default"``), its namespace under ``cache_salt``,
+        and the TTL (default ``config.ttl_seconds``; ``math.inf``: no expiry)."""
+        tenant = self._tenant(tenant)
+        return Scope(self.namespace(tenant, cache_salt), tenant, self._ttl(ttl_seconds), cache_salt or None)
 
     @property
     def batching_disabled_reason(self) -> str | None:
@@ -183,9 +195,8 @@ class PrefixCache:
         ``generate()`` pads them. ``return_dict_in_generate`` needs batch size 1.
         """
         ids = self._as_ids(kwargs.pop("inputs", input_ids))
-        tenant = self._tenant(tenant)
-        ttl = self._ttl(ttl_seconds)
-        timeout = self._timeout(timeout_seconds)
+        scope = self.scope(tenant, None, ttl_seconds)
+        timeout = None if timeout_seconds is None else seconds(timeout_seconds, "timeout_seconds")
         if attention_mask is not None and tuple(attention_mask.shape) != tuple(ids.shape):
             raise InvalidRequestError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
                                       f"{tuple(ids.shape)}", param="attention_mask")
@@ -200,13 +211,13 @@ class PrefixCache:
                                       param="return_dict_in_generate")
         routes = [self.router.route(len(r), generation_config, kwargs) for r in rows]
         if all(params is not None for params, _ in routes):
-            outs, self._local.last = self.router.generate_batched(rows, [p for p, _ in routes], self.namespace(tenant),
-                                                                  tenant, ttl, kwargs, timeout)
+            outs, self._local.last = self.router.generate_batched(rows, [p for p, _ in routes], scope.namespace,
+                                                                  scope.tenant, scope.ttl_seconds, kwargs, timeout)
         else:
             outs = []
             for row in rows:
-                out, self._local.last = self.router.serial(row.unsqueeze(0), self.namespace(tenant), tenant,
-                                                           generation_config, kwargs, ttl)
+                out, self._local.last = self.router.serial(row.unsqueeze(0), scope.namespace, scope.tenant,
+                                                           generation_config, kwargs, scope.ttl_seconds)
                 if whole:
                     return out
                 outs.append(out[0, len(row):])
@@ -254,7 +265,7 @@ class PrefixCache:
         ``cancel`` (threading.Event), ``ttl_seconds``, ``ignore_eos`` (go on past the
         end-of-sequence token until ``max_new_tokens``), ``timeout_seconds`` (as ``generate``),
         ``cache_salt`` (share cached prefixes only with calls of the tenant with the same salt),
-        and any other ``generate()`` kwarg.
+        and any other ``generate()`` kwarg (``AnswerOptions.parse`` checks them).
         """
         if not isinstance(prompt, str):
             raise InvalidRequestError("prompt must be a string", param="prompt")
@@ -291,13 +302,17 @@ class PrefixCache:
         return encode_messages(self._canon(), messages, system, tools, tool_choice, cache_control)
 
     def answer_messages(self, prompt: MessagesPrompt, *, tenant: str | None = None, cache_salt: str | None = None,
-                        **options: Any) -> GenerationResult:
+                        ttl_seconds: float | None = None, **options: Any) -> GenerationResult:
         """Answer an encoded messages request, then keep its breakpoints' prefixes (options as ``answer``)."""
-        tenant = self._tenant(tenant)
-        result = self.answer(list(prompt.token_ids), tenant=tenant, cache_salt=cache_salt, chunks=prompt.chunks,
-                             unplaced=prompt.unplaced, **options)
-        usage = self.breakpoints.settle(self.namespace(tenant, cache_salt), tenant, prompt.token_ids,
-                                        prompt.breakpoints, result.usage.cached_tokens)
+        scope = self.scope(tenant, cache_salt, ttl_seconds)
+        return self.run_messages(prompt, AnswerOptions.parse(**options), scope)
+
+    def run_messages(self, prompt: MessagesPrompt, options: AnswerOptions, scope: Scope) -> GenerationResult:
+        """``run`` for an encoded messages request (its marked chunks too), then keep its breakpoints' prefixes."""
+        options = dataclasses.replace(options, chunks=prompt.chunks, unplaced=prompt.unplaced)
+        result = self.run(list(prompt.token_ids), options, scope)
+        usage = self.breakpoints.settle(scope.namespace, scope.tenant, prompt.token_ids, prompt.breakpoints,
+                                        result.usage.cached_tokens)
         return dataclasses.replace(result, cache=usage)
 
     def encode_chat_breakpoints(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
@@ -329,15 +344,22 @@ class PrefixCache:
     def encode_text(self, prompt: str) -> list[int]:
         return list(self._canon().encode_text(prompt).token_ids)
 
-    def answer(self, prompt: list[int], *, tenant: str | None = None, max_new_tokens: int = 256,
-               temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-               do_sample: bool | None = None, seed: int | None = None, stop: Sequence[str] | str | None = None,
-               presence_penalty: float | None = None, frequency_penalty: float | None = None,
-               logit_bias: dict[int, float] | None = None, on_text: Callable[[str], None] | None = None,
-               cancel: threading.Event | None = None, ttl_seconds: float | None = None, ignore_eos: bool = False,
-               timeout_seconds: float | None = None, cache_salt: str | None = None,
-               chunks: Sequence[tuple[int, int]] | None = None, blend: bool | float | None = None,
-               unplaced: int = 0, **kwargs: Any) -> GenerationResult:
+    def encode_prefix(self, prefix: str | Sequence[dict[str, Any]] | Sequence[int],
+                      tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+        """A prefix to warm as ids: chat messages (without the generation prompt, so any later
+        conversation that starts with them hits), a text prompt, or token ids (checked)."""
+        if isinstance(prefix, str):
+            tokens = self.encode_text(prefix)
+        elif isinstance(prefix, Sequence) and prefix and all(isinstance(m, dict) for m in prefix):
+            tokens = list(self._canon().encode_chat(list(prefix), tools=tools, add_generation_prompt=False).token_ids)
+        else:
+            tokens = self._as_ids(prefix)[0].tolist()
+        if not tokens:
+            raise InvalidRequestError("the prefix encodes to zero tokens", param="prefix")
+        return tokens
+
+    def answer(self, prompt: list[int], *, tenant: str | None = None, ttl_seconds: float | None = None,
+               cache_salt: str | None = None, **options: Any) -> GenerationResult:
         """Answer already-encoded prompt ids (from ``encode_chat``/``encode_text``); options as ``complete``.
         ``cache_salt`` (as vLLM's): reuse and store prefixes only among calls of the tenant with the same salt.
         ``chunks``: token spans ``[start, end)`` of reusable chunks (``CanonicalPrompt.chunks``); ``blend``:
@@ -345,45 +367,35 @@ class PrefixCache:
         ``config.blend_recompute_share``); ``unplaced``: marked parts the encoding could not locate."""
         if not prompt:
             raise InvalidRequestError("the prompt encodes to zero tokens", param="prompt")
-        plan, why_not = blend_plan(chunks, blend, len(prompt), self.config, unplaced)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise InvalidRequestError("max_new_tokens must be an integer >= 1", param="max_tokens")
-        if len(prompt) + max_new_tokens > self.max_context:
+        scope = self.scope(tenant, cache_salt, ttl_seconds)
+        return self.run(prompt, AnswerOptions.parse(**options), scope)
+
+    def run(self, prompt: list[int], options: AnswerOptions, scope: Scope) -> GenerationResult:
+        """Answer prompt ids with checked ``options`` in ``scope`` (what ``answer`` does once it parsed them)."""
+        if not prompt:
+            raise InvalidRequestError("the prompt encodes to zero tokens", param="prompt")
+        plan, why_not = blend_plan(options.chunks, options.blend, len(prompt), self.config, options.unplaced)
+        if len(prompt) + options.max_new_tokens > self.max_context:
             raise ContextLengthExceededError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({max_new_tokens}) exceeds the model's context of "
-                f"{self.max_context} tokens", param="messages")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if not all(isinstance(s, str) and s for s in stops):
-            raise InvalidRequestError("stop must be a non-empty string or a list of them", param="stop")
-        for s in stops:
-            check_text(s, "stop")
-        tenant, ttl, timeout = self._tenant(tenant), self._ttl(ttl_seconds), self._timeout(timeout_seconds)
-        gen = dict(kwargs, max_new_tokens=max_new_tokens, **openai_params(temperature, top_p, top_k, do_sample))
-        if gen["do_sample"] and gen["top_k"] is None:
-            gen["top_k"] = 0  # OpenAI semantics: no top-k unless asked (generate() would default to 50)
-        if ignore_eos:
-            gen["eos_token_id"] = None  # generate() then stops only at max_new_tokens
-        if seed is not None:
-            gen["seed"] = seed
-        stream = TextStream(self.tokenizer, on_text, stops)
-        gen["streamer"] = stream
-        penalties = penalty_params(presence_penalty, frequency_penalty, logit_bias)
-        params, _ = (None, None) if plan is not None else self.router.route(len(prompt), None, gen, penalties)
-        ns = self.namespace(tenant, cache_salt)
+                f"prompt ({len(prompt)} tokens) + max_tokens ({options.max_new_tokens}) exceeds the model's "
+                f"context of {self.max_context} tokens", param="messages")
+        stream = TextStream(self.tokenizer, options.on_text, options.stop)
+        params, _ = (None, None) if plan is not None else self.router.route_answer(len(prompt), options)
         if params is not None:
-            new, stats, reason = self.router.answer_batched(prompt, params, ns, tenant, ttl, stream, cancel,
-                                                            timeout)
+            new, stats, reason = self.router.answer_batched(prompt, params, scope.namespace, scope.tenant,
+                                                            scope.ttl_seconds, stream, options.cancel,
+                                                            options.timeout_seconds)
         else:
-            gen.setdefault("pad_token_id", self._pad_id(None))
-            new, stats, reason = self.router.answer_serial(prompt, gen, penalties, cancel, ns, tenant, ttl,
-                                                           next(self.model.parameters()).device, plan)
+            new, stats, reason = self.router.answer_serial(prompt, options, stream, scope.namespace, scope.tenant,
+                                                           scope.ttl_seconds, next(self.model.parameters()).device,
+                                                           self._pad_id(None), plan)
         stats.blend_reason = stats.blend_reason or why_not
         self._local.last = stats
         text = self.tokenizer.decode(new, skip_special_tokens=True)
-        cut = first_stop(text, stops)
+        cut = first_stop(text, options.stop)
         if cut is not None or stream.stopped:  # OpenAI: the text ends before the stop string
             text, reason = text[:cut], "stop"
-        elif cancel is not None and cancel.is_set() and reason != "stop":
+        elif options.cancelled and reason != "stop":
             reason = "cancelled"
         return GenerationResult(text, tuple(new), reason, Usage(len(prompt), len(new), stats.cached_tokens), stats)
 
@@ -405,10 +417,10 @@ class PrefixCache:
         is set (``RequestCancelledError``) or after ``timeout_seconds`` (``GenerationTimeoutError``);
         then nothing is stored. With ``cache_salt`` only calls with the same salt read the prefix.
         """
-        tokens = self._prefix_tokens(prefix, tools)
+        tokens = self.encode_prefix(prefix, tools)
         tenant = self._tenant(tenant)
         ttl = self._pin_ttl(ttl_seconds, privileged) if pin else self._ttl(ttl_seconds)
-        timeout = self._timeout(timeout_seconds)
+        timeout = None if timeout_seconds is None else seconds(timeout_seconds, "timeout_seconds")
         need = len(tokens) * self.bytes_per_token
         if pin and not privileged and need > self.config.pin_quota_bytes:
             raise PinQuotaExceededError.of(self.store.snapshot_stats(tenant)["pinned_bytes"],
@@ -428,7 +440,7 @@ class PrefixCache:
               tools: Sequence[dict[str, Any]] | None = None, tenant: str | None = None,
               cache_salt: str | None = None) -> bool:
         """Undo one ``warm(..., pin=True)`` of the same prefix (and salt). Returns whether it was pinned."""
-        tokens = self._prefix_tokens(prefix, tools)
+        tokens = self.encode_prefix(prefix, tools)
         tenant = self._tenant(tenant)
         return self.store.unpin(self.namespace(tenant, cache_salt), tokens) > 0
 
@@ -441,30 +453,24 @@ class PrefixCache:
         return self.store.can_admit(n_tokens * self.bytes_per_token, self._tenant(tenant))
 
     def stats(self, tenant: str | None = None) -> dict[str, Any]:
-        """Hit counters and memory figures, for one tenant or (None) all."""
+        """Hit counters and memory figures, for one tenant or (None) all (``report`` as a mapping)."""
+        return self.report(tenant).to_dict()
+
+    def report(self, tenant: str | None = None) -> CacheReport:
+        """Hit counters and memory figures, for one tenant or (None) all, with the server's figures."""
         c = self.engine.tenant_counters(tenant)
-        mem = self.store.snapshot_stats(tenant)
-        queries = c["queries"]
-        out: dict[str, Any] = {
-            "queries": queries, "hits": c["hit"], "partial_hits": c["partial"], "misses": c["miss"],
-            "bypassed": c["bypassed"], "prompt_tokens": c["prompt_tokens"], "cached_tokens": c["cached_tokens"],
-            "completion_tokens": c["completion_tokens"],
-            "hit_rate": (c["hit"] + c["partial"]) / queries if queries else 0.0,
-            "token_hit_rate": c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
-            # marked chunks: calls that blended, their chunk tokens reused and recomputed, calls that could not
-            "blended": c["blended"], "chunk_reused_tokens": c["chunk_reused_tokens"],
-            "chunk_recomputed_tokens": c["chunk_recomputed_tokens"], "blend_fallbacks": c["blend_fallbacks"],
-        }
-        out.update(mem)
-        out["breakpoints"] = self.breakpoints.stats(tenant)
-        if tenant is None and self.tiers is not None:  # server-wide figures, not a tenant's
-            out["tiers"] = self.tiers.stats()
-        if tenant is None:  # not a tenant's: all KV memory, the batching engine's state
-            out["kv_bytes"] = self.store.ledger.held()  # stored, and reserved per kind of request buffer
-            out["kv_total_bytes"] = self.store.ledger.total
-            out["batching_enabled"] = self.batching_disabled_reason is None
-            out["batching_disabled_reason"] = self.batching_disabled_reason
-        return out
+        counts = HitCounts(queries=c["queries"], hits=c["hit"], partial_hits=c["partial"], misses=c["miss"],
+                           bypassed=c["bypassed"], prompt_tokens=c["prompt_tokens"], cached_tokens=c["cached_tokens"],
+                           completion_tokens=c["completion_tokens"], blended=c["blended"],
+                           chunk_reused_tokens=c["chunk_reused_tokens"],
+                           chunk_recomputed_tokens=c["chunk_recomputed_tokens"], blend_fallbacks=c["blend_fallbacks"])
+        server = None
+        if tenant is None:  # not a tenant's: all KV memory, the batching engine's state, the tiers
+            reason = self.batching_disabled_reason
+            server = ServerFigures(kv_bytes=self.store.ledger.held(), kv_total_bytes=self.store.ledger.total,
+                                   batching_enabled=reason is None, batching_disabled_reason=reason,
+                                   tiers=None if self.tiers is None else self.tiers.stats())
+        return CacheReport.of(counts, self.store.snapshot_stats(tenant), self.breakpoints.stats(tenant), server)
 
     def flush(self, tenant: str | None = None, *, tiers: bool = True) -> int:
         """Drop cached prefixes (one tenant's, or all) from the device and, with ``tiers``, from every
@@ -528,17 +534,6 @@ class PrefixCache:
             raise InvalidRequestError("chat/complete need a tokenizer: PrefixCache(model, tokenizer)")
         return self.canonicalizer
 
-    def _prefix_tokens(self, prefix: Any, tools: Any) -> list[int]:
-        if isinstance(prefix, str):
-            tokens = self.encode_text(prefix)
-        elif isinstance(prefix, Sequence) and prefix and all(isinstance(m, dict) for m in prefix):
-            tokens = list(self._canon().encode_chat(list(prefix), tools=tools, add_generation_prompt=False).token_ids)
-        else:
-            tokens = self._as_ids(prefix)[0].tolist()
-        if not tokens:
-            raise InvalidRequestError("the prefix encodes to zero tokens", param="prefix")
-        return tokens
-
     def _as_ids(self, value: Any) -> torch.Tensor:
         if value is None:
             raise InvalidRequestError("input_ids is required", param="input_ids")
@@ -567,11 +562,7 @@ class PrefixCache:
     def _ttl(self, ttl_seconds: float | None) -> float | None:
         if ttl_seconds is None:
             return self.config.ttl_seconds
-        return _seconds(ttl_seconds, "ttl_seconds", " (math.inf for no expiry)")
-
-    @staticmethod
-    def _timeout(timeout_seconds: float | None) -> float | None:
-        return None if timeout_seconds is None else _seconds(timeout_seconds, "timeout_seconds")
+        return seconds(ttl_seconds, "ttl_seconds", " (math.inf for no expiry)")
 
     def _pin_ttl(self, ttl_seconds: float | None, privileged: bool) -> float | None:
         """A pin's TTL: as asked for the operator (none by default); at most ``pin_ttl_seconds`` for a tenant."""
@@ -600,10 +591,3 @@ def _salt(cache_salt: Any) -> str:
     if not isinstance(cache_salt, str):
         raise InvalidRequestError("cache_salt must be a string", param="cache_salt")
     return cache_salt
-
-
-def _seconds(value: Any, param: str, hint: str = "") -> float | None:
-    """A caller's duration: a number > 0; math.inf means none (None)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise InvalidRequestError(f"{param} must be a number > 0{hint}", param=param)
-    return None if math.isinf(value) else float(value)

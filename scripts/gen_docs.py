@@ -191,31 +191,22 @@ def device_table() -> list[str]:
 
 
 # -- metrics ----------------------------------------------------------------------------
-class _Reading(float):
-    """A stand-in for any value of the engine's stats: a number, and a one-entry mapping.
+def _example_report() -> object:
+    """A ``CacheReport`` with one entry in every mapping, so every family the scrape-time collector
+    yields shows up with its labels."""
+    from prefixcache.cache.tiers.base import TierStats
+    from prefixcache.serving.breakpoints import EVENTS
+    from prefixcache.serving.stats import CacheReport, HitCounts, ServerFigures
 
-    The scrape-time collector reads numbers (``s["bytes"]``) and per-label mappings
-    (``s["evictions"].items()``) from ``PrefixCache.stats()``; this answers both for any key,
-    so every family it yields shows up with its labels whatever the keys are called.
-    """
-
-    def items(self) -> list[tuple[str, float]]:
-        return [("example", _Reading(1.0))]
-
-    def __getitem__(self, key: str) -> _Reading:  # a mapping of mappings (breakpoints by TTL, then event)
-        return _Reading(1.0)
-
-
-class _AnyStats(dict):
-    def __missing__(self, key: str) -> _Reading:
-        return _Reading(1.0)
-
-    def get(self, key: str, default: object = None) -> object:
-        if key == "tiers":  # one example tier, shaped as the tier chain reports it
-            from prefixcache.cache.tiers.base import TierStats
-
-            return {"example": {**TierStats().snapshot(), "bytes": 1, "budget_bytes": 1, "entries": 1, "degraded": 0}}
-        return super().get(key, default)
+    one = {"example": 1}
+    tier = {**TierStats().snapshot(), "bytes": 1, "budget_bytes": 1, "entries": 1, "degraded": 0}
+    server = ServerFigures(kv_bytes=one, kv_total_bytes=1, batching_enabled=True, batching_disabled_reason=None,
+                           tiers={"example": tier})
+    counts = HitCounts(*[1] * len(dataclasses.fields(HitCounts)))
+    return CacheReport(counts, bytes=1, budget_bytes=1, tenant_quota_bytes=None, pin_quota_bytes=None,
+                       tenant_bytes=one, entries=1, cached_tokens_held=1, pinned_bytes=1, leased_entries=1,
+                       evictions=one, reclaimed_bytes=one, breakpoints={"example": dict.fromkeys(EVENTS, 1)},
+                       server=server)
 
 
 def metric_families() -> list[tuple[str, str, str, list[str]]]:
@@ -224,7 +215,7 @@ def metric_families() -> list[tuple[str, str, str, list[str]]]:
     from prometheus_client.metrics import MetricWrapperBase
 
     m = Metrics()
-    m.bind(lambda: (_AnyStats(), 0, 0))
+    m.bind(lambda: (_example_report(), 0, 0))
     # Request-path families have no samples before a request; their wrappers declare their labels.
     declared = {w._name: w._labelnames for w in vars(m).values() if isinstance(w, MetricWrapperBase)}
     out = []

@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from prefixcache import CacheUsage, GenerationResult
+from prefixcache.serving.options import AnswerOptions
 from prefixcache.serving.request import CallStats
 from prefixcache.serving.tool_calls import Text, ToolUse, tool_use
 
@@ -90,14 +91,15 @@ async def count_tokens(body: CountTokensRequest, request: Request, who: Caller, 
 
 def messages_job(req: MessagesRequest, tenant: str, settings: Settings, tool_family: str | None = None) -> Job:
     """``tool_family``: the syntax of the model's tool calls (``tool_calls.tokenizer_family``)."""
-    options = {"temperature": server_temperature(req.temperature, settings), "top_p": req.top_p,
-               "top_k": req.top_k or None, "stop": req.stop_sequences or None}
+    options = AnswerOptions.parse(temperature=server_temperature(req.temperature, settings), top_p=req.top_p,
+                                  top_k=req.top_k or None, stop=req.stop_sequences or None,
+                                  blend=req.prefixcache_blend)
     choice = req.tool_choice
     kind = None if choice is None else {"any": "required", "tool": choice.name}.get(choice.type, choice.type)
     reading = tool_use(tool_family, [t.name for t in req.tools or []], kind,
                        not (choice is not None and choice.disable_parallel_tool_use), param="tool_choice.type")
     return Job("messages", tenant, anthropic=req.prompt(), max_tokens=limit_max_tokens(req.max_tokens, settings),
-               options=options if req.prefixcache_blend is None else {**options, "blend": req.prefixcache_blend},
+               options=options,
                cache_salt=req.cache_salt or None, diagnose=req.diagnostics is not None,
                previous_id=req.diagnostics.previous_message_id if req.diagnostics else None, tool_use=reading)
 

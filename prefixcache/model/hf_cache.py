@@ -27,6 +27,23 @@ from prefixcache.model.private_kv import PrivateKV, PrivatePool
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """A model's KV layout, or (``layout`` None) why its KV cannot be cached. Probed once per model."""
+
+    layout: KVLayout | None
+    unsupported_reason: str | None = None
+
+
+def probe(model: torch.nn.Module) -> Probe:
+    """``probe_layout``, with a model it refuses logged (once) and reported, not raised."""
+    try:
+        return Probe(probe_layout(model))
+    except UnsupportedModelError as exc:
+        log.warning("prefix caching disabled for this model: %s", exc)
+        return Probe(None, str(exc))
+
+
 def probe_layout(model: torch.nn.Module) -> KVLayout:
     """Run one token through the model to learn its KV shapes; raise if they are not plain KV."""
     config = model.config.get_text_config(decoder=True)

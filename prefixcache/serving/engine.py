@@ -29,7 +29,7 @@ import torch
 from prefixcache.cache.store import KVStore
 from prefixcache.config import check_int, check_positive
 from prefixcache.errors import ConfigError, EngineFaultError, GenerationTimeoutError, UnsupportedModelError
-from prefixcache.model.hf_cache import check_cascade, enable_cascade_attention, probe_layout
+from prefixcache.model.hf_cache import Probe, check_cascade, enable_cascade_attention, probe
 from prefixcache.model.layout import KVLayout
 from prefixcache.model.step_graphs import Capture, device_capture
 from prefixcache.serving.model_runner import ModelRunner
@@ -141,11 +141,13 @@ class BatchEngine:
     ``EngineFaultError``); ``unservable`` why one request cannot be. ``entropy`` seeds sampled
     requests that carry no seed (each gets a generator of its own). ``step_capture``: how steps of
     decodes are captured (default: the device's, CUDA graphs on CUDA, when ``step_graphs`` is on).
+    ``support``: the model's probed layout (``hf_cache.probe``), when the caller probed it already.
     """
 
     def __init__(self, model: torch.nn.Module, store: KVStore, clock: Callable[[], float],
                  config: BatchConfig | dict[str, Any] | None = None, cache_generated: bool = True,
-                 entropy: Callable[[], int] = fresh_seed, step_capture: Capture | None = None):
+                 entropy: Callable[[], int] = fresh_seed, step_capture: Capture | None = None,
+                 support: Probe | None = None):
         self.model, self.store, self._clock = model, store, clock
         # None or a mapping of fields: sized for the device once its layout is known, the mapping over it.
         overrides = None if isinstance(config, BatchConfig) else dict(config or {})
@@ -159,8 +161,11 @@ class BatchEngine:
         self._faults: list[tuple[float, str]] = []  # (when, what) of the failed steps since the last good one
         self.runner: ModelRunner | None = None
         self.scheduler: Scheduler | None = None
+        support = support if support is not None else probe(model)  # ``support``: probed by the caller
         try:
-            layout = probe_layout(model)
+            layout = support.layout
+            if layout is None:
+                raise UnsupportedModelError(support.unsupported_reason or "model not supported")
             previous = model.config._attn_implementation
             enable_cascade_attention(model)  # one-time, idempotent registration
             try:

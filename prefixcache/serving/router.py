@@ -1,6 +1,6 @@
 """One request path: which engine serves a call, and the call on it.
 
-Every call the batching engine reproduces exactly (``sampling.batch_params``: greedy or
+Every call the batching engine reproduces exactly (``options.batch_params``: greedy or
 sampled with temperature/top-p/top-k, penalties, logit bias, min/max new tokens, EOS ids,
 stop strings, a streamer, seeds) runs there, so concurrent callers share its steps. The
 rest (beam search, a caller's logits processors or stopping criteria, scores, attentions,
@@ -19,8 +19,9 @@ from transformers import GenerationConfig, StoppingCriteriaList
 
 from prefixcache.serving.blend import BlendRequest
 from prefixcache.serving.engine import BatchEngine, BatchResult
+from prefixcache.serving.options import AnswerOptions, batch_params
 from prefixcache.serving.request import CallStats, SamplingParams, finish_reason
-from prefixcache.serving.sampling import OpenAIPenalties, as_id_set, batch_params, stop_string_check
+from prefixcache.serving.sampling import OpenAIPenalties, stop_string_check
 from prefixcache.serving.serial import CancelCriteria, Engine
 from prefixcache.serving.text_stream import Halt, TextStream
 
@@ -33,13 +34,23 @@ class Router:
     def __init__(self, engine: Engine, batcher: BatchEngine | None, cache_generated: bool):
         self.engine, self.batcher, self.cache_generated = engine, batcher, cache_generated
 
-    def route(self, prompt_len: int, generation_config: GenerationConfig | None, kwargs: dict[str, Any],
-              extra: dict[str, Any] | None = None) -> tuple[SamplingParams | None, str | None]:
-        """The call's ``SamplingParams`` when the batching engine serves it, else (None, why not)."""
+    def route(self, prompt_len: int, generation_config: GenerationConfig | None,
+              kwargs: dict[str, Any]) -> tuple[SamplingParams | None, str | None]:
+        """A ``generate()`` call's ``SamplingParams`` when the batching engine serves it, else (None, why not)."""
         if self.batcher is None:
             return None, "batching is off"
         config = self.engine.effective_config(generation_config, kwargs)
-        params, reason = batch_params(config, kwargs, prompt_len, extra)
+        return self._servable(prompt_len, *batch_params(config, kwargs, prompt_len))
+
+    def route_answer(self, prompt_len: int, options: AnswerOptions) -> tuple[SamplingParams | None, str | None]:
+        """An OpenAI-shaped call's ``SamplingParams`` when the batching engine serves it, else (None, why not)."""
+        if self.batcher is None:
+            return None, "batching is off"
+        config = self.engine.effective_config(None, options.extra)
+        return self._servable(prompt_len, *options.batch_params(config, prompt_len))
+
+    def _servable(self, prompt_len: int, params: SamplingParams | None,
+                  reason: str | None) -> tuple[SamplingParams | None, str | None]:
         if params is not None:
             reason = self.batcher.unservable(prompt_len, params)
         if reason is not None:
@@ -92,12 +103,16 @@ class Router:
         stream.end()
         return res.tokens, res.stats, res.finish_reason
 
-    def answer_serial(self, prompt: list[int], gen: dict[str, Any], penalties: dict[str, Any],
-                      cancel: threading.Event | None, namespace: tuple[str, ...], tenant: str, ttl: float | None,
-                      device: torch.device, blend: BlendRequest | None = None) -> tuple[list[int], CallStats, str]:
-        """(new tokens, stats, finish reason) from the serial engine; ``gen``: generate() kwargs, its
-        ``streamer`` the call's ``TextStream`` (which also ends the call at a stop string); ``blend``: the
-        prompt's marked chunks, reused (``serving/blend.py``)."""
+    def answer_serial(self, prompt: list[int], options: AnswerOptions, stream: TextStream,
+                      namespace: tuple[str, ...], tenant: str, ttl: float | None, device: torch.device,
+                      pad_id: int, blend: BlendRequest | None = None) -> tuple[list[int], CallStats, str]:
+        """(new tokens, stats, finish reason) from the serial engine; ``stream`` is the call's streamer
+        (which also ends the call at a stop string); ``blend``: the prompt's marked chunks, reused
+        (``serving/blend.py``)."""
+        gen = options.generate_kwargs()
+        gen["streamer"] = stream
+        gen.setdefault("pad_token_id", pad_id)
+        penalties = options.penalties()
         if penalties:
             processor = OpenAIPenalties(SamplingParams(**penalties), len(prompt))
             gen["logits_processor"] = [*(gen.get("logits_processor") or []), processor]
@@ -105,14 +120,14 @@ class Router:
         # criteria, so a stop string it finds ends generation at that token, as on the batching
         # engine; no per-request tables are built for the stop strings (``stop_strings`` would).
         criteria = StoppingCriteriaList(gen.pop("stopping_criteria", None) or [])
-        criteria.append(CancelCriteria(Halt(cancel, gen["streamer"])))
+        criteria.append(CancelCriteria(Halt(options.cancel, stream)))
         gen["stopping_criteria"] = criteria
         out, stats = self.engine.generate(torch.tensor([prompt], device=device), namespace, tenant, None, gen, ttl,
                                           self.cache_generated, blend)
         new = out[0, len(prompt):].tolist()
-        config = self.engine.effective_config(None, gen)
-        params = SamplingParams(max_new_tokens=gen["max_new_tokens"], eos_token_ids=frozenset(as_id_set(config.eos_token_id)))
-        return new, stats, finish_reason(new, params, False, cancel is not None and cancel.is_set())
+        eos = options.eos_ids(self.engine.effective_config(None, options.extra))
+        params = SamplingParams(max_new_tokens=options.max_new_tokens, eos_token_ids=eos)
+        return new, stats, finish_reason(new, params, False, options.cancelled)
 
     def serial(self, ids: torch.Tensor, namespace: tuple[str, ...], tenant: str,
                generation_config: GenerationConfig | None, kwargs: dict[str, Any],

@@ -1,9 +1,8 @@
-"""Choosing tokens: one mapping from the caller's options to ``SamplingParams``, and one sampler.
+"""Choosing tokens: OpenAI's sampling options checked, and one sampler.
 
-``batch_params`` reads an effective ``GenerationConfig`` plus ``generate()`` keyword
-arguments and says whether the batching engine reproduces them exactly (else why not).
-``Sampler`` applies what ``generate()`` applies, in its order: repetition penalty,
-min-new-tokens, then the OpenAI penalties and logit bias (a caller's processor), then
+``openai_params`` and ``penalty_params`` check OpenAI-style options (``options`` maps a
+call's options to ``SamplingParams``). ``Sampler`` applies what ``generate()`` applies, in its
+order: repetition penalty, min-new-tokens, then the OpenAI penalties and logit bias (a caller's processor), then
 temperature, top-k and top-p when sampling. The serial engine gets the same OpenAI
 penalties as a ``LogitsProcessor`` (``OpenAIPenalties``), so both executors compute the same.
 """
@@ -15,7 +14,6 @@ from typing import Any
 
 import torch
 from transformers import (
-    GenerationConfig,
     LogitsProcessor,
     LogitsProcessorList,
     MinNewTokensLengthLogitsProcessor,
@@ -38,66 +36,6 @@ def fresh_seed() -> int:
 #: Temperatures below this are served greedily: their limit is argmax, and dividing logits
 #: by e.g. 1e-300 overflows to inf and breaks sampling.
 GREEDY_BELOW = 1e-4
-
-#: GenerationConfig fields the batching engine reads (see ``batch_params``).
-_READ = {"max_new_tokens", "max_length", "min_new_tokens", "min_length", "do_sample", "temperature", "top_k",
-         "top_p", "repetition_penalty", "eos_token_id", "stop_strings"}
-#: Fields that change nothing for one greedy or sampled sequence at these values (None is always neutral).
-_NEUTRAL: dict[str, Callable[[Any], bool]] = {
-    "num_beams": lambda v: v == 1, "num_return_sequences": lambda v: v == 1, "use_cache": lambda v: v is True,
-    "return_dict_in_generate": lambda v: v is False, "output_attentions": lambda v: v is False,
-    "output_hidden_states": lambda v: v is False, "output_scores": lambda v: v is False,
-    "output_logits": lambda v: v is False, "renormalize_logits": lambda v: v is False,
-    "remove_invalid_values": lambda v: v is False, "low_memory": lambda v: v is False,
-    "num_beam_groups": lambda v: v == 1, "diversity_penalty": lambda v: v == 0.0,
-    "typical_p": lambda v: v == 1.0, "encoder_repetition_penalty": lambda v: v == 1.0,
-    "guidance_scale": lambda v: v == 1.0, "is_assistant": lambda v: v is False,
-}
-#: Fields that only describe the model or matter for beam search, speculation or compilation.
-_INERT = {"pad_token_id", "bos_token_id", "decoder_start_token_id", "length_penalty", "early_stopping",
-          "num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
-          "assistant_lookbehind", "target_lookbehind", "max_matching_ngram_size", "compile_config",
-          "disable_compile", "cache_config", "max_cache_len", "_from_model_config", "transformers_version"}
-#: generate() keyword arguments the batching engine takes (others go to the serial engine).
-_KWARGS = {"streamer", "tokenizer", "seed"}
-
-
-def batch_params(config: GenerationConfig, kwargs: Mapping[str, Any], prompt_len: int,
-                 extra: Mapping[str, Any] | None = None) -> tuple[SamplingParams | None, str | None]:
-    """``SamplingParams`` reproducing ``generate(**kwargs)`` under ``config`` (the effective one:
-    model default, caller's config, kwargs), or (None, the first option only the serial engine serves).
-
-    ``extra``: ``SamplingParams`` fields that ``generate()`` has no option for (OpenAI penalties).
-    """
-    for name, value in kwargs.items():
-        if name in ("logits_processor", "stopping_criteria") and not value:
-            continue
-        if name not in _KWARGS and not hasattr(config, name):
-            return None, f"option {name} is served by the serial engine"
-    for name, value in config.to_dict().items():
-        if value is None or name in _READ or name in _INERT:
-            continue
-        if not _NEUTRAL.get(name, lambda _v: False)(value):
-            return None, f"option {name}={value!r} is served by the serial engine"
-    sample = bool(config.do_sample)
-    temperature = config.temperature if config.temperature is not None else 1.0
-    if sample and temperature < GREEDY_BELOW:
-        return None, f"temperature={temperature!r} with do_sample is served by the serial engine"
-    max_new = config.max_new_tokens
-    if max_new is None:
-        max_new = max((config.max_length if config.max_length is not None else 20) - prompt_len, 1)
-    min_new = config.min_new_tokens or max((config.min_length or 0) - prompt_len, 0)
-    stops = config.stop_strings
-    if stops is not None and kwargs.get("tokenizer") is None:
-        return None, "stop_strings without a tokenizer (generate() raises): served by the serial engine"
-    params = SamplingParams(
-        max_new_tokens=int(max_new), min_new_tokens=int(min_new),
-        temperature=float(temperature) if sample else None,
-        top_p=config.top_p if sample else None, top_k=config.top_k if sample else None,
-        repetition_penalty=config.repetition_penalty, seed=kwargs.get("seed"),
-        eos_token_ids=frozenset(as_id_set(config.eos_token_id)),
-        stop_strings=(stops,) if isinstance(stops, str) else tuple(stops or ()), **dict(extra or {}))
-    return params, None
 
 
 def openai_params(temperature: float | None, top_p: float | None, top_k: int | None,

@@ -21,31 +21,16 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList,
 
 from prefixcache.cache.store import KVStore
 from prefixcache.errors import GenerationTimeoutError, RequestCancelledError, UnsupportedModelError
-from prefixcache.model.hf_cache import WorkingCache, probe_layout
-from prefixcache.model.layout import KVLayout
+from prefixcache.model.hf_cache import Probe, WorkingCache, probe
 from prefixcache.serving.blend import Blender, BlendRequest
+from prefixcache.serving.options import bypass_reason
 from prefixcache.serving.request import CallStats
 from prefixcache.serving.sampling import fresh_seed
 
 log = logging.getLogger(__name__)
 
-#: generate() options the shared cache cannot serve exactly; such calls bypass the cache.
-#: Checked on the effective generation config (model default, then the caller's config, then kwargs).
-_BYPASS_CONFIG = {
-    "num_beams": lambda v: v not in (None, 1),
-    "num_return_sequences": lambda v: v not in (None, 1),
-    "prompt_lookup_num_tokens": lambda v: v is not None,
-    "output_attentions": bool,
-    "output_hidden_states": bool,
-    "use_cache": lambda v: v is False,
-    "cache_implementation": lambda v: v is not None,
-}
 #: Tokens a prewarm computes per forward; it checks for cancellation and its deadline between them.
 PREWARM_CHUNK_TOKENS = 256
-
-#: generate() keyword arguments that are not config fields but also bypass the cache.
-_BYPASS_KWARGS = ("assistant_model", "past_key_values", "assistant_tokenizer")
-
 
 class CancelCriteria(StoppingCriteria):
     """Stops ``generate()`` once ``event.is_set()`` (a client went away, or a stop string was seen)."""
@@ -90,7 +75,7 @@ class Engine:
     """The serial engine; ``entropy`` seeds calls that give no ``seed`` (their RNG is isolated too)."""
 
     def __init__(self, model: torch.nn.Module, store: KVStore, clock: Callable[[], float],
-                 entropy: Callable[[], int] = fresh_seed):
+                 entropy: Callable[[], int] = fresh_seed, support: Probe | None = None):
         self.model = model
         self.store = store
         self._clock = clock
@@ -99,12 +84,8 @@ class Engine:
         self.prewarm_chunk = PREWARM_CHUNK_TOKENS
         self._stats_lock = threading.Lock()
         self.counters: dict[str, Counter[str]] = {}
-        try:
-            self.layout: KVLayout | None = probe_layout(model)
-            self.unsupported_reason: str | None = None
-        except UnsupportedModelError as exc:
-            self.layout, self.unsupported_reason = None, str(exc)
-            log.warning("prefix caching disabled for this model: %s", exc)
+        support = support if support is not None else probe(model)  # ``support``: probed by the caller
+        self.layout, self.unsupported_reason = support.layout, support.unsupported_reason
         self.blender = Blender(model, self.layout, store)
 
     # -- public --------------------------------------------------------------------
@@ -239,14 +220,7 @@ class Engine:
     def _bypass_reason(self, config: GenerationConfig, kwargs: dict[str, Any], total_len: int) -> str | None:
         if self.layout is None:
             return f"model not supported: {self.unsupported_reason}"
-        for name in _BYPASS_KWARGS:
-            if kwargs.get(name) is not None:
-                return f"option {name} is served uncached"
-        for name, rejects in _BYPASS_CONFIG.items():
-            value = getattr(config, name, None)
-            if rejects(value):
-                return f"option {name}={value!r} is served uncached"
-        return self.layout.window_reason(total_len)
+        return bypass_reason(config, kwargs) or self.layout.window_reason(total_len)
 
     def record(self, tenant: str, stats: CallStats) -> None:
         """Count one finished call in the tenant's hit counters."""

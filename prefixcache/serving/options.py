@@ -1,0 +1,251 @@
+"""A call's options: one table of ``generate()`` options, and one validated OpenAI-shaped request.
+
+``OPTIONS`` says, for every ``generate()`` option the engines treat specially, whether the
+serial engine can still reuse cached KV at a value (``cached``; else the call runs as plain
+``generate()``, a bypass) and whether the batching engine reproduces the call at that value
+(``batched``: it reads the option, or the value changes nothing). A config field absent from
+the table is served by the serial engine unless None.
+
+``AnswerOptions`` is what ``PrefixCache.chat``/``complete``/``answer`` take, parsed and
+checked once: the batching engine reads its ``SamplingParams`` straight from it, and only a
+call the batching engine cannot serve turns it into ``generate()`` keyword arguments.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import GenerationConfig
+
+from prefixcache.errors import InvalidRequestError
+from prefixcache.serving.canonicalize import check_text
+from prefixcache.serving.request import SamplingParams
+from prefixcache.serving.sampling import GREEDY_BELOW, as_id_set, openai_params, penalty_params
+
+
+def _always(_value: Any) -> bool:
+    return True
+
+
+def _never(_value: Any) -> bool:
+    return False
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """What one ``generate()`` option means to the engines, at a given (non-None) value."""
+
+    batched: Callable[[Any], bool] = _never  # the batching engine reproduces the call
+    cached: Callable[[Any], bool] = _always  # the serial engine may reuse cached KV (else: a bypass)
+    kwarg: bool = False  # a ``generate()`` keyword argument, not a ``GenerationConfig`` field
+
+
+_READ = Rule(batched=_always)  # the batching engine reads it (``sampling.batch_params``)
+_INERT = Rule(batched=_always)  # describes the model, or matters only for beam search, speculation, compilation
+
+#: Every generate() option either engine treats specially.
+OPTIONS: dict[str, Rule] = {
+    **dict.fromkeys(("max_new_tokens", "max_length", "min_new_tokens", "min_length", "do_sample", "temperature",
+                     "top_k", "top_p", "repetition_penalty", "eos_token_id", "stop_strings"), _READ),
+    **dict.fromkeys(("pad_token_id", "bos_token_id", "decoder_start_token_id", "length_penalty", "early_stopping",
+                     "num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
+                     "assistant_lookbehind", "target_lookbehind", "max_matching_ngram_size", "compile_config",
+                     "disable_compile", "cache_config", "max_cache_len", "_from_model_config",
+                     "transformers_version"), _INERT),
+    # Neutral at these values for one greedy or sampled sequence; some also keep the cache from serving.
+    "num_beams": Rule(lambda v: v == 1, lambda v: v in (None, 1)),
+    "num_return_sequences": Rule(lambda v: v == 1, lambda v: v in (None, 1)),
+    "use_cache": Rule(lambda v: v is True, lambda v: v is not False),
+    "output_attentions": Rule(lambda v: v is False, lambda v: not v),
+    "output_hidden_states": Rule(lambda v: v is False, lambda v: not v),
+    "return_dict_in_generate": Rule(lambda v: v is False),
+    "output_scores": Rule(lambda v: v is False),
+    "output_logits": Rule(lambda v: v is False),
+    "renormalize_logits": Rule(lambda v: v is False),
+    "remove_invalid_values": Rule(lambda v: v is False),
+    "low_memory": Rule(lambda v: v is False),
+    "num_beam_groups": Rule(lambda v: v == 1),
+    "diversity_penalty": Rule(lambda v: v == 0.0),
+    "typical_p": Rule(lambda v: v == 1.0),
+    "encoder_repetition_penalty": Rule(lambda v: v == 1.0),
+    "guidance_scale": Rule(lambda v: v == 1.0),
+    "is_assistant": Rule(lambda v: v is False),
+    "prompt_lookup_num_tokens": Rule(cached=lambda v: v is None),
+    "cache_implementation": Rule(cached=lambda v: v is None),
+    # generate() keyword arguments.
+    **dict.fromkeys(("streamer", "tokenizer", "seed"), Rule(batched=_always, kwarg=True)),
+    **dict.fromkeys(("assistant_model", "past_key_values", "assistant_tokenizer"),
+                    Rule(cached=lambda v: v is None, kwarg=True)),
+}
+
+
+def bypass_reason(config: GenerationConfig, kwargs: Mapping[str, Any]) -> str | None:
+    """The first option at which the cache cannot serve the call (it runs as plain ``generate()``), or None."""
+    for name, rule in OPTIONS.items():
+        if rule.kwarg and not rule.cached(kwargs.get(name)):
+            return f"option {name} is served uncached"
+    for name, rule in OPTIONS.items():
+        value = None if rule.kwarg else getattr(config, name, None)
+        if not rule.kwarg and not rule.cached(value):
+            return f"option {name}={value!r} is served uncached"
+    return None
+
+
+def unbatchable(config: GenerationConfig, kwargs: Mapping[str, Any]) -> str | None:
+    """The first option (of ``kwargs``, then of the effective ``config``) only the serial engine serves, or None."""
+    for name, value in kwargs.items():
+        if name in ("logits_processor", "stopping_criteria") and not value:
+            continue
+        rule = OPTIONS.get(name)
+        served = rule.batched(value) if rule is not None and rule.kwarg else hasattr(config, name)
+        if not served:
+            return f"option {name} is served by the serial engine"
+    for name, value in config.to_dict().items():
+        rule = OPTIONS.get(name)
+        if value is not None and (rule is None or rule.kwarg or not rule.batched(value)):
+            return f"option {name}={value!r} is served by the serial engine"
+    return None
+
+
+def batch_params(config: GenerationConfig, kwargs: Mapping[str, Any],
+                 prompt_len: int) -> tuple[SamplingParams | None, str | None]:
+    """``SamplingParams`` reproducing ``generate(**kwargs)`` under ``config`` (the effective one:
+    model default, caller's config, kwargs), or (None, the first option only the serial engine serves)."""
+    reason = unbatchable(config, kwargs)
+    sample = bool(config.do_sample)
+    temperature = config.temperature if config.temperature is not None else 1.0
+    if reason is None and sample and temperature < GREEDY_BELOW:
+        reason = f"temperature={temperature!r} with do_sample is served by the serial engine"
+    reason = reason or _stop_strings_reason(config, kwargs)
+    if reason is not None:
+        return None, reason
+    max_new = config.max_new_tokens
+    if max_new is None:
+        max_new = max((config.max_length if config.max_length is not None else 20) - prompt_len, 1)
+    return _params(config, prompt_len, max_new=int(max_new), temperature=float(temperature) if sample else None,
+                   top_p=config.top_p if sample else None, top_k=config.top_k if sample else None,
+                   seed=kwargs.get("seed"), eos=frozenset(as_id_set(config.eos_token_id))), None
+
+
+def _stop_strings_reason(config: GenerationConfig, kwargs: Mapping[str, Any]) -> str | None:
+    if config.stop_strings is not None and kwargs.get("tokenizer") is None:
+        return "stop_strings without a tokenizer (generate() raises): served by the serial engine"
+    return None
+
+
+def _params(config: GenerationConfig, prompt_len: int, *, max_new: int, temperature: float | None,
+            top_p: float | None, top_k: int | None, seed: int | None, eos: frozenset[int],
+            **penalties: Any) -> SamplingParams:
+    """``SamplingParams`` of a call: what it sets, and from ``config`` what it leaves to the model."""
+    min_new = config.min_new_tokens or max((config.min_length or 0) - prompt_len, 0)
+    stops = config.stop_strings
+    return SamplingParams(max_new_tokens=max_new, min_new_tokens=int(min_new), temperature=temperature,
+                          top_p=top_p, top_k=top_k, repetition_penalty=config.repetition_penalty, seed=seed,
+                          eos_token_ids=eos, stop_strings=(stops,) if isinstance(stops, str) else tuple(stops or ()),
+                          **penalties)
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerOptions:
+    """One OpenAI-shaped call's options, checked (``parse``). ``top_k`` 0: none (sampling without top-k).
+
+    ``extra``: any other ``generate()`` keyword argument, passed as given (it may send the call to
+    the serial engine). ``on_text`` receives text deltas; a set ``cancel`` ends the call at the next
+    token; ``timeout_seconds`` bounds a call the batching engine serves. ``chunks``, ``blend`` and
+    ``unplaced``: the prompt's marked chunks and how to reuse them (``blend.blend_plan`` checks them
+    against the prompt).
+    """
+
+    max_new_tokens: int = 256
+    do_sample: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    ignore_eos: bool = False
+    timeout_seconds: float | None = None
+    on_text: Callable[[str], None] | None = None
+    cancel: threading.Event | None = None
+    chunks: Sequence[tuple[int, int]] | None = None
+    blend: bool | float | None = None
+    unplaced: int = 0
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, *, max_new_tokens: int = 256, temperature: float | None = None, top_p: float | None = None,
+              top_k: int | None = None, do_sample: bool | None = None, seed: int | None = None,
+              stop: Sequence[str] | str | None = None, presence_penalty: float | None = None,
+              frequency_penalty: float | None = None, logit_bias: Mapping[int, float] | None = None,
+              on_text: Callable[[str], None] | None = None, cancel: threading.Event | None = None,
+              ignore_eos: bool = False, timeout_seconds: float | None = None,
+              chunks: Sequence[tuple[int, int]] | None = None, blend: bool | float | None = None, unplaced: int = 0,
+              **extra: Any) -> AnswerOptions:
+        """Check every option once; a bad one raises ``InvalidRequestError`` naming its parameter."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise InvalidRequestError("max_new_tokens must be an integer >= 1", param="max_tokens")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if not all(isinstance(s, str) and s for s in stops):
+            raise InvalidRequestError("stop must be a non-empty string or a list of them", param="stop")
+        for s in stops:
+            check_text(s, "stop")
+        timeout = None if timeout_seconds is None else seconds(timeout_seconds, "timeout_seconds")
+        sampling = openai_params(temperature, top_p, top_k, do_sample)
+        if sampling["do_sample"] and sampling["top_k"] is None:
+            sampling["top_k"] = 0  # OpenAI semantics: no top-k unless asked (generate() would default to 50)
+        penalties = penalty_params(presence_penalty, frequency_penalty, logit_bias)
+        return cls(max_new_tokens, **sampling, seed=seed, stop=tuple(stops), **penalties,
+                   ignore_eos=bool(ignore_eos), timeout_seconds=timeout, on_text=on_text, cancel=cancel, chunks=chunks,
+                   blend=blend, unplaced=unplaced, extra=extra)
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel is not None and self.cancel.is_set()
+
+    def penalties(self) -> dict[str, Any]:
+        """OpenAI's penalties and logit bias as ``SamplingParams`` fields (only those set)."""
+        out = {"presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+               "logit_bias": self.logit_bias}
+        return {k: v for k, v in out.items() if v}
+
+    def eos_ids(self, config: GenerationConfig) -> frozenset[int]:
+        """End-of-sequence ids under the effective ``config``; none with ``ignore_eos``."""
+        return frozenset() if self.ignore_eos else frozenset(as_id_set(config.eos_token_id))
+
+    def batch_params(self, config: GenerationConfig, prompt_len: int) -> tuple[SamplingParams | None, str | None]:
+        """The batching engine's ``SamplingParams``, or (None, why only the serial engine serves the call).
+
+        ``config``: the model's generation config updated by ``extra``; it gives what the call does
+        not set (repetition penalty, minimum length, end-of-sequence ids, stop strings).
+        """
+        reason = unbatchable(config, self.extra) or _stop_strings_reason(config, self.extra)
+        if reason is not None:
+            return None, reason
+        sample = self.do_sample
+        return _params(config, prompt_len, max_new=self.max_new_tokens,
+                       temperature=(1.0 if self.temperature is None else self.temperature) if sample else None,
+                       top_p=self.top_p if sample else None, top_k=self.top_k if sample else None,
+                       seed=self.seed, eos=self.eos_ids(config), **self.penalties()), None
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        """The call as ``generate()`` keyword arguments, for the serial engine."""
+        gen = dict(self.extra, max_new_tokens=self.max_new_tokens, do_sample=self.do_sample,
+                   temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+        if self.ignore_eos:
+            gen["eos_token_id"] = None  # generate() then stops only at max_new_tokens
+        if self.seed is not None:
+            gen["seed"] = self.seed
+        return gen
+
+
+def seconds(value: Any, param: str, hint: str = "") -> float | None:
+    """A caller's duration: a number > 0; math.inf means none (None)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise InvalidRequestError(f"{param} must be a number > 0{hint}", param=param)
+    return None if math.isinf(value) else float(value)

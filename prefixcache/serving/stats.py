@@ -1,0 +1,97 @@
+"""What ``PrefixCache.report`` returns: hit counters and memory figures, typed."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class HitCounts:
+    """Calls served and tokens, of one tenant or all: hits took every reusable token from the cache,
+    partial hits some, misses none; bypassed calls ran uncached (``CallStats.bypass_reason``)."""
+
+    queries: int
+    hits: int
+    partial_hits: int
+    misses: int
+    bypassed: int
+
+    @property
+    def hit_rate(self) -> float:
+        return (self.hits + self.partial_hits) / self.queries if self.queries else 0.0
+
+    #: Tokens of those calls: their prompts, the prompt tokens read from the cache, and those generated.
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+    @property
+    def token_hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    #: Marked chunks: calls that blended, their chunk tokens reused and recomputed, calls that could not.
+    blended: int
+    chunk_reused_tokens: int
+    chunk_recomputed_tokens: int
+    blend_fallbacks: int
+
+
+@dataclass(frozen=True, slots=True)
+class ServerFigures:
+    """Figures of the whole server, not of a tenant (``report(None)`` only)."""
+
+    kv_bytes: dict[str, int]  # all KV memory: stored, and reserved per kind of request buffer
+    kv_total_bytes: int
+    batching_enabled: bool
+    batching_disabled_reason: str | None
+    tiers: dict[str, dict[str, Any]] | None  # per lower tier (``TierChain.stats``); None: no tiers
+
+
+@dataclass(frozen=True, slots=True)
+class CacheReport:
+    """Hit counters and memory figures of one tenant, or (``server`` set) of all.
+
+    Memory (``KVStore.snapshot_stats``): ``bytes`` held, ``budget_bytes``, the quotas,
+    ``tenant_bytes`` per tenant, ``entries`` (blocks), ``cached_tokens_held``, ``pinned_bytes``,
+    ``leased_entries``, ``evictions`` and ``reclaimed_bytes`` by reason. ``breakpoints``: per
+    TTL, cache breakpoint events and tokens (``Breakpoints.stats``).
+    """
+
+    counts: HitCounts
+    bytes: int
+    budget_bytes: int
+    tenant_quota_bytes: int | None
+    pin_quota_bytes: int | None
+    tenant_bytes: dict[str, int]
+    entries: int
+    cached_tokens_held: int
+    pinned_bytes: int
+    leased_entries: int
+    evictions: dict[str, int]
+    reclaimed_bytes: dict[str, int]
+    breakpoints: dict[str, dict[str, int]]
+    server: ServerFigures | None = None
+
+    @classmethod
+    def of(cls, counts: HitCounts, memory: Mapping[str, Any], breakpoints: dict[str, dict[str, int]],
+           server: ServerFigures | None) -> CacheReport:
+        """From the store's ``snapshot_stats`` (its keys are this class's memory fields)."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"counts", "breakpoints", "server"}
+        return cls(counts, **{k: memory[k] for k in names}, breakpoints=breakpoints, server=server)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The flat mapping ``PrefixCache.stats`` returns (server figures only when reported, tiers only
+        when configured)."""
+        c = self.counts
+        out: dict[str, Any] = {**{f.name: getattr(c, f.name) for f in dataclasses.fields(c)},
+                               "hit_rate": c.hit_rate, "token_hit_rate": c.token_hit_rate}
+        out.update({f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                    if f.name not in ("counts", "server")})
+        if self.server is not None:
+            server = {f.name: getattr(self.server, f.name) for f in dataclasses.fields(self.server)}
+            if server["tiers"] is None:
+                del server["tiers"]
+            out.update(server)
+        return out
