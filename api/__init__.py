@@ -1,7 +1,7 @@
 """prefixcache's OpenAI-compatible proxy (installed as ``prefixcache_api``).
 
 Modules follow the request: settings -> protocol -> errors -> auth -> metrics ->
-sampling -> serving -> routes -> app. ``create_app(settings)`` builds the ASGI app.
+jobs -> serving -> routes -> app. ``create_app(settings)`` builds the ASGI app.
 
 The names below are imported on first use, so reading ``settings`` alone (the ``prefixcache``
 command builds its ``serve`` flags from it for every subcommand) does not load the app and the model code.

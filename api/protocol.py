@@ -4,7 +4,7 @@ Requests forbid unknown fields: OpenAI answers an unrecognized argument with a 4
 and a sampling option we silently dropped would change answers without a word. Every
 OpenAI sampling parameter is declared; the ones the proxy cannot honour are refused
 with a 400, by the schema itself where it can say so (``n`` is at most 1) and
-otherwise in ``sampling.py``. Chat messages ignore extra keys (clients echo back
+otherwise in ``jobs.py``. Chat messages ignore extra keys (clients echo back
 ``refusal``, ``annotations``…), and the canonicalizer drops them anyway.
 """
 from __future__ import annotations
@@ -173,7 +173,7 @@ class GenerationFields(BaseModel):
     user: Text | None = Field(None, description="End-user id, for the caller's records. Never selects a "
                               "tenant or cache namespace: that comes from the API key.")
     # SGLang's fields, which sglang-router adds to every body it forwards: accepted with the
-    # values that match what this server does, refused (400) otherwise (see ``sampling``).
+    # values that match what this server does, refused (400) otherwise (see ``jobs``).
     no_stop_trim: bool | None = Field(None, description="SGLang extension: only false (the stop string is "
                                       "trimmed from the answer).")
     skip_special_tokens: bool | None = Field(None, description="SGLang extension: only true (special tokens "

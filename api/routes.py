@@ -1,7 +1,7 @@
 """HTTP routes: authenticate, turn the request into a job, hand it to ``Serving``, shape the answer.
 
 Handlers stay thin: tenancy lives in ``auth``, input bounds in ``limits``, parameter
-handling in ``sampling``, queueing and cancellation in ``serving``, error mapping in
+handling in ``jobs``, queueing and cancellation in ``serving``, error mapping in
 ``errors``. Every route is a ``GuardedRoute``: the caller is authenticated and a tenant key's
 place reserved before the body is read, and the body is read with a cap and a deadline before
 FastAPI parses it.
@@ -37,6 +37,7 @@ from .errors import (
     status_of,
 )
 from .fairness import InvalidBudget, retry_after_seconds
+from .jobs import Job, chat_job, completion_job
 from .limits import NOT_JSON, check_chat, check_completion, check_counts, check_prewarm, read_body, utf8_text
 from .metrics import CONTENT_TYPE
 from .protocol import (
@@ -64,7 +65,6 @@ from .protocol import (
     TierInfo,
     UsageInfo,
 )
-from .sampling import Job, chat_job, completion_job
 from .serving import GenerationStream, Serving
 from .streaming import SSE_RESPONSE, call_id, event, pieces, read, sse, tail
 
@@ -216,7 +216,7 @@ def serving(request: Request) -> Serving:
 
 
 Caller = Annotated[Principal, Depends(principal)]
-Engine = Annotated[Serving, Depends(serving)]
+ServingDep = Annotated[Serving, Depends(serving)]
 TenantQuery = Annotated[str | None, Query(description="Admin only: act on this tenant (omit: all). Others may "
                                           "name only their own.")]
 
@@ -262,18 +262,18 @@ async def readyz(request: Request) -> Health:
 
 # -- OpenAI ----------------------------------------------------------------------------
 @router.get("/v1/models", response_model=ModelList, responses=_ERRORS, tags=["openai"])
-async def list_models(who: Caller, srv: Engine) -> ModelList:
+async def list_models(who: Caller, srv: ServingDep) -> ModelList:
     return ModelList(data=[ModelCard(id=srv.model_name, created=srv.created)])
 
 
 @router.get("/v1/models/{model}", response_model=ModelCard, responses=_ERRORS, tags=["openai"])
-async def get_model(model: str, who: Caller, srv: Engine) -> ModelCard:
+async def get_model(model: str, who: Caller, srv: ServingDep) -> ModelCard:
     check_model(srv, model)
     return ModelCard(id=srv.model_name, created=srv.created)
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletion, responses={**_ERRORS, **SSE_RESPONSE}, tags=["openai"])
-async def chat_completions(body: ChatCompletionRequest, request: Request, who: Caller, srv: Engine) -> Any:
+async def chat_completions(body: ChatCompletionRequest, request: Request, who: Caller, srv: ServingDep) -> Any:
     check_model(srv, body.model)
     check_chat(body, srv.settings)
     job = chat_job(body, who.tenant, srv.settings, srv.vocab_size, srv.tool_family)
@@ -292,7 +292,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, who: C
 
 
 @router.post("/v1/completions", response_model=Completion, responses={**_ERRORS, **SSE_RESPONSE}, tags=["openai"])
-async def completions(body: CompletionRequest, request: Request, who: Caller, srv: Engine) -> Any:
+async def completions(body: CompletionRequest, request: Request, who: Caller, srv: ServingDep) -> Any:
     check_model(srv, body.model)
     check_completion(body, srv.settings)
     job = completion_job(body, who.tenant, srv.settings, srv.vocab_size)
@@ -328,7 +328,7 @@ async def respond(job: Job, stream: bool, request: Request, srv: Serving, id_pre
 
 # -- cache admin -------------------------------------------------------------------------
 @router.post("/v1/cache/prewarm", response_model=PrewarmResponse, responses=_ERRORS, tags=["cache"])
-async def prewarm(body: PrewarmRequest, request: Request, who: Caller, srv: Engine,
+async def prewarm(body: PrewarmRequest, request: Request, who: Caller, srv: ServingDep,
                   tenant: TenantQuery = None) -> PrewarmResponse:
     """Prefill and keep a prefix for the caller's tenant (admin: any tenant via ?tenant=)."""
     check_model(srv, body.model)
@@ -346,7 +346,7 @@ async def prewarm(body: PrewarmRequest, request: Request, who: Caller, srv: Engi
 
 
 @router.delete("/v1/cache", response_model=FlushResponse, responses=_ERRORS, tags=["cache"])
-async def flush(request: Request, who: Caller, srv: Engine, tenant: TenantQuery = None) -> FlushResponse:
+async def flush(request: Request, who: Caller, srv: ServingDep, tenant: TenantQuery = None) -> FlushResponse:
     """Drop cached prefixes, on the device and in the tiers below: the caller's tenant; with the admin key
     every tenant (or ?tenant=). 503 tier_unavailable if a tier could not be reached (the rest is flushed)."""
     scope = who.scope(tenant)
@@ -354,7 +354,7 @@ async def flush(request: Request, who: Caller, srv: Engine, tenant: TenantQuery 
 
 
 @router.get("/v1/cache/stats", response_model=CacheStats, responses=_ERRORS, tags=["cache"])
-async def cache_stats(request: Request, who: Caller, srv: Engine, tenant: TenantQuery = None,
+async def cache_stats(request: Request, who: Caller, srv: ServingDep, tenant: TenantQuery = None,
                       audit: Annotated[bool, Query(description="Admin only: also walk the store to count the "
                                                    "bytes of live snapshot tensors and the refcounts held "
                                                    "(time grows with the entries).")] = False) -> CacheStats:

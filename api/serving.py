@@ -32,8 +32,8 @@ from prefixcache.serving.tool_calls import tokenizer_family
 
 from .admission import Admission, Place, Skipped
 from .errors import ClientClosedError, RequestTimeoutError, UnavailableError
+from .jobs import Job
 from .metrics import Metrics
-from .sampling import Job
 from .settings import LOCAL_TENANT, Settings
 
 T = TypeVar("T")

@@ -37,7 +37,7 @@ from prefixcache.errors import ConfigError
 from prefixcache.sdk import PrefixCache
 from prefixcache.serving.engine import BatchConfig, BatchEngine
 from prefixcache.serving.request import SamplingParams
-from prefixcache.serving.serial import Engine
+from prefixcache.serving.serial import SerialEngine
 
 NS = ("bench",)
 
@@ -217,14 +217,14 @@ def generate_threads(model, callers: int = 8, prefix_len: int = 2048, question: 
             cache.close()
 
 
-def _serial_engine(model, prefix: list[int], block_size: int) -> Engine:
+def _serial_engine(model, prefix: list[int], block_size: int) -> SerialEngine:
     """The one-at-a-time engine with a store holding only ``prefix`` (its code paths warm)."""
-    serial = Engine(model, _store(block_size), time.monotonic)
+    serial = SerialEngine(model, _store(block_size), time.monotonic)
     serial.generate(torch.tensor([prefix]), NS, "bench", None, {"max_new_tokens": 1}, None, False)
     return serial
 
 
-def _serial_seconds(serial: Engine, prompts: list[list[int]], new_tokens: int) -> float:
+def _serial_seconds(serial: SerialEngine, prompts: list[list[int]], new_tokens: int) -> float:
     t0 = time.perf_counter()
     for p in prompts:
         serial.generate(torch.tensor([p]), NS, "bench", None,

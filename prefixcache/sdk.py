@@ -25,14 +25,14 @@ from prefixcache.serving.blend import blend_plan, with_documents
 from prefixcache.serving.breakpoints import Breakpoints, CacheUsage
 from prefixcache.serving.canonicalize import Canonicalizer, CanonicalPrompt
 from prefixcache.serving.diagnostics import MissReason, PromptRecords, fingerprint
+from prefixcache.serving.dispatch import Dispatcher
 from prefixcache.serving.engine import BatchConfig, BatchEngine
 from prefixcache.serving.messages import MessagesPrompt, encode_messages, to_chat
 from prefixcache.serving.options import AnswerOptions, seconds
 from prefixcache.serving.request import CallStats
-from prefixcache.serving.router import Router
 from prefixcache.serving.sampling import as_id_set
-from prefixcache.serving.serial import Engine
-from prefixcache.serving.stats import CacheReport, HitCounts, ServerFigures
+from prefixcache.serving.serial import SerialEngine
+from prefixcache.serving.stats import CacheReport, ServerFigures
 from prefixcache.serving.text_stream import TextStream, first_stop
 
 DEFAULT_TENANT = "default"
@@ -99,20 +99,20 @@ class PrefixCache:
             unicode_normalization=self.config.unicode_normalization)
         self.store = KVStore(self.config, BlockHasher(self.config.hash_seed, hash_fn), clock, on_evict)
         support = probe(self.model)  # the model's KV layout, once for both engines
-        self.engine = Engine(self.model, self.store, clock, support=support)
+        self.serial = SerialEngine(self.model, self.store, clock, support=support)
         self.breakpoints = Breakpoints(self.store, self.config.breakpoint_min_tokens)
         self.prompt_records = PromptRecords(clock)
         # Every call the batching engine reproduces exactly runs there (continuous batching with
-        # cascade attention over shared prefixes); the rest runs on the serial engine (``Router``).
+        # cascade attention over shared prefixes); the rest runs on the serial engine (``Dispatcher``).
         self.batcher: BatchEngine | None = None
         if batching is not False:  # True, a BatchConfig, or a mapping of fields (an empty one too)
             # A BatchConfig as given; else sized for the device, with a mapping's fields over those defaults.
             batch_config = batching if isinstance(batching, (BatchConfig, dict)) else None
             self.batcher = BatchEngine(self.model, self.store, clock, batch_config, self.config.cache_generated,
                                        support=support)
-        self.router = Router(self.engine, self.batcher, self.config.cache_generated)
+        self.dispatcher = Dispatcher(self.serial, self.batcher, self.config.cache_generated)
         self.tiers: TierChain | None = None
-        layout = self.engine.layout
+        layout = self.serial.layout
         if layout is not None:
             self.tiers = build_chain(self.config, KVShape(layout.num_layers, layout.num_kv_heads, layout.head_dim,
                                                           self.config.block_size, layout.dtype, layout.device),
@@ -209,14 +209,14 @@ class PrefixCache:
                           or getattr(generation_config, "return_dict_in_generate", False)):
             raise InvalidRequestError("return_dict_in_generate needs one unpadded prompt per call (batch size 1)",
                                       param="return_dict_in_generate")
-        routes = [self.router.route(len(r), generation_config, kwargs) for r in rows]
+        routes = [self.dispatcher.route(len(r), generation_config, kwargs) for r in rows]
         if all(params is not None for params, _ in routes):
-            outs, self._local.last = self.router.generate_batched(rows, [p for p, _ in routes], scope.namespace,
+            outs, self._local.last = self.dispatcher.generate_batched(rows, [p for p, _ in routes], scope.namespace,
                                                                   scope.tenant, scope.ttl_seconds, kwargs, timeout)
         else:
             outs = []
             for row in rows:
-                out, self._local.last = self.router.serial(row.unsqueeze(0), scope.namespace, scope.tenant,
+                out, self._local.last = self.dispatcher.serial(row.unsqueeze(0), scope.namespace, scope.tenant,
                                                            generation_config, kwargs, scope.ttl_seconds)
                 if whole:
                     return out
@@ -380,13 +380,13 @@ class PrefixCache:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({options.max_new_tokens}) exceeds the model's "
                 f"context of {self.max_context} tokens", param="messages")
         stream = TextStream(self.tokenizer, options.on_text, options.stop)
-        params, _ = (None, None) if plan is not None else self.router.route_answer(len(prompt), options)
+        params, _ = (None, None) if plan is not None else self.dispatcher.route_answer(len(prompt), options)
         if params is not None:
-            new, stats, reason = self.router.answer_batched(prompt, params, scope.namespace, scope.tenant,
+            new, stats, reason = self.dispatcher.answer_batched(prompt, params, scope.namespace, scope.tenant,
                                                             scope.ttl_seconds, stream, options.cancel,
                                                             options.timeout_seconds)
         else:
-            new, stats, reason = self.router.answer_serial(prompt, options, stream, scope.namespace, scope.tenant,
+            new, stats, reason = self.dispatcher.answer_serial(prompt, options, stream, scope.namespace, scope.tenant,
                                                            scope.ttl_seconds, next(self.model.parameters()).device,
                                                            self._pad_id(None), plan)
         stats.blend_reason = stats.blend_reason or why_not
@@ -425,7 +425,7 @@ class PrefixCache:
         if pin and not privileged and need > self.config.pin_quota_bytes:
             raise PinQuotaExceededError.of(self.store.snapshot_stats(tenant)["pinned_bytes"],
                                            self.config.pin_quota_bytes, need)
-        stats = self.engine.prefill(tokens, self.namespace(tenant, cache_salt), tenant, ttl, pin, privileged, cancel,
+        stats = self.serial.prefill(tokens, self.namespace(tenant, cache_salt), tenant, ttl, pin, privileged, cancel,
                                     timeout)
         if pin and stats.stored_tokens < len(tokens):
             # The caller's own figures only: other tenants' usage is not theirs to see.
@@ -446,7 +446,7 @@ class PrefixCache:
 
     @property
     def bytes_per_token(self) -> int:
-        return 0 if self.engine.layout is None else self.engine.layout.bytes_per_token
+        return 0 if self.serial.layout is None else self.serial.layout.bytes_per_token
 
     def can_admit(self, n_tokens: int, tenant: str | None = None) -> bool:
         """Whether the KV of ``n_tokens`` more tokens could be stored now (after evicting what may go)."""
@@ -458,12 +458,7 @@ class PrefixCache:
 
     def report(self, tenant: str | None = None) -> CacheReport:
         """Hit counters and memory figures, for one tenant or (None) all, with the server's figures."""
-        c = self.engine.tenant_counters(tenant)
-        counts = HitCounts(queries=c["queries"], hits=c["hit"], partial_hits=c["partial"], misses=c["miss"],
-                           bypassed=c["bypassed"], prompt_tokens=c["prompt_tokens"], cached_tokens=c["cached_tokens"],
-                           completion_tokens=c["completion_tokens"], blended=c["blended"],
-                           chunk_reused_tokens=c["chunk_reused_tokens"],
-                           chunk_recomputed_tokens=c["chunk_recomputed_tokens"], blend_fallbacks=c["blend_fallbacks"])
+        counts = self.dispatcher.counters.counts(tenant)
         server = None
         if tenant is None:  # not a tenant's: all KV memory, the batching engine's state, the tiers
             reason = self.batching_disabled_reason

@@ -23,10 +23,10 @@ from prefixcache.serving.options import AnswerOptions
 from prefixcache.serving.request import CallStats
 from prefixcache.serving.tool_calls import Text, ToolUse, tool_use
 
+from ..jobs import Job, limit_max_tokens, server_temperature
 from ..limits import check_anthropic
 from ..protocol import CacheDiagnostics
-from ..routes import Caller, Engine, GuardedRoute, Meta, check_model, place_of, respond
-from ..sampling import Job, limit_max_tokens, server_temperature
+from ..routes import Caller, GuardedRoute, Meta, ServingDep, check_model, place_of, respond
 from ..serving import GenerationStream, Serving
 from ..settings import Settings
 from ..streaming import SSE_RESPONSE, call_id, event, pieces, read
@@ -53,7 +53,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 @router.post("/v1/messages", response_model=Message, responses={**_ERRORS, **SSE_RESPONSE})
-async def messages(body: MessagesRequest, request: Request, who: Caller, srv: Engine) -> Any:
+async def messages(body: MessagesRequest, request: Request, who: Caller, srv: ServingDep) -> Any:
     """Anthropic's Messages API; ``cache_control`` breakpoints keep their prefixes for their TTL."""
     check_model(srv, body.model)
     check_anthropic(body, srv.settings)
@@ -80,7 +80,7 @@ async def messages(body: MessagesRequest, request: Request, who: Caller, srv: En
 
 
 @router.post("/v1/messages/count_tokens", response_model=TokenCount, responses=_ERRORS)
-async def count_tokens(body: CountTokensRequest, request: Request, who: Caller, srv: Engine) -> TokenCount:
+async def count_tokens(body: CountTokensRequest, request: Request, who: Caller, srv: ServingDep) -> TokenCount:
     """The prompt's input tokens, as ``/v1/messages`` would encode it (nothing is generated or cached).
     Encoded on the side threads, in one of the key's places beside the queue."""
     check_model(srv, body.model)

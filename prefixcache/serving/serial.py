@@ -12,7 +12,6 @@ import copy
 import logging
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -71,8 +70,9 @@ def isolated_rng(device: torch.device, seed: int) -> Iterator[None]:
         yield
 
 
-class Engine:
-    """The serial engine; ``entropy`` seeds calls that give no ``seed`` (their RNG is isolated too)."""
+class SerialEngine:
+    """The serial engine: one call at a time holds the model. ``entropy`` seeds calls that give no
+    ``seed`` (their RNG is isolated too). It counts nothing: its caller (``Dispatcher``) does."""
 
     def __init__(self, model: torch.nn.Module, store: KVStore, clock: Callable[[], float],
                  entropy: Callable[[], int] = fresh_seed, support: Probe | None = None):
@@ -82,8 +82,6 @@ class Engine:
         self._entropy = entropy
         self._model_lock = threading.Lock()
         self.prewarm_chunk = PREWARM_CHUNK_TOKENS
-        self._stats_lock = threading.Lock()
-        self.counters: dict[str, Counter[str]] = {}
         support = support if support is not None else probe(model)  # ``support``: probed by the caller
         self.layout, self.unsupported_reason = support.layout, support.unsupported_reason
         self.blender = Blender(model, self.layout, store)
@@ -125,7 +123,6 @@ class Engine:
         stats.completion_tokens = int(seq.shape[1]) - n
         stats.ttft_seconds = None if timer.at is None else timer.at - start
         stats.total_seconds = self._clock() - start
-        self.record(tenant, stats)
         return out, stats
 
     def prefill(self, tokens: list[int], namespace: tuple[str, ...], tenant: str,
@@ -163,15 +160,6 @@ class Engine:
     def _bytes(self, tokens: int) -> int:
         """KV bytes of ``tokens`` tokens (0 for a model whose layout is unknown)."""
         return 0 if self.layout is None else tokens * self.layout.bytes_per_token
-
-    def tenant_counters(self, tenant: str | None) -> Counter[str]:
-        with self._stats_lock:
-            if tenant is not None:
-                return Counter(self.counters.get(tenant, Counter()))
-            total: Counter[str] = Counter()
-            for c in self.counters.values():
-                total.update(c)
-            return total
 
     # -- internals -----------------------------------------------------------------
     def _cached_generate(self, input_ids, namespace, tenant, generation_config, kwargs, ttl_seconds,
@@ -221,20 +209,6 @@ class Engine:
         if self.layout is None:
             return f"model not supported: {self.unsupported_reason}"
         return bypass_reason(config, kwargs) or self.layout.window_reason(total_len)
-
-    def record(self, tenant: str, stats: CallStats) -> None:
-        """Count one finished call in the tenant's hit counters."""
-        with self._stats_lock:
-            c = self.counters.setdefault(tenant, Counter())
-            c["queries"] += 1
-            c["prompt_tokens"] += stats.prompt_tokens
-            c["cached_tokens"] += stats.cached_tokens
-            c["completion_tokens"] += stats.completion_tokens
-            c["chunk_reused_tokens"] += stats.chunk_reused_tokens
-            c["chunk_recomputed_tokens"] += stats.chunk_recomputed_tokens
-            c["blended"] += 1 if stats.chunk_reused_tokens or stats.chunk_recomputed_tokens else 0
-            c["blend_fallbacks"] += 1 if stats.blend_reason else 0
-            c["bypassed" if stats.bypass_reason else stats.outcome] += 1
 
 
 def _check_stop(cancel: threading.Event | None, deadline: float | None, timeout: float | None) -> None:

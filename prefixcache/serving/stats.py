@@ -1,10 +1,14 @@
-"""What ``PrefixCache.report`` returns: hit counters and memory figures, typed."""
+"""Hit counters, fed with every finished call, and what ``PrefixCache.report`` returns, typed."""
 from __future__ import annotations
 
 import dataclasses
+import threading
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from prefixcache.serving.request import CallStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +40,47 @@ class HitCounts:
     chunk_reused_tokens: int
     chunk_recomputed_tokens: int
     blend_fallbacks: int
+
+
+class HitCounters:
+    """Per-tenant counters of finished calls; the dispatcher, which serves every call, feeds them."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_tenant: dict[str, Counter[str]] = {}
+
+    def record(self, tenant: str, stats: CallStats) -> None:
+        """Count one finished call in the tenant's counters."""
+        with self._lock:
+            c = self._by_tenant.setdefault(tenant, Counter())
+            c["queries"] += 1
+            c["prompt_tokens"] += stats.prompt_tokens
+            c["cached_tokens"] += stats.cached_tokens
+            c["completion_tokens"] += stats.completion_tokens
+            c["chunk_reused_tokens"] += stats.chunk_reused_tokens
+            c["chunk_recomputed_tokens"] += stats.chunk_recomputed_tokens
+            c["blended"] += 1 if stats.chunk_reused_tokens or stats.chunk_recomputed_tokens else 0
+            c["blend_fallbacks"] += 1 if stats.blend_reason else 0
+            c["bypassed" if stats.bypass_reason else stats.outcome] += 1
+
+    def totals(self, tenant: str | None) -> Counter[str]:
+        """Every counter of one tenant, or (None) summed over all."""
+        with self._lock:
+            if tenant is not None:
+                return Counter(self._by_tenant.get(tenant, Counter()))
+            total: Counter[str] = Counter()
+            for c in self._by_tenant.values():
+                total.update(c)
+            return total
+
+    def counts(self, tenant: str | None) -> HitCounts:
+        """The reported counts of one tenant, or (None) of all."""
+        c = self.totals(tenant)
+        return HitCounts(queries=c["queries"], hits=c["hit"], partial_hits=c["partial"], misses=c["miss"],
+                         bypassed=c["bypassed"], prompt_tokens=c["prompt_tokens"], cached_tokens=c["cached_tokens"],
+                         completion_tokens=c["completion_tokens"], blended=c["blended"],
+                         chunk_reused_tokens=c["chunk_reused_tokens"],
+                         chunk_recomputed_tokens=c["chunk_recomputed_tokens"], blend_fallbacks=c["blend_fallbacks"])
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ SLOW = 0.05  # seconds per prefill chunk
 def slow(tiny_model, tokenizer, monkeypatch):
     """A server with a 1 s request timeout whose prewarms take 8-token chunks of ``SLOW`` seconds each."""
     cache = make_cache(tiny_model, tokenizer)
-    cache.engine.prewarm_chunk = 8
+    cache.serial.prewarm_chunk = 8
     calls: list[float] = []
     real = tiny_model.forward
 

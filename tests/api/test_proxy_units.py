@@ -8,7 +8,7 @@ import torch
 from prefixcache_api import Settings
 from prefixcache_api.auth import KeyRing, Principal
 from prefixcache_api.errors import AuthenticationError, PermissionDeniedError
-from prefixcache_api.sampling import Job
+from prefixcache_api.jobs import Job
 from proxy_support import make_cache
 from pydantic import ValidationError
 

@@ -9,7 +9,8 @@ from prefixcache.cache.hashing import BlockHasher
 from prefixcache.cache.store import KVStore
 from prefixcache.config import CacheConfig
 from prefixcache.serving.blend import BlendRequest
-from prefixcache.serving.serial import Engine
+from prefixcache.serving.serial import SerialEngine
+from prefixcache.serving.stats import HitCounters
 from tests.conftest import build_tiny, untouched
 
 NEW = 12
@@ -17,7 +18,7 @@ NEW = 12
 
 @pytest.fixture
 def engine(llama, clock):
-    return Engine(llama, KVStore(CacheConfig(block_size=8), BlockHasher(0), clock), clock)
+    return SerialEngine(llama, KVStore(CacheConfig(block_size=8), BlockHasher(0), clock), clock)
 
 
 def docs() -> tuple[list[int], list[int], list[int], list[int], list[int]]:
@@ -62,18 +63,21 @@ def test_documents_are_reused_in_any_order_and_only_exact_kv_is_a_prefix(llama, 
     system, a, b, c, question = docs()
     first, spans = layout_of(system, a, b, question)
     _, stats = run(engine, first, spans, 0.15)
+    counters = HitCounters()  # what the dispatcher keeps of every call it serves
+    counters.record("a", stats)
     assert (stats.chunk_stored_tokens, stats.chunk_reused_tokens + stats.chunk_recomputed_tokens) == (73, 73)
     # the system prompt and any recomputed run at the start of the first document: never reused KV, nor the answer
     assert spans[0][0] <= stats.stored_tokens < spans[0][1]
     second, spans = layout_of(system, b, c, a, question)
     tokens, stats = run(engine, second, spans, 0.15)
+    counters.record("a", stats)
     assert stats.cached_tokens == len(system)  # prefix reuse first
     assert stats.chunk_stored_tokens == len(c)  # b and a found: computed alone once, reused at new positions
     assert stats.chunk_recomputed_tokens == sum(-(-(e - s) * 15 // 100) for s, e in [(0, 102)])
     assert stats.chunk_reused_tokens == 102 - stats.chunk_recomputed_tokens
     assert len(tokens) == NEW
-    counters = engine.tenant_counters("a")
-    assert counters["blended"] == 2 and counters["chunk_reused_tokens"] > 0
+    totals = counters.totals("a")
+    assert totals["blended"] == 2 and totals["chunk_reused_tokens"] > 0
 
 
 def test_a_chunk_of_another_tenant_is_never_used(engine):
@@ -88,7 +92,7 @@ def test_a_chunk_of_another_tenant_is_never_used(engine):
 
 def test_a_model_that_cannot_move_keys_prefills_and_says_why(clock):
     gpt2 = build_tiny("gpt2")
-    engine = Engine(gpt2, KVStore(CacheConfig(block_size=8), BlockHasher(0), clock), clock)
+    engine = SerialEngine(gpt2, KVStore(CacheConfig(block_size=8), BlockHasher(0), clock), clock)
     system, a, b, _, question = docs()
     prompt, spans = layout_of(system, a, b, question)
     tokens, stats = run(engine, prompt, spans, 0.15)

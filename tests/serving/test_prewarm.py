@@ -53,12 +53,12 @@ def count_forwards(model: torch.nn.Module, monkeypatch, on_call=None) -> list[in
 
 def test_a_prewarm_in_chunks_stores_the_kv_of_one_forward(cache, monkeypatch):
     calls = count_forwards(cache.model, monkeypatch)
-    cache.engine.prewarm_chunk = 16
+    cache.serial.prewarm_chunk = 16
     cache.warm(PREFIX)
     assert calls == [16] * 5 + [10]  # six chunks, not one forward
     chunked = stored_kv(cache, PREFIX)
     cache.flush()
-    cache.engine.prewarm_chunk = 10_000
+    cache.serial.prewarm_chunk = 10_000
     cache.warm(PREFIX)
     assert calls[6:] == [90]
     # fp32: equal up to the rounding of attention over a different number of queries (~1e-7)
@@ -67,7 +67,7 @@ def test_a_prewarm_in_chunks_stores_the_kv_of_one_forward(cache, monkeypatch):
     prompt = torch.tensor([PREFIX + [5, 6, 7]])
     want = untouched(cache.model).generate(prompt, max_new_tokens=6, do_sample=False)
     cache.flush()
-    cache.engine.prewarm_chunk = 16
+    cache.serial.prewarm_chunk = 16
     cache.warm(PREFIX)
     assert torch.equal(cache.generate(prompt, max_new_tokens=6, do_sample=False), want)
     assert cache.last_call.cached_tokens == len(PREFIX)
@@ -75,7 +75,7 @@ def test_a_prewarm_in_chunks_stores_the_kv_of_one_forward(cache, monkeypatch):
 
 
 def test_a_cancelled_prewarm_stops_at_the_next_chunk_and_stores_nothing(cache, monkeypatch):
-    cache.engine.prewarm_chunk = 16
+    cache.serial.prewarm_chunk = 16
     cache.warm(PREFIX[:20])  # an earlier prefix stays as it was
     before = cache.store.bytes
     cancel = threading.Event()
@@ -89,7 +89,7 @@ def test_a_cancelled_prewarm_stops_at_the_next_chunk_and_stores_nothing(cache, m
 
 def test_a_prewarm_past_its_timeout_stops_within_a_chunk_and_stores_nothing(cache, monkeypatch):
     calls = count_forwards(cache.model, monkeypatch, lambda c: time.sleep(0.1))
-    cache.engine.prewarm_chunk = 4
+    cache.serial.prewarm_chunk = 4
     start = time.monotonic()
     with pytest.raises(GenerationTimeoutError):
         cache.warm(PREFIX, timeout_seconds=0.3)

@@ -13,7 +13,7 @@ from prefixcache.cache.hashing import BlockHasher
 from prefixcache.cache.store import KVStore
 from prefixcache.serving.engine import BatchConfig, BatchEngine
 from prefixcache.serving.request import SamplingParams
-from prefixcache.serving.serial import Engine
+from prefixcache.serving.serial import SerialEngine
 from tests.conftest import FakeClock, build_tiny
 from tests.serving.test_batching import NS
 
@@ -89,7 +89,7 @@ def test_an_unseeded_request_is_seeded_from_the_engines_entropy_on_both_engines(
         assert unseeded != batcher.generate(PROMPT, NS, "t", SamplingParams(**params, seed=8), timeout=30).tokens
     finally:
         batcher.close()
-    serial = Engine(model, store, clock, entropy=lambda: 7)
+    serial = SerialEngine(model, store, clock, entropy=lambda: 7)
     ids = torch.tensor([PROMPT])
 
     def draw(**extra):

@@ -1,4 +1,4 @@
-"""One request path: which engine serves a call, and the call on it.
+"""Dispatch: which of the two engines serves a call, the call on it, and the hit counters it feeds.
 
 Every call the batching engine reproduces exactly (``options.batch_params``: greedy or
 sampled with temperature/top-p/top-k, penalties, logit bias, min/max new tokens, EOS ids,
@@ -22,31 +22,34 @@ from prefixcache.serving.engine import BatchEngine, BatchResult
 from prefixcache.serving.options import AnswerOptions, batch_params
 from prefixcache.serving.request import CallStats, SamplingParams, finish_reason
 from prefixcache.serving.sampling import OpenAIPenalties, stop_string_check
-from prefixcache.serving.serial import CancelCriteria, Engine
+from prefixcache.serving.serial import CancelCriteria, SerialEngine
+from prefixcache.serving.stats import HitCounters
 from prefixcache.serving.text_stream import Halt, TextStream
 
 log = logging.getLogger(__name__)
 
 
-class Router:
-    """Routes each call to the batching engine (``batcher``, None = off) or the serial ``engine``."""
+class Dispatcher:
+    """Sends each call to the batching engine (``batcher``, None = off) or the ``serial`` engine, and
+    counts every finished call in ``counters``."""
 
-    def __init__(self, engine: Engine, batcher: BatchEngine | None, cache_generated: bool):
-        self.engine, self.batcher, self.cache_generated = engine, batcher, cache_generated
+    def __init__(self, serial: SerialEngine, batcher: BatchEngine | None, cache_generated: bool):
+        self.serial_engine, self.batcher, self.cache_generated = serial, batcher, cache_generated
+        self.counters = HitCounters()
 
     def route(self, prompt_len: int, generation_config: GenerationConfig | None,
               kwargs: dict[str, Any]) -> tuple[SamplingParams | None, str | None]:
         """A ``generate()`` call's ``SamplingParams`` when the batching engine serves it, else (None, why not)."""
         if self.batcher is None:
             return None, "batching is off"
-        config = self.engine.effective_config(generation_config, kwargs)
+        config = self.serial_engine.effective_config(generation_config, kwargs)
         return self._servable(prompt_len, *batch_params(config, kwargs, prompt_len))
 
     def route_answer(self, prompt_len: int, options: AnswerOptions) -> tuple[SamplingParams | None, str | None]:
         """An OpenAI-shaped call's ``SamplingParams`` when the batching engine serves it, else (None, why not)."""
         if self.batcher is None:
             return None, "batching is off"
-        config = self.engine.effective_config(None, options.extra)
+        config = self.serial_engine.effective_config(None, options.extra)
         return self._servable(prompt_len, *options.batch_params(config, prompt_len))
 
     def _servable(self, prompt_len: int, params: SamplingParams | None,
@@ -122,21 +125,24 @@ class Router:
         criteria = StoppingCriteriaList(gen.pop("stopping_criteria", None) or [])
         criteria.append(CancelCriteria(Halt(options.cancel, stream)))
         gen["stopping_criteria"] = criteria
-        out, stats = self.engine.generate(torch.tensor([prompt], device=device), namespace, tenant, None, gen, ttl,
-                                          self.cache_generated, blend)
+        out, stats = self.serial(torch.tensor([prompt], device=device), namespace, tenant, None, gen, ttl, blend)
         new = out[0, len(prompt):].tolist()
-        eos = options.eos_ids(self.engine.effective_config(None, options.extra))
+        eos = options.eos_ids(self.serial_engine.effective_config(None, options.extra))
         params = SamplingParams(max_new_tokens=options.max_new_tokens, eos_token_ids=eos)
         return new, stats, finish_reason(new, params, False, options.cancelled)
 
     def serial(self, ids: torch.Tensor, namespace: tuple[str, ...], tenant: str,
                generation_config: GenerationConfig | None, kwargs: dict[str, Any],
-               ttl: float | None) -> tuple[Any, CallStats]:
-        """``generate()`` on the serial engine for one prompt ``ids``: [1, n]."""
-        return self.engine.generate(ids, namespace, tenant, generation_config, kwargs, ttl, self.cache_generated)
+               ttl: float | None, blend: BlendRequest | None = None) -> tuple[Any, CallStats]:
+        """``generate()`` on the serial engine for one prompt ``ids``: [1, n] (with ``blend``, its marked chunks
+        reused)."""
+        out, stats = self.serial_engine.generate(ids, namespace, tenant, generation_config, kwargs, ttl,
+                                                 self.cache_generated, blend)
+        self.counters.record(tenant, stats)
+        return out, stats
 
     def wait(self, req, tenant: str, timeout: float | None) -> BatchResult:
         """The batched request's result (``BatchEngine.wait``: a timeout or fault raises, typed)."""
         res = self.batcher.wait(req, timeout)
-        self.engine.record(tenant, res.stats)
+        self.counters.record(tenant, res.stats)
         return res
