@@ -1,7 +1,7 @@
 """Enforcing the budget, the tenant quotas and the TTL on a store, and flushing it: which blocks go, and when.
 
 These run inside ``KVStore`` operations (under its lock) and free blocks through
-``KVStore._free``. Victims come from the store's incremental indexes, so each block freed
+``KVStore.free``. Victims come from the store's incremental indexes, so each block freed
 costs O(log n), whatever the store holds; ``policy`` states the same rules over whole tries.
 """
 from __future__ import annotations
@@ -27,14 +27,14 @@ def make_room(store: KVStore, need: int, tenant: str) -> bool:
     limit = room(store)
     if need > limit or (quota is not None and need > quota):
         return False
-    expire(store, store._clock())
+    expire(store, store.now())
     if quota is not None:
         own = store.index.lru_by_tenant.get(tenant)
         while store.tenant_bytes[tenant] + need > quota:
             top = None if own is None else own.peek()
             if top is None:
                 return False
-            store._free(top[0], "quota")
+            store.free(top[0], "quota")
     return evict_to(store, limit - need)
 
 
@@ -48,7 +48,7 @@ def make_room_for_tail(store: KVStore, need: int) -> int:
     all fits, everything evictable goes, as the block-by-block calls would before failing.
     """
     limit = room(store)
-    expire(store, store._clock())
+    expire(store, store.now())
     evict_to(store, limit - need)
     return limit
 
@@ -60,7 +60,7 @@ def evict_to(store: KVStore, limit: int) -> bool:
         top = lru.peek()
         if top is None:
             return False
-        store._free(top[0], "lru")
+        store.free(top[0], "lru")
     return True
 
 
@@ -69,7 +69,7 @@ def expire(store: KVStore, now: float) -> int:
     freed, heap = 0, store.index.expiry
     while (top := heap.peek()) is not None and top[1] <= now:
         freed += top[0].nbytes
-        store._free(top[0], "ttl")
+        store.free(top[0], "ttl")
     return freed
 
 
@@ -80,10 +80,10 @@ def flush_all(store: KVStore, tenant: str | None) -> int:
     for node in sorted(trie.iter_nodes(roots), key=lambda n: n.start, reverse=True):
         node.doomed = True  # never matched again; freed here or on release
         node.pins = 0
-        store._sync(node)
+        store.reindex(node)
         if node.refcount == 0 and node.num_children == 0:
             freed += node.nbytes
-            store._free(node, "flush")
+            store.free(node, "flush")
     for root in roots:
         trie.drop_root_if_empty(root)
     return freed

@@ -9,7 +9,8 @@ Work under the lock does not grow with what is stored: evictable leaves (by last
 and TTL candidates (by deadline) live in keyed heaps, and the figures ``snapshot_stats``
 reports are running totals. ``index.sync(node)`` keeps both up to date and is called after
 every change to a node's refcount, pins or children, and to a leaf's access time or deadline.
-The budget, quotas and TTL are enforced by ``eviction``.
+The budget, quotas and TTL are enforced by ``eviction``, through the store's public methods
+(``now``, ``free``, ``reindex``); ``integrity`` audits it through them too, under its lock.
 """
 from __future__ import annotations
 
@@ -63,6 +64,15 @@ class KVStore:
         # Run tensors (see ``_grow``) and the live blocks viewing each (``run_book``).
         self.runs = RunBook(self._kv)
         self.ledger.attach(self)
+
+    def now(self) -> float:
+        """The store's clock (monotonic seconds): what TTL deadlines are measured against."""
+        return self._clock()
+
+    @property
+    def payloads(self) -> RunOps:
+        """What snapshot payloads are (tensors, or byte sizes for a replay) and how they are measured."""
+        return self._kv
 
     def attach(self, lower: LowerTiers | None) -> None:
         """Put ``lower`` (a tier chain) below the store: evicted blocks go down, misses look there."""
@@ -136,7 +146,7 @@ class KVStore:
             for step in reversed(lease.steps):
                 node = step.node
                 if node.alive and node.refcount == 0 and node.num_children == 0 and not _usable(node, now):
-                    self._free(node, "flush" if node.doomed else "ttl")
+                    self.free(node, "flush" if node.doomed else "ttl")
             self.trie.drop_root_if_empty(lease.root)
             self._compact()
 
@@ -170,7 +180,7 @@ class KVStore:
             if pin and complete:
                 for node in path:
                     node.pins += 1
-                    self._sync(node)
+                    self.reindex(node)
             if self.lower is not None and not _restoring and (pin or self.lower.write_through):
                 down = path if pin and complete else added
                 self.lower.stored([evicted_snapshot(n, "stored", n.kv, now) for n in down])
@@ -220,7 +230,7 @@ class KVStore:
                 # Copy-on-write: shorter partial siblings are replaced if unused (a new node has no children).
                 for old in self.trie.superseded(attach, chunk) if attach.num_children else ():
                     if evictable(old):
-                        self._free(old, None)
+                        self.free(old, None)
                 node = self.trie.add_child(attach, chunk)
                 node.kv, node.nbytes = self._kv.view(run, pos - first, pos - first + len(chunk)), nbytes
                 self._account(node, +1)
@@ -235,7 +245,7 @@ class KVStore:
                     limit = make_room_for_tail(self, (n - pos) * per_token)
         except BaseException:
             for node in added:
-                self._sync(node)
+                self.reindex(node)
             raise
         finally:
             if walked is not None:
@@ -282,7 +292,7 @@ class KVStore:
                 return 0
             for step in steps:
                 step.node.pins -= 1
-                self._sync(step.node)
+                self.reindex(step.node)
             return len(tokens)
 
     # -- policy --------------------------------------------------------------------
@@ -337,9 +347,11 @@ class KVStore:
 
     def _ref(self, node: Node, delta: int) -> None:
         node.refcount += delta
-        self._sync(node)
+        self.reindex(node)
 
-    def _sync(self, node: Node) -> None:
+    def reindex(self, node: Node) -> None:
+        """Bring the eviction and expiry indexes in line with ``node`` after a change to its refcount,
+        pins or children (``index.sync``, O(log n)). The caller holds the store's lock."""
         self.index.sync(node)
 
     def _account(self, node: Node, sign: int) -> None:
@@ -348,8 +360,11 @@ class KVStore:
         self.tenant_bytes[tenant] += nbytes
         self.index.count(node, sign)
 
-    def _free(self, node: Node, reason: str | None) -> None:
-        """Drop a leaf. ``reason`` None: superseded by a longer copy of itself, not an eviction."""
+    def free(self, node: Node, reason: str | None) -> None:
+        """Drop ``node``, a leaf nobody reads: its bytes leave the totals and the indexes, its parent may
+        become a leaf, the offload hook and (for ``OFFLOAD_REASONS``) the lower tiers get a copy, and
+        the eviction is counted under ``reason`` (None: superseded by a longer copy of itself, not an
+        eviction). The caller holds the store's lock (``eviction`` runs inside store operations)."""
         lower = self.lower if self.lower is not None and reason in OFFLOAD_REASONS else None
         if (self._on_evict is not None or lower is not None) and reason is not None:
             snap = evicted_snapshot(node, reason, self._kv.own(node.kv, node.nbytes), self._clock())
@@ -399,11 +414,13 @@ class KVStore:
 
     def audit(self) -> dict[str, int]:
         """Recount by walking every node (``integrity.audit_store``; for checks, not for stats)."""
-        return audit_store(self)
+        with self._lock:
+            return audit_store(self)
 
     def check_integrity(self) -> None:
         """Raise AssertionError if any invariant of the store is broken (``integrity.check_store``)."""
-        check_store(self)
+        with self._lock:
+            check_store(self)
 
 
 def _usable(node: Node, now: float) -> bool:
