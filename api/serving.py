@@ -256,8 +256,7 @@ class Serving:
         miss = self._diagnose(job, ids) if job.diagnose else None
         scope = cache.scope(job.tenant, job.cache_salt, job.ttl_seconds)
         if emit is not None:  # a messages stream reports its cache usage up front, as Anthropic's does
-            predicted = None if prompt is None else cache.breakpoints.predict(
-                scope.namespace, scope.tenant, ids, prompt.breakpoints)
+            predicted = None if prompt is None else cache.breakpoints.predict(scope, ids, prompt.breakpoints)
             emit("started", (len(ids), predicted, miss))
         # The timeout bounds this worker thread too: a generation still running then is cancelled.
         options = dataclasses.replace(job.options, max_new_tokens=max_new, cancel=cancel,
@@ -265,11 +264,11 @@ class Serving:
                                       on_text=None if emit is None else (lambda text: emit("text", text)), **chunks)
         # The ids encoded above: no second encoding.
         if prompt is None:
-            held = cache.breakpoints.held(scope.namespace, scope.tenant, ids)
+            held = cache.breakpoints.held(scope, ids)
             result = cache.run(ids, options, scope)
             # Without breakpoints, what it wrote is what it stored: the prompt tokens held now and not before.
             read = result.usage.cached_tokens
-            written = max(0, cache.breakpoints.held(scope.namespace, scope.tenant, ids) - max(held, read))
+            written = max(0, cache.breakpoints.held(scope, ids) - max(held, read))
             result = dataclasses.replace(result, cache=CacheUsage(len(ids) - read - written, read, written, 0, 0))
         else:
             result = cache.run_messages(prompt, options, scope)

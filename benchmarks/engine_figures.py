@@ -31,6 +31,7 @@ import time
 import torch
 
 from prefixcache.cache.hashing import BlockHasher
+from prefixcache.cache.scope import Scope
 from prefixcache.cache.store import KVStore
 from prefixcache.config import CacheConfig, check_int
 from prefixcache.errors import ConfigError
@@ -39,7 +40,7 @@ from prefixcache.serving.engine import BatchConfig, BatchEngine
 from prefixcache.serving.request import SamplingParams
 from prefixcache.serving.serial import SerialEngine
 
-NS = ("bench",)
+SCOPE = Scope(("bench",), "bench")
 
 
 def _store(block_size: int) -> KVStore:
@@ -70,7 +71,7 @@ def steady_step_seconds(engine: BatchEngine, prompts: list[list[int]], new_token
         stamps.append(time.monotonic())
 
     params = SamplingParams(max_new_tokens=new_tokens)
-    reqs = [engine.submit(p, NS, "bench", params, on_token=stamp if i == 0 else None) for i, p in enumerate(prompts)]
+    reqs = [engine.submit(p, SCOPE, params, on_token=stamp if i == 0 else None) for i, p in enumerate(prompts)]
     results = [engine.wait(r) for r in reqs]
     last_first = max(r.stats.ttft_seconds for r in results)
     start = reqs[0].arrival + last_first  # the engine's clock is time.monotonic: every request is decoding
@@ -96,7 +97,7 @@ def step_times(model, prefix_len: int = 2048, batch: int = 8, new_tokens: int = 
         if engine.disabled_reason is not None:
             raise RuntimeError(f"model not served by the batching engine: {engine.disabled_reason}")
         prefix = _prefix(prefix_len, _vocab(model))
-        engine.generate(prefix, NS, "bench", SamplingParams(max_new_tokens=1))
+        engine.generate(prefix, SCOPE, SamplingParams(max_new_tokens=1))
         runs = [(decode_step_seconds(engine, prefix, 1, new_tokens),  # alternating: a drift of the
                  decode_step_seconds(engine, prefix, batch, new_tokens))  # machine's speed hits both
                 for _ in range(3)]
@@ -152,11 +153,11 @@ def _batched_run(model, prefix: list[int], prompts: list[list[int]], new_tokens:
         if engine.disabled_reason is not None:
             raise RuntimeError(f"model not served by the batching engine: {engine.disabled_reason}")
         per_token = engine.layout.bytes_per_token
-        engine.generate(prefix, NS, "bench", SamplingParams(max_new_tokens=1))
+        engine.generate(prefix, SCOPE, SamplingParams(max_new_tokens=1))
         peak = [engine.kv_bytes()]
         params = SamplingParams(max_new_tokens=new_tokens)
         t0 = time.perf_counter()
-        reqs = [engine.submit(p, NS, "bench", params, on_token=lambda _t: peak.append(engine.kv_bytes()))
+        reqs = [engine.submit(p, SCOPE, params, on_token=lambda _t: peak.append(engine.kv_bytes()))
                 for p in prompts]
         outs = [engine.wait(r) for r in reqs]
         seconds = time.perf_counter() - t0
@@ -220,15 +221,15 @@ def generate_threads(model, callers: int = 8, prefix_len: int = 2048, question: 
 def _serial_engine(model, prefix: list[int], block_size: int) -> SerialEngine:
     """The one-at-a-time engine with a store holding only ``prefix`` (its code paths warm)."""
     serial = SerialEngine(model, _store(block_size), time.monotonic)
-    serial.generate(torch.tensor([prefix]), NS, "bench", None, {"max_new_tokens": 1}, None, False)
+    serial.generate(torch.tensor([prefix]), SCOPE, None, {"max_new_tokens": 1}, False)
     return serial
 
 
 def _serial_seconds(serial: SerialEngine, prompts: list[list[int]], new_tokens: int) -> float:
     t0 = time.perf_counter()
     for p in prompts:
-        serial.generate(torch.tensor([p]), NS, "bench", None,
-                        {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}, None, False)
+        serial.generate(torch.tensor([p]), SCOPE, None,
+                        {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False}, False)
     return time.perf_counter() - t0
 
 
@@ -245,13 +246,13 @@ def short_behind_long(model, long_tokens: int = 3072, prefix_len: int = 2048, qu
     long = [(5 + 17 * i) % vocab for i in range(long_tokens)]
     engine = BatchEngine(model, _store(block_size), time.monotonic, BatchConfig())
     try:
-        engine.generate(prefix, NS, "bench", SamplingParams(max_new_tokens=1))
-        alone = engine.generate(short, NS, "bench", SamplingParams(max_new_tokens=new_tokens)).stats.ttft_seconds
+        engine.generate(prefix, SCOPE, SamplingParams(max_new_tokens=1))
+        alone = engine.generate(short, SCOPE, SamplingParams(max_new_tokens=new_tokens)).stats.ttft_seconds
         engine.store.flush()
-        engine.generate(prefix, NS, "bench", SamplingParams(max_new_tokens=1))
-        big = engine.submit(long, NS, "bench", SamplingParams(max_new_tokens=1))
+        engine.generate(prefix, SCOPE, SamplingParams(max_new_tokens=1))
+        big = engine.submit(long, SCOPE, SamplingParams(max_new_tokens=1))
         time.sleep(0.5)  # the long prompt is some chunks in
-        during = engine.generate(short, NS, "bench", SamplingParams(max_new_tokens=new_tokens)).stats.ttft_seconds
+        during = engine.generate(short, SCOPE, SamplingParams(max_new_tokens=new_tokens)).stats.ttft_seconds
         long_ttft = engine.wait(big).stats.ttft_seconds
     finally:
         engine.close()
@@ -273,12 +274,12 @@ def conversation_steps(model, users: int = 3, turns: int = 3, system_len: int = 
     for label, fold, count in (("folded", fold_default, users), ("in_place", 0, users), ("alone", fold_default, 1)):
         engine = BatchEngine(model, _store(block_size), time.monotonic, BatchConfig(fold_max_tokens=fold))
         try:
-            engine.generate(system, NS, "bench", SamplingParams(max_new_tokens=1))
+            engine.generate(system, SCOPE, SamplingParams(max_new_tokens=1))
             history = [list(system) for _ in range(count)]
             for turn in range(turns):
                 for u, h in enumerate(history):
                     h += _question(100 * u + turn, question, vocab)
-                    h += engine.generate(h, NS, "bench", SamplingParams(max_new_tokens=answer)).tokens
+                    h += engine.generate(h, SCOPE, SamplingParams(max_new_tokens=answer)).tokens
             prompts = [h + _question(100 * u + turns, question, vocab) for u, h in enumerate(history)]
             out[f"{label}_step_s"] = steady_step_seconds(engine, prompts, new_tokens)
         finally:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from prefixcache.cache.hashing import BlockHasher
+from prefixcache.cache.scope import Scope
 from prefixcache.cache.store import KVStore
 from prefixcache.config import CacheConfig
 
@@ -52,21 +53,21 @@ def measure(size: int, rounds: int, blocks_per_insert: int = 8, fill_blocks: int
     cfg = CacheConfig(max_bytes=size * BLOCK * BYTES_PER_TOKEN, block_size=BLOCK, ttl_seconds=3600.0,
                       tenant_quota_bytes=None)
     store = KVStore(cfg, BlockHasher(1), _Clock())
-    ns = ("t", "bench")
+    scope = Scope(("t", "bench"), "t")
     n = 0
     while n * fill_blocks < size:
         tokens = _sequence(n, min(fill_blocks, size - n * fill_blocks))
-        store.insert(ns, "t", tokens, _slicer, None)
+        store.insert(scope, tokens, _slicer)
         n += 1
     assert store.bytes == cfg.max_bytes, "the fill must reach the budget"
     start = timer()
     for r in range(rounds):
-        store.insert(ns, "t", _sequence(n + r, blocks_per_insert), _slicer, None)
+        store.insert(scope, _sequence(n + r, blocks_per_insert), _slicer)
     insert_us = (timer() - start) / (rounds * blocks_per_insert) * 1e6
     probe = _sequence(n + rounds - 1, blocks_per_insert)
     start = timer()
     for _ in range(rounds):
-        store.release(store.acquire(ns, "t", probe, len(probe) - 1, None))
+        store.release(store.acquire(scope, probe, len(probe) - 1))
     lookup_us = (timer() - start) / rounds * 1e6
     start = timer()
     for _ in range(rounds):

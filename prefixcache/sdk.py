@@ -211,13 +211,12 @@ class PrefixCache:
                                       param="return_dict_in_generate")
         routes = [self.dispatcher.route(len(r), generation_config, kwargs) for r in rows]
         if all(params is not None for params, _ in routes):
-            outs, self._local.last = self.dispatcher.generate_batched(rows, [p for p, _ in routes], scope.namespace,
-                                                                  scope.tenant, scope.ttl_seconds, kwargs, timeout)
+            outs, self._local.last = self.dispatcher.generate_batched(rows, [p for p, _ in routes], scope, kwargs,
+                                                                      timeout)
         else:
             outs = []
             for row in rows:
-                out, self._local.last = self.dispatcher.serial(row.unsqueeze(0), scope.namespace, scope.tenant,
-                                                           generation_config, kwargs, scope.ttl_seconds)
+                out, self._local.last = self.dispatcher.serial(row.unsqueeze(0), scope, generation_config, kwargs)
                 if whole:
                     return out
                 outs.append(out[0, len(row):])
@@ -311,8 +310,7 @@ class PrefixCache:
         """``run`` for an encoded messages request (its marked chunks too), then keep its breakpoints' prefixes."""
         options = dataclasses.replace(options, chunks=prompt.chunks, unplaced=prompt.unplaced)
         result = self.run(list(prompt.token_ids), options, scope)
-        usage = self.breakpoints.settle(scope.namespace, scope.tenant, prompt.token_ids, prompt.breakpoints,
-                                        result.usage.cached_tokens)
+        usage = self.breakpoints.settle(scope, prompt.token_ids, prompt.breakpoints, result.usage.cached_tokens)
         return dataclasses.replace(result, cache=usage)
 
     def encode_chat_breakpoints(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
@@ -382,13 +380,12 @@ class PrefixCache:
         stream = TextStream(self.tokenizer, options.on_text, options.stop)
         params, _ = (None, None) if plan is not None else self.dispatcher.route_answer(len(prompt), options)
         if params is not None:
-            new, stats, reason = self.dispatcher.answer_batched(prompt, params, scope.namespace, scope.tenant,
-                                                            scope.ttl_seconds, stream, options.cancel,
-                                                            options.timeout_seconds)
+            new, stats, reason = self.dispatcher.answer_batched(prompt, params, scope, stream, options.cancel,
+                                                                options.timeout_seconds)
         else:
-            new, stats, reason = self.dispatcher.answer_serial(prompt, options, stream, scope.namespace, scope.tenant,
-                                                           scope.ttl_seconds, next(self.model.parameters()).device,
-                                                           self._pad_id(None), plan)
+            new, stats, reason = self.dispatcher.answer_serial(prompt, options, stream, scope,
+                                                               next(self.model.parameters()).device,
+                                                               self._pad_id(None), plan)
         stats.blend_reason = stats.blend_reason or why_not
         self._local.last = stats
         text = self.tokenizer.decode(new, skip_special_tokens=True)
@@ -420,13 +417,13 @@ class PrefixCache:
         tokens = self.encode_prefix(prefix, tools)
         tenant = self._tenant(tenant)
         ttl = self._pin_ttl(ttl_seconds, privileged) if pin else self._ttl(ttl_seconds)
+        scope = Scope(self.namespace(tenant, cache_salt), tenant, ttl, cache_salt or None)
         timeout = None if timeout_seconds is None else seconds(timeout_seconds, "timeout_seconds")
         need = len(tokens) * self.bytes_per_token
         if pin and not privileged and need > self.config.pin_quota_bytes:
             raise PinQuotaExceededError.of(self.store.snapshot_stats(tenant)["pinned_bytes"],
                                            self.config.pin_quota_bytes, need)
-        stats = self.serial.prefill(tokens, self.namespace(tenant, cache_salt), tenant, ttl, pin, privileged, cancel,
-                                    timeout)
+        stats = self.serial.prefill(tokens, scope, pin, privileged, cancel, timeout)
         if pin and stats.stored_tokens < len(tokens):
             # The caller's own figures only: other tenants' usage is not theirs to see.
             mine = self.store.snapshot_stats(tenant)
@@ -441,8 +438,7 @@ class PrefixCache:
               cache_salt: str | None = None) -> bool:
         """Undo one ``warm(..., pin=True)`` of the same prefix (and salt). Returns whether it was pinned."""
         tokens = self.encode_prefix(prefix, tools)
-        tenant = self._tenant(tenant)
-        return self.store.unpin(self.namespace(tenant, cache_salt), tokens) > 0
+        return self.store.unpin(self.scope(tenant, cache_salt), tokens) > 0
 
     @property
     def bytes_per_token(self) -> int:

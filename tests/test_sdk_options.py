@@ -9,6 +9,7 @@ import torch
 
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.cache.handles import EvictedSnapshot
+from prefixcache.cache.scope import Scope
 from tests.conftest import build_tiny, untouched
 
 PROMPT = list(range(10, 50))
@@ -76,7 +77,7 @@ def test_on_evict_sees_lru_evictions_and_the_kv_is_the_model_s(new_cache):
 
 
 def _lease_tokens(cache: PrefixCache, namespace: tuple[str, ...], tokens: list[int]) -> int:
-    lease = cache.store.acquire(namespace, "default", tokens, len(tokens) - 1, None)
+    lease = cache.store.acquire(Scope(namespace, "default"), tokens, len(tokens) - 1)
     try:
         return lease.cached_tokens
     finally:

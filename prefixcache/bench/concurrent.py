@@ -12,6 +12,7 @@ import torch
 
 from prefixcache.bench.batch import BatchCall
 from prefixcache.bench.systems import Served
+from prefixcache.cache.scope import Scope
 from prefixcache.config import CacheConfig
 from prefixcache.sdk import DEFAULT_TENANT, PrefixCache
 from prefixcache.serving.request import SamplingParams
@@ -76,7 +77,7 @@ class PrefixCacheBatched:
         first: list[float] = []
         batcher = self.cache.batcher
         t0 = time.perf_counter()
-        req = batcher.submit(prompt, self.cache.namespace(DEFAULT_TENANT), DEFAULT_TENANT, self.params,
+        req = batcher.submit(prompt, Scope(self.cache.namespace(DEFAULT_TENANT), DEFAULT_TENANT), self.params,
                              on_token=lambda _t: first.append(time.perf_counter()) if not first else None)
         res = batcher.wait(req)
         t1 = time.perf_counter()

@@ -28,6 +28,7 @@ import torch
 
 from prefixcache.bench import models
 from prefixcache.bench.systems import FirstTokenTimer
+from prefixcache.cache.scope import Scope
 from prefixcache.config import CacheConfig
 from prefixcache.loading import load_default_model
 from prefixcache.model.hf_cache import WorkingCache
@@ -181,8 +182,8 @@ def _fidelity(result: RagResult, model, cache: PrefixCache, held_out: list[RagPr
     share; no prompt prefix stored, so every share starts alike), then the greedy answer and the
     log-likelihood of the full prefill's answer after it."""
     rows = {share: {"agree": 0, "first": 0, "gap": [], "ttft": []} for share in spec.shares}
-    if cache.engine.blender.prepare() is not None:
-        raise RuntimeError(f"the model cannot blend: {cache.engine.blender.unsupported_reason}")
+    if cache.serial.blender.prepare() is not None:
+        raise RuntimeError(f"the model cannot blend: {cache.serial.blender.unsupported_reason}")
     for i, p in enumerate(held_out):
         answer, ttft, logits = _generate(model, p.ids, spec.answer_tokens, clock)
         full = _loglik(logits, answer)
@@ -212,13 +213,13 @@ def _blended(model, cache: PrefixCache, p: RagPrompt, share: float, answer: list
              clock) -> tuple[list[int], float, float]:
     """(greedy answer, first-token time, log-likelihood of ``answer``) after the prompt's blended KV: what the
     serial engine does for a blended call (lease, build, the last prompt token), without storing the prompt."""
-    engine, n, tenant = cache.engine, len(p.ids), "default"
-    ns = cache.namespace(tenant)
+    engine, n, tenant = cache.serial, len(p.ids), "default"
+    scope = Scope(cache.namespace(tenant), tenant)
     t0 = clock()
-    lease = cache.store.acquire(ns, tenant, p.ids, n - 1, None)
+    lease = cache.store.acquire(scope, p.ids, n - 1)
     try:
         with torch.no_grad():
-            built = engine.blender.build(p.ids, BlendRequest(p.chunks, share), lease, ns, tenant, None)
+            built = engine.blender.build(p.ids, BlendRequest(p.chunks, share), lease, scope)
             kv = WorkingCache(engine.layout, [(built.buffer, n - 1)], n + len(answer))
             token = int(model(input_ids=torch.tensor([p.ids[-1:]]), past_key_values=kv).logits[0, -1].argmax())
             ttft = clock() - t0

@@ -23,3 +23,7 @@ class Scope:
 
     def with_ttl(self, ttl_seconds: float | None) -> Scope:
         return dataclasses.replace(self, ttl_seconds=ttl_seconds)
+
+    def within(self, part: str) -> Scope:
+        """The same scope one namespace level down (e.g. a tenant's stored chunks beside its prefixes)."""
+        return dataclasses.replace(self, namespace=(*self.namespace, part))

@@ -37,6 +37,7 @@ from prefixcache.cache.ledger import KVLedger
 from prefixcache.cache.policy import OFFLOAD_REASONS, evictable, expiry
 from prefixcache.cache.run_book import RunBook
 from prefixcache.cache.runs import RunOps, TensorRuns
+from prefixcache.cache.scope import Scope
 from prefixcache.cache.trie import Node, PrefixTrie
 from prefixcache.config import CacheConfig
 from prefixcache.errors import PinQuotaExceededError
@@ -79,46 +80,45 @@ class KVStore:
         self.lower = lower
 
     # -- read path -----------------------------------------------------------------
-    def acquire(self, namespace: tuple[str, ...], tenant: str, tokens: Sequence[int], limit: int,
-                ttl_seconds: float | None, restore: bool = False) -> Lease:
-        """Match the longest live prefix of ``tokens[:limit]`` and pin it (refcount walk).
+    def acquire(self, scope: Scope, tokens: Sequence[int], limit: int, restore: bool = False) -> Lease:
+        """Match the longest live prefix of ``tokens[:limit]`` in ``scope`` and pin it (refcount walk);
+        the matched blocks' deadlines move to at least ``scope.ttl_seconds`` from now.
 
         With ``restore`` and lower tiers attached, full blocks past the device match are first
         looked up there (outside the store's lock: this may read a disk or the network) and
         stored, so the lease covers them too. Anything failing there leaves the device match.
         """
-        lease = self._acquire(namespace, tenant, tokens, limit, ttl_seconds)
+        lease = self._acquire(scope, tokens, limit)
         if not restore or self.lower is None:
             return lease
         from prefixcache.cache.tiers.restore import restore_below  # the tiers (and torch) load only when attached
 
-        return restore_below(self, self.lower, lease, namespace, tenant, tokens, limit, ttl_seconds)
+        return restore_below(self, self.lower, lease, scope, tokens, limit)
 
-    def _acquire(self, namespace: tuple[str, ...], tenant: str, tokens: Sequence[int], limit: int,
-                 ttl_seconds: float | None) -> Lease:
+    def _acquire(self, scope: Scope, tokens: Sequence[int], limit: int) -> Lease:
         with self._lock:
             now = self._clock()
-            root = self.trie.root(namespace, tenant, create=False)
+            root = self.trie.root(scope.namespace, scope.tenant, create=False)
             if root is None or limit <= 0:
                 return Lease(None, [], 0)
             steps = self.trie.match(root, tokens, limit, lambda n: _usable(n, now))
             root.refcount += 1
             for step in steps:
                 self._ref(step.node, +1)
-            self._touch([s.node for s in steps], now, ttl_seconds)
+            self._touch([s.node for s in steps], now, scope.ttl_seconds)
             return Lease(root, steps, sum(s.used for s in steps))
 
-    def peek(self, namespace: tuple[str, ...], tenant: str, tokens: Sequence[int], limit: int) -> int:
-        """Tokens of ``tokens[:limit]`` a lookup would match now; pins, touches and frees nothing."""
+    def peek(self, scope: Scope, tokens: Sequence[int], limit: int) -> int:
+        """Tokens of ``tokens[:limit]`` a lookup in ``scope`` would match now; pins, touches and frees nothing."""
         with self._lock:
             now = self._clock()
-            root = self.trie.root(namespace, tenant, create=False)
+            root = self.trie.root(scope.namespace, scope.tenant, create=False)
             if root is None or limit <= 0:
                 return 0
             return sum(s.used for s in self.trie.match(root, tokens, limit, lambda n: _usable(n, now)))
 
-    def retain(self, namespace: tuple[str, ...], tenant: str, tokens: Sequence[int], ttl_seconds: float | None) -> int:
-        """Keep the stored path of ``tokens`` for at least ``ttl_seconds`` more (a later deadline stays).
+    def retain(self, scope: Scope, tokens: Sequence[int]) -> int:
+        """Keep the stored path of ``tokens`` for at least ``scope.ttl_seconds`` more (a later deadline stays).
 
         Returns the tokens of ``tokens`` the path covers (fewer when part of it is not stored).
         The blocks are touched root-first, as a lookup touches them, so a parent never expires
@@ -126,11 +126,11 @@ class KVStore:
         """
         with self._lock:
             now = self._clock()
-            root = self.trie.root(namespace, tenant, create=False)
+            root = self.trie.root(scope.namespace, scope.tenant, create=False)
             if root is None or not tokens:
                 return 0
             steps = self.trie.match(root, tokens, len(tokens), lambda n: _usable(n, now))
-            self._touch([s.node for s in steps], now, ttl_seconds)
+            self._touch([s.node for s in steps], now, scope.ttl_seconds)
             return sum(s.used for s in steps)
 
     def release(self, lease: Lease) -> None:
@@ -151,10 +151,9 @@ class KVStore:
             self._compact()
 
     # -- write path ----------------------------------------------------------------
-    def insert(self, namespace: tuple[str, ...], tenant: str, tokens: Sequence[int], slice_kv: KVSlicer,
-               ttl_seconds: float | None, pin: bool = False, privileged: bool = False,
-               _restoring: bool = False) -> InsertResult:
-        """Store the KV of ``tokens`` (all of them) below ``namespace``, block by block.
+    def insert(self, scope: Scope, tokens: Sequence[int], slice_kv: KVSlicer, pin: bool = False,
+               privileged: bool = False, _restoring: bool = False) -> InsertResult:
+        """Store the KV of ``tokens`` (all of them) in ``scope``, block by block, kept for ``scope.ttl_seconds``.
 
         Blocks are added root-first, so what is stored is always a prefix of
         ``tokens``; under budget or quota pressure the tail is dropped, never an error.
@@ -166,7 +165,8 @@ class KVStore:
         """
         with self._lock:
             now = self._clock()
-            root = self.trie.root(namespace, tenant, create=True)
+            tenant = scope.tenant
+            root = self.trie.root(scope.namespace, tenant, create=True)
             root.refcount += 1  # the root outlives the insert even if nothing is stored
             pin_room = None if not pin or privileged else self.config.pin_quota_bytes - self.index.pinned_bytes[tenant]
             path: list[Node] = []
@@ -175,7 +175,7 @@ class KVStore:
             finally:
                 root.refcount -= 1
                 self.trie.drop_root_if_empty(root)
-            self._touch(path, now, ttl_seconds)
+            self._touch(path, now, scope.ttl_seconds)
             complete = pos == len(tokens)
             if pin and complete:
                 for node in path:
@@ -281,10 +281,10 @@ class KVStore:
             quota = self.config.pin_quota_bytes
             raise PinQuotaExceededError.of(quota - room, quota, need)
 
-    def unpin(self, namespace: tuple[str, ...], tokens: Sequence[int]) -> int:
-        """Undo one ``pin`` of exactly this token path. Returns the tokens unpinned."""
+    def unpin(self, scope: Scope, tokens: Sequence[int]) -> int:
+        """Undo one ``pin`` of exactly this token path in ``scope``. Returns the tokens unpinned."""
         with self._lock:
-            root = self.trie.root(namespace, "", create=False)
+            root = self.trie.root(scope.namespace, scope.tenant, create=False)
             if root is None:
                 return 0
             steps = self.trie.match(root, tokens, len(tokens), lambda n: n.alive)

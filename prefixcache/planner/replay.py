@@ -26,6 +26,7 @@ from typing import Any
 from prefixcache.cache.handles import EvictedSnapshot
 from prefixcache.cache.hashing import BlockHasher
 from prefixcache.cache.policy import REASONS
+from prefixcache.cache.scope import Scope
 from prefixcache.cache.sized import SizedRuns
 from prefixcache.cache.store import KVStore
 from prefixcache.config import CacheConfig
@@ -137,13 +138,13 @@ def replay(trace: Trace, sc: Scenario, progress: Callable[[int], None] | None = 
 
     def offload(snap: EvictedSnapshot) -> None:
         if tier2 is not None and snap.reason in TIER_REASONS:
-            tier2.insert(snap.namespace, snap.tenant, snap.tokens, slice2, sc.tier2_ttl_seconds)
+            tier2.insert(Scope(snap.namespace, snap.tenant, sc.tier2_ttl_seconds), snap.tokens, slice2)
 
     store, slice1 = _store(sc.budget_bytes, sc.ttl_seconds, sc.tenant_quota_bytes, block_bytes, clock,
                            offload if tier2 is not None else None)
     res = PointResult(sc.budget_bytes, sc.ttl_seconds)
     for tenant, ids in sc.pins:
-        store.insert((tenant,), tenant, ids, slice1, None, pin=True, privileged=True)
+        store.insert(Scope((tenant,), tenant), ids, slice1, pin=True, privileged=True)
     held = _Held(store, clock.now)
     held2 = _Held(tier2, clock.now) if tier2 is not None else None
     every, origin = sc.sweep_interval_seconds, clock.now
@@ -151,6 +152,7 @@ def replay(trace: Trace, sc: Scenario, progress: Callable[[int], None] | None = 
     ts, tenants, names, match, offsets, ids = (trace.ts, trace.tenant, trace.tenants, trace.match_blocks,
                                                trace.offsets, trace.ids)
     cached_blocks = tier2_blocks = 0
+    scopes: dict[str, tuple[Scope, Scope]] = {}  # per tenant: in the store, in the second tier
     for i in range(len(trace)):
         t = ts[i]
         while next_sweep <= t:  # the sweeper's ticks up to now; ticks with nothing due are skipped
@@ -162,16 +164,17 @@ def replay(trace: Trace, sc: Scenario, progress: Callable[[int], None] | None = 
             held2.advance(t)
         clock.now = t
         tenant = names[tenants[i]]
-        ns = (tenant,)
+        scope, scope2 = scopes.get(tenant) or scopes.setdefault(tenant, (
+            Scope((tenant,), tenant, sc.ttl_seconds), Scope((tenant,), tenant, sc.tier2_ttl_seconds)))
         chain = tuple(ids[offsets[i] : offsets[i + 1]])
         lease2 = None
         if tier2 is not None:
-            lease2 = tier2.acquire(ns, tenant, chain, match[i], sc.tier2_ttl_seconds)
+            lease2 = tier2.acquire(scope2, chain, match[i])
         # One insert does what the engine's acquire + insert + release do at one instant: it walks the
         # live leading blocks (the match), refreshes them with the TTL and stores the rest.
         walked = 0
         if chain:
-            done = store.insert(ns, tenant, chain, slice1, sc.ttl_seconds)
+            done = store.insert(scope, chain, slice1)
             walked = done.stored_tokens - done.new_bytes // block_bytes
         hit = min(walked, match[i])
         cached_blocks += hit

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from prefixcache.cache.handles import Lease
+from prefixcache.cache.scope import Scope
 from prefixcache.cache.store import KVStore
 from prefixcache.config import CacheConfig
 from prefixcache.errors import InvalidRequestError, UnsupportedModelError
@@ -93,8 +94,8 @@ class Blender:
                 log.info("chunk blending off for this model: %s", exc)
         return self.unsupported_reason
 
-    def build(self, prompt: Sequence[int], request: BlendRequest, lease: Lease, namespace: tuple[str, ...],
-              tenant: str, ttl: float | None) -> BlendOutcome | None:
+    def build(self, prompt: Sequence[int], request: BlendRequest, lease: Lease,
+              scope: Scope) -> BlendOutcome | None:
         """The KV of ``prompt[:-1]`` with ``lease``'s prefix, the chunks placed and blended; None when no chunk
         lies after the prefix. Holds the model: the caller serialises calls (after ``prepare`` returned None)."""
         assert self.layout is not None and self.shift is not None
@@ -112,7 +113,7 @@ class Blender:
         stored = 0
         reused_mask = torch.zeros(end, dtype=torch.bool)
         for lo, hi, start, stop in spans:
-            stored += self._place(buffer, list(prompt[start:stop]), start, lo, hi, namespace, tenant, ttl)
+            stored += self._place(buffer, list(prompt[start:stop]), start, lo, hi, scope)
             reused_mask[lo:hi] = True
         with torch.no_grad():
             selected = self._select(buffer, prompt, cached, end, reused_mask, request.share)
@@ -128,19 +129,18 @@ class Blender:
         reused = int(reused_mask.sum())
         return BlendOutcome(buffer, reused - int(selected.numel()), int(selected.numel()), stored, exact)
 
-    def _place(self, buffer: torch.Tensor, tokens: list[int], start: int, lo: int, hi: int,
-               namespace: tuple[str, ...], tenant: str, ttl: float | None) -> int:
+    def _place(self, buffer: torch.Tensor, tokens: list[int], start: int, lo: int, hi: int, scope: Scope) -> int:
         """Write the chunk ``tokens`` (at ``start`` in the prompt) into ``buffer[..., lo:hi]``, re-rotated; returns
         how many of its tokens were computed alone and stored now."""
-        chunk_ns = (*namespace, CHUNK_PART)
-        lease = self.store.acquire(chunk_ns, tenant, tokens, len(tokens), ttl, restore=True)
+        chunks = scope.within(CHUNK_PART)
+        lease = self.store.acquire(chunks, tokens, len(tokens), restore=True)
         try:
             segments = [(step.node.kv, step.used) for step in lease.steps]
             stored = 0
             if lease.cached_tokens < len(tokens):
                 cache = compute_alone(self.model, self.layout, tokens, segments)
                 stored = len(tokens) - lease.cached_tokens
-                self.store.insert(chunk_ns, tenant, tokens, cache.slice, ttl)
+                self.store.insert(chunks, tokens, cache.slice)
                 segments = [(cache.view(0, len(tokens)), len(tokens))]
             offset = 0  # the segment's first token, in the chunk
             for snap, used in segments:

@@ -23,6 +23,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from prefixcache.cache.scope import Scope
 from prefixcache.cache.store import KVStore
 from prefixcache.errors import InvalidRequestError
 
@@ -122,32 +123,31 @@ class Breakpoints:
         self._lock = threading.Lock()
         self._counts: dict[str, Counter[tuple[str, str]]] = {}
 
-    def predict(self, namespace: tuple[str, ...], tenant: str, tokens: Sequence[int],
-                breakpoints: Sequence[Breakpoint]) -> CacheUsage:
+    def predict(self, scope: Scope, tokens: Sequence[int], breakpoints: Sequence[Breakpoint]) -> CacheUsage:
         """The usage a request would report if served now (nothing pinned, touched or counted)."""
-        read = self.store.peek(namespace, tenant, tokens, len(tokens) - 1)
+        read = self.store.peek(scope, tokens, len(tokens) - 1)
         return account(len(tokens), read, breakpoints, [bp.position >= self.min_tokens for bp in breakpoints])[0]
 
-    def held(self, namespace: tuple[str, ...], tenant: str, tokens: Sequence[int]) -> int:
+    def held(self, scope: Scope, tokens: Sequence[int]) -> int:
         """Leading tokens of ``tokens`` the store holds now (nothing pinned, touched or counted)."""
-        return self.store.peek(namespace, tenant, tokens, len(tokens))
+        return self.store.peek(scope, tokens, len(tokens))
 
-    def settle(self, namespace: tuple[str, ...], tenant: str, tokens: Sequence[int],
-               breakpoints: Sequence[Breakpoint], read: int) -> CacheUsage:
+    def settle(self, scope: Scope, tokens: Sequence[int], breakpoints: Sequence[Breakpoint],
+               read: int) -> CacheUsage:
         """After a request was served (``read`` tokens from the cache): keep each breakpoint's prefix
         for its TTL, count what was read and written, and return the request's usage."""
         kept = []
         for bp in breakpoints:
             long_enough = bp.position >= self.min_tokens
-            ok = long_enough and self.store.retain(namespace, tenant, tokens[: bp.position],
-                                                   bp.ttl_seconds) >= bp.position
+            ok = long_enough and self.store.retain(scope.with_ttl(bp.ttl_seconds),
+                                                   tokens[: bp.position]) >= bp.position
             kept.append(ok)
         usage, events = account(len(tokens), read, breakpoints, kept)
         for bp, ok in zip(breakpoints, kept):
             if not ok and read < bp.position:
                 events.append((bp.ttl, "short" if bp.position < self.min_tokens else "dropped", 1))
         with self._lock:
-            counts = self._counts.setdefault(tenant, Counter())
+            counts = self._counts.setdefault(scope.tenant, Counter())
             for ttl, event, amount in events:
                 counts[ttl, event] += amount
         return usage

@@ -17,10 +17,11 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, StoppingCriteriaList
 
+from prefixcache.cache.scope import Scope
 from prefixcache.serving.blend import BlendRequest
 from prefixcache.serving.engine import BatchEngine, BatchResult
 from prefixcache.serving.options import AnswerOptions, batch_params
-from prefixcache.serving.request import CallStats, SamplingParams, finish_reason
+from prefixcache.serving.request import CallStats, Request, SamplingParams, finish_reason
 from prefixcache.serving.sampling import OpenAIPenalties, stop_string_check
 from prefixcache.serving.serial import CancelCriteria, SerialEngine
 from prefixcache.serving.stats import HitCounters
@@ -62,8 +63,8 @@ class Dispatcher:
         return params, None
 
     def generate_batched(self, rows: Sequence[torch.Tensor], params: Sequence[SamplingParams],
-                         namespace: tuple[str, ...], tenant: str, ttl: float | None,
-                         kwargs: dict[str, Any], timeout: float | None = None) -> tuple[list[torch.Tensor], CallStats]:
+                         scope: Scope, kwargs: dict[str, Any],
+                         timeout: float | None = None) -> tuple[list[torch.Tensor], CallStats]:
         """New tokens of each row (``rows[i]``: [n_i]) and the last row's stats. The rows share the
         engine's steps; with a streamer they run one after another, as ``generate()`` streams one.
         ``timeout`` bounds each row's wait; a row that fails cancels the rows still running."""
@@ -75,10 +76,10 @@ class Dispatcher:
             if streamer is not None:
                 streamer.put(row.unsqueeze(0).cpu())  # generate() hands the prompt over first
                 on_token = lambda t: streamer.put(torch.tensor([t]))  # noqa: E731
-            return self.batcher.submit(row.tolist(), namespace, tenant, p, ttl, on_token, None, stop)
+            return self.batcher.submit(row.tolist(), scope, p, on_token, None, stop)
 
         def result(req, row: torch.Tensor) -> tuple[torch.Tensor, CallStats]:
-            res = self.wait(req, tenant, timeout)
+            res = self.wait(req, timeout)
             if streamer is not None:
                 streamer.end()
             return torch.tensor(res.tokens, dtype=row.dtype, device=row.device), res.stats
@@ -95,20 +96,19 @@ class Dispatcher:
                 raise
         return [tokens for tokens, _ in done], done[-1][1]
 
-    def answer_batched(self, prompt: list[int], params: SamplingParams, namespace: tuple[str, ...], tenant: str,
-                       ttl: float | None, stream: TextStream, cancel: threading.Event | None,
+    def answer_batched(self, prompt: list[int], params: SamplingParams, scope: Scope, stream: TextStream,
+                       cancel: threading.Event | None,
                        timeout: float | None = None) -> tuple[list[int], CallStats, str]:
         """(new tokens, stats, finish reason); a stop string seen by ``stream`` halts the request."""
         stream.put(torch.tensor(prompt))  # the stream skips the prompt, as with generate()
-        req = self.batcher.submit(prompt, namespace, tenant, params, ttl, lambda t: stream.put(torch.tensor([t])),
-                                  Halt(cancel, stream))
-        res = self.wait(req, tenant, timeout)
+        req = self.batcher.submit(prompt, scope, params, lambda t: stream.put(torch.tensor([t])), Halt(cancel, stream))
+        res = self.wait(req, timeout)
         stream.end()
         return res.tokens, res.stats, res.finish_reason
 
-    def answer_serial(self, prompt: list[int], options: AnswerOptions, stream: TextStream,
-                      namespace: tuple[str, ...], tenant: str, ttl: float | None, device: torch.device,
-                      pad_id: int, blend: BlendRequest | None = None) -> tuple[list[int], CallStats, str]:
+    def answer_serial(self, prompt: list[int], options: AnswerOptions, stream: TextStream, scope: Scope,
+                      device: torch.device, pad_id: int,
+                      blend: BlendRequest | None = None) -> tuple[list[int], CallStats, str]:
         """(new tokens, stats, finish reason) from the serial engine; ``stream`` is the call's streamer
         (which also ends the call at a stop string); ``blend``: the prompt's marked chunks, reused
         (``serving/blend.py``)."""
@@ -125,24 +125,22 @@ class Dispatcher:
         criteria = StoppingCriteriaList(gen.pop("stopping_criteria", None) or [])
         criteria.append(CancelCriteria(Halt(options.cancel, stream)))
         gen["stopping_criteria"] = criteria
-        out, stats = self.serial(torch.tensor([prompt], device=device), namespace, tenant, None, gen, ttl, blend)
+        out, stats = self.serial(torch.tensor([prompt], device=device), scope, None, gen, blend)
         new = out[0, len(prompt):].tolist()
         eos = options.eos_ids(self.serial_engine.effective_config(None, options.extra))
         params = SamplingParams(max_new_tokens=options.max_new_tokens, eos_token_ids=eos)
         return new, stats, finish_reason(new, params, False, options.cancelled)
 
-    def serial(self, ids: torch.Tensor, namespace: tuple[str, ...], tenant: str,
-               generation_config: GenerationConfig | None, kwargs: dict[str, Any],
-               ttl: float | None, blend: BlendRequest | None = None) -> tuple[Any, CallStats]:
+    def serial(self, ids: torch.Tensor, scope: Scope, generation_config: GenerationConfig | None,
+               kwargs: dict[str, Any], blend: BlendRequest | None = None) -> tuple[Any, CallStats]:
         """``generate()`` on the serial engine for one prompt ``ids``: [1, n] (with ``blend``, its marked chunks
         reused)."""
-        out, stats = self.serial_engine.generate(ids, namespace, tenant, generation_config, kwargs, ttl,
-                                                 self.cache_generated, blend)
-        self.counters.record(tenant, stats)
+        out, stats = self.serial_engine.generate(ids, scope, generation_config, kwargs, self.cache_generated, blend)
+        self.counters.record(scope.tenant, stats)
         return out, stats
 
-    def wait(self, req, tenant: str, timeout: float | None) -> BatchResult:
+    def wait(self, req: Request, timeout: float | None) -> BatchResult:
         """The batched request's result (``BatchEngine.wait``: a timeout or fault raises, typed)."""
         res = self.batcher.wait(req, timeout)
-        self.counters.record(tenant, res.stats)
+        self.counters.record(req.scope.tenant, res.stats)
         return res

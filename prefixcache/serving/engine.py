@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from prefixcache.cache.scope import Scope
 from prefixcache.cache.store import KVStore
 from prefixcache.config import check_int, check_positive
 from prefixcache.errors import ConfigError, EngineFaultError, GenerationTimeoutError, UnsupportedModelError
@@ -214,14 +215,14 @@ class BatchEngine:
             return f"the batching loop stopped: {self.failure}"
         return self.layout.window_reason(prompt_len + params.max_new_tokens)
 
-    def generate(self, prompt: Sequence[int], namespace: tuple[str, ...], tenant: str, params: SamplingParams,
-                 ttl_seconds: float | None = None, on_token: Callable[[int], None] | None = None,
+    def generate(self, prompt: Sequence[int], scope: Scope, params: SamplingParams,
+                 on_token: Callable[[int], None] | None = None,
                  cancel: threading.Event | None = None, timeout: float | None = None) -> BatchResult:
         """Generate for one prompt (token ids); blocks until done (see ``wait``). Thread-safe."""
-        return self.wait(self.submit(prompt, namespace, tenant, params, ttl_seconds, on_token, cancel), timeout)
+        return self.wait(self.submit(prompt, scope, params, on_token, cancel), timeout)
 
-    def submit(self, prompt: Sequence[int], namespace: tuple[str, ...], tenant: str, params: SamplingParams,
-               ttl_seconds: float | None = None, on_token: Callable[[int], None] | None = None,
+    def submit(self, prompt: Sequence[int], scope: Scope, params: SamplingParams,
+               on_token: Callable[[int], None] | None = None,
                cancel: threading.Event | None = None, stop: Callable[[list[int]], bool] | None = None) -> Request:
         """Queue one request; ``wait`` for its result. ``on_token`` and ``stop`` run on the loop's thread."""
         if self.failure is not None:  # a fault (503, retry), not a request batching cannot serve
@@ -229,12 +230,12 @@ class BatchEngine:
         reason = self.unservable(len(prompt), params)
         if reason is not None:
             raise UnsupportedModelError(reason)
-        req = Request(list(prompt), namespace, tenant, params, ttl_seconds, self._clock(), on_token, cancel, stop)
+        req = Request(list(prompt), scope, params, self._clock(), on_token, cancel, stop)
         sampler = Sampler(params, len(req.prompt))
         req.sampler = None if sampler.argmax_only else sampler  # None: the step's one batched argmax
         # Pin the longest cached prefix now: admission order needs its length. The last
         # prompt token is always recomputed, so its logits exist.
-        req.lease = self.store.acquire(namespace, tenant, req.prompt, len(req.prompt) - 1, ttl_seconds, restore=True)
+        req.lease = self.store.acquire(scope, req.prompt, len(req.prompt) - 1, restore=True)
         req.stats.prompt_tokens, req.stats.cached_tokens = len(req.prompt), req.cached_len
         with self._cv:
             if self._closed or self.failure is not None:
@@ -383,7 +384,7 @@ class BatchEngine:
         if not followers:
             return
         try:
-            self.store.insert(req.namespace, req.tenant, req.prompt, req.kv_slicer(), req.ttl_seconds)
+            self.store.insert(req.scope, req.prompt, req.kv_slicer())
         except Exception as exc:  # noqa: BLE001 - caching is an optimisation; the answer goes on
             log.warning("could not store a prompt's KV early: %s", exc)
             return
@@ -403,7 +404,7 @@ class BatchEngine:
             keep = req.held_len if self.cache_generated else min(req.held_len, len(req.prompt))
             if error is None and req.private is not None and keep > 0:
                 tokens = (req.prompt + req.output)[:keep]
-                res = self.store.insert(req.namespace, req.tenant, tokens, req.kv_slicer(), req.ttl_seconds)
+                res = self.store.insert(req.scope, tokens, req.kv_slicer())
                 req.stats.stored_tokens = res.stored_tokens
         except Exception as exc:  # noqa: BLE001 - the answer stands even if caching it failed
             log.warning("could not store KV of a finished request: %s", exc)

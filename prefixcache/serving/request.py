@@ -17,6 +17,7 @@ from enum import Enum
 import torch
 
 from prefixcache.cache.handles import Lease
+from prefixcache.cache.scope import Scope
 from prefixcache.model.private_kv import PrivateKV
 
 
@@ -100,10 +101,8 @@ class Status(Enum):
 @dataclass(slots=True, eq=False)
 class Request:
     prompt: list[int]
-    namespace: tuple[str, ...]
-    tenant: str
+    scope: Scope  # where its prefix is looked up and its KV stored, for how long
     params: SamplingParams
-    ttl_seconds: float | None
     arrival: float
     on_token: Callable[[int], None] | None = None
     cancel: threading.Event | None = None

@@ -215,7 +215,7 @@ class Scheduler:
         want = req.prompt[start : start + probe]
         if len(want) < probe:
             return False
-        return any(a.prefilling and a.namespace == req.namespace and a.prompt[start : start + probe] == want
+        return any(a.prefilling and a.scope.namespace == req.scope.namespace and a.prompt[start : start + probe] == want
                    for a in self.running)
 
     def followers(self, leader: Request) -> list[Request]:
@@ -226,7 +226,7 @@ class Scheduler:
         """
         probe = HOLD_PROBE_TOKENS
         return [w for w in self.waiting
-                if w.namespace == leader.namespace and len(w.prompt) >= w.cached_len + probe
+                if w.scope.namespace == leader.scope.namespace and len(w.prompt) >= w.cached_len + probe
                 and w.prompt[w.cached_len : w.cached_len + probe] == leader.prompt[w.cached_len : w.cached_len + probe]]
 
     def rebase(self, req: Request, followers: Sequence[Request]) -> None:
@@ -240,7 +240,7 @@ class Scheduler:
         shared = min(common_prefix(req.prompt, w.prompt) for w in followers)
         if shared <= req.base_len:
             return
-        lease = self.store.acquire(req.namespace, req.tenant, req.prompt, shared, req.ttl_seconds)
+        lease = self.store.acquire(req.scope, req.prompt, shared)
         old, base = req.private, req.base_len
         if lease.cached_tokens <= base:
             self.store.release(lease)
@@ -262,7 +262,7 @@ class Scheduler:
 
     def _refresh_lease(self, req: Request) -> None:
         """Re-match at admission: prefixes stored since ``submit`` (by finished or prefilled requests) count."""
-        lease = self.store.acquire(req.namespace, req.tenant, req.prompt, len(req.prompt) - 1, req.ttl_seconds)
+        lease = self.store.acquire(req.scope, req.prompt, len(req.prompt) - 1)
         if lease.cached_tokens > req.cached_len:
             self.store.release(req.lease)
             req.lease = lease
@@ -302,7 +302,7 @@ def admission_order(waiting: Sequence[Request], now: float, max_wait: float,
     starved = sorted((r for r in waiting if now - r.arrival > max_wait), key=lambda r: r.arrival)
     fresh = sorted((r for r in waiting if now - r.arrival <= max_wait),
                    key=lambda r: (-r.cached_len, r.group, r.arrival))
-    taken = Counter(r.tenant for r in running)
+    taken = Counter(r.scope.tenant for r in running)
     return in_turn(starved, taken) + in_turn(fresh, taken)
 
 
@@ -343,6 +343,6 @@ def in_turn(requests: Sequence[Request], taken: Counter[str] | None = None) -> l
     seen: Counter[str] = Counter()
     ranked = []
     for i, r in enumerate(requests):
-        ranked.append((taken[r.tenant] + seen[r.tenant], i, r))
-        seen[r.tenant] += 1
+        ranked.append((taken[r.scope.tenant] + seen[r.scope.tenant], i, r))
+        seen[r.scope.tenant] += 1
     return [r for _, _, r in sorted(ranked, key=lambda t: t[:2])]

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria
 
+from prefixcache.cache.scope import Scope
 from prefixcache.cache.store import KVStore
 from prefixcache.errors import GenerationTimeoutError, RequestCancelledError, UnsupportedModelError
 from prefixcache.model.hf_cache import Probe, WorkingCache, probe
@@ -87,12 +88,11 @@ class SerialEngine:
         self.blender = Blender(model, self.layout, store)
 
     # -- public --------------------------------------------------------------------
-    def generate(self, input_ids: torch.Tensor, namespace: tuple[str, ...], tenant: str,
-                 generation_config: GenerationConfig | None, kwargs: dict[str, Any],
-                 ttl_seconds: float | None, cache_generated: bool,
+    def generate(self, input_ids: torch.Tensor, scope: Scope, generation_config: GenerationConfig | None,
+                 kwargs: dict[str, Any], cache_generated: bool,
                  blend: BlendRequest | None = None) -> tuple[Any, CallStats]:
-        """Run ``model.generate`` for one prompt ``input_ids: [1, n]``, reusing cached KV; with ``blend``, the
-        stored KV of its marked chunks too (``serving/blend.py``)."""
+        """Run ``model.generate`` for one prompt ``input_ids: [1, n]``, reusing cached KV of ``scope``; with
+        ``blend``, the stored KV of its marked chunks too (``serving/blend.py``)."""
         start = self._clock()
         n = int(input_ids.shape[1])
         stats = CallStats(prompt_tokens=n, executor="serial")
@@ -117,16 +117,15 @@ class SerialEngine:
             if stats.bypass_reason is not None:
                 out = self.model.generate(input_ids, generation_config=generation_config, **kwargs)
             else:
-                out = self._cached_generate(input_ids, namespace, tenant, generation_config, kwargs,
-                                            ttl_seconds, cache_generated, max_new, stats, start, blend)
+                out = self._cached_generate(input_ids, scope, generation_config, kwargs, cache_generated, max_new,
+                                            stats, start, blend)
         seq = out.sequences if hasattr(out, "sequences") else out
         stats.completion_tokens = int(seq.shape[1]) - n
         stats.ttft_seconds = None if timer.at is None else timer.at - start
         stats.total_seconds = self._clock() - start
         return out, stats
 
-    def prefill(self, tokens: list[int], namespace: tuple[str, ...], tenant: str,
-                ttl_seconds: float | None, pin: bool, privileged: bool = False,
+    def prefill(self, tokens: list[int], scope: Scope, pin: bool, privileged: bool = False,
                 cancel: threading.Event | None = None, timeout: float | None = None) -> CallStats:
         """Compute and store the KV of ``tokens`` without generating (cache warming).
 
@@ -140,7 +139,7 @@ class SerialEngine:
         deadline = None if timeout is None else time.monotonic() + timeout
         stats = CallStats(prompt_tokens=len(tokens), executor="serial")
         with self.store.ledger.reserve("prewarm", self._bytes(len(tokens)), cancel), self._model_lock:
-            lease = self.store.acquire(namespace, tenant, tokens, len(tokens), ttl_seconds, restore=True)
+            lease = self.store.acquire(scope, tokens, len(tokens), restore=True)
             try:
                 stats.cached_tokens = lease.cached_tokens
                 cache = WorkingCache(self.layout, [(s.node.kv, s.used) for s in lease.steps], len(tokens))
@@ -150,8 +149,7 @@ class SerialEngine:
                     with torch.no_grad():  # positions follow from the cache's length
                         self.model(input_ids=ids, past_key_values=cache, use_cache=True)
                 _check_stop(cancel, deadline, timeout)
-                result = self.store.insert(namespace, tenant, tokens, cache.slice, ttl_seconds, pin=pin,
-                                           privileged=privileged)
+                result = self.store.insert(scope, tokens, cache.slice, pin=pin, privileged=privileged)
                 stats.stored_tokens = result.stored_tokens
             finally:
                 self.store.release(lease)
@@ -162,22 +160,20 @@ class SerialEngine:
         return 0 if self.layout is None else tokens * self.layout.bytes_per_token
 
     # -- internals -----------------------------------------------------------------
-    def _cached_generate(self, input_ids, namespace, tenant, generation_config, kwargs, ttl_seconds,
-                         cache_generated, max_new, stats: CallStats, start: float,
-                         blend: BlendRequest | None = None) -> Any:
+    def _cached_generate(self, input_ids, scope: Scope, generation_config, kwargs, cache_generated, max_new,
+                         stats: CallStats, start: float, blend: BlendRequest | None = None) -> Any:
         assert self.layout is not None
         prompt = input_ids[0].tolist()
         n = len(prompt)
         # At least the last prompt token is recomputed, so its logits exist.
-        lease = self.store.acquire(namespace, tenant, prompt, n - 1, ttl_seconds, restore=True)
+        lease = self.store.acquire(scope, prompt, n - 1, restore=True)
         try:
             stats.cached_tokens = lease.cached_tokens
             stats.lookup_seconds = self._clock() - start
             unable = None if blend is None else self.blender.prepare()
             if unable is not None:
                 stats.blend_reason = f"model not supported: {unable}"
-            blended = None if blend is None or unable else self.blender.build(prompt, blend, lease, namespace, tenant,
-                                                                              ttl_seconds)
+            blended = None if blend is None or unable else self.blender.build(prompt, blend, lease, scope)
             if blended is None:
                 cache = WorkingCache(self.layout, [(s.node.kv, s.used) for s in lease.steps], n + max_new)
             else:
@@ -193,8 +189,7 @@ class SerialEngine:
                 keep = blended.exact  # reused chunk KV is close to a full prefill's, not equal: never a prefix
             tokens = seq[0, :keep].tolist()
             if tokens:
-                stats.stored_tokens = self.store.insert(namespace, tenant, tokens, cache.slice,
-                                                        ttl_seconds).stored_tokens
+                stats.stored_tokens = self.store.insert(scope, tokens, cache.slice).stored_tokens
             return out
         finally:
             self.store.release(lease)

@@ -248,7 +248,7 @@ def test_without_breakpoints_cache_write_tokens_are_the_tokens_stored(srv):
     srv.cache.flush()
     chat = [{"role": "user", "content": "Do you sell maps?"}]
     first = oa.chat.completions.create(model=MODEL, messages=chat, max_tokens=2)
-    held = srv.cache.breakpoints.held(srv.cache.namespace("alpha"), "alpha", srv.cache.encode_chat(chat))
+    held = srv.cache.breakpoints.held(srv.cache.scope("alpha"), srv.cache.encode_chat(chat))
     assert first.usage.prompt_tokens_details.cache_write_tokens == held == first.usage.prompt_tokens
     again = oa.chat.completions.create(model=MODEL, messages=chat, max_tokens=2, prompt_cache_retention="24h")
     assert again.usage.prompt_tokens_details.cache_write_tokens == 0

@@ -5,10 +5,16 @@ import torch
 import xxhash
 
 from prefixcache.cache.hashing import BlockHasher
+from prefixcache.cache.scope import Scope
 from prefixcache.cache.store import KVStore
 from prefixcache.config import CacheConfig
 
 NS = {t: (t, "model", "rev", "float32", "tpl") for t in ("a", "b", "c")}
+
+
+def scope(tenant: str, ttl: float | None = 300.0) -> Scope:
+    """The tenant's scope in this harness (its ``NS`` namespace)."""
+    return Scope(NS[tenant], tenant, ttl)
 BYTES_PER_TOKEN = 2 * 4  # [L=1, 2, H=1, n, D=1] float32
 
 
@@ -44,8 +50,8 @@ def make_store(clock, *, blocks_budget: int = 1000, block_size: int = 4, quota_b
 
 
 def insert(store, tenant: str, tokens, ttl=300.0, pin=False, privileged=False):
-    return store.insert(NS[tenant], tenant, tokens, slicer(tokens), ttl, pin=pin, privileged=privileged)
+    return store.insert(scope(tenant, ttl), tokens, slicer(tokens), pin=pin, privileged=privileged)
 
 
 def lookup(store, tenant: str, tokens, ttl=300.0):
-    return store.acquire(NS[tenant], tenant, tokens, len(tokens), ttl)
+    return store.acquire(scope(tenant, ttl), tokens, len(tokens))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cache.store_helpers import BYTES_PER_TOKEN, insert, kv_value, lease_values, lookup, make_store
+from tests.cache.store_helpers import BYTES_PER_TOKEN, insert, kv_value, lease_values, lookup, make_store, scope
 
 B = 4  # block size used here
 BLOCK = B * BYTES_PER_TOKEN
@@ -107,7 +107,7 @@ def test_pinned_prefix_survives_pressure_until_unpinned(clock):
         insert(store, "a", seq(tag, B))
     assert cached(store, "a", pinned) == 2 * B
     assert store.snapshot_stats()["pinned_bytes"] == 2 * BLOCK
-    assert store.unpin(store.trie.root(("a", "model", "rev", "float32", "tpl"), "a", False).namespace, pinned)
+    assert store.unpin(scope("a"), pinned)
     for tag in range(6, 9):
         clock.advance(1)
         insert(store, "a", seq(tag, B))

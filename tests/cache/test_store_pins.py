@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from prefixcache.errors import CapacityError, PinQuotaExceededError
-from tests.cache.store_helpers import BYTES_PER_TOKEN, insert, lookup, make_store
+from tests.cache.store_helpers import BYTES_PER_TOKEN, insert, lookup, make_store, scope
 
 B = 4
 BLOCK = B * BYTES_PER_TOKEN
@@ -37,8 +37,8 @@ def test_pin_quota_counts_what_a_tenant_has_pinned_and_unpin_gives_it_back(clock
     insert(store, "a", seq(1, 3 * B), pin=True)  # extends the pinned path by one block: fits
     assert store.snapshot_stats("a")["pinned_bytes"] == 3 * BLOCK
     for _ in range(2):
-        assert store.unpin(("a", "model", "rev", "float32", "tpl"), seq(1, 2 * B))
-    assert store.unpin(("a", "model", "rev", "float32", "tpl"), seq(1, 3 * B))
+        assert store.unpin(scope("a"), seq(1, 2 * B))
+    assert store.unpin(scope("a"), seq(1, 3 * B))
     assert store.snapshot_stats("a")["pinned_bytes"] == 0
     insert(store, "a", seq(2, 2 * B), pin=True)
     store.check_integrity()

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from prefixcache.errors import PinQuotaExceededError
-from tests.cache.store_helpers import NS, insert, kv_value, lease_values, make_store
+from tests.cache.store_helpers import NS, insert, kv_value, lease_values, make_store, scope
 from tests.conftest import FakeClock
 
 TENANTS = st.sampled_from(["a", "b", "c"])
@@ -45,7 +45,7 @@ class StoreMachine(RuleBasedStateMachine):
     def lookup(self, tenant, tokens, hold, cut):
         deadlines = {id(n): n.expires_at for n in self.store.trie.iter_nodes()}
         limit = max(len(tokens) - cut, 0)  # the engine asks for len - 1; 0 happens for 1-token prompts
-        lease = self.store.acquire(NS[tenant], tenant, tokens, limit, 300.0)
+        lease = self.store.acquire(scope(tenant), tokens, limit)
         assert lease.cached_tokens <= limit
         # Whatever matched is exactly the KV of these tokens (never a colliding neighbour's).
         assert lease_values(lease) == [kv_value(tokens, i) for i in range(lease.cached_tokens)]
@@ -72,7 +72,7 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def unpin(self, data):
         tenant, tokens = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
-        self.store.unpin(NS[tenant], tokens)
+        self.store.unpin(scope(tenant), tokens)
 
     @rule(seconds=st.sampled_from([0.5, 4.0, 10.0, 100.0, 1000.0]))
     def clock_jump(self, seconds):

@@ -6,7 +6,7 @@ import pytest
 
 from prefixcache.cache.hashing import BlockHasher
 from prefixcache.cache.trie import PrefixTrie
-from tests.cache.store_helpers import insert, make_store
+from tests.cache.store_helpers import insert, make_store, scope
 
 B = 4
 
@@ -52,7 +52,7 @@ def test_blocks_being_added_are_never_evicted_for_the_next_one(clock):
     clock.advance(1)
     result = insert(store, "a", path(2, 6))  # each new block evicts one of the old path
     assert result.complete and store.snapshot_stats()["evictions"]["lru"] == 6
-    assert store.peek(("a", "model", "rev", "float32", "tpl"), "a", path(2, 6), 6 * B) == 6 * B
+    assert store.peek(scope("a"), path(2, 6), 6 * B) == 6 * B
     store.check_integrity()
 
 

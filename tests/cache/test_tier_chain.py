@@ -13,25 +13,26 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from prefixcache.cache.scope import Scope
 from prefixcache.cache.tiers import TierChain
 from prefixcache.cache.tiers.codec import BlockKeys, BlockMeta
 from prefixcache.cache.tiers.disk import _Entry as disk_entry
 from prefixcache.cache.tiers.host import HostTier
-from tests.cache.store_helpers import NS, insert, kv_value, lease_values, make_store
+from tests.cache.store_helpers import NS, insert, kv_value, lease_values, make_store, scope
 from tests.cache.tier_helpers import OTHER_SECRET, SECRET, block_files, disk_chain, prefix_files, shape
 
 SEQ = list(range(10, 34))  # 24 tokens: 6 blocks of 4
 
 
 def restore(store, tenant, tokens):
-    return store.acquire(NS[tenant], tenant, tokens, len(tokens), 300.0, restore=True)
+    return store.acquire(scope(tenant), tokens, len(tokens), restore=True)
 
 
 def evict_all(store):
     """Fill the store with other prefixes until nothing of ``SEQ`` is left on the device."""
     for i in range(3):
         filler = [200 + i] * 4 * 8
-        store.release(store.acquire(NS["c"], "c", filler, 0, 300.0))
+        store.release(store.acquire(scope("c"), filler, 0))
         insert(store, "c", filler)
 
 
@@ -50,7 +51,7 @@ def test_write_back_on_eviction_then_restore_gives_the_same_kv(tiered, tmp_path)
     assert chain.flush_writes(5) and block_files(tmp_path) == []  # nothing written while on the device
     evict_all(store)
     assert chain.flush_writes(5)
-    assert store.acquire(NS["a"], "a", SEQ, len(SEQ), 300.0).cached_tokens == 0  # gone from the device
+    assert store.acquire(scope("a"), SEQ, len(SEQ)).cached_tokens == 0  # gone from the device
     lease = restore(store, "a", SEQ)
     assert lease.cached_tokens == 24
     assert lease_values(lease) == [kv_value(SEQ, i) for i in range(24)]
@@ -189,7 +190,7 @@ def test_a_corrupt_block_is_a_counted_deleted_miss(tmp_path, clock, how):
         foreign_chain = disk_chain(tmp_path / "f", policy="write-through")
         foreign_store.attach(foreign_chain)
         ns = ("a", "other-model", "rev", "float32", "tpl")
-        foreign_store.insert(ns, "a", SEQ, lambda s, e: torch.zeros(1, 2, 1, e - s, 1), 300.0)
+        foreign_store.insert(Scope(ns, "a", 300.0), SEQ, lambda s, e: torch.zeros(1, 2, 1, e - s, 1))
         foreign_chain.flush_writes(5)
         foreign = prefix_files(tmp_path / "f", ns, SEQ)[2]
         foreign_chain.close()

@@ -5,14 +5,14 @@ import pytest
 
 from prefixcache.cache.tiers.codec import BlockKeys
 from prefixcache.cache.tiers.redis_tier import PREFIX
-from tests.cache.store_helpers import NS, insert, kv_value, lease_values, make_store
+from tests.cache.store_helpers import NS, insert, kv_value, lease_values, make_store, scope
 from tests.cache.tier_helpers import OTHER_SECRET, SECRET, Monotonic, redis_chain, shape
 
 SEQ = list(range(10, 34))  # 6 blocks of 4
 
 
 def restore(store, tokens, tenant="a"):
-    return store.acquire(NS[tenant], tenant, tokens, len(tokens), 300.0, restore=True)
+    return store.acquire(scope(tenant), tokens, len(tokens), restore=True)
 
 
 @pytest.fixture

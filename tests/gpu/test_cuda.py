@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from prefixcache import PrefixCache
+from prefixcache.cache.scope import Scope
 from prefixcache.errors import UnsupportedModelError
 from prefixcache.model.cascade import PrivateBatch, Shared, TorchKernels, cascade_attention, kernels_for
 from prefixcache.model.cuda import FusedKernels
@@ -148,7 +149,7 @@ def test_reduced_precision_layers_measured(dtype, capsys):
 
 
 def _decode_burst(engine, prompts, news):
-    reqs = [engine.submit(p, ("t", "m"), "t", SamplingParams(max_new_tokens=n, min_new_tokens=n))
+    reqs = [engine.submit(p, Scope(("t", "m"), "t"), SamplingParams(max_new_tokens=n, min_new_tokens=n))
             for p, n in zip(prompts, news)]
     return [engine.wait(r, timeout=120).tokens for r in reqs]
 
@@ -167,7 +168,7 @@ def test_decode_steps_are_captured_as_cuda_graphs_and_answer_exactly(arch):
     with PrefixCache(model, start_sweeper=False) as pc:
         assert pc.batching_disabled_reason is None
         engine = pc.batcher
-        engine.generate(prefix, ("t", "m"), "t", SamplingParams(max_new_tokens=1))
+        engine.generate(prefix, Scope(("t", "m"), "t"), SamplingParams(max_new_tokens=1))
         got = _decode_burst(engine, prompts, news)
         graphs = engine.runner.graphs
         assert graphs is not None and graphs.disabled is None, graphs and graphs.disabled
@@ -188,7 +189,7 @@ def test_decode_steps_are_captured_in_reduced_precision(dtype):
         with PrefixCache(model, start_sweeper=False, batching=BatchConfig(step_graphs=graphs_on)) as pc:
             engine = pc.batcher
             assert (engine.runner.graphs is not None) == graphs_on
-            engine.wait(engine.submit(prefix, ("t", "m"), "t", SamplingParams(max_new_tokens=1)))
+            engine.wait(engine.submit(prefix, Scope(("t", "m"), "t"), SamplingParams(max_new_tokens=1)))
             answers[graphs_on] = _decode_burst(engine, prompts, news)
             if graphs_on:
                 assert engine.runner.graphs.disabled is None and engine.runner.graphs.replays >= 20

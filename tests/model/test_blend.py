@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from prefixcache.cache.hashing import BlockHasher
+from prefixcache.cache.scope import Scope
 from prefixcache.cache.store import KVStore
 from prefixcache.config import CacheConfig
 from prefixcache.errors import UnsupportedModelError
@@ -14,6 +15,7 @@ from prefixcache.serving.blend import CHUNK_PART, Blender, BlendRequest
 from tests.conftest import build_tiny
 
 NS = ("tenant-a", "model")
+SCOPE = Scope(NS, "a")
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +85,8 @@ def _full_kv(model, prompt):
 
 def test_share_one_recomputes_everything_and_equals_a_full_prefill(model, blender):
     prompt, chunks = _prompt()
-    lease = blender.store.acquire(NS, "a", prompt, len(prompt) - 1, None)
-    out = blender.build(prompt, BlendRequest(chunks, 1.0), lease, NS, "a", None)
+    lease = blender.store.acquire(SCOPE, prompt, len(prompt) - 1)
+    out = blender.build(prompt, BlendRequest(chunks, 1.0), lease, SCOPE)
     blender.store.release(lease)
     assert (out.reused, out.recomputed, out.stored, out.exact) == (0, 37, 37, len(prompt) - 1)
     full = _full_kv(model, prompt)
@@ -95,14 +97,14 @@ def test_share_zero_keeps_the_chunks_kv_and_a_share_recomputes_some(model, blend
     prompt, chunks = _prompt()
     shift = rotary_shift(model)
     layout = probe_layout(model)
-    lease = blender.store.acquire(NS, "a", prompt, len(prompt) - 1, None)
-    out = blender.build(prompt, BlendRequest(chunks, 0.0), lease, NS, "a", None)
+    lease = blender.store.acquire(SCOPE, prompt, len(prompt) - 1)
+    out = blender.build(prompt, BlendRequest(chunks, 0.0), lease, SCOPE)
     assert (out.reused, out.recomputed, out.stored, out.exact) == (37, 0, 37, 6)
     for s, e in chunks:  # as stored (computed alone), moved: no layer recomputed
         alone = compute_alone(model, layout, prompt[s:e]).slice(0, e - s)
         torch.testing.assert_close(out.buffer[:, :, :, s:e], rerotate(alone, s, shift), rtol=0, atol=1e-6)
     full = _full_kv(model, prompt)
-    again = blender.build(prompt, BlendRequest(chunks, 0.3), lease, NS, "a", None)
+    again = blender.build(prompt, BlendRequest(chunks, 0.3), lease, SCOPE)
     blender.store.release(lease)
     assert (again.reused, again.recomputed, again.stored) == (25, 12, 0)  # found in the store this time
     err0 = (out.buffer[:, :, :, 6:] - full[:, :, :, 6:]).abs().max()
@@ -114,12 +116,12 @@ def test_share_zero_keeps_the_chunks_kv_and_a_share_recomputes_some(model, blend
 
 def test_a_chunk_is_stored_per_namespace(blender):
     prompt, chunks = _prompt()
-    lease = blender.store.acquire(NS, "a", prompt, len(prompt) - 1, None)
-    blender.build(prompt, BlendRequest(chunks, 0.15), lease, NS, "a", None)
+    lease = blender.store.acquire(SCOPE, prompt, len(prompt) - 1)
+    blender.build(prompt, BlendRequest(chunks, 0.15), lease, SCOPE)
     blender.store.release(lease)
     s, e = chunks[0]
-    mine = blender.store.acquire((*NS, CHUNK_PART), "a", prompt[s:e], e - s, None)
-    theirs = blender.store.acquire(("tenant-b", "model", CHUNK_PART), "b", prompt[s:e], e - s, None)
+    mine = blender.store.acquire(SCOPE.within(CHUNK_PART), prompt[s:e], e - s)
+    theirs = blender.store.acquire(Scope(("tenant-b", "model", CHUNK_PART), "b"), prompt[s:e], e - s)
     assert (mine.cached_tokens, theirs.cached_tokens) == (e - s, 0)
     blender.store.release(mine)
     blender.store.release(theirs)

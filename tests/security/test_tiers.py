@@ -23,7 +23,7 @@ from prefixcache.cache.tiers.files import LOCK, MARKER, SECRET_FILE, TierDirecto
 from prefixcache.cache.tiers.redis_tier import PREFIX as KEY_PREFIX
 from prefixcache.config import CacheConfig
 from prefixcache.errors import ConfigError
-from tests.cache.store_helpers import NS, insert, kv_value, lease_values, make_store
+from tests.cache.store_helpers import NS, insert, kv_value, lease_values, make_store, scope
 from tests.cache.tier_helpers import (
     OTHER_SECRET,
     SECRET,
@@ -42,7 +42,7 @@ HASH_SECRET = SECRET.decode()
 
 
 def restore(store, tokens, tenant="a"):
-    return store.acquire(NS[tenant], tenant, tokens, len(tokens), 300.0, restore=True)
+    return store.acquire(scope(tenant), tokens, len(tokens), restore=True)
 
 
 def prompt(seed: int = 1) -> torch.Tensor:

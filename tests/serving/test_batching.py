@@ -10,6 +10,7 @@ import torch
 
 from prefixcache import PrefixCache
 from prefixcache.cache.hashing import BlockHasher
+from prefixcache.cache.scope import Scope
 from prefixcache.cache.store import KVStore
 from prefixcache.config import CacheConfig
 from prefixcache.errors import UnsupportedModelError
@@ -19,6 +20,7 @@ from prefixcache.serving.scheduler import admission_order, plan_step
 from tests.conftest import ARCHS, EOS, FakeClock, build_tiny, untouched
 
 NS = ("t", "model")
+SCOPE = Scope(NS, "t")
 
 
 def make_engine(model, block_size=8, **cfg):
@@ -49,16 +51,16 @@ def test_parity_join_leave_and_two_prefixes(arch):
         assert engine.disabled_reason is None
         base_a, base_b = list(range(10, 60)), list(range(200, 237))
         for base in (base_a, base_b):  # both prefixes stored: one batch cascades over two prefixes
-            assert engine.generate(base + [5], NS, "t", params(1)).finish_reason in ("length", "stop")
+            assert engine.generate(base + [5], SCOPE, params(1)).finish_reason in ("length", "stop")
         first = [base_a + [70 + i] * (i + 1) for i in range(3)] + [base_b + [90, 91]]
         later = [base_a + [80, 81, 82, 83][: i + 1] for i in range(3)] + [base_b[:20] + [95]]
         news = [9, 3, 6, 4, 5, 2, 8, 7]
-        reqs = [engine.submit(p, NS, "t", params(n)) for p, n in zip(first, news)]
+        reqs = [engine.submit(p, SCOPE, params(n)) for p, n in zip(first, news)]
         deadline = time.monotonic() + 60
         while engine.steps < 3:  # the first wave is mid-generation when the second joins
             assert time.monotonic() < deadline, f"the engine made {engine.steps} steps in 60 s"
             threading.Event().wait(0.001)
-        reqs += [engine.submit(p, NS, "t", params(n)) for p, n in zip(later, news[4:])]
+        reqs += [engine.submit(p, SCOPE, params(n)) for p, n in zip(later, news[4:])]
         for req, prompt, new in zip(reqs, first + later, news):
             got = engine.wait(req, timeout=60)
             assert got.tokens == expected(ref, prompt, new), prompt
@@ -81,7 +83,7 @@ def test_sliding_window_and_eager_are_refused_by_the_engine_and_served_serially(
     with PrefixCache(model, None, CacheConfig(block_size=4), start_sweeper=False) as cache:
         assert "sliding window" in cache.batcher.unservable(len(prompt), SamplingParams(max_new_tokens=4))
         with pytest.raises(UnsupportedModelError, match="sliding window"):
-            cache.batcher.submit(prompt, NS, "t", SamplingParams(max_new_tokens=4))
+            cache.batcher.submit(prompt, SCOPE, SamplingParams(max_new_tokens=4))
         got = cache.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)
         assert cache.last_call.executor == "serial"
         assert got.tolist() == ref.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False).tolist()
@@ -100,13 +102,13 @@ def test_memory_is_prefix_once_plus_private_per_request():
     engine = make_engine(model, block_size=16, max_batch=n_req, token_budget=256, prefill_chunk=64, private_chunk=8)
     try:
         prefix = [2 + (i * 7) % 300 for i in range(p_len)]
-        engine.generate(prefix + [3], NS, "t", SamplingParams(max_new_tokens=1))
+        engine.generate(prefix + [3], SCOPE, SamplingParams(max_new_tokens=1))
         per_token = engine.layout.bytes_per_token
         assert engine.store.bytes == (p_len + 1) * per_token
         engine.store.flush()
-        engine.generate(prefix, NS, "t", SamplingParams(max_new_tokens=1))  # exactly P tokens stored
+        engine.generate(prefix, SCOPE, SamplingParams(max_new_tokens=1))  # exactly P tokens stored
         held: list[int] = []
-        reqs = [engine.submit(prefix + [10 + i] * q_len, NS, "t", SamplingParams(max_new_tokens=out_len),
+        reqs = [engine.submit(prefix + [10 + i] * q_len, SCOPE, SamplingParams(max_new_tokens=out_len),
                               on_token=lambda _t: held.append(engine.kv_bytes())) for i in range(n_req)]
         for r in reqs:
             engine.wait(r, timeout=60)
@@ -126,16 +128,16 @@ def test_a_lone_first_request_reads_the_prefix_in_place_so_followers_do_not_pay_
     engine = make_engine(model, block_size=16, max_batch=n_req, private_chunk=8)
     try:
         prefix = [2 + (i * 7) % 300 for i in range(p_len)]
-        engine.generate(prefix, NS, "t", SamplingParams(max_new_tokens=1))  # one stored run of P tokens
+        engine.generate(prefix, SCOPE, SamplingParams(max_new_tokens=1))  # one stored run of P tokens
         held: list[int] = []
         started = threading.Event()
 
         def record(_t):
             held.append(engine.kv_bytes())
             started.set()
-        first = engine.submit(prefix + [10] * q_len, NS, "t", SamplingParams(max_new_tokens=out_len), on_token=record)
+        first = engine.submit(prefix + [10] * q_len, SCOPE, SamplingParams(max_new_tokens=out_len), on_token=record)
         assert started.wait(30)  # admitted and decoding alone
-        rest = [engine.submit(prefix + [11 + i] * q_len, NS, "t", SamplingParams(max_new_tokens=out_len),
+        rest = [engine.submit(prefix + [11 + i] * q_len, SCOPE, SamplingParams(max_new_tokens=out_len),
                               on_token=record) for i in range(n_req - 1)]
         for r in [first, *rest]:
             engine.wait(r, timeout=60)
@@ -161,21 +163,21 @@ def test_cancel_callback_error_and_sampling():
             seen.append(t)
             if len(seen) == 2:
                 cancel.set()
-        got = engine.generate(prompt, NS, "t", SamplingParams(max_new_tokens=50), on_token=on_token, cancel=cancel)
+        got = engine.generate(prompt, SCOPE, SamplingParams(max_new_tokens=50), on_token=on_token, cancel=cancel)
         assert got.finish_reason == "cancelled" and got.tokens == seen and len(seen) == 2
 
         def broken(_t):
             raise RuntimeError("client went away")
-        bad = engine.submit(prompt + [7], NS, "t", SamplingParams(max_new_tokens=5), on_token=broken)
-        good = engine.submit(prompt + [8], NS, "t", SamplingParams(max_new_tokens=5))
+        bad = engine.submit(prompt + [7], SCOPE, SamplingParams(max_new_tokens=5), on_token=broken)
+        good = engine.submit(prompt + [8], SCOPE, SamplingParams(max_new_tokens=5))
         with pytest.raises(RuntimeError, match="client went away"):
             engine.wait(bad, timeout=30)
         assert len(engine.wait(good, timeout=30).tokens) == 5
-        sampled = [engine.generate(prompt, NS, "t", SamplingParams(max_new_tokens=6, temperature=0.9, top_p=0.9,
+        sampled = [engine.generate(prompt, SCOPE, SamplingParams(max_new_tokens=6, temperature=0.9, top_p=0.9,
                                                                    top_k=50, seed=4)).tokens for _ in range(2)]
         assert sampled[0] == sampled[1]
-        top1 = engine.generate(prompt, NS, "t", SamplingParams(max_new_tokens=6, temperature=1.0, top_k=1, seed=1))
-        greedy = engine.generate(prompt, NS, "t", SamplingParams(max_new_tokens=6))
+        top1 = engine.generate(prompt, SCOPE, SamplingParams(max_new_tokens=6, temperature=1.0, top_k=1, seed=1))
+        greedy = engine.generate(prompt, SCOPE, SamplingParams(max_new_tokens=6))
         assert top1.tokens == greedy.tokens
         check_released(engine)
     finally:
@@ -183,7 +185,7 @@ def test_cancel_callback_error_and_sampling():
 
 
 def _req(cached_arrival, group=0):
-    r = Request([1] * 50, NS, "t", SamplingParams(), None, cached_arrival[1])
+    r = Request([1] * 50, SCOPE, SamplingParams(), cached_arrival[1])
     r.lease = type("L", (), {"cached_tokens": cached_arrival[0], "steps": []})()
     return r
 
@@ -245,8 +247,8 @@ def test_a_failure_while_planning_fails_the_active_requests_and_the_loop_lives_o
             return real(*args)
         monkeypatch.setattr(batching, "plan_step", fail_once)
         with pytest.raises(RuntimeError, match="planning broke"):
-            engine.wait(engine.submit([5, 6, 7, 8], NS, "t", SamplingParams(max_new_tokens=2)), timeout=30)
-        got = engine.wait(engine.submit([5, 6, 7, 9], NS, "t", SamplingParams(max_new_tokens=2)), timeout=30)
+            engine.wait(engine.submit([5, 6, 7, 8], SCOPE, SamplingParams(max_new_tokens=2)), timeout=30)
+        got = engine.wait(engine.submit([5, 6, 7, 9], SCOPE, SamplingParams(max_new_tokens=2)), timeout=30)
         assert got.tokens == expected(untouched(model), [5, 6, 7, 9], 2)
         check_released(engine)
     finally:
@@ -275,7 +277,7 @@ def test_a_long_prompt_gets_its_own_pool_sized_for_the_prompt_at_once(monkeypatc
     sizes = _own_pool_sizes(monkeypatch, engine)
     try:
         prompt = list(range(10, 74))  # 64 tokens: 8 prefill steps
-        got = engine.generate(prompt, NS, "t", SamplingParams(max_new_tokens=3))
+        got = engine.generate(prompt, SCOPE, SamplingParams(max_new_tokens=3))
         assert got.tokens == expected(untouched(model), prompt, 3)
         assert sizes == [0, 64, 68], sizes  # its (empty) slot, the whole prompt, one chunk for the answer
         check_released(engine)
@@ -291,7 +293,7 @@ def test_a_long_prompt_own_pool_grows_by_an_eighth_for_its_answer_capped_at_its_
     sizes = _own_pool_sizes(monkeypatch, engine)
     try:
         prompt = list(range(10, 74))  # 64 tokens; the answer's 40 tokens need 64 + 40 = 104 at most
-        got = engine.generate(prompt, NS, "t", SamplingParams(max_new_tokens=40))
+        got = engine.generate(prompt, SCOPE, SamplingParams(max_new_tokens=40))
         assert got.tokens == expected(untouched(model), prompt, 40)
         # 64 + 8 = 72, 72 + 9 -> 84, 84 + 10 -> 96 (chunks of 4), then capped at the need, 104; by
         # chunks it was 68, 72, ..., 104: 10 growths
@@ -307,15 +309,15 @@ def test_next_turn_hits_prompt_and_answer():
     engine = make_engine(model, block_size=8, prefill_chunk=5)
     try:
         first = list(range(30, 43))  # 13 tokens: blocks end inside the private part
-        answer = engine.generate(first, NS, "t", SamplingParams(max_new_tokens=6)).tokens
+        answer = engine.generate(first, SCOPE, SamplingParams(max_new_tokens=6)).tokens
         second = first + answer + [9, 10]
-        got = engine.generate(second, NS, "t", SamplingParams(max_new_tokens=5))
+        got = engine.generate(second, SCOPE, SamplingParams(max_new_tokens=5))
         assert got.stats.cached_tokens == len(first) + len(answer) - 1
         assert got.tokens == expected(ref, second, 5)
         check_released(engine)
         # Steps run under inference mode; what they publish must not be inference tensors
         # (those cannot be edited in place or used by autograd outside it).
-        lease = engine.store.acquire(NS, "t", second, len(second), None)
+        lease = engine.store.acquire(SCOPE, second, len(second))
         try:
             assert lease.steps and not any(st.node.kv.is_inference() for st in lease.steps)
         finally:
@@ -332,8 +334,8 @@ def test_reduced_precision_is_batched_and_chained_blocks_attend_as_one():
     try:
         assert engine.disabled_reason is None
         prefix = list(range(10, 50))  # 10 blocks of 4
-        engine.generate(prefix, ("t",), "t", SamplingParams(max_new_tokens=1))
-        requests = [engine.submit(prefix + [60 + i], ("t",), "t", SamplingParams(max_new_tokens=2)) for i in range(3)]
+        engine.generate(prefix, Scope(("t",), "t"), SamplingParams(max_new_tokens=1))
+        requests = [engine.submit(prefix + [60 + i], Scope(("t",), "t"), SamplingParams(max_new_tokens=2)) for i in range(3)]
         results = [engine.wait(r) for r in requests]
         assert all(r.stats.cached_tokens == len(prefix) for r in results)
     finally:
@@ -354,7 +356,7 @@ def test_followers_wait_for_a_running_prefill_of_their_prefix():
     try:
         prefix = list(range(10, 74))  # 64 tokens: several prefill steps
         prompts = [prefix + [100 + i, 101] for i in range(4)]
-        requests = [engine.submit(p, NS, "t", params(3)) for p in prompts]
+        requests = [engine.submit(p, SCOPE, params(3)) for p in prompts]
         results = [engine.wait(r) for r in requests]
         cached = sorted(r.stats.cached_tokens for r in results)
         assert cached[0] == 0 and all(c >= len(prefix) for c in cached[1:]), cached
@@ -374,7 +376,7 @@ def test_followers_of_a_stored_prefix_prefill_together():
     try:
         prefix = list(range(10, 74))  # 64 tokens: several prefill steps for the leader
         prompts = [prefix + [100 + i, 101, 102] for i in range(4)]
-        requests = [engine.submit(p, NS, "t", params(3),
+        requests = [engine.submit(p, SCOPE, params(3),
                                   on_token=lambda _t, i=i: first_step.setdefault(i, engine.steps))
                     for i, p in enumerate(prompts)]
         results = [engine.wait(r) for r in requests]
@@ -409,7 +411,7 @@ def test_a_leader_reads_its_stored_prompt_in_place_with_its_followers():
         prefix = list(range(10, 74))  # 64 tokens: more than pool_max_tokens, so the leader starts in its own pool
         prompts = [prefix + [100 + i, 101, 102] for i in range(4)]
         for i, p in enumerate(prompts):
-            requests.append(engine.submit(p, NS, "t", params(4), on_token=on_token(i)))
+            requests.append(engine.submit(p, SCOPE, params(4), on_token=on_token(i)))
         results = [engine.wait(r) for r in requests]
         assert [r.stats.cached_tokens for r in results] == [0, 64, 64, 64]  # request 0 led
         assert first == {i: (64, 3, True) for i in range(4)}, first  # leader too: 64 read in place, 3 private
@@ -432,9 +434,9 @@ def test_own_history_is_copied_into_private_system_prompt_read_in_place(fold_max
         for turn in range(2):  # one insert per turn: each history is a chain of runs
             for u, h in enumerate(history):
                 h += [60 + 10 * u + turn, 61 + 10 * u, 62 + turn]
-                h += engine.generate(h, NS, "t", SamplingParams(max_new_tokens=5)).tokens
+                h += engine.generate(h, SCOPE, SamplingParams(max_new_tokens=5)).tokens
         prompts = [h + [90 + u, 91] for u, h in enumerate(history)]
-        reqs = [engine.submit(p, NS, "t", params(6)) for p in prompts]
+        reqs = [engine.submit(p, SCOPE, params(6)) for p in prompts]
         for req, prompt in zip(reqs, prompts):
             got = engine.wait(req, timeout=60)
             assert got.tokens == expected(ref, prompt, 6)
@@ -463,10 +465,10 @@ def test_a_failure_while_admitting_fails_that_request_only():
                 raise RuntimeError("admission broke")
             return real(req)
         engine.scheduler._read_in_place = fail_once
-        first = engine.submit([5, 6, 7, 8], NS, "t", SamplingParams(max_new_tokens=2))
+        first = engine.submit([5, 6, 7, 8], SCOPE, SamplingParams(max_new_tokens=2))
         with pytest.raises(RuntimeError, match="admission broke"):
             engine.wait(first, timeout=30)  # a dead loop would time out instead
-        got = engine.wait(engine.submit([5, 6, 7, 9], NS, "t", SamplingParams(max_new_tokens=2)), timeout=30)
+        got = engine.wait(engine.submit([5, 6, 7, 9], SCOPE, SamplingParams(max_new_tokens=2)), timeout=30)
         assert got.tokens == expected(untouched(model), [5, 6, 7, 9], 2)
         check_released(engine)
     finally:

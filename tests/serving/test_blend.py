@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from prefixcache.cache.hashing import BlockHasher
+from prefixcache.cache.scope import Scope
 from prefixcache.cache.store import KVStore
 from prefixcache.config import CacheConfig
 from prefixcache.serving.blend import BlendRequest
@@ -36,9 +37,8 @@ def layout_of(*parts: list[int]) -> tuple[list[int], tuple[tuple[int, int], ...]
 
 
 def run(engine, prompt, spans, share, tenant="a"):
-    ns = (tenant, "model")
-    out, stats = engine.generate(torch.tensor([prompt]), ns, tenant, None,
-                                 {"max_new_tokens": NEW, "do_sample": False}, None, True,
+    out, stats = engine.generate(torch.tensor([prompt]), Scope((tenant, "model"), tenant), None,
+                                 {"max_new_tokens": NEW, "do_sample": False}, True,
                                  BlendRequest(spans, share) if spans else None)
     return out[0, len(prompt):].tolist(), stats
 

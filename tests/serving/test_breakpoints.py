@@ -154,7 +154,7 @@ def test_sdk_messages_keeps_each_breakpoint_for_its_ttl(chat_llama, tokenizer, c
     prompt = cache.encode_messages(messages, system=system)
     one_hour = prompt.breakpoints[0].position
     clock.advance(30 * 60)
-    assert cache.store.peek(cache.namespace("default"), "default", prompt.token_ids, len(prompt.token_ids)) \
+    assert cache.store.peek(cache.scope("default"), prompt.token_ids, len(prompt.token_ids)) \
         in range(one_hour, prompt.breakpoints[1].position)  # the 5m prefix is gone, the 1h one is kept
     cache.check_integrity()
     # Reading refreshes: another 50 minutes after a read at minute 30, the 1h prefix is still there.
@@ -176,6 +176,6 @@ def test_a_breakpoint_below_the_minimum_writes_nothing_and_fails_nothing(chat_ll
     assert cache.stats()["breakpoints"]["1h"]["short"] == 1
     clock.advance(120)  # only the default TTL applied: nothing left
     ids = cache.encode_messages(messages, system=system).token_ids
-    assert cache.store.peek(cache.namespace("default"), "default", ids, len(ids)) == 0
+    assert cache.store.peek(cache.scope("default"), ids, len(ids)) == 0
     assert cache.stats()["entries"] > 0 and cache.sweep() > 0 and cache.stats()["entries"] == 0
     cache.close()

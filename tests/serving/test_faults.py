@@ -19,7 +19,7 @@ from prefixcache.errors import EngineFaultError, GenerationTimeoutError
 from prefixcache.model.private_kv import PrivateKV
 from prefixcache.serving.request import SamplingParams
 from tests.conftest import build_tiny
-from tests.serving.test_batching import NS, check_released, expected, make_engine
+from tests.serving.test_batching import SCOPE, check_released, expected, make_engine
 
 PROMPTS = [list(range(10, 40)) + [50 + i] for i in range(4)]
 FAST = 1.0  # seconds: the bound on how long a caller may wait after a fault
@@ -53,14 +53,14 @@ def test_an_allocation_error_freeing_private_kv_at_finish_wakes_every_caller_and
         faults: list[float] = []
         monkeypatch.setattr(PrivateKV, "release", _fail(times, lambda: torch.OutOfMemoryError("alloc"),
                                                         PrivateKV.release, faults))
-        reqs = [engine.submit(p, NS, "t", SamplingParams(max_new_tokens=3 + i)) for i, p in enumerate(PROMPTS)]
+        reqs = [engine.submit(p, SCOPE, SamplingParams(max_new_tokens=3 + i)) for i, p in enumerate(PROMPTS)]
         for req, prompt, new in zip(reqs, PROMPTS, range(3, 7)):
             got = engine.wait(req, timeout=30)  # a dead loop would time out here
             assert got.tokens == expected(llama, prompt, new)  # the answer was complete: it stands
             assert req.stats.total_seconds >= 0 and req.done.is_set()
         assert faults and all(r.done.is_set() for r in reqs)
         monkeypatch.undo()
-        after = engine.wait(engine.submit(PROMPTS[0] + [7], NS, "t", SamplingParams(max_new_tokens=2)), timeout=30)
+        after = engine.wait(engine.submit(PROMPTS[0] + [7], SCOPE, SamplingParams(max_new_tokens=2)), timeout=30)
         assert after.tokens == expected(llama, PROMPTS[0] + [7], 2) and engine.failure is None
         engine.store.check_integrity()
         assert all(n.refcount == 0 for n in engine.store.trie.iter_nodes())
@@ -76,10 +76,10 @@ def test_an_allocation_error_in_the_store_at_finish_costs_the_cache_not_the_answ
         armed = threading.Event()  # from the first token on: the fault hits the finish path, not admission
         monkeypatch.setattr(KVStore, method, _fail(1, lambda: RuntimeError("alloc"), getattr(KVStore, method),
                                                    faults, armed))
-        got = engine.wait(engine.submit(PROMPTS[0], NS, "t", SamplingParams(max_new_tokens=4),
+        got = engine.wait(engine.submit(PROMPTS[0], SCOPE, SamplingParams(max_new_tokens=4),
                                         on_token=lambda _t: armed.set()), timeout=30)
         assert faults and got.tokens == expected(llama, PROMPTS[0], 4)
-        got = engine.wait(engine.submit(PROMPTS[1], NS, "t", SamplingParams(max_new_tokens=4)), timeout=30)
+        got = engine.wait(engine.submit(PROMPTS[1], SCOPE, SamplingParams(max_new_tokens=4)), timeout=30)
         assert got.tokens == expected(llama, PROMPTS[1], 4)
         check_released(engine)  # the failed lease release was retried: nothing stays pinned
     finally:
@@ -92,7 +92,7 @@ def test_an_error_in_a_step_fails_its_requests_fast_with_an_engine_fault(llama, 
         faults: list[float] = []
         monkeypatch.setattr(engine.runner, "run", _fail(1, lambda: torch.OutOfMemoryError("alloc"),
                                                         engine.runner.run, faults))
-        reqs = [engine.submit(p, NS, "t", SamplingParams(max_new_tokens=4)) for p in PROMPTS]
+        reqs = [engine.submit(p, SCOPE, SamplingParams(max_new_tokens=4)) for p in PROMPTS]
         failed = 0
         for req, prompt in zip(reqs, PROMPTS):
             try:
@@ -102,7 +102,7 @@ def test_an_error_in_a_step_fails_its_requests_fast_with_an_engine_fault(llama, 
                 assert "alloc" in str(exc) and isinstance(exc.__cause__, torch.OutOfMemoryError)
                 assert time.monotonic() - faults[0] < FAST
         assert failed >= 1  # the step's requests; any admitted later were served
-        got = engine.wait(engine.submit(PROMPTS[0], NS, "t", SamplingParams(max_new_tokens=2)), timeout=30)
+        got = engine.wait(engine.submit(PROMPTS[0], SCOPE, SamplingParams(max_new_tokens=2)), timeout=30)
         assert got.tokens == expected(llama, PROMPTS[0], 2) and engine.failure is None
         check_released(engine)
     finally:
@@ -122,9 +122,9 @@ def test_a_killed_loop_fails_every_caller_fast_and_calls_go_to_the_serial_engine
             release.wait(30)  # hold the step so later requests are queued when the loop dies
             raise LoopKilled("killed")
         monkeypatch.setattr(engine.runner, "run", run)
-        reqs = [engine.submit(p, NS, "t", SamplingParams(max_new_tokens=4)) for p in PROMPTS[:2]]
+        reqs = [engine.submit(p, SCOPE, SamplingParams(max_new_tokens=4)) for p in PROMPTS[:2]]
         assert started.wait(30)
-        reqs += [engine.submit(p, NS, "t", SamplingParams(max_new_tokens=4)) for p in PROMPTS[2:]]
+        reqs += [engine.submit(p, SCOPE, SamplingParams(max_new_tokens=4)) for p in PROMPTS[2:]]
         killed_at = time.monotonic()
         release.set()
         for req in reqs:
@@ -133,7 +133,7 @@ def test_a_killed_loop_fails_every_caller_fast_and_calls_go_to_the_serial_engine
             assert time.monotonic() - killed_at < FAST
         assert "LoopKilled" in engine.failure and "LoopKilled" in cache.engine_failure
         with pytest.raises(EngineFaultError):
-            engine.submit(PROMPTS[0], NS, "t", SamplingParams(max_new_tokens=2))
+            engine.submit(PROMPTS[0], SCOPE, SamplingParams(max_new_tokens=2))
         monkeypatch.setattr(engine.runner, "run", real)  # nothing may call it any more
         ids = torch.tensor([PROMPTS[0]])
         out = cache.generate(ids, max_new_tokens=3, do_sample=False)
@@ -148,7 +148,7 @@ def test_a_timed_out_waiter_cancels_its_request_which_leaves_at_the_next_step(ll
     engine = make_engine(llama)
     try:
         slow = lambda _t: time.sleep(0.02)  # noqa: E731 - on the loop's thread: 200 tokens take seconds
-        req = engine.submit(PROMPTS[0], NS, "t", SamplingParams(max_new_tokens=200), on_token=slow)
+        req = engine.submit(PROMPTS[0], SCOPE, SamplingParams(max_new_tokens=200), on_token=slow)
         start = time.monotonic()
         with pytest.raises(GenerationTimeoutError):
             engine.wait(req, timeout=0.2)
@@ -183,14 +183,14 @@ def test_a_streak_of_failed_steps_marks_the_engine_faulting_until_a_quiet_window
         for i in range(2):
             assert engine.faulting is None
             with pytest.raises(EngineFaultError):
-                engine.generate(PROMPTS[i], NS, "t", SamplingParams(max_new_tokens=2), timeout=30)
+                engine.generate(PROMPTS[i], SCOPE, SamplingParams(max_new_tokens=2), timeout=30)
         assert "bad step" in engine.faulting
         clock.advance(11.0)  # no fault for a window: a probe may come in again
         assert engine.faulting is None
         with pytest.raises(EngineFaultError):
-            engine.generate(PROMPTS[2], NS, "t", SamplingParams(max_new_tokens=2), timeout=30)
+            engine.generate(PROMPTS[2], SCOPE, SamplingParams(max_new_tokens=2), timeout=30)
         assert engine.faulting is not None  # the streak goes on: the third fault follows the second
-        engine.generate(PROMPTS[3], NS, "t", SamplingParams(max_new_tokens=2), timeout=30)
+        engine.generate(PROMPTS[3], SCOPE, SamplingParams(max_new_tokens=2), timeout=30)
         assert engine.faulting is None  # a good step ends it
     finally:
         engine.close()

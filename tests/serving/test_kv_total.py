@@ -13,7 +13,7 @@ from prefixcache import CacheConfig, PrefixCache
 from prefixcache.errors import KVMemoryError
 from prefixcache.serving.request import SamplingParams
 from tests.conftest import build_tiny, untouched
-from tests.serving.test_batching import NS, expected
+from tests.serving.test_batching import SCOPE, expected
 
 BPT = 512  # KV bytes per token of the tiny Llama: 2 layers x K/V x 2 heads x 16 dims x 4 bytes
 
@@ -66,7 +66,7 @@ def test_a_batched_request_that_cannot_fit_even_alone_fails_fast():
         engine = cache.batcher
         start = time.monotonic()
         with pytest.raises(KVMemoryError):
-            engine.generate(prompt(1), NS, "t", SamplingParams(max_new_tokens=100), timeout=30)
+            engine.generate(prompt(1), SCOPE, SamplingParams(max_new_tokens=100), timeout=30)
         assert time.monotonic() - start < 1
         idle(cache)
 
@@ -79,7 +79,7 @@ def test_batched_requests_that_do_not_fit_together_run_one_after_another_within_
         def sample(_token: int) -> None:  # on the loop's thread: the pools as they are
             peaks.append((engine.kv_bytes(), cache.store.bytes + cache.store.ledger.reserved))
         params = SamplingParams(max_new_tokens=20, eos_token_ids=frozenset({1}))
-        reqs = [engine.submit(prompt(i), NS, "t", params, on_token=sample)
+        reqs = [engine.submit(prompt(i), SCOPE, params, on_token=sample)
                 for i in range(3)]
         for i, req in enumerate(reqs):
             assert engine.wait(req, timeout=60).tokens == expected(ref, prompt(i), 20)
@@ -93,7 +93,7 @@ def test_a_batched_request_waits_for_memory_a_serial_call_holds_then_is_served_o
         held = cache.store.ledger.reserve("serial", 60 * BPT)
         result: list = []
         waiter = threading.Thread(target=lambda: result.append(
-            engine.generate(prompt(1), NS, "t", SamplingParams(max_new_tokens=20), timeout=30)))
+            engine.generate(prompt(1), SCOPE, SamplingParams(max_new_tokens=20), timeout=30)))
         waiter.start()
         time.sleep(0.3)
         assert not result and len(engine.scheduler.waiting) == 1  # waiting for memory, not refused
@@ -105,6 +105,6 @@ def test_a_batched_request_waits_for_memory_a_serial_call_holds_then_is_served_o
         with cache.store.ledger.reserve("serial", 60 * BPT):
             start = time.monotonic()
             with pytest.raises(KVMemoryError):
-                cache.batcher.generate(prompt(1), NS, "t", SamplingParams(max_new_tokens=20), timeout=30)
+                cache.batcher.generate(prompt(1), SCOPE, SamplingParams(max_new_tokens=20), timeout=30)
             assert time.monotonic() - start < 2  # refused after the bounded wait
         idle(cache)

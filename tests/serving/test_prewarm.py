@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from prefixcache import CacheConfig, PinQuotaExceededError, PrefixCache
+from prefixcache.cache.scope import Scope
 from prefixcache.errors import GenerationTimeoutError, RequestCancelledError
 from tests.conftest import build_tiny, untouched
 
@@ -24,7 +25,7 @@ def cache():
 
 def stored_kv(cache: PrefixCache, tokens: list[int]) -> torch.Tensor:
     """The stored KV of ``tokens`` [L, 2, H, n, D] (all of it must be cached)."""
-    lease = cache.store.acquire(cache.namespace("default"), "default", tokens, len(tokens), None)
+    lease = cache.store.acquire(Scope(cache.namespace("default"), "default"), tokens, len(tokens))
     try:
         assert lease.cached_tokens == len(tokens)
         return torch.cat([s.node.kv[:, :, :, : s.used] for s in lease.steps], dim=3).clone()

@@ -15,7 +15,7 @@ from prefixcache.serving.engine import BatchConfig, BatchEngine
 from prefixcache.serving.request import SamplingParams
 from prefixcache.serving.serial import SerialEngine
 from tests.conftest import FakeClock, build_tiny
-from tests.serving.test_batching import NS
+from tests.serving.test_batching import SCOPE
 
 PROMPT = list(range(10, 40))
 # min_new_tokens: an unseeded draw may pick EOS early (a few % of runs), and the length is asserted.
@@ -84,15 +84,15 @@ def test_an_unseeded_request_is_seeded_from_the_engines_entropy_on_both_engines(
     batcher = BatchEngine(model, store, clock, BatchConfig(), entropy=lambda: 7)
     try:
         params = dict(max_new_tokens=8, temperature=1.5)
-        unseeded = batcher.generate(PROMPT, NS, "t", SamplingParams(**params), timeout=30).tokens
-        assert unseeded == batcher.generate(PROMPT, NS, "t", SamplingParams(**params, seed=7), timeout=30).tokens
-        assert unseeded != batcher.generate(PROMPT, NS, "t", SamplingParams(**params, seed=8), timeout=30).tokens
+        unseeded = batcher.generate(PROMPT, SCOPE, SamplingParams(**params), timeout=30).tokens
+        assert unseeded == batcher.generate(PROMPT, SCOPE, SamplingParams(**params, seed=7), timeout=30).tokens
+        assert unseeded != batcher.generate(PROMPT, SCOPE, SamplingParams(**params, seed=8), timeout=30).tokens
     finally:
         batcher.close()
     serial = SerialEngine(model, store, clock, entropy=lambda: 7)
     ids = torch.tensor([PROMPT])
 
     def draw(**extra):
-        out, _ = serial.generate(ids, NS, "t", None, dict(SAMPLED, **extra), None, True)
+        out, _ = serial.generate(ids, SCOPE, None, dict(SAMPLED, **extra), True)
         return out[0, len(PROMPT):].tolist()
     assert draw() == draw(seed=7) != draw(seed=8)

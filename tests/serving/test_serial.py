@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from prefixcache import CacheConfig, InvalidRequestError, PrefixCache
+from prefixcache.cache.scope import Scope
 from prefixcache.loading import model_fingerprint
 from tests.conftest import build_tiny, untouched
 
@@ -96,10 +97,10 @@ def test_other_model_revision_gets_nothing(llama, new_cache):
     tokens = list(range(10, 80))
     cache.warm(tokens)
     foreign = ("default", *model_fingerprint(other), cache.namespace("default")[-1])
-    lease = cache.store.acquire(foreign, "default", tokens, len(tokens) - 1, None)
+    lease = cache.store.acquire(Scope(foreign, "default"), tokens, len(tokens) - 1)
     assert lease.cached_tokens == 0
     cache.store.release(lease)
-    lease = cache.store.acquire(cache.namespace("default"), "default", tokens, len(tokens) - 1, None)
+    lease = cache.store.acquire(Scope(cache.namespace("default"), "default"), tokens, len(tokens) - 1)
     assert lease.cached_tokens == len(tokens) - 1
     cache.store.release(lease)
 
@@ -117,7 +118,7 @@ def test_namespace_parts_cannot_alias(llama, new_cache):
     aliased = (*own[:-2], "ab", "c")
     assert "".join(own) == "".join(aliased)
     for namespace, expect in ((aliased, 0), (own, len(tokens) - 1)):
-        lease = colliding.store.acquire(namespace, "default", tokens, len(tokens) - 1, None)
+        lease = colliding.store.acquire(Scope(namespace, "default"), tokens, len(tokens) - 1)
         assert lease.cached_tokens == expect
         colliding.store.release(lease)
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from prefixcache.cache.hashing import BlockHasher
+from prefixcache.cache.scope import Scope
 from prefixcache.cache.store import KVStore
 from prefixcache.config import CacheConfig
 from prefixcache.model.hf_cache import CascadeCache, CascadeRow, private_pool
@@ -23,6 +24,7 @@ from prefixcache.serving.request import SamplingParams
 from tests.conftest import FakeClock, build_tiny
 
 NS = ("t", "model")
+SCOPE = Scope(NS, "t")
 
 
 def rerun(fn):
@@ -41,7 +43,7 @@ def answers(engine, prompts, news, seeds=None):
     for i, (p, n) in enumerate(zip(prompts, news)):
         seed = None if seeds is None else seeds[i]
         params = SamplingParams(max_new_tokens=n, temperature=None if seed is None else 0.8, seed=seed)
-        reqs.append(engine.submit(p, NS, "t", params))
+        reqs.append(engine.submit(p, SCOPE, params))
     return [engine.wait(r, timeout=60).tokens for r in reqs]
 
 
@@ -58,8 +60,8 @@ def test_replayed_decode_steps_answer_exactly_like_eager_steps(arch):
     graphed = engine_with(build_tiny(arch), rerun, max_batch=8, private_chunk=4)
     try:
         assert eager.runner.graphs is None  # a CPU has no capture of its own
-        eager.generate(PREFIX, NS, "t", SamplingParams(max_new_tokens=1))
-        graphed.generate(PREFIX, NS, "t", SamplingParams(max_new_tokens=1))
+        eager.generate(PREFIX, SCOPE, SamplingParams(max_new_tokens=1))
+        graphed.generate(PREFIX, SCOPE, SamplingParams(max_new_tokens=1))
         for seeds in (None, [11, 12, 13, 14, 15]):
             want = answers(eager, PROMPTS, NEWS, seeds)
             got = answers(graphed, PROMPTS, NEWS, seeds)
@@ -105,7 +107,7 @@ def test_a_capture_that_raises_switches_capturing_off_and_answers_stay_exact():
 def test_captured_steps_are_bounded_and_evicted_least_recently_used():
     graphed = engine_with(build_tiny("llama-gqa"), rerun, max_batch=8, captured_steps=2)
     try:
-        graphed.generate(PREFIX, NS, "t", SamplingParams(max_new_tokens=1))
+        graphed.generate(PREFIX, SCOPE, SamplingParams(max_new_tokens=1))
         answers(graphed, PROMPTS, NEWS)
         graphs = graphed.runner.graphs
         assert graphs.captures >= 3 and len(graphs._steps) == 2
@@ -176,7 +178,7 @@ def test_concurrent_callers_get_exact_answers_with_capture_on():
 
         def client(i):
             params = SamplingParams(max_new_tokens=NEWS[i])
-            got[i] = graphed.generate(PROMPTS[i], NS, "t", params).tokens
+            got[i] = graphed.generate(PROMPTS[i], SCOPE, params).tokens
 
         threads = [threading.Thread(target=client, args=(i,)) for i in range(len(PROMPTS))]
         for t in threads:

@@ -6,6 +6,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prefixcache.cache.scope import Scope
 from prefixcache.serving.request import Request, SamplingParams
 from prefixcache.serving.scheduler import admission_order, in_turn, plan_step
 
@@ -13,7 +14,7 @@ NS = ("ns",)
 
 
 def _req(tenant: str, cached: int, arrival: float, prompt: int = 50, held: int = 0) -> Request:
-    r = Request([1] * prompt, NS + (tenant,), tenant, SamplingParams(), None, arrival)
+    r = Request([1] * prompt, Scope(NS + (tenant,), tenant), SamplingParams(), arrival)
     r.lease = type("L", (), {"cached_tokens": cached, "steps": []})()
     r.private = type("P", (), {"length": held})()
     return r
@@ -62,15 +63,15 @@ def test_admission_order_is_a_fair_interleaving_of_each_tenants_cache_aware_orde
     order = admission_order(waiting, now=100.0, max_wait=1000.0, running=running)
     assert sorted(map(id, order)) == sorted(map(id, waiting))
     for tenant in "abc":  # each tenant's own requests: longest cached prefix first, then arrival
-        mine = [r for r in order if r.tenant == tenant]
+        mine = [r for r in order if r.scope.tenant == tenant]
         assert mine == sorted(mine, key=lambda r: (-r.cached_len, r.arrival))
     taken = Counter(running_tenants)
     admitted: Counter[str] = Counter()
-    left = Counter(r.tenant for r in waiting)
+    left = Counter(r.scope.tenant for r in waiting)
     for r in order:  # whoever goes next has no more (running + admitted) than any tenant still waiting
-        assert all(taken[r.tenant] + admitted[r.tenant] <= taken[u] + admitted[u] for u in left if left[u])
-        admitted[r.tenant] += 1
-        left[r.tenant] -= 1
+        assert all(taken[r.scope.tenant] + admitted[r.scope.tenant] <= taken[u] + admitted[u] for u in left if left[u])
+        admitted[r.scope.tenant] += 1
+        left[r.scope.tenant] -= 1
 
 
 def test_in_turn_keeps_one_tenants_order():

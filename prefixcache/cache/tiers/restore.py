@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from prefixcache.cache.handles import KVSlicer, Lease, LowerTiers
+from prefixcache.cache.scope import Scope
 
 if TYPE_CHECKING:
     from prefixcache.cache.store import KVStore
@@ -13,8 +14,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def restore_below(store: KVStore, lower: LowerTiers, lease: Lease, namespace: tuple[str, ...], tenant: str,
-                  tokens: Sequence[int], limit: int, ttl_seconds: float | None) -> Lease:
+def restore_below(store: KVStore, lower: LowerTiers, lease: Lease, scope: Scope, tokens: Sequence[int],
+                  limit: int) -> Lease:
     """``lease`` (the device match), or a lease that also covers full blocks restored from ``lower``.
 
     Called outside the store's lock: the lookup may read a disk or the network. Restored
@@ -26,15 +27,15 @@ def restore_below(store: KVStore, lower: LowerTiers, lease: Lease, namespace: tu
     if limit - first < bs:
         return lease
     try:
-        found = lower.restore(namespace, tokens, first, limit)
+        found = lower.restore(scope.namespace, tokens, first, limit)
         if found is None:
             return lease
         end, kv = found
-        store.insert(namespace, tenant, tokens[:end], restored_slicer(first, kv), ttl_seconds, _restoring=True)
+        store.insert(scope, tokens[:end], restored_slicer(first, kv), _restoring=True)
     except Exception as exc:  # noqa: BLE001 - a tier problem costs a recompute, never the request
         log.warning("restoring a prefix from the lower tiers failed: %s", exc)
         return lease
-    more = store.acquire(namespace, tenant, tokens, limit, ttl_seconds)
+    more = store.acquire(scope, tokens, limit)
     store.release(lease)
     return more
 
