@@ -22,7 +22,7 @@ from prefixcache.errors import ContextLengthExceededError, InvalidRequestError
 from prefixcache.serving.breakpoints import RETENTION_SECONDS
 from prefixcache.serving.options import AnswerOptions
 from prefixcache.serving.sampling import GREEDY_BELOW
-from prefixcache.serving.tool_calls import ToolUse, tool_use
+from prefixcache.serving.tool_calls import ToolUse, openai_tool_use
 
 from .protocol import ChatCompletionRequest, CompletionRequest, GenerationFields, NamedToolChoice
 from .settings import Settings
@@ -97,8 +97,8 @@ def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     choice = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
-    names = [t.function.name for t in req.tools or []]
-    reading = tool_use(tool_family, names, choice, req.parallel_tool_calls is not False)
+    asked = req.model_dump(include={"tools", "tool_choice"}, exclude_none=True)
+    reading = openai_tool_use(tool_family, asked.get("tools"), asked.get("tool_choice"), req.parallel_tool_calls)
     options = _options(req, settings, vocab_size, blend=req.prefixcache_blend)
     return Job("chat", tenant, messages=messages, tools=tools, max_tokens=limit_max_tokens(max_tokens, settings),
                options=options, cache_key=req.prompt_cache_key,

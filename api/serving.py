@@ -28,7 +28,6 @@ from prefixcache.serving.messages import MessagesPrompt, to_chat
 from prefixcache.serving.options import seconds
 from prefixcache.serving.prompt_cache import text_breakpoints
 from prefixcache.serving.stats import CacheReport
-from prefixcache.serving.tool_calls import tokenizer_family
 
 from .admission import Admission, Place, Skipped
 from .errors import ClientClosedError, RequestTimeoutError, UnavailableError
@@ -58,8 +57,7 @@ class Serving:
         self.vocab_size = int(cache.model.config.get_text_config(decoder=True).vocab_size)
         self.system_fingerprint = "fp_" + xxhash.xxh64_hexdigest(repr(cache.namespace("")).encode())[:12]
         self.created = int(time.time())
-        #: The syntax of the model's tool calls, from its chat template (None: calls come back as text).
-        self.tool_family = tokenizer_family(cache.tokenizer)
+        self.tool_family = cache.tool_family
 
     # -- state ---------------------------------------------------------------------
     def queue(self) -> tuple[int, int]:

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from prefixcache.serving.engine import BatchConfig
     from prefixcache.serving.messages import MessagesPrompt
     from prefixcache.serving.request import CallStats
+    from prefixcache.serving.tool_calls import ToolCall
 
 #: Every error class a caller may catch (``prefixcache.errors``; each derives from ``PrefixCacheError``).
 _ERRORS = ("CapacityError", "ConfigError", "ContextLengthExceededError", "EngineFaultError", "GenerationTimeoutError",
@@ -54,6 +55,7 @@ _HOMES = {
     "BatchConfig": "prefixcache.serving.engine",
     "MessagesPrompt": "prefixcache.serving.messages",
     "CallStats": "prefixcache.serving.request",
+    "ToolCall": "prefixcache.serving.tool_calls",
 }
 
 __all__ = sorted(_HOMES)

@@ -34,6 +34,15 @@ from prefixcache.serving.sampling import as_id_set
 from prefixcache.serving.serial import SerialEngine
 from prefixcache.serving.stats import CacheReport, ServerFigures
 from prefixcache.serving.text_stream import TextStream, first_stop
+from prefixcache.serving.tool_calls import (
+    ToolCall,
+    ToolUse,
+    anthropic_tool_use,
+    calls_of,
+    openai_tool_use,
+    text_of,
+    tokenizer_family,
+)
 
 DEFAULT_TENANT = "default"
 #: Marks the namespace part that follows as a caller's ``cache_salt`` (a NUL: no name or id holds one).
@@ -59,11 +68,13 @@ class GenerationResult:
 
     text: str
     token_ids: tuple[int, ...]
-    finish_reason: str  # "stop", "length" or "cancelled"
+    finish_reason: str  # "stop", "length", "cancelled", or "tool_calls" (calls parsed out: ``tool_calls``)
     usage: Usage
     stats: CallStats
     #: ``messages()``: the input tokens as Anthropic counts them (read, written at breakpoints, the rest).
     cache: CacheUsage | None = None
+    #: ``chat()`` / ``messages()`` with tools: the calls parsed out of the answer (``text`` is what is left).
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +103,8 @@ class PrefixCache:
                  batching: BatchConfig | dict[str, Any] | bool = True, wall_clock: Callable[[], float] = time.time):
         self.model = model.eval()
         self.tokenizer = tokenizer
+        #: The syntax of the model's tool calls, from its chat template (None: calls stay text).
+        self.tool_family = tokenizer_family(tokenizer)
         self.config = config if config is not None else CacheConfig()
         self._clock = clock
         self.canonicalizer = None if tokenizer is None else Canonicalizer(
@@ -231,6 +244,7 @@ class PrefixCache:
 
     # -- OpenAI-shaped calls -------------------------------------------------------
     def chat(self, messages: Sequence[dict[str, Any]], *, tools: Sequence[dict[str, Any]] | None = None,
+             tool_choice: str | dict[str, Any] | None = None, parallel_tool_calls: bool = True,
              previous_id: str | None = None, record_id: str | None = None, documents: Sequence[str] | None = None,
              **options: Any) -> GenerationResult:
         """Answer a chat conversation. Options: see ``complete``.
@@ -241,18 +255,28 @@ class PrefixCache:
         tokens recomputed (``blend``, ``CacheConfig.blend_recompute_share``); ``result.stats`` says how
         many tokens were reused and recomputed.
 
+        With ``tools`` (OpenAI's ``{"type": "function", "function": {...}}``) the model's calls are parsed
+        in its chat template's syntax into ``result.tool_calls`` (``finish_reason`` "tool_calls"), ``text``
+        holding the rest. ``tool_choice``: "auto" (default), "none" (tools hidden), "required" or
+        ``{"type": "function", "function": {"name": ...}}``; a forced call the answer lacks raises
+        ``ToolCallError``. ``parallel_tool_calls=False`` keeps the first call only.
+
         Cache diagnostics: ``record_id`` keeps this call's prompt fingerprint under that id; ``previous_id``
         compares with the fingerprint kept under it, and ``result.stats.miss_reason`` says why this call
         could not reuse all of that prompt (``serving/diagnostics.py``; None: it could).
         """
+        reading = openai_tool_use(self.tool_family, tools, tool_choice, parallel_tool_calls)
+        shown = None if tool_choice == "none" else tools
         messages = with_documents(list(messages), documents)
-        prompt = self._canon().encode_chat(messages, tools=tools)
+        prompt = self._canon().encode_chat(messages, tools=shown)
         ids = list(prompt.token_ids)
         miss = None
         if previous_id is not None or record_id is not None:
-            miss = self.diagnose(messages, tools, ids, tenant=options.get("tenant"),
-                                 cache_salt=options.get("cache_salt"), previous_id=previous_id, record_id=record_id)
-        return _noted(self.answer(ids, chunks=prompt.chunks, unplaced=prompt.unplaced, **options), miss)
+            miss = self.diagnose(messages, shown, ids, tenant=options.get("tenant"),
+                                 cache_salt=options.get("cache_salt"), tool_choice=tool_choice,
+                                 previous_id=previous_id, record_id=record_id)
+        result = self.answer(ids, chunks=prompt.chunks, unplaced=prompt.unplaced, **options)
+        return _with_calls(_noted(result, miss), reading)
 
     def complete(self, prompt: str, **options: Any) -> GenerationResult:
         """Continue a text prompt.
@@ -281,7 +305,8 @@ class PrefixCache:
         ``cache_control={"type": "ephemeral", "ttl": "5m" | "1h"}`` keeps the prefix up to it for
         that TTL (rules: ``serving/breakpoints.py``); a top-level ``cache_control`` marks the last block
         (automatic caching). ``result.cache`` holds the usage as Anthropic counts it. Cache diagnostics
-        (``previous_id``, ``record_id``) as ``chat``. Other options as ``complete``.
+        (``previous_id``, ``record_id``) and tool calls (``result.tool_calls``; ``tool_choice`` ``any`` or
+        ``tool`` forces one) as ``chat``. Other options as ``complete``.
         """
         prompt = self.encode_messages(messages, system=system, tools=tools, tool_choice=tool_choice,
                                       cache_control=cache_control)
@@ -291,7 +316,9 @@ class PrefixCache:
             miss = self.diagnose(chat, defs, prompt.token_ids, tenant=options.get("tenant"),
                                  cache_salt=options.get("cache_salt"), tool_choice=tool_choice,
                                  previous_id=previous_id, record_id=record_id)
-        return _noted(self.answer_messages(prompt, max_new_tokens=max_tokens, stop=stop_sequences, **options), miss)
+        reading = anthropic_tool_use(self.tool_family, tools, tool_choice)
+        result = self.answer_messages(prompt, max_new_tokens=max_tokens, stop=stop_sequences, **options)
+        return _with_calls(_noted(result, miss), reading)
 
     def encode_messages(self, messages: Sequence[dict[str, Any]], *, system: Any = None,
                         tools: Sequence[dict[str, Any]] | None = None,
@@ -576,6 +603,17 @@ def _noted(result: GenerationResult, miss: MissReason | None) -> GenerationResul
     if miss is not None:
         result.stats.miss_reason, result.stats.cache_missed_tokens = miss.type, miss.cache_missed_input_tokens
     return result
+
+
+def _with_calls(result: GenerationResult, reading: ToolUse | None) -> GenerationResult:
+    """``result`` with its tool calls parsed out (``reading``: how; None: unchanged)."""
+    if reading is None:
+        return result
+    pieces = reading.read(result.text)
+    calls = tuple(calls_of(pieces))
+    if not calls:
+        return dataclasses.replace(result, text=text_of(pieces))
+    return dataclasses.replace(result, text=text_of(pieces), tool_calls=calls, finish_reason="tool_calls")
 
 
 def _salt(cache_salt: Any) -> str:

@@ -21,7 +21,7 @@ from fastapi import APIRouter, Request
 from prefixcache import CacheUsage, GenerationResult
 from prefixcache.serving.options import AnswerOptions
 from prefixcache.serving.request import CallStats
-from prefixcache.serving.tool_calls import Text, ToolUse, tool_use
+from prefixcache.serving.tool_calls import Text, ToolUse, anthropic_tool_use
 
 from ..jobs import Job, limit_max_tokens, server_temperature
 from ..limits import check_anthropic
@@ -94,13 +94,10 @@ def messages_job(req: MessagesRequest, tenant: str, settings: Settings, tool_fam
     options = AnswerOptions.parse(temperature=server_temperature(req.temperature, settings), top_p=req.top_p,
                                   top_k=req.top_k or None, stop=req.stop_sequences or None,
                                   blend=req.prefixcache_blend)
-    choice = req.tool_choice
-    kind = None if choice is None else {"any": "required", "tool": choice.name}.get(choice.type, choice.type)
-    reading = tool_use(tool_family, [t.name for t in req.tools or []], kind,
-                       not (choice is not None and choice.disable_parallel_tool_use), param="tool_choice.type")
-    return Job("messages", tenant, anthropic=req.prompt(), max_tokens=limit_max_tokens(req.max_tokens, settings),
-               options=options,
-               cache_salt=req.cache_salt or None, diagnose=req.diagnostics is not None,
+    prompt = req.prompt()
+    reading = anthropic_tool_use(tool_family, prompt["tools"], prompt["tool_choice"])
+    return Job("messages", tenant, anthropic=prompt, max_tokens=limit_max_tokens(req.max_tokens, settings),
+               options=options, cache_salt=req.cache_salt or None, diagnose=req.diagnostics is not None,
                previous_id=req.diagnostics.previous_message_id if req.diagnostics else None, tool_use=reading)
 
 

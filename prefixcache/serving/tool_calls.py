@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -267,6 +267,31 @@ def tool_use(family: str | None, names: Collection[str], choice: str | None, par
     if not names:
         return None
     return ToolUse(family, names, "auto" if choice is None else choice, parallel)
+
+
+def openai_tool_use(family: str | None, tools: Sequence[Any] | None, choice: str | dict[str, Any] | None,
+                    parallel: bool | None = None) -> ToolUse | None:
+    """``tool_use`` of an OpenAI-shaped request: ``tools`` of ``{"type": "function", "function": {"name"}}``,
+    ``choice`` a string or ``{"type": "function", "function": {"name": ...}}``."""
+    if isinstance(choice, dict):
+        choice = (choice.get("function") or {}).get("name")
+        if not isinstance(choice, str):
+            raise InvalidRequestError("a tool_choice object names a function: {'type': 'function', 'function': "
+                                      "{'name': ...}}", param="tool_choice")
+    names = [(t.get("function") or {}).get("name") for t in tools or [] if isinstance(t, dict)]
+    return tool_use(family, [n for n in names if isinstance(n, str)], choice, parallel is not False)
+
+
+def anthropic_tool_use(family: str | None, tools: Sequence[Any] | None,
+                       choice: dict[str, Any] | None) -> ToolUse | None:
+    """``tool_use`` of an Anthropic-shaped request: ``tools`` of ``{"name", ...}``, ``choice``
+    ``{"type": "auto" | "any" | "tool" | "none", "name", "disable_parallel_tool_use"}``."""
+    choice = choice if isinstance(choice, dict) else {}
+    kind = choice.get("type")
+    names = [t.get("name") for t in tools or [] if isinstance(t, dict)]
+    return tool_use(family, [n for n in names if isinstance(n, str)],
+                    {"any": "required", "tool": choice.get("name")}.get(kind, kind),
+                    not choice.get("disable_parallel_tool_use"), param="tool_choice.type")
 
 
 def parse(family: str, tools: Collection[str], text: str) -> list[Piece]:
