@@ -71,7 +71,7 @@ class PrefixCacheBatched:
         wall = time.perf_counter() - t0
         if errors:
             raise RuntimeError(f"prefixcache-batched: {errors[0]!r}") from errors[0]
-        return BatchCall([s for s in served if s is not None], wall, max(peak[0], self.cache.stats()["bytes"]))
+        return BatchCall([s for s in served if s is not None], wall, max(peak[0], self.cache.report().bytes))
 
     def _one(self, prompt: list[int]) -> Served:
         first: list[float] = []

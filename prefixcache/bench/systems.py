@@ -133,7 +133,7 @@ class PrefixCacheSystem(_Sequential):
         return Served(tuple(out[0, len(prompt):].tolist()), timer.at - t0, t1 - t0, stats.cached_tokens)
 
     def retained_bytes(self) -> int:
-        return int(self.cache.stats()["bytes"])
+        return int(self.cache.report().bytes)
 
     def finish(self) -> None:
         self.cache.check_integrity()

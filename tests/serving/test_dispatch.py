@@ -1,5 +1,5 @@
-"""One request path: ``PrefixCache`` sends every call the batching engine reproduces there, the rest to
-the serial engine, and both give what ``model.generate()`` gives."""
+"""Dispatch (``serving/dispatch.py``): ``PrefixCache`` sends every call the batching engine reproduces there,
+the rest to the serial engine, and both give what ``model.generate()`` gives."""
 from __future__ import annotations
 
 import copy
