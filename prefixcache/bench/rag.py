@@ -38,7 +38,7 @@ from prefixcache.serving.blend import BlendRequest
 SYSTEM = ("You are a careful assistant for Python programmers. Answer the question using only the documents "
           "provided, in one or two sentences.")
 #: Recompute shares the fidelity table measures.
-SHARES = (0.0, 0.05, 0.15, 0.30, 1.0)
+SHARES = (0.0, 0.05, 0.15, 0.30, 0.50, 1.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +48,7 @@ class RagSpec:
     per_prompt: tuple[int, int] = (2, 3)  # documents per prompt, at least and at most
     tokens: tuple[int, int] = (300, 700)  # document length range (tokens), within 300-1,000
     output_tokens: int = 8  # timed workload: tokens generated per request
+    timed_shares: tuple[float, ...] = (0.15, 0.30)  # timed workload: one blended arm per share
     fidelity_prompts: int = 16
     answer_tokens: int = 16  # fidelity: greedy answer length compared
     shares: tuple[float, ...] = SHARES
@@ -125,18 +126,20 @@ def run_rag(spec: RagSpec, out: Path, progress: Callable[[str], None] = print,
     start = clock()
     model, tokenizer = load_default_model(dtype=torch.float32)
     config = CacheConfig(ttl_seconds=None)
-    prefix_only = PrefixCache(model, tokenizer, config, batching=False, start_sweeper=False)
-    blended = PrefixCache(model, tokenizer, config, batching=False, start_sweeper=False)
-    result = RagResult(spec, models.machine(), blended.config.blend_recompute_share)
+    # One cache per arm: each finds only what its own earlier requests stored.
+    caches = {name: PrefixCache(model, tokenizer, config, batching=False, start_sweeper=False)
+              for name in ["prefix reuse only", *(_arm(share) for share in spec.timed_shares), "fidelity"]}
+    result = RagResult(spec, models.machine(), config.blend_recompute_share)
     try:
-        timed = prompts(blended, documents(tokenizer, spec, 0)[: spec.documents], spec.requests, spec, "timed")
-        held_out = prompts(blended, documents(tokenizer, spec, 1), spec.fidelity_prompts, spec, "held-out")
+        canon = caches["fidelity"]
+        timed = prompts(canon, documents(tokenizer, spec, 0)[: spec.documents], spec.requests, spec, "timed")
+        held_out = prompts(canon, documents(tokenizer, spec, 1), spec.fidelity_prompts, spec, "held-out")
         _warm_up(model)
-        _timed(result, model, prefix_only, blended, timed, spec, progress, clock)
-        _fidelity(result, model, blended, held_out, spec, progress, clock)
+        _timed(result, model, caches, timed, spec, progress, clock)
+        _fidelity(result, model, canon, held_out, spec, progress, clock)
     finally:
-        prefix_only.close()
-        blended.close()
+        for cache in caches.values():
+            cache.close()
     result.elapsed = clock() - start
     out.mkdir(parents=True, exist_ok=True)
     (out / "rag.json").write_text(json.dumps(asdict(result), indent=1, default=str))
@@ -158,18 +161,24 @@ def _generate(model: torch.nn.Module, ids: list[int], tokens: int, clock) -> tup
     return out.sequences[0, len(ids):].tolist(), timer.at - t0, torch.cat(out.logits).float()
 
 
-def _timed(result: RagResult, model, prefix_only: PrefixCache, blended: PrefixCache, timed: list[RagPrompt],
-           spec: RagSpec, progress, clock) -> None:
-    arms = {"no cache (generate)": [], "prefix reuse only": [], "blended": []}
+def _arm(share: float) -> str:
+    return f"blended, {share:.0%} recomputed"
+
+
+def _timed(result: RagResult, model, caches: dict[str, PrefixCache], timed: list[RagPrompt], spec: RagSpec,
+           progress, clock) -> None:
+    arms: dict[str, list[float]] = {"no cache (generate)": [], "prefix reuse only": []}
+    arms.update({_arm(share): [] for share in spec.timed_shares})
     opts = {"max_new_tokens": spec.output_tokens, "ignore_eos": True}
     for i, p in enumerate(timed):
         reference, ttft, _ = _generate(model, p.ids, spec.output_tokens, clock)
         arms["no cache (generate)"].append(ttft)
-        plain = prefix_only.answer(p.ids, **opts)
+        plain = caches["prefix reuse only"].answer(p.ids, **opts)
         arms["prefix reuse only"].append(plain.stats.ttft_seconds)
         result.prefix_answers_equal += list(plain.token_ids) == reference
-        mixed = blended.answer(p.ids, chunks=p.chunks, **opts)
-        arms["blended"].append(mixed.stats.ttft_seconds)
+        for share in spec.timed_shares:
+            mixed = caches[_arm(share)].answer(p.ids, chunks=p.chunks, blend=share, **opts)
+            arms[_arm(share)].append(mixed.stats.ttft_seconds)
         result.prompt_tokens.append(len(p.ids))
         result.chunk_tokens.append(sum(e - s for s, e in p.chunks))
         progress(f"rag timed {i + 1}/{len(timed)}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in arms.items()))
@@ -178,9 +187,9 @@ def _timed(result: RagResult, model, prefix_only: PrefixCache, blended: PrefixCa
 
 def _fidelity(result: RagResult, model, cache: PrefixCache, held_out: list[RagPrompt], spec: RagSpec,
               progress, clock) -> None:
-    """Per prompt and share: the blended KV built once (chunks found in the store, as stored by the first
-    share; no prompt prefix stored, so every share starts alike), then the greedy answer and the
-    log-likelihood of the full prefill's answer after it."""
+    """Per prompt and share: the blended KV built once (the documents stored beforehand, untimed; no prompt
+    prefix stored, so every share starts alike), then the greedy answer and the log-likelihood of the
+    full prefill's answer after it."""
     rows = {share: {"agree": 0, "first": 0, "gap": [], "ttft": []} for share in spec.shares}
     if cache.serial.blender.prepare() is not None:
         raise RuntimeError(f"the model cannot blend: {cache.serial.blender.unsupported_reason}")
@@ -188,6 +197,7 @@ def _fidelity(result: RagResult, model, cache: PrefixCache, held_out: list[RagPr
         answer, ttft, logits = _generate(model, p.ids, spec.answer_tokens, clock)
         full = _loglik(logits, answer)
         result.full_ttft.append(ttft)
+        _store_chunks(cache, p)  # untimed: every share then finds the documents stored
         for share in spec.shares:
             got, ttft, loglik = _blended(model, cache, p, share, answer, clock)
             row = rows[share]
@@ -207,6 +217,17 @@ def _loglik(logits: torch.Tensor, answer: list[int]) -> float:
     """Sum of log p(answer token) under ``logits`` ``[len(answer), V]``."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     return float(logp[torch.arange(len(answer)), torch.tensor(answer)].sum())
+
+
+def _store_chunks(cache: PrefixCache, p: RagPrompt) -> None:
+    """Compute and store the prompt's documents not stored yet (a build that recomputes nothing)."""
+    ns, tenant = cache.namespace("default"), "default"
+    lease = cache.store.acquire(ns, tenant, p.ids, len(p.ids) - 1, None)
+    try:
+        with torch.no_grad():
+            cache.engine.blender.build(p.ids, BlendRequest(p.chunks, 0.0), lease, ns, tenant, None)
+    finally:
+        cache.store.release(lease)
 
 
 def _blended(model, cache: PrefixCache, p: RagPrompt, share: float, answer: list[int],
@@ -246,7 +267,7 @@ def markdown(result: RagResult) -> str:
         f"- timed: {spec.requests} requests over {spec.documents} documents ({spec.per_prompt[0]}-{spec.per_prompt[1]} "
         f"per prompt, {spec.tokens[0]}-{spec.tokens[1]} tokens each), prompts of "
         f"{min(result.prompt_tokens)}-{max(result.prompt_tokens)} tokens ({statistics.fmean(result.chunk_tokens):.0f} "
-        f"document tokens on average), {spec.output_tokens} tokens out; blended at the default share "
+        f"document tokens on average), {spec.output_tokens} tokens out; the server's default share: "
         f"{result.default_share:.0%}; prefix-only answers equal to generate()'s: "
         f"{result.prefix_answers_equal}/{len(result.prompt_tokens)}",
         "", "| arm | TTFT p50 s | TTFT mean s | vs prefix reuse only (p50) |", "|---|---|---|---|"]
