@@ -38,7 +38,7 @@ from prefixcache.serving.blend import BlendRequest
 SYSTEM = ("You are a careful assistant for Python programmers. Answer the question using only the documents "
           "provided, in one or two sentences.")
 #: Recompute shares the fidelity table measures.
-SHARES = (0.0, 0.05, 0.15, 0.30, 0.50, 1.0)
+SHARES = (0.0, 0.05, 0.15, 0.30, 1.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,8 +48,8 @@ class RagSpec:
     per_prompt: tuple[int, int] = (2, 3)  # documents per prompt, at least and at most
     tokens: tuple[int, int] = (300, 700)  # document length range (tokens), within 300-1,000
     output_tokens: int = 8  # timed workload: tokens generated per request
-    timed_shares: tuple[float, ...] = (0.15, 0.30)  # timed workload: one blended arm per share
-    fidelity_prompts: int = 16
+    timed_shares: tuple[float, ...] = (0.30,)  # timed workload: one blended arm per share
+    fidelity_prompts: int = 8
     answer_tokens: int = 16  # fidelity: greedy answer length compared
     shares: tuple[float, ...] = SHARES
     seed: int = 0

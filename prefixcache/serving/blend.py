@@ -16,7 +16,9 @@ Building a prompt's KV (``Blender.build``), after prefix reuse matched its first
 
 With share 1 every token is recomputed: a full prefill. The prompt's last token is left to
 ``generate()``, so its logits come from the blended KV. Only the KV before the first token
-still holding reused KV equals a full prefill's; only that part is stored as a prefix.
+still holding reused KV equals a full prefill's; only that part is stored as a prefix. The
+blended prompt's KV is kept under ``blended_scope`` (never read as exact KV): a later
+blending call at the same share that starts the same way reuses it as its prefix.
 """
 from __future__ import annotations
 
@@ -47,8 +49,15 @@ log = logging.getLogger(__name__)
 
 #: Namespace part under which chunks' KV (computed alone) is stored; a NUL: no name or id holds one.
 CHUNK_PART = "\x00chunk"
+#: Namespace part under which blended prompts' KV is kept, for blending calls of the same share only.
+BLENDED_PART = "\x00blended"
 #: Layer whose KV deviation chooses the tokens to recompute (layer 0's KV has no context to deviate by).
 SELECT_LAYER = 1
+
+
+def blended_scope(scope: Scope, share: float) -> Scope:
+    """Where blended prompts of ``scope`` at recompute ``share`` are kept: never read as exact KV."""
+    return scope.within(BLENDED_PART).within(f"{share:.6g}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,11 +18,12 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria
 
+from prefixcache.cache.handles import Lease
 from prefixcache.cache.scope import Scope
 from prefixcache.cache.store import KVStore
 from prefixcache.errors import GenerationTimeoutError, RequestCancelledError, UnsupportedModelError
 from prefixcache.model.hf_cache import Probe, WorkingCache, probe
-from prefixcache.serving.blend import Blender, BlendRequest
+from prefixcache.serving.blend import Blender, BlendRequest, blended_scope
 from prefixcache.serving.options import bypass_reason
 from prefixcache.serving.request import CallStats
 from prefixcache.serving.sampling import fresh_seed
@@ -167,32 +168,51 @@ class SerialEngine:
         n = len(prompt)
         # At least the last prompt token is recomputed, so its logits exist.
         lease = self.store.acquire(scope, prompt, n - 1, restore=True)
+        leases = [lease]
         try:
             stats.cached_tokens = lease.cached_tokens
             stats.lookup_seconds = self._clock() - start
             unable = None if blend is None else self.blender.prepare()
             if unable is not None:
                 stats.blend_reason = f"model not supported: {unable}"
-            blended = None if blend is None or unable else self.blender.build(prompt, blend, lease, scope)
-            if blended is None:
-                cache = WorkingCache(self.layout, [(s.node.kv, s.used) for s in lease.steps], n + max_new)
+            if blend is None or unable:
+                cache, exact = WorkingCache(self.layout, [(s.node.kv, s.used) for s in lease.steps], n + max_new), n
             else:
-                stats.chunk_reused_tokens, stats.chunk_recomputed_tokens = blended.reused, blended.recomputed
-                stats.chunk_stored_tokens = blended.stored
-                cache = WorkingCache(self.layout, [(blended.buffer, n - 1)], n + max_new)
+                cache, exact = self._blend(prompt, blend, leases, scope, n + max_new, stats)
             mask = torch.ones_like(input_ids)
             out = self.model.generate(input_ids, attention_mask=mask, past_key_values=cache,
                                       generation_config=generation_config, **kwargs)
             seq = out.sequences if hasattr(out, "sequences") else out
-            keep = cache.length if cache_generated else n
-            if blended is not None and blended.exact < n - 1:
-                keep = blended.exact  # reused chunk KV is close to a full prefill's, not equal: never a prefix
+            # Reused chunk KV is close to a full prefill's, not equal: never a prefix of the exact namespace.
+            keep = (cache.length if cache_generated else n) if exact >= n - 1 else exact
             tokens = seq[0, :keep].tolist()
             if tokens:
                 stats.stored_tokens = self.store.insert(scope, tokens, cache.slice).stored_tokens
+            if exact < n - 1:  # the blended prompt, for blending calls of the same share only
+                self.store.insert(blended_scope(scope, blend.share), prompt[: n - 1], cache.slice)
             return out
         finally:
-            self.store.release(lease)
+            for held in leases:
+                self.store.release(held)
+
+    def _blend(self, prompt: list[int], blend: BlendRequest, leases: list[Lease], scope: Scope, capacity: int,
+               stats: CallStats) -> tuple[WorkingCache, int]:
+        """A blending call's working cache and how many leading tokens of it are exact. Its prefix is the longer of
+        the exact match (``leases[0]``) and the prompt blended before at the same share (a lease added to
+        ``leases``); the chunks after it are placed and blended (``Blender.build``)."""
+        exact_lease, n = leases[0], len(prompt)
+        earlier = self.store.acquire(blended_scope(scope, blend.share), prompt, n - 1)
+        leases.append(earlier)
+        prefix = earlier if earlier.cached_tokens > exact_lease.cached_tokens else exact_lease
+        built = self.blender.build(prompt, blend, prefix, scope)
+        reused_prefix = prefix.cached_tokens - exact_lease.cached_tokens if prefix is earlier else 0
+        stats.chunk_reused_tokens = reused_prefix + (0 if built is None else built.reused)
+        if built is None:
+            exact = exact_lease.cached_tokens if prefix is earlier else n
+            return WorkingCache(self.layout, [(s.node.kv, s.used) for s in prefix.steps], capacity), exact
+        stats.chunk_recomputed_tokens, stats.chunk_stored_tokens = built.recomputed, built.stored
+        exact = exact_lease.cached_tokens if prefix is earlier else built.exact
+        return WorkingCache(self.layout, [(built.buffer, n - 1)], capacity), exact
 
     def effective_config(self, generation_config: GenerationConfig | None, kwargs: dict[str, Any]) -> GenerationConfig:
         """What ``generate()`` will use: the model's default (or the caller's) config updated by ``kwargs``."""

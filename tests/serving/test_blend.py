@@ -83,11 +83,24 @@ def test_documents_are_reused_in_any_order_and_only_exact_kv_is_a_prefix(llama, 
 def test_a_chunk_of_another_tenant_is_never_used(engine):
     system, a, b, _, question = docs()
     prompt, spans = layout_of(system, a, b, question)
+    other, other_spans = layout_of(system, b, a, question)
     run(engine, prompt, spans, 0.0, tenant="a")
-    _, mine = run(engine, prompt, spans, 0.0, tenant="a")
-    _, theirs = run(engine, prompt, spans, 0.0, tenant="b")
+    _, mine = run(engine, other, other_spans, 0.0, tenant="a")
+    _, theirs = run(engine, other, other_spans, 0.0, tenant="b")
     assert mine.chunk_stored_tokens == 0 and mine.chunk_reused_tokens == len(a) + len(b)
     assert theirs.chunk_stored_tokens == len(a) + len(b)  # computed its own: tenant a's were not found
+
+
+def test_a_repeated_prompt_reuses_its_blend_at_the_same_share_only(engine):
+    system, a, b, _, question = docs()
+    prompt, spans = layout_of(system, a, b, question)
+    first, stats = run(engine, prompt, spans, 0.15)
+    again, repeat = run(engine, prompt, spans, 0.15)
+    assert again == first  # the same KV: the blend kept from the first call
+    assert (repeat.chunk_recomputed_tokens, repeat.chunk_stored_tokens) == (0, 0)
+    assert repeat.cached_tokens + repeat.chunk_reused_tokens == len(prompt) - 1
+    _, other_share = run(engine, prompt, spans, 0.3)
+    assert other_share.chunk_recomputed_tokens > 0  # blended anew: another share's blend is not read
 
 
 def test_a_model_that_cannot_move_keys_prefills_and_says_why(clock):
