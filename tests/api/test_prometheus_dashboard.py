@@ -2,7 +2,7 @@
 
 The queries are read from the provisioned dashboard's JSON, Grafana's variables
 substituted, and run through Prometheus' HTTP API after some traffic (hits, a
-client error, the prompt-cache parameters, a flush and a restore from a disk tier), so a query that names a real metric but selects nothing
+client error, the prompt-cache parameters, a cache miss reason, a reused document, a flush and a restore from a disk tier), so a query that names a real metric but selects nothing
 (wrong label, wrong aggregation) fails here.
 """
 from __future__ import annotations
@@ -117,6 +117,14 @@ def _traffic(server) -> None:
         body = {"model": MODEL, "max_tokens": 3, "prompt_cache_key": "port", "prompt_cache_retention": "24h",
                 "messages": [{"role": "system", "content": system}, {"role": "user", "content": "Berth?"}]}
         assert client.post("/v1/chat/completions", json=body).status_code == 200
+        body = {"model": MODEL, "max_tokens": 3, "diagnostics": {"previous_message_id": "msg-unknown"},  # a miss reason
+                "messages": [{"role": "user", "content": "Tide?"}]}
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
+        doc = {"type": "text", "text": "Berths are assigned by draught and length. " * 4, "prefixcache_chunk": True}
+        for question in ("Which berth?", f"Which berth for ship {time.monotonic_ns()}?"):  # a document reused
+            body = {"model": MODEL, "max_tokens": 3, "messages": [
+                {"role": "user", "content": [{"type": "text", "text": question}, doc]}]}
+            assert client.post("/v1/chat/completions", json=body).status_code == 200
     with httpx.Client(base_url=server.url, headers=auth(ADMIN), timeout=60) as admin:
         assert admin.request("DELETE", "/v1/cache", params={"tenant": "alpha"}).status_code == 200
     with httpx.Client(base_url=server.url, headers=auth(ALPHA), timeout=60) as client:
