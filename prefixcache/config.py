@@ -65,7 +65,7 @@ class CacheConfig:
     blend: bool = True
     #: Share (0 to 1) of a reused chunk's tokens recomputed in context, those whose KV deviates most from a
     #: full prefill's on an early layer; 1 = a full prefill (docs/benchmarks.md measures the trade).
-    blend_recompute_share: float = 0.30
+    blend_recompute_share: float = 0.15
     #: Before tokenizing message content: line breaks become ``\n``, runs of spaces and tabs one
     #: space, spaces at line ends and the text's ends go (opt-in: it changes what the model sees).
     normalize_whitespace: bool = False

@@ -48,7 +48,7 @@ class RagSpec:
     per_prompt: tuple[int, int] = (2, 3)  # documents per prompt, at least and at most
     tokens: tuple[int, int] = (300, 700)  # document length range (tokens), within 300-1,000
     output_tokens: int = 8  # timed workload: tokens generated per request
-    timed_shares: tuple[float, ...] = (0.30,)  # timed workload: one blended arm per share
+    timed_shares: tuple[float, ...] = (0.15, 0.30)  # timed workload: one blended arm per share
     fidelity_prompts: int = 8
     answer_tokens: int = 16  # fidelity: greedy answer length compared
     shares: tuple[float, ...] = SHARES
@@ -221,11 +221,11 @@ def _loglik(logits: torch.Tensor, answer: list[int]) -> float:
 
 def _store_chunks(cache: PrefixCache, p: RagPrompt) -> None:
     """Compute and store the prompt's documents not stored yet (a build that recomputes nothing)."""
-    ns, tenant = cache.namespace("default"), "default"
-    lease = cache.store.acquire(ns, tenant, p.ids, len(p.ids) - 1, None)
+    scope = Scope(cache.namespace("default"), "default")
+    lease = cache.store.acquire(scope, p.ids, len(p.ids) - 1)
     try:
         with torch.no_grad():
-            cache.engine.blender.build(p.ids, BlendRequest(p.chunks, 0.0), lease, ns, tenant, None)
+            cache.serial.blender.build(p.ids, BlendRequest(p.chunks, 0.0), lease, scope)
     finally:
         cache.store.release(lease)
 

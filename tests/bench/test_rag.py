@@ -30,3 +30,17 @@ def test_rag_runs_on_its_own(capsys):
     add_arguments(parser)
     assert run(parser.parse_args(["--workloads", "rag,shared-prefix"])) == 2
     assert "on its own" in capsys.readouterr().err
+
+
+def test_fidelity_rows_on_a_tiny_model(chat_llama, tokenizer, new_cache):
+    """The fidelity pass end to end (documents stored, each share blended, scored); share 1 is a full prefill."""
+    import time
+
+    spec = rag.RagSpec(fidelity_prompts=1, answer_tokens=3, shares=(0.0, 1.0), per_prompt=(2, 2))
+    cache: PrefixCache = new_cache(chat_llama, tokenizer, start_sweeper=False, batching=False)
+    held_out = rag.prompts(cache, rag.documents(tokenizer, spec, 1)[:3], 1, spec, "held-out")
+    result = rag.RagResult(spec, {}, cache.config.blend_recompute_share)
+    rag._fidelity(result, chat_llama, cache, held_out, spec, lambda line: None, time.perf_counter)
+    zero, full = result.fidelity
+    assert full["agree"] == 1.0 and abs(full["loglik_gap_per_token"]) < 1e-4
+    assert zero["loglik_gap_per_token"] != 0.0
