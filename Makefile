@@ -29,10 +29,11 @@ system-deps:
 serve: $(STAMP)
 	$(BIN)/prefixcache serve $(ARGS)
 
-# Lint first: a ruff finding fails `make test` before any test runs.
+# Lint first: a ruff finding fails `make test` before any test runs. The tests run in one process per
+# core (at most 4: each loads torch and its models), each test with one torch thread.
 test: $(STAMP) system-deps
 	$(BIN)/ruff check prefixcache api tests benchmarks scripts examples
-	$(BIN)/python -m pytest --durations=20 $(ARGS)
+	$(BIN)/python -m pytest -n auto --maxprocesses 4 --durations=20 $(ARGS)
 
 bench: $(STAMP)
 	$(BIN)/prefixcache bench $(ARGS)

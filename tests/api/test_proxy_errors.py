@@ -178,7 +178,7 @@ def test_not_ready_is_503_with_retry_after(tiny_model, tokenizer, new_proxy_cach
 
 def test_an_unexpected_bug_is_a_500_in_openai_shape(tiny_model, tokenizer, new_proxy_cache):
     cache = new_proxy_cache(tiny_model, tokenizer)
-    cache.encode_chat = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))  # a bug, not client input
+    cache.encode_chat_prompt = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom"))  # a bug, not client input
     with live(create_app(settings(), cache=cache)) as srv, srv.client(ALPHA) as client:
         for _ in range(2):  # the keep-alive connection survives the first 500
             err = assert_error(client.post(CHAT, json=ok_chat()), 500, code="internal_error")
