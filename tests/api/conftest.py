@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 from prefixcache_api import create_app
-from proxy_support import LiveServer, live, make_cache, settings
+from proxy_support import ALPHA, LiveServer, anthropic_client, live, make_cache, settings
 
 from prefixcache import PrefixCache
 
@@ -44,3 +44,20 @@ def server(tiny_model, tokenizer) -> Iterator[LiveServer]:
     with live(create_app(settings(), cache=cache)) as srv:
         yield srv
     cache.close()
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_model, tokenizer) -> Iterator[LiveServer]:
+    """A server for breakpoint tests, one per module: breakpoints of 16 tokens and more, blocks of 8 (the
+    tiny model's context is small, so a TTL boundary falls close to its breakpoint)."""
+    cache = make_cache(tiny_model, tokenizer, breakpoint_min_tokens=16, block_size=8)
+    with live(create_app(settings(), cache=cache)) as server:
+        yield server
+    cache.close()
+
+
+@pytest.fixture
+def alpha(srv):
+    """``srv`` flushed, and the ``anthropic`` client of key alpha on it."""
+    srv.cache.flush()
+    return anthropic_client(srv.url, ALPHA)

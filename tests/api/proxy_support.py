@@ -21,6 +21,13 @@ def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
+def anthropic_client(url: str, key: str, **kwargs):
+    """The official ``anthropic`` client on ``url`` with ``key``: no retries, a 60 s timeout."""
+    import anthropic
+
+    return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=60, **kwargs)
+
+
 def settings(**overrides) -> Settings:
     """Multi-tenant test settings: greedy by default, short answers."""
     base = dict(api_keys=KEYS, admin_key=ADMIN, served_model_name=MODEL, default_max_tokens=8,

@@ -12,7 +12,17 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 from prefixcache_api import create_app
-from proxy_support import ADMIN, ALPHA, BETA, MODEL, leased_refs, live, make_cache, settings, wait_until
+from proxy_support import (
+    ADMIN,
+    ALPHA,
+    BETA,
+    MODEL,
+    anthropic_client,
+    leased_refs,
+    live,
+    settings,
+    wait_until,
+)
 
 from prefixcache import CacheConfig, PrefixCache
 from tests.step_hooks import hold_until_cancelled
@@ -30,26 +40,8 @@ def user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
-def client(url: str, key: str, **kwargs) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=60, **kwargs)
-
-
 def parts(u) -> int:
     return u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens
-
-
-@pytest.fixture(scope="module")
-def srv(tiny_model, tokenizer):
-    cache = make_cache(tiny_model, tokenizer, breakpoint_min_tokens=16, block_size=8)
-    with live(create_app(settings(), cache=cache)) as server:
-        yield server
-    cache.close()
-
-
-@pytest.fixture
-def alpha(srv):
-    srv.cache.flush()
-    return client(srv.url, ALPHA)
 
 
 def test_create_then_a_second_call_reads_the_system_breakpoint(srv, alpha):
@@ -76,7 +68,7 @@ def test_another_keys_identical_request_reads_nothing(srv, alpha):
     body = dict(model=MODEL, max_tokens=3, system=system(), messages=user("Any poetry?"))
     alpha.messages.create(**body)
     assert alpha.messages.create(**body).usage.cache_read_input_tokens > 0
-    beta = client(srv.url, BETA).messages.create(**body)
+    beta = anthropic_client(srv.url, BETA).messages.create(**body)
     assert beta.usage.cache_read_input_tokens == 0 and beta.usage.cache_creation_input_tokens > 0
     # Bearer works as well as x-api-key, and names the same tenant.
     bearer = anthropic.Anthropic(base_url=srv.url, auth_token=BETA, max_retries=0).messages.create(**body)
@@ -153,7 +145,7 @@ def test_errors_reach_the_sdk_as_its_typed_exceptions(srv, alpha):
     with pytest.raises(anthropic.BadRequestError, match="temperature"):
         alpha.messages.create(model=MODEL, max_tokens=2, messages=user("x"), extra_body={"temperature": 1.5})
     with pytest.raises(anthropic.AuthenticationError) as err:
-        client(srv.url, "sk-wrong").messages.create(model=MODEL, max_tokens=2, messages=user("x"))
+        anthropic_client(srv.url, "sk-wrong").messages.create(model=MODEL, max_tokens=2, messages=user("x"))
     assert err.value.body["error"]["type"] == "authentication_error"
     with pytest.raises(anthropic.NotFoundError):
         alpha.messages.create(model="claude-elsewhere", max_tokens=2, messages=user("x"))
@@ -186,14 +178,14 @@ def test_a_full_queue_is_a_rate_limit_error_and_a_mid_stream_failure_an_error_ev
         thread.start()
         assert started.wait(10)
         with pytest.raises(anthropic.RateLimitError) as err:
-            client(tight.url, ALPHA).messages.create(model=MODEL, max_tokens=2, messages=user("x"))
+            anthropic_client(tight.url, ALPHA).messages.create(model=MODEL, max_tokens=2, messages=user("x"))
         assert err.value.body["error"]["type"] == "rate_limit_error"
         thread.join(15)
         assert kinds[0] == "message_start" and "content_block_delta" in kinds and kinds[-1] == "error", kinds
         wait_until(lambda: tight.serving.queue() == (0, 0) and leased_refs(tight.cache) == 0, timeout=10)
         with pytest.raises(anthropic.APIStatusError) as err:  # shutting down: Anthropic's 529 overloaded_error
             tight.serving.closing = True
-            client(tight.url, ALPHA).messages.create(model=MODEL, max_tokens=2, messages=user("x"))
+            anthropic_client(tight.url, ALPHA).messages.create(model=MODEL, max_tokens=2, messages=user("x"))
         assert err.value.status_code == 529 and err.value.body["error"]["type"] == "overloaded_error"
         tight.serving.closing = False
 

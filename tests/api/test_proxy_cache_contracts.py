@@ -9,30 +9,11 @@ from __future__ import annotations
 import anthropic
 import httpx
 import pytest
-from prefixcache_api import create_app
-from proxy_support import ADMIN, ALPHA, BETA, MODEL, live, make_cache, settings
+from proxy_support import ADMIN, ALPHA, BETA, MODEL, anthropic_client
 
 from prefixcache.serving.diagnostics import REASONS
 
 SYSTEM_TEXT = "You are the support assistant of a small bookshop. Be brief and kind. " * 4
-
-
-def client(url: str, key: str) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def srv(tiny_model, tokenizer):
-    cache = make_cache(tiny_model, tokenizer, breakpoint_min_tokens=16, block_size=8)
-    with live(create_app(settings(), cache=cache)) as server:
-        yield server
-    cache.close()
-
-
-@pytest.fixture
-def alpha(srv):
-    srv.cache.flush()
-    return client(srv.url, ALPHA)
 
 
 # -- Anthropic: automatic caching ----------------------------------------------------------
@@ -118,7 +99,7 @@ def test_every_cache_miss_reason_from_the_request_that_causes_it(srv, alpha):
     assert diagnosed(extra_body={"diagnostics": {"previous_message_id": "msg_unknown"}}) == (
         "previous_message_not_found", None)
     # Another key's id is not found: fingerprints are kept per tenant.
-    other = client(srv.url, BETA).messages.create(model=MODEL, max_tokens=2, system=SYSTEM_TEXT, messages=ask,
+    other = anthropic_client(srv.url, BETA).messages.create(model=MODEL, max_tokens=2, system=SYSTEM_TEXT, messages=ask,
                                                   **since)
     assert reason(other) == ("previous_message_not_found", None)
 
