@@ -62,6 +62,7 @@ from prefixcache.model.precision import (  # noqa: E402
     reference_attention,
     rounding_factor,
 )
+from tests.support.broken_cascades import gqa_modulo, merge_swapped, missing_block, one_ahead  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 VARIANTS = ("healthy", "position", "mask", "missing_block", "merge", "gqa")
@@ -211,11 +212,6 @@ def make_inputs(case: Case, dtype: torch.dtype, device: torch.device) -> Inputs:
 
 
 # -- the cascade, healthy or broken ---------------------------------------------------------------
-def _merge_swapped(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
-    weight_a = torch.sigmoid(lse_b - lse_a).unsqueeze(-1)  # each part weighed by the other's mass
-    return torch.lerp(o_b, o_a, weight_a.to(o_a.dtype))
-
-
 @contextlib.contextmanager
 def patched(module, name: str, value):
     old = getattr(module, name)
@@ -269,7 +265,7 @@ def run_cascade(case: Case, x: Inputs, variant: str) -> torch.Tensor:
         moved = torch.empty_like(q)
         moved[to] = q
         return cascade_attention(moved, x.spans, shared, private, x.scale, batches)[to]
-    with patched(cascade, "merge_two", _merge_swapped) if variant == "merge" else contextlib.nullcontext():
+    with patched(cascade, "merge_two", merge_swapped) if variant == "merge" else contextlib.nullcontext():
         return cascade_attention(q, x.spans, shared, private, x.scale, batches)
 
 
@@ -348,31 +344,10 @@ def model_rows(dtype_name: str, device: torch.device) -> list[dict]:
                                                    eos_token_id=1)),
     }
     real_groups = hf_cache.attend_groups
-
-    def one_ahead(q, groups, own, scale, batches, masks, *rest):
-        # each chunk's private keys get the next token's key: every row sees one key past its own
-        gen = torch.Generator().manual_seed(0)
-        longer = []
-        for s, e, k, v in own:
-            extra = torch.randn((2, k.shape[0], 1, k.shape[2]), generator=gen).to(k)
-            longer.append((s, e, torch.cat([k, extra[0]], 1), torch.cat([v, extra[1]], 1)))
-        return real_groups(q, groups, longer, scale, batches, masks, *rest)
-
-    def missing_first_run(q, groups, own, scale, batches, masks, *rest):
-        groups = [(rows, runs[1:]) for rows, runs in groups[:1] if len(runs) > 1] + list(groups[1:])
-        return real_groups(q, groups, own, scale, batches, masks, *rest)
-
-    def gqa_modulo(q, groups, own, scale, batches, masks, *rest):
-        hkv = batches[0].keys.shape[1] if batches else own[0][2].shape[0]
-        g = q.shape[0] // hkv
-        to = torch.tensor([(h % hkv) * g + h // hkv for h in range(q.shape[0])], device=q.device)
-        moved = torch.empty_like(q)
-        moved[to] = q
-        return real_groups(moved, groups, own, scale, batches, masks, *rest)[to]
-
-    breaks = {"mask": (hf_cache, "attend_groups", one_ahead), "merge": (cascade, "merge_two", _merge_swapped),
-              "missing_block": (hf_cache, "attend_groups", missing_first_run),
-              "gqa": (hf_cache, "attend_groups", gqa_modulo)}
+    breaks = {"mask": (hf_cache, "attend_groups", one_ahead(real_groups)),
+              "merge": (cascade, "merge_two", merge_swapped),
+              "missing_block": (hf_cache, "attend_groups", missing_block(real_groups)),
+              "gqa": (hf_cache, "attend_groups", gqa_modulo(real_groups))}
     dtype = DTYPES[dtype_name]
     rows = []
     for arch, build in archs.items():

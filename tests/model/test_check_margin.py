@@ -23,6 +23,7 @@ from prefixcache.model import cascade, hf_cache
 from prefixcache.model.cascade import PrivateBatch, Shared, cascade_attention
 from prefixcache.model.precision import AttentionError, attention_error, rounding_factor
 from tests.conftest import ARCHS, build_tiny
+from tests.support.broken_cascades import BROKEN_GROUPS, merge_swapped
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,43 +109,6 @@ def test_a_thousand_healthy_cases_sit_ten_times_below_the_threshold(dtype):
 
 
 # -- broken: each refused by the check as a whole, and by the part that should ----------------------------
-def _one_ahead(real):
-    def attend_groups(q, groups, own, scale, batches, masks, *rest):
-        # each chunk's private keys get the next token's: every row sees one key past its own
-        gen = torch.Generator().manual_seed(0)
-        longer = []
-        for s, e, k, v in own:
-            extra = torch.randn((2, k.shape[0], 1, k.shape[2]), generator=gen).to(k)
-            longer.append((s, e, torch.cat([k, extra[0]], 1), torch.cat([v, extra[1]], 1)))
-        return real(q, groups, longer, scale, batches, masks, *rest)
-    return attend_groups
-
-
-def _missing_block(real):
-    def attend_groups(q, groups, own, scale, batches, masks, *rest):
-        groups = [(rows, runs[1:]) for rows, runs in groups[:1] if len(runs) > 1] + list(groups[1:])
-        return real(q, groups, own, scale, batches, masks, *rest)
-    return attend_groups
-
-
-def _gqa_modulo(real):
-    def attend_groups(q, groups, own, scale, batches, masks, *rest):
-        # the cascade maps query head h' to KV head h' // g: put head h at (h % Hkv) g + h // Hkv
-        hkv = batches[0].keys.shape[1] if batches else own[0][2].shape[0]
-        g = q.shape[0] // hkv
-        to = torch.tensor([(h % hkv) * g + h // hkv for h in range(q.shape[0])], device=q.device)
-        moved = torch.empty_like(q)
-        moved[to] = q
-        return real(moved, groups, own, scale, batches, masks, *rest)[to]
-    return attend_groups
-
-
-def _merge_swapped(o_a, lse_a, o_b, lse_b):
-    return torch.lerp(o_b, o_a, torch.sigmoid(lse_b - lse_a).unsqueeze(-1).to(o_a.dtype))
-
-
-BROKEN_GROUPS = {"mask one key ahead": _one_ahead, "a prefix block missing": _missing_block,
-                 "query head h reads KV head h % Hkv": _gqa_modulo}
 
 
 
@@ -163,7 +127,7 @@ def test_a_broken_cascade_is_refused_in_every_dtype(bug, llama, monkeypatch):
     model, layout = llama
     hf_cache.check_cascade(model, layout)  # the real one passes
     if bug == "log-sum-exp weights swapped":
-        monkeypatch.setattr(cascade, "merge_two", _merge_swapped)
+        monkeypatch.setattr(cascade, "merge_two", merge_swapped)
     else:
         monkeypatch.setattr(hf_cache, "attend_groups", BROKEN_GROUPS[bug](hf_cache.attend_groups))
     m = hf_cache.measure_cascade(model, layout)
@@ -205,6 +169,7 @@ from prefixcache import PrefixCache
 from prefixcache.errors import UnsupportedModelError
 from prefixcache.model.hf_cache import check_cascade, enable_cascade_attention, probe_layout
 from tests.conftest import ARCHS, build_tiny
+from tests.support.broken_cascades import BROKEN_GROUPS, merge_swapped
 out = {"capability": torch.backends.cpu.get_cpu_capability(), "check": {}, "batching": {}}
 for arch in ARCHS:
     for dtype in (torch.float32, torch.bfloat16):
