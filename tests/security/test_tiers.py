@@ -82,6 +82,18 @@ def assert_refused_and_deleted(chain, tier: str, clock) -> None:
     assert chain.stats()[tier]["corrupt_entries"] == 1 and not chain.tiers[0].contains(first_meta().key)
 
 
+def written(tier: str, tmp_path, request, clock):
+    """Tenant a's ``SEQ`` stored and written through to a ``tier`` ("disk" or "redis"): (the tier chain, the
+    Redis server or None)."""
+    store = make_store(clock, blocks_budget=100)
+    server = request.getfixturevalue("redis_server") if tier == "redis" else None
+    chain = disk_chain(tmp_path, policy="write-through") if server is None else redis_chain(server.url)
+    store.attach(chain)
+    insert(store, "a", SEQ)
+    chain.flush_writes(5)
+    return chain, server
+
+
 def test_a_forged_block_is_refused_and_the_answer_recomputed(redis_server):
     model = build_tiny("llama-gqa")
     ids = prompt()
@@ -106,15 +118,7 @@ def test_a_forged_block_is_refused_and_the_answer_recomputed(redis_server):
 @pytest.mark.parametrize("tier", ["disk", "redis"])
 def test_a_block_sealed_under_another_secret_is_refused(tier, tmp_path, request, clock):
     """Another deployment's block, placed under this deployment's key name, is refused, deleted, counted."""
-    store = make_store(clock, blocks_budget=100)
-    if tier == "disk":
-        chain = disk_chain(tmp_path, policy="write-through")
-    else:
-        server = request.getfixturevalue("redis_server")
-        chain = redis_chain(server.url)
-    store.attach(chain)
-    insert(store, "a", SEQ)
-    chain.flush_writes(5)
+    chain, server = written(tier, tmp_path, request, clock)
     foreign = BlockCodec(keys(OTHER_SECRET), chain.codec.dtype, chain.codec.shape)  # only the secret differs
     forged = foreign.encode(first_meta(), torch.zeros(1, 2, 1, 4, 1))
     if tier == "disk":
@@ -149,12 +153,7 @@ def test_a_header_that_is_not_a_flat_json_object_is_corrupt(name):
 @pytest.mark.parametrize("name", ["list", "nested"])
 @pytest.mark.parametrize("tier", ["disk", "redis"])
 def test_a_malformed_header_in_a_tier_is_deleted_and_the_tier_starts(tier, name, tmp_path, request, clock):
-    store = make_store(clock, blocks_budget=100)
-    server = request.getfixturevalue("redis_server") if tier == "redis" else None
-    chain = disk_chain(tmp_path, policy="write-through") if server is None else redis_chain(server.url)
-    store.attach(chain)
-    insert(store, "a", SEQ)
-    chain.flush_writes(5)
+    chain, server = written(tier, tmp_path, request, clock)
     blob = sealed(chain.codec, first_meta().key, BAD_HEADERS[name])
     if server is None:
         chain.close()
@@ -170,12 +169,7 @@ def test_a_malformed_header_in_a_tier_is_deleted_and_the_tier_starts(tier, name,
 
 @pytest.mark.parametrize("tier", ["disk", "redis"])
 def test_an_oversized_value_is_refused_unread(tier, tmp_path, request, clock):
-    store = make_store(clock, blocks_budget=100)
-    server = request.getfixturevalue("redis_server") if tier == "redis" else None
-    chain = disk_chain(tmp_path, policy="write-through") if server is None else redis_chain(server.url)
-    store.attach(chain)
-    insert(store, "a", SEQ)
-    chain.flush_writes(5)
+    chain, server = written(tier, tmp_path, request, clock)
     huge = 64 << 20
     if server is None:
         os.truncate(prefix_files(tmp_path, NS["a"], SEQ)[0], huge)  # sparse: costs no disk
