@@ -234,7 +234,10 @@ class CascadeCache(Cache):
         self._plan: list | None = None  # per group: query rows, its runs' keys/values [L, H, n, D] (first attend)
 
     def plan(self, device: torch.device) -> None:
-        """Build what attention needs that does not depend on the layer (else done at the first layer)."""
+        """Build what attention needs that does not depend on the layer, once (the first layer does it, or
+        whoever needs it first)."""
+        if self._plan is not None:
+            return
         total = self.spans[-1][1] if self.spans else 0
         self._plan = [(member_rows(members, self.spans, total, device),
                        [(snap[:, 0, :, :used], snap[:, 1, :, :used]) for snap, used in segments])
@@ -243,8 +246,8 @@ class CascadeCache(Cache):
     def step_key(self) -> tuple | None:
         """What fixes every shape and address a forward over this cache reads, or None when it is not a
         step of pooled decodes only. Two caches with equal keys run the same kernels on the same tensors
-        (stored snapshots, pool slabs) and differ only in ``step_tensors()``'s first list: a step captured
-        over one replays for the other once those are copied over."""
+        (stored snapshots, pool slabs) and differ only in ``step_inputs()``: a step captured over one
+        replays for the other once those are copied over."""
         if self.own or not self.decoding:
             return None
         total = self.spans[-1][1]
@@ -258,15 +261,16 @@ class CascadeCache(Cache):
         decoding = tuple((d.template.keys.data_ptr(), tuple(d.shape), d.slots, d.rows, d.end) for d in self.decoding)
         return total, groups, decoding
 
-    def step_tensors(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(tensors whose values change from step to step under one ``step_key``: the pooled decodes'
-        masks and write targets; index tensors a captured step reads that equal keys make equal)."""
-        if self._plan is None:
-            raise RuntimeError("plan() the cache first")
-        changing = [t for d in self.decoding for t in (d.template.mask, d.targets)]
+    def step_inputs(self) -> list[torch.Tensor]:
+        """The tensors whose values change from step to step under one ``step_key``: the pooled decodes'
+        masks and write targets."""
+        return [t for d in self.decoding for t in (d.template.mask, d.targets)]
+
+    def step_constants(self, device: torch.device) -> list[torch.Tensor]:
+        """The index tensors a captured step reads that equal ``step_key``s make equal (planned if not yet)."""
+        self.plan(device)
         constant = [rows for rows, _ in self._plan if rows is not None]
-        constant += [t for d in self.decoding for t in (d.template.rows, d.template.slots) if t is not None]
-        return changing, constant
+        return constant + [t for d in self.decoding for t in (d.template.rows, d.template.slots) if t is not None]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         # key_states: [1, H, T, D] packed; each request's rows go to its private KV
@@ -281,8 +285,7 @@ class CascadeCache(Cache):
         # One call per stored run (a view, never a copy): copying a chain of runs into one key
         # set per layer per step costs more than the extra calls and merges. What does not
         # depend on the layer (query rows of each group, the runs' views) is planned once.
-        if self._plan is None:
-            self.plan(query.device)
+        self.plan(query.device)
         groups = [(rows, [(keys[layer], values[layer]) for keys, values in runs]) for rows, runs in self._plan]
         own = [(s, e, *row.private.view(layer, row.start + row.count)) for s, e, row in self.own]
         batches = [group.batch(layer) for group in self.decoding]

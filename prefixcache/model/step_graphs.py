@@ -68,9 +68,7 @@ class StepGraphs:
             return self._forward(ids, pos, cache, keep)
         captured = self._steps.get(key)
         if captured is not None:
-            cache.plan(ids.device)
-            changing, _ = cache.step_tensors()
-            for target, value in zip(captured.inputs, [ids, pos, keep, *changing], strict=True):
+            for target, value in zip(captured.inputs, [ids, pos, keep, *cache.step_inputs()], strict=True):
                 target.copy_(value)
             self._steps.move_to_end(key)
             self.replays += 1
@@ -86,8 +84,7 @@ class StepGraphs:
                       keep: torch.Tensor, logits: torch.Tensor) -> None:
         """Capture the step just run eagerly (its inputs as they are), replay it, and keep it if it gives
         the same logits. Writing the step's keys again is harmless: the same values at the same places."""
-        cache.plan(ids.device)
-        changing, constant = cache.step_tensors()
+        constant = cache.step_constants(ids.device)  # planned by the eager step already
         inputs = [ids.clone(), pos.clone(), keep.clone()]
         static_ids, static_pos, static_keep = inputs
 
@@ -105,7 +102,7 @@ class StepGraphs:
         if differs is not None:
             self._disable(f"a captured decode step replayed {differs}")
             return
-        self._steps[key] = _Captured(replay, [*inputs, *changing], constant)
+        self._steps[key] = _Captured(replay, [*inputs, *cache.step_inputs()], constant)
         self.captures += 1
         while len(self._steps) > self.limit:
             self._steps.popitem(last=False)

@@ -145,14 +145,12 @@ def test_the_key_is_what_fixes_a_step_s_shapes_and_addresses():
     for private in privates:
         private.load(torch.randn(2, 2, 2, 2, 8))
     first = _step(pool, privates, snap, 12)
-    first.plan(LAYOUT.device)
     for private in privates:
         private.length += 1  # the step's keys written: the next step of the same requests
     second = _step(pool, privates, snap, 12)
-    second.plan(LAYOUT.device)
     key = second.step_key()
     assert key is not None and first.step_key() == key
-    (mask1, targets1), (mask2, targets2) = first.step_tensors()[0], second.step_tensors()[0]
+    (mask1, targets1), (mask2, targets2) = first.step_inputs(), second.step_inputs()
     assert not torch.equal(mask1, mask2) and not torch.equal(targets1, targets2)  # what a replay refills
 
     assert _step(pool, privates, snap, 11).step_key() != first.step_key()  # fewer stored tokens read
