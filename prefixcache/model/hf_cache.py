@@ -434,7 +434,9 @@ def _machinery_error(layout: KVLayout, heads: int, scale: float) -> AttentionErr
     """Errors, against float64, of one float32 cascade layer on random data of the model's head
     shapes and device, through every path a step takes: a prefill chunk and decodes sharing a prefix,
     a decode that reads fewer tokens of it, one after tokens held from earlier steps, and a chunk after
-    held tokens on a prefix of its own (private writes, the pooled decode call, causal masks, merges)."""
+    held tokens on a prefix of its own (private writes, the pooled decode call, causal masks, merges);
+    then, as a step of its own, a prompt alone over its own keys (one call where the kernels have it).
+    The worse of the two steps, in float32 rounding units (NaN worst of all)."""
     hkv, dim, device = layout.num_kv_heads, layout.head_dim, layout.device
     gen = torch.Generator().manual_seed(0)
 
@@ -453,11 +455,10 @@ def _machinery_error(layout: KVLayout, heads: int, scale: float) -> AttentionErr
             private.load(rand(1, 2, hkv, held, dim))
         private.reserve(held + count)
         rows.append(CascadeRow(segments, private, held, count))
-    # The same, and a prompt alone over its own keys (a cold prompt's step, one call where the kernels have it).
+    alone = private_pool(one, 4).acquire(5)
+    alone.reserve(5)
     errors = []
-    for step_rows in (rows, [CascadeRow([], private_pool(one, 4).acquire(5), 0, 5)]):
-        for row in step_rows[-1:]:
-            row.private.reserve(row.start + row.count)
+    for step_rows in (rows, [CascadeRow([], alone, 0, 5)]):
         cache = _TracedCascadeCache(step_rows, 1)
         total = sum(row.count for row in step_rows)
         cache.update(rand(1, hkv, total, dim), rand(1, hkv, total, dim), 0)
