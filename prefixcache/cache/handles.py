@@ -64,6 +64,8 @@ class Lease:
     steps: list[Step]
     cached_tokens: int
     released: bool = False
+    #: ``KVStore.writes`` when the match was taken: while it is unchanged, a new match finds no more.
+    version: int = -1
 
 
 @dataclass(frozen=True, slots=True)

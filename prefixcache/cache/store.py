@@ -58,6 +58,9 @@ class KVStore:
         self._on_evict = on_evict
         self.lower: LowerTiers | None = None  # the tier chain (``attach``)
         self._lock = threading.RLock()
+        #: Calls that could lengthen a match (inserts, deadline extensions), counted under the lock:
+        #: a lease taken at the current count is still the longest match (``Lease.version``).
+        self.writes = 0
         self.bytes = 0
         self.tenant_bytes: Counter[str] = Counter()
         # Eviction and expiry candidates and per-tenant totals (evictions too), kept in step with every node change.
@@ -100,13 +103,13 @@ class KVStore:
             now = self._clock()
             root = self.trie.root(scope.namespace, scope.tenant, create=False)
             if root is None or limit <= 0:
-                return Lease(None, [], 0)
+                return Lease(None, [], 0, version=self.writes)
             steps = self.trie.match(root, tokens, limit, lambda n: _usable(n, now))
             root.refcount += 1
             for step in steps:
                 self._ref(step.node, +1)
             self._touch([s.node for s in steps], now, scope.ttl_seconds)
-            return Lease(root, steps, sum(s.used for s in steps))
+            return Lease(root, steps, sum(s.used for s in steps), version=self.writes)
 
     def peek(self, scope: Scope, tokens: Sequence[int], limit: int) -> int:
         """Tokens of ``tokens[:limit]`` a lookup in ``scope`` would match now; pins, touches and frees nothing."""
@@ -125,6 +128,7 @@ class KVStore:
         before its child.
         """
         with self._lock:
+            self.writes += 1
             now = self._clock()
             root = self.trie.root(scope.namespace, scope.tenant, create=False)
             if root is None or not tokens:
@@ -164,6 +168,7 @@ class KVStore:
         policy) or the whole pinned path are queued for them.
         """
         with self._lock:
+            self.writes += 1
             now = self._clock()
             tenant = scope.tenant
             root = self.trie.root(scope.namespace, tenant, create=True)

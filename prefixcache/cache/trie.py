@@ -136,8 +136,12 @@ class PrefixTrie:
             block = tuple(tokens[pos : pos + bs])
             child = None
             if len(block) == bs:
-                key = self.hasher.chain(node.key, block)
-                child = next((c for c in node.keyed(key) if c.tokens == block and usable(c)), None)
+                only = node.only
+                if only is not None:  # one child: its tokens decide (its key is chained from them), no hash
+                    child = only if only.tokens == block and usable(only) else None
+                else:
+                    key = self.hasher.chain(node.key, block)
+                    child = next((c for c in node.keyed(key) if c.tokens == block and usable(c)), None)
             if child is not None:
                 used = min(bs, limit - pos)
                 steps.append(Step(child, used))

@@ -261,7 +261,12 @@ class Scheduler:
         release_private(old, trim=old.pool is not self.pool)  # its own pool: freed now
 
     def _refresh_lease(self, req: Request) -> None:
-        """Re-match at admission: prefixes stored since ``submit`` (by finished or prefilled requests) count."""
+        """Re-match at admission: prefixes stored since ``submit`` (by finished or prefilled requests) count.
+
+        Skipped when nothing was stored since the lease was taken, or it already holds all it can."""
+        held = req.lease
+        if held is not None and (held.version == self.store.writes or held.cached_tokens >= len(req.prompt) - 1):
+            return
         lease = self.store.acquire(req.scope, req.prompt, len(req.prompt) - 1)
         if lease.cached_tokens > req.cached_len:
             self.store.release(req.lease)

@@ -20,7 +20,7 @@ class StoreMachine(RuleBasedStateMachine):
         super().__init__()
         self.clock = FakeClock()
         self.store = make_store(self.clock, blocks_budget=12, block_size=3, quota_blocks=7, pin_quota_blocks=2)
-        self.leases: list[tuple[list[int], object]] = []
+        self.leases: list[tuple[list[int], object, int]] = []  # tokens, lease, limit
         self.pins: list[tuple[str, list[int]]] = []
 
     @rule(tenant=TENANTS, tokens=SEQS, ttl=TTLS, pin=st.booleans(), privileged=st.booleans())
@@ -53,7 +53,7 @@ class StoreMachine(RuleBasedStateMachine):
             assert deadlines[id(step.node)] > self.clock.now, "an expired prefix was matched"
             assert not step.node.doomed, "a flushed prefix was matched"
         if hold:  # a concurrent reader keeps it while the rest goes on
-            self.leases.append((tokens, lease))
+            self.leases.append((tokens, lease, limit))
         else:
             self.store.release(lease)
 
@@ -61,7 +61,7 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(data=st.data(), then_insert=st.booleans())
     def finish_request(self, data, then_insert):
         """A request ends: normally (insert, then release) or by raising mid-decode (release only)."""
-        tokens, lease = self.leases.pop(data.draw(st.integers(0, len(self.leases) - 1)))
+        tokens, lease, _ = self.leases.pop(data.draw(st.integers(0, len(self.leases) - 1)))
         assert lease_values(lease) == [kv_value(tokens, i) for i in range(lease.cached_tokens)]
         if then_insert:
             tenant = next(t for t, ns in NS.items() if ns == lease.root.namespace) if lease.root else "a"
@@ -99,9 +99,13 @@ class StoreMachine(RuleBasedStateMachine):
         assert self.store.bytes <= self.store.config.max_bytes
         quota = self.store.config.tenant_quota_bytes
         assert all(b <= quota for b in self.store.tenant_bytes.values())
+        for tokens, lease, limit in self.leases:  # an unchanged write count: no longer match exists (admission skips it)
+            if lease.version == self.store.writes and lease.root is not None:
+                tenant = next(t for t, ns in NS.items() if ns == lease.root.namespace)
+                assert self.store.peek(scope(tenant), tokens, limit) <= lease.cached_tokens
 
     def teardown(self):
-        for _, lease in self.leases:
+        for _, lease, _ in self.leases:
             self.store.release(lease)
         self.store.flush()
         assert self.store.bytes == 0
