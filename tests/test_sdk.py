@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import threading
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,6 +15,7 @@ from prefixcache import (
     InvalidRequestError,
     PrefixCache,
 )
+from prefixcache.sdk import _list_ids
 from tests.conftest import untouched
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant. " + "Always answer briefly. " * 40}
@@ -81,6 +83,29 @@ def test_bad_options_raise(chat_llama, tokenizer, kwargs, new_cache):
     cache = new_cache(chat_llama, tokenizer, start_sweeper=False)
     with pytest.raises(InvalidRequestError):
         cache.complete("hello", **{"max_new_tokens": 2, **kwargs})
+
+
+@pytest.mark.parametrize("ids", [[5, 6, 7], [[5, 6, 7]], [[5, 6], [7, 8]], ((1, 2),), [True, 3],
+                                 [np.int64(4), 9], [[1, 2], [3]], [[2.0, 3.0]], [], [[]], [2 ** 70], [["a"]]])
+def test_list_input_ids_read_as_torch_reads_them(ids):
+    """Lists of ints take a faster path than ``torch.tensor``; every input reads the same, or fails cleanly."""
+    try:
+        expected = torch.tensor(ids, dtype=torch.long)
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        expected = None
+    if expected is None:
+        with pytest.raises((TypeError, ValueError, OverflowError)):
+            _list_ids(ids)
+    else:
+        got = _list_ids(ids)
+        assert got.dtype == torch.long and torch.equal(got, expected)
+
+
+def test_input_ids_out_of_range_or_not_ints_are_clear_errors(chat_llama, tokenizer, new_cache):
+    cache = new_cache(chat_llama, tokenizer, start_sweeper=False)
+    for bad in ([[2 ** 70]], [["a"]], [[1, 2], [3]], [[]]):
+        with pytest.raises(InvalidRequestError, match="input_ids|token ids"):
+            cache.generate(bad, max_new_tokens=1)
 
 
 WORDS = ("apple", "river", "stone", "cloud", "maple", "tiger", "lemon", "piano", "ocean", "candle")

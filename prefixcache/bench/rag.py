@@ -4,7 +4,8 @@ Documents are the language reference topics every Python ships (``pydoc_data.top
 a line to 300-1,000 tokens. A prompt is a shared system prompt, a user turn holding a few of
 them (each a marked part, drawn in varying order and combination) and a question about one.
 Two sets, from disjoint halves of the topics: the timed workload and a held-out fidelity set
-(nothing in the blending code was chosen on either).
+(nothing in the blending code was chosen on either; ``benchmarks/blend_variants.py`` compares
+ways of blending on a third set, the timed half's documents the timed workload leaves unused).
 
 - TTFT: each request served by plain ``generate()`` (no cache), by prefixcache with prefix
   reuse only (documents not marked) and by prefixcache blending the marked documents, one
@@ -38,7 +39,7 @@ from prefixcache.serving.blend import BlendRequest
 SYSTEM = ("You are a careful assistant for Python programmers. Answer the question using only the documents "
           "provided, in one or two sentences.")
 #: Recompute shares the fidelity table measures.
-SHARES = (0.0, 0.05, 0.15, 0.30, 1.0)
+SHARES = (0.0, 0.05, 0.15, 0.30, 0.50, 1.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +50,7 @@ class RagSpec:
     tokens: tuple[int, int] = (300, 700)  # document length range (tokens), within 300-1,000
     output_tokens: int = 8  # timed workload: tokens generated per request
     timed_shares: tuple[float, ...] = (0.15, 0.30)  # timed workload: one blended arm per share
-    fidelity_prompts: int = 8
+    fidelity_prompts: int = 16
     answer_tokens: int = 16  # fidelity: greedy answer length compared
     shares: tuple[float, ...] = SHARES
     seed: int = 0

@@ -558,14 +558,13 @@ class BlendCache(Cache):
 
     def attend(self, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor:
         """query: [1, Hq, T, D] → [1, T, Hq, D] over the buffer's keys up to each row's position."""
-        keys = self.buffer[layer, 0, :, : self.end]  # [H, end, D]
-        values = self.buffer[layer, 1, :, : self.end]
-        groups = query.shape[1] // keys.shape[0]
-        if groups > 1:
-            keys, values = keys.repeat_interleave(groups, 0), values.repeat_interleave(groups, 0)
-        out = torch.nn.functional.scaled_dot_product_attention(query[0], keys.to(query.dtype), values.to(query.dtype),
-                                                               attn_mask=self.visible, scale=scale)  # [Hq, T, D]
-        return out.transpose(0, 1).unsqueeze(0)
+        keys = self.buffer[None, layer, 0, :, : self.end].to(query.dtype)  # [1, H, end, D]
+        values = self.buffer[None, layer, 1, :, : self.end].to(query.dtype)
+        # Four dimensions and grouped heads as they are: torch's fused CPU kernel (three dimensions, or
+        # heads repeated, take its reference path, several times slower).
+        out = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=self.visible, scale=scale,
+                                                               enable_gqa=query.shape[1] != keys.shape[1])
+        return out.transpose(1, 2)  # [1, T, Hq, D]
 
 
 def blend_forward(model: torch.nn.Module, input_ids: torch.Tensor, cache: BlendCache) -> None:

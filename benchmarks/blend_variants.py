@@ -1,0 +1,177 @@
+"""Ways to choose what a blend recomputes, side by side on a development set (never the held-out one).
+
+Run: ``python -m benchmarks.blend_variants [--prompts 12] [--variants NAME ...]`` (embedded default model,
+float32; about 25 s per variant and 12 prompts on 2 cores). The prompts are built like the ``rag``
+workload's from the documents of its timed half that the timed workload does not use, so nothing here
+touches the held-out fidelity set. Per variant: greedy 16-token answers equal to the full prefill's, how
+many leading tokens agree on average, and the mean log-likelihood gap of the full prefill's answer.
+
+Variants (every one re-rotates each document's KV, computed alone, to its place first):
+
+- ``share=S`` / ``layer=L``: what ``Blender`` does, the share S of document tokens deviating most on layer L
+  (layers up to L are then a full prefill's for every token);
+- ``oracle``: the share deviating most summed over all layers, against a full prefill: the best any
+  per-token choice of that size can do (it needs the full prefill it saves, so it only bounds the others);
+- ``sink``: each document computed after a fixed head (the tokenizer's BOS, or the chat template's user
+  header) instead of nothing, so its first token is not the attention sink;
+- ``attention``: deviation weighted by the attention the question's last 48 tokens pay each token on layer L;
+- ``exact=K``: layers 0..K recomputed for every token, no token recomputed above.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from prefixcache.bench.rag import RagPrompt, RagSpec, _generate, _loglik, documents, prompts
+from prefixcache.config import CacheConfig
+from prefixcache.loading import load_default_model
+from prefixcache.model.blend import kv_deviation, recompute_count, rerotate
+from prefixcache.model.hf_cache import BlendCache, WorkingCache, blend_forward, compute_alone
+from prefixcache.sdk import PrefixCache
+
+QUESTION_ROWS = 48  # the ``attention`` variant's question rows
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    share: float = 0.15
+    layer: int = 1
+    score: str = "deviation"  # deviation | oracle | attention
+    head: str = ""  # "" | bos | user: what each document is computed after
+    exact: int | None = None  # layers 0..exact recomputed for every token (share unused)
+
+
+VARIANTS = {v.name: v for v in [
+    Variant("share 0%", share=0.0), Variant("share 15%"), Variant("share 30%", share=0.30),
+    Variant("share 50%", share=0.50), Variant("layer 3", layer=3), Variant("layer 6", layer=6),
+    Variant("oracle 15%", score="oracle"), Variant("oracle 30%", share=0.30, score="oracle"),
+    Variant("sink bos", head="bos"), Variant("sink user header", head="user"),
+    Variant("attention", score="attention"), Variant("exact 0-14", exact=14), Variant("exact 0-21", exact=21),
+]}
+
+
+class Lab:
+    def __init__(self, cache: PrefixCache, tokenizer):
+        self.cache, self.model = cache, cache.model
+        self.blender = cache.serial.blender
+        if self.blender.prepare() is not None:
+            raise SystemExit(f"the model cannot blend: {self.blender.unsupported_reason}")
+        self.layout = self.blender.layout
+        self.heads = {"": [], "bos": [tokenizer.bos_token_id],
+                      "user": tokenizer("<|im_start|>user\n", add_special_tokens=False)["input_ids"]}
+        self._alone: dict[tuple, torch.Tensor] = {}
+
+    def document(self, tokens: list[int], head: str) -> tuple[torch.Tensor, int]:
+        """A document's KV computed after ``head`` (not included) and where its first token sat."""
+        before = self.heads[head]
+        key = (tuple(tokens), head)
+        if key not in self._alone:
+            self._alone[key] = compute_alone(self.model, self.layout, before + tokens).slice(len(before),
+                                                                                             len(before) + len(tokens))
+        return self._alone[key], len(before)
+
+    def build(self, p: RagPrompt, v: Variant) -> torch.Tensor:
+        ids, end, layout = p.ids, len(p.ids) - 1, self.layout
+        first = p.chunks[0][0]
+        buf = torch.empty((layout.num_layers, 2, layout.num_kv_heads, end, layout.head_dim), dtype=layout.dtype)
+        buf[:, :, :, :first] = compute_alone(self.model, layout, ids[:first]).slice(0, first)
+        reused = torch.zeros(end, dtype=torch.bool)
+        for s, e in p.chunks:
+            kv, at = self.document(ids[s:e], v.head)
+            rerotate(kv, s - at, self.blender.shift, out=buf[:, :, :, s:e])
+            reused[s:e] = True
+        rows = torch.arange(first, end)
+        positions = torch.nonzero(reused).flatten()
+        k = 0 if v.exact is not None else recompute_count(int(positions.numel()), v.share)
+        chosen = positions[:0]
+        if v.exact is not None or 0 < k < positions.numel():
+            top = layout.num_layers - 1  # a small model has fewer layers than a variant names
+            watch = min(v.layer, top - 1) if v.score == "attention" else None  # the attention is read below the stop
+            stop = watch + 1 if watch is not None else min(v.exact if v.exact is not None else v.layer, top)
+            score = self._score(buf, ids, rows, v, stop, end, watch)
+            if k:
+                order = torch.sort(score[reused[first:end]], descending=True, stable=True).indices[:k]
+                chosen = positions[order]
+        elif k:
+            chosen = positions
+        compute = ~reused
+        compute[:first] = False
+        compute[chosen] = True
+        todo = torch.nonzero(compute).flatten()
+        blend_forward(self.model, torch.tensor([ids[i] for i in todo.tolist()]), BlendCache(buf, todo))
+        return buf
+
+    def _score(self, buf, ids, rows, v: Variant, stop: int, end: int, watch: int | None) -> torch.Tensor:
+        """Per token after the system prompt: what the variant ranks by. Leaves layers 0..stop a full prefill's."""
+        if v.score == "oracle":
+            full = compute_alone(self.model, self.layout, ids[:end]).slice(0, end)[:, :, :, rows]
+            return (full - buf[:, :, :, rows]).square().sum(dim=(0, 1, 2, 4))
+        seen: dict[str, torch.Tensor] = {}
+
+        class Recording(BlendCache):
+            def attend(self, layer, query, scale):
+                if layer == watch:
+                    q = query[0, :, -QUESTION_ROWS:]
+                    keys = self.buffer[layer, 0, :, : self.end].repeat_interleave(query.shape[1] // self.buffer.shape[2], 0)
+                    logits = (q @ keys.transpose(1, 2)) * scale
+                    logits = logits.masked_fill(~self.visible[-QUESTION_ROWS:], float("-inf"))
+                    seen["attention"] = torch.softmax(logits, -1).mean(dim=(0, 1))
+                return super().attend(layer, query, scale)
+
+        cache = Recording(buf, rows, stop_layer=stop)
+        blend_forward(self.model, torch.tensor(ids[int(rows[0]) : end]), cache)
+        deviation = kv_deviation(cache.previous, buf[stop, :, :, rows])
+        return deviation * seen["attention"][rows] if v.score == "attention" else deviation
+
+    def answer(self, buf: torch.Tensor, p: RagPrompt, tokens: int) -> list[int]:
+        kv = WorkingCache(self.layout, [(buf, len(p.ids) - 1)], len(p.ids) + tokens)
+        out = [p.ids[-1]]
+        for _ in range(tokens):
+            out.append(int(self.model(input_ids=torch.tensor([out[-1:]]), past_key_values=kv).logits[0, -1].argmax()))
+        return out[1:]
+
+    def loglik(self, buf: torch.Tensor, p: RagPrompt, answer: list[int]) -> float:
+        kv = WorkingCache(self.layout, [(buf, len(p.ids) - 1)], len(p.ids) + len(answer))
+        return _loglik(self.model(input_ids=torch.tensor([[p.ids[-1], *answer[:-1]]]), past_key_values=kv).logits[0],
+                       answer)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--prompts", type=int, default=12)
+    parser.add_argument("--answer-tokens", type=int, default=16)
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    args = parser.parse_args()
+    model, tokenizer = load_default_model(dtype=torch.float32)
+    spec = RagSpec()
+    with PrefixCache(model, tokenizer, CacheConfig(ttl_seconds=None), batching=False, start_sweeper=False) as cache, \
+            torch.no_grad():
+        dev = prompts(cache, documents(tokenizer, spec, 0)[spec.documents :], args.prompts, spec, "dev")
+        lab = Lab(cache, tokenizer)
+        references = []
+        for p in dev:
+            answer, _, logits = _generate(model, p.ids, args.answer_tokens, time.perf_counter)
+            references.append((answer, _loglik(logits, answer)))
+        print(f"{len(dev)} development prompts of {min(len(p.ids) for p in dev)}-{max(len(p.ids) for p in dev)} "
+              f"tokens, {args.answer_tokens}-token greedy answers\n")
+        print("| variant | answers = full prefill | leading tokens equal (mean) | log-likelihood gap per token |")
+        print("|---|---|---|---|")
+        for name in args.variants:
+            equal, lead, gaps = 0, [], []
+            for p, (answer, full) in zip(dev, references):
+                buf = lab.build(p, VARIANTS[name])
+                got = lab.answer(buf, p, len(answer))
+                equal += got == answer
+                lead.append(next((i for i, (a, b) in enumerate(zip(got, answer)) if a != b), len(answer)))
+                gaps.append((full - lab.loglik(buf, p, answer)) / len(answer))
+            print(f"| {name} | {equal}/{len(dev)} | {statistics.fmean(lead):.1f} | {statistics.fmean(gaps):.4f} |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
