@@ -191,7 +191,7 @@ def _fidelity(result: RagResult, model, cache: PrefixCache, held_out: list[RagPr
     """Per prompt and share: the blended KV built once (the documents stored beforehand, untimed; no prompt
     prefix stored, so every share starts alike), then the greedy answer and the log-likelihood of the
     full prefill's answer after it."""
-    rows = {share: {"agree": 0, "first": 0, "gap": [], "ttft": []} for share in spec.shares}
+    rows = {share: {"agree": 0, "first": 0, "lead": [], "gap": [], "ttft": []} for share in spec.shares}
     if cache.serial.blender.prepare() is not None:
         raise RuntimeError(f"the model cannot blend: {cache.serial.blender.unsupported_reason}")
     for i, p in enumerate(held_out):
@@ -204,11 +204,13 @@ def _fidelity(result: RagResult, model, cache: PrefixCache, held_out: list[RagPr
             row = rows[share]
             row["agree"] += got == answer
             row["first"] += got[:1] == answer[:1]
+            row["lead"].append(next((j for j, (a, b) in enumerate(zip(got, answer)) if a != b), len(answer)))
             row["ttft"].append(ttft)
             row["gap"].append((full - loglik) / len(answer))
         progress(f"rag fidelity {i + 1}/{len(held_out)}")
     n = len(held_out)
     result.fidelity = [{"share": share, "agree": r["agree"] / n, "first_token": r["first"] / n,
+                        "leading_equal": statistics.fmean(r["lead"]),
                         "loglik_gap_per_token": statistics.fmean(r["gap"]),
                         "loglik_gap_max": max(r["gap"]), "ttft_p50": statistics.median(r["ttft"])}
                        for share, r in rows.items()]
@@ -276,11 +278,12 @@ def markdown(result: RagResult) -> str:
         lines.append(f"| {arm} | {p50[arm]:.3f} | {statistics.fmean(values):.3f} | {p50[arm] / prefix:.2f}x |")
     lines += ["", f"Fidelity: {len(result.full_ttft)} held-out prompts, greedy answers of {spec.answer_tokens} "
               f"tokens; full prefill TTFT p50 {statistics.median(result.full_ttft):.3f} s.", "",
-              "| recompute share | answers = full prefill | first token = | log-likelihood gap per token (mean) "
-              "| gap (worst prompt) | TTFT p50 s |", "|---|---|---|---|---|---|"]
+              "| recompute share | answers = full prefill | first token = | leading tokens equal (mean) "
+              "| log-likelihood gap per token (mean) | gap (worst prompt) | TTFT p50 s |", "|---|---|---|---|---|---|---|"]
     for row in result.fidelity:
         lines.append(f"| {row['share']:.0%} | {row['agree']:.0%} | {row['first_token']:.0%} | "
-                     f"{row['loglik_gap_per_token']:.4f} | {row['loglik_gap_max']:.4f} | {row['ttft_p50']:.3f} |")
+                     f"{row['leading_equal']:.1f} | {row['loglik_gap_per_token']:.4f} | {row['loglik_gap_max']:.4f} | "
+                     f"{row['ttft_p50']:.3f} |")
     lines += ["", "Log-likelihood gap: (log p of the full prefill's greedy answer after a full prefill − the same "
               "after the blended KV) / answer tokens, in nats; 0 = the blended KV predicts the answer as well."]
     return "\n".join(lines) + "\n"

@@ -43,4 +43,5 @@ def test_fidelity_rows_on_a_tiny_model(chat_llama, tokenizer, new_cache):
     rag._fidelity(result, chat_llama, cache, held_out, spec, lambda line: None, time.perf_counter)
     zero, full = result.fidelity
     assert full["agree"] == 1.0 and abs(full["loglik_gap_per_token"]) < 1e-4
+    assert full["leading_equal"] == spec.answer_tokens and 0 <= zero["leading_equal"] <= spec.answer_tokens
     assert zero["loglik_gap_per_token"] != 0.0
