@@ -14,7 +14,9 @@ Building a prompt's KV (``Blender.build``), after prefix reuse matched its first
 3. the ``share`` of reused tokens that deviate most, and every token outside a chunk, run
    through the whole model in context, attending to the reused KV of the rest.
 
-With share 1 every token is recomputed: a full prefill. The prompt's last token is left to
+A prompt none of whose chunks after ``c`` is stored yet is not blended: the serial engine
+prefills it exactly and then stores its chunks computed alone (``store_alone``), since a
+blend would compute them all alone first. With share 1 every token is recomputed: a full prefill. The prompt's last token is left to
 ``generate()``, so its logits come from the blended KV. Only the KV before the first token
 still holding reused KV equals a full prefill's; only that part is stored as a prefix. The
 blended prompt's KV is kept under ``blended_scope`` (never read as exact KV): a later
@@ -23,7 +25,7 @@ blending call at the same share that starts the same way reuses it as its prefix
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +55,8 @@ CHUNK_PART = "\x00chunk"
 BLENDED_PART = "\x00blended"
 #: Layer whose KV deviation chooses the tokens to recompute (layer 0's KV has no context to deviate by).
 SELECT_LAYER = 1
+#: ``CallStats.blend_reason`` of a prompt none of whose marked chunks was stored yet (see ``SerialEngine._blend``).
+FIRST_SIGHT = "no marked part of the prompt stored yet: prefilled exactly, the parts stored for later prompts"
 
 
 def blended_scope(scope: Scope, share: float) -> Scope:
@@ -138,10 +142,24 @@ class Blender:
         reused = int(reused_mask.sum())
         return BlendOutcome(buffer, reused - int(selected.numel()), int(selected.numel()), stored, exact)
 
-    def _place(self, buffer: torch.Tensor, tokens: list[int], start: int, lo: int, hi: int, scope: Scope) -> int:
-        """Write the chunk ``tokens`` (at ``start`` in the prompt) into ``buffer[..., lo:hi]``, re-rotated; returns
-        how many of its tokens were computed alone and stored now."""
+    def stored(self, prompt: Sequence[int], request: BlendRequest, cached: int, scope: Scope) -> int:
+        """Tokens of the chunks ending after ``cached`` already stored under ``scope`` (a look: nothing pinned)."""
         chunks = scope.within(CHUNK_PART)
+        return sum(self.store.peek(chunks, prompt[s:e], e - s) for s, e in request.chunks if e > cached)
+
+    def store_alone(self, prompt: Sequence[int], request: BlendRequest, cached: int, scope: Scope) -> int:
+        """Compute alone and store the chunks ending after ``cached`` that are not stored yet, for later prompts
+        (after a prompt was prefilled instead of blended); returns the tokens stored. Holds the model."""
+        assert self.layout is not None
+        stored = 0
+        for s, e in request.chunks:
+            if e > cached:
+                stored += self._alone(list(prompt[s:e]), scope.within(CHUNK_PART), lambda segments: None)
+        return stored
+
+    def _alone(self, tokens: list[int], chunks: Scope, use: Callable[[list[tuple[torch.Tensor, int]]], None]) -> int:
+        """Hand ``use`` the KV of the chunk ``tokens`` computed alone (snapshots, tokens used), computing and storing
+        what is not stored yet; returns how many of its tokens were computed now."""
         lease = self.store.acquire(chunks, tokens, len(tokens), restore=True)
         try:
             segments = [(step.node.kv, step.used) for step in lease.steps]
@@ -151,6 +169,16 @@ class Blender:
                 stored = len(tokens) - lease.cached_tokens
                 self.store.insert(chunks, tokens, cache.slice)
                 segments = [(cache.view(0, len(tokens)), len(tokens))]
+            use(segments)
+            return stored
+        finally:
+            self.store.release(lease)
+
+    def _place(self, buffer: torch.Tensor, tokens: list[int], start: int, lo: int, hi: int, scope: Scope) -> int:
+        """Write the chunk ``tokens`` (at ``start`` in the prompt) into ``buffer[..., lo:hi]``, re-rotated; returns
+        how many of its tokens were computed alone and stored now."""
+
+        def place(segments: list[tuple[torch.Tensor, int]]) -> None:
             offset = 0  # the segment's first token, in the chunk
             for snap, used in segments:
                 a, b = max(offset, lo - start), min(offset + used, hi - start)
@@ -158,9 +186,8 @@ class Blender:
                     rerotate(snap[:, :, :, a - offset : b - offset], start, self.shift,
                              out=buffer[:, :, :, start + a : start + b])
                 offset += used
-            return stored
-        finally:
-            self.store.release(lease)
+
+        return self._alone(tokens, scope.within(CHUNK_PART), place)
 
     def _select(self, buffer: torch.Tensor, prompt: Sequence[int], cached: int, end: int, reused: torch.Tensor,
                 share: float) -> torch.Tensor:

@@ -23,7 +23,7 @@ from prefixcache.cache.scope import Scope
 from prefixcache.cache.store import KVStore
 from prefixcache.errors import GenerationTimeoutError, RequestCancelledError, UnsupportedModelError
 from prefixcache.model.hf_cache import Probe, WorkingCache, probe
-from prefixcache.serving.blend import Blender, BlendRequest, blended_scope
+from prefixcache.serving.blend import FIRST_SIGHT, Blender, BlendRequest, blended_scope
 from prefixcache.serving.options import bypass_reason
 from prefixcache.serving.request import CallStats
 from prefixcache.serving.sampling import fresh_seed
@@ -175,10 +175,11 @@ class SerialEngine:
             unable = None if blend is None else self.blender.prepare()
             if unable is not None:
                 stats.blend_reason = f"model not supported: {unable}"
+            first_sight = False
             if blend is None or unable:
                 cache, exact = WorkingCache(self.layout, [(s.node.kv, s.used) for s in lease.steps], n + max_new), n
             else:
-                cache, exact = self._blend(prompt, blend, leases, scope, n + max_new, stats)
+                cache, exact, first_sight = self._blend(prompt, blend, leases, scope, n + max_new, stats)
             mask = torch.ones_like(input_ids)
             out = self.model.generate(input_ids, attention_mask=mask, past_key_values=cache,
                                       generation_config=generation_config, **kwargs)
@@ -190,29 +191,43 @@ class SerialEngine:
                 stats.stored_tokens = self.store.insert(scope, tokens, cache.slice).stored_tokens
             if exact < n - 1:  # the blended prompt, for blending calls of the same share only
                 self.store.insert(blended_scope(scope, blend.share), prompt[: n - 1], cache.slice)
+            if first_sight:  # after the answer: the prompt's documents, computed alone, for later prompts to blend
+                try:
+                    stats.chunk_stored_tokens = self.blender.store_alone(prompt, blend, lease.cached_tokens, scope)
+                except Exception as exc:  # noqa: BLE001 - for later calls only: this answer stands
+                    log.warning("could not store a prompt's documents for blending: %s", exc)
             return out
         finally:
             for held in leases:
                 self.store.release(held)
 
     def _blend(self, prompt: list[int], blend: BlendRequest, leases: list[Lease], scope: Scope, capacity: int,
-               stats: CallStats) -> tuple[WorkingCache, int]:
-        """A blending call's working cache and how many leading tokens of it are exact. Its prefix is the longer of
-        the exact match (``leases[0]``) and the prompt blended before at the same share (a lease added to
-        ``leases``); the chunks after it are placed and blended (``Blender.build``)."""
+               stats: CallStats) -> tuple[WorkingCache, int, bool]:
+        """A blending call's working cache, how many leading tokens of it are exact, and whether it is a first
+        sight (prefilled: the caller stores its documents afterwards). Its prefix is the longer of the exact
+        match (``leases[0]``) and the prompt blended before at the same share (a lease added to ``leases``);
+        the chunks after it are placed and blended (``Blender.build``).
+
+        When none of the chunks after the exact match is stored, the prompt is prefilled exactly instead:
+        a blend would first compute every one of them alone, as many tokens as the prefill itself, and
+        then recompute a share; the answer then is a full prefill's, and its first token comes sooner."""
         exact_lease, n = leases[0], len(prompt)
         earlier = self.store.acquire(blended_scope(scope, blend.share), prompt, n - 1)
         leases.append(earlier)
         prefix = earlier if earlier.cached_tokens > exact_lease.cached_tokens else exact_lease
+        if prefix is exact_lease and self.blender.stored(prompt, blend, exact_lease.cached_tokens, scope) == 0 and any(
+                e > exact_lease.cached_tokens for _, e in blend.chunks):
+            stats.blend_reason = FIRST_SIGHT
+            return WorkingCache(self.layout, [(s.node.kv, s.used) for s in exact_lease.steps], capacity), n, True
         built = self.blender.build(prompt, blend, prefix, scope)
         reused_prefix = prefix.cached_tokens - exact_lease.cached_tokens if prefix is earlier else 0
         stats.chunk_reused_tokens = reused_prefix + (0 if built is None else built.reused)
         if built is None:
             exact = exact_lease.cached_tokens if prefix is earlier else n
-            return WorkingCache(self.layout, [(s.node.kv, s.used) for s in prefix.steps], capacity), exact
+            return WorkingCache(self.layout, [(s.node.kv, s.used) for s in prefix.steps], capacity), exact, False
         stats.chunk_recomputed_tokens, stats.chunk_stored_tokens = built.recomputed, built.stored
         exact = exact_lease.cached_tokens if prefix is earlier else built.exact
-        return WorkingCache(self.layout, [(built.buffer, n - 1)], capacity), exact
+        return WorkingCache(self.layout, [(built.buffer, n - 1)], capacity), exact, False
 
     def effective_config(self, generation_config: GenerationConfig | None, kwargs: dict[str, Any]) -> GenerationConfig:
         """What ``generate()`` will use: the model's default (or the caller's) config updated by ``kwargs``."""
