@@ -183,3 +183,15 @@ def test_exception_mid_generation_releases_pins(llama, new_cache):
         cache.generate(prompt, max_new_tokens=4, do_sample=False, logits_processor=[explode])
     assert all(n.refcount == 0 for n in cache.store.trie.iter_nodes())
     cache.check_integrity()
+
+
+def test_a_call_never_changes_the_models_generation_config(llama, new_cache, monkeypatch):
+    """The effective config of a call is a copy: its options (top-level and list-valued) stay its own."""
+    config = llama.generation_config
+    monkeypatch.setattr(config, "eos_token_id", [7, 8])  # the fixture's model is shared: restored after
+    before = config.to_dict()
+    cache = new_cache(llama, None, CacheConfig(block_size=8), start_sweeper=False)
+    effective = cache.serial.effective_config(None, {"max_new_tokens": 3, "eos_token_id": [9], "temperature": 0.5})
+    assert (effective.max_new_tokens, effective.eos_token_id, effective.temperature) == (3, [9], 0.5)
+    cache.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=2, do_sample=False, eos_token_id=[3, 4])
+    assert config.to_dict() == before and config.eos_token_id == [7, 8]
