@@ -634,7 +634,8 @@ def _list_ids(value: Any) -> torch.Tensor:
             if rows is None:
                 return torch.frombuffer(array("q", value), dtype=torch.long)
             if all(isinstance(r, (list, tuple)) and len(r) == len(rows[0]) for r in rows) and rows[0]:
-                return torch.frombuffer(array("q", [t for r in rows for t in r]), dtype=torch.long).view(len(rows), -1)
+                flat = rows[0] if len(rows) == 1 else [t for r in rows for t in r]
+                return torch.frombuffer(array("q", flat), dtype=torch.long).view(len(rows), -1)
         except TypeError:
             pass  # not integers (floats, strings, tensors): torch decides, as before
     return torch.tensor(value, dtype=torch.long)

@@ -23,17 +23,19 @@ def coalesce(segments: Sequence[tuple[torch.Tensor, int]]) -> list[tuple[torch.T
 
     The result reads the same tokens in the same order with fewer, longer views (no copy).
     """
-    out: list[tuple[torch.Tensor, int]] = []
+    groups: list[list[Any]] = []  # [first snapshot, tokens used, more than one joined]
+    key = stride = end = None  # where the last group's run goes on, while its last segment is used whole
     for snap, used in segments:
-        if out:
-            prev, prev_used = out[-1]
-            if prev_used == prev.shape[3] and follows(prev, snap):
-                merged = prev.as_strided((*prev.shape[:3], prev_used + used, prev.shape[4]), prev.stride(),
-                                         prev.storage_offset())
-                out[-1] = (merged, prev_used + used)
-                continue
-        out.append((snap, used))
-    return out
+        if end is not None and snap.storage_offset() == end and snap.stride() == stride and storage_key(snap) == key:
+            groups[-1][1] += used
+            groups[-1][2] = True
+        else:
+            groups.append([snap, used, False])
+            key, stride = storage_key(snap), snap.stride()
+        end = snap.storage_offset() + snap.shape[3] * snap.stride(3) if used == snap.shape[3] else None
+    # One view per joined run, made once (a chain of 128 blocks used to cost 127 intermediate views).
+    return [(first.as_strided((*first.shape[:3], used, first.shape[4]), first.stride(), first.storage_offset())
+             if joined else first, used) for first, used, joined in groups]
 
 
 def follows(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.cache.store_helpers import BYTES_PER_TOKEN, insert, kv_value, lease_values, lookup, make_store, scope
 
@@ -294,3 +296,33 @@ def test_offload_hook_gets_a_snapshot_of_its_own_size(clock):
     insert(store, "a", seq(2, B))
     assert len(seen) == 1 and seen[0].kv.untyped_storage().nbytes() == BLOCK
     store.check_integrity()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 4), st.booleans()), min_size=1, max_size=12))
+def test_coalesce_reads_the_same_tokens_with_one_view_per_adjacent_run(pieces):
+    """Segments: views of three runs, taken in order within a run unless ``jump``, some used in part."""
+    import torch
+
+    from prefixcache.cache.runs import coalesce
+
+    runs = [torch.arange(r * 1000, r * 1000 + 2 * 3 * 64 * 2, dtype=torch.float32).view(1, 2, 3, 64, 2)
+            for r in range(3)]
+    at, segments = [0, 0, 0], []
+    for run, size, jump in pieces:
+        at[run] += 2 if jump else 0
+        if at[run] + size > 64:
+            continue
+        used = size - 1 if size > 1 and jump else size
+        segments.append((runs[run][:, :, :, at[run] : at[run] + size], used))
+        at[run] += size
+    if not segments:
+        return
+    merged = coalesce(segments)
+    flat = [kv[:, :, :, :used] for kv, used in segments]
+    assert torch.equal(torch.cat([kv[:, :, :, :used] for kv, used in merged], dim=3), torch.cat(flat, dim=3))
+    # Adjacent whole segments of one run join; anything else starts a new view.
+    joins = sum(1 for (a, ua), (b, _) in zip(segments, segments[1:]) if ua == a.shape[3] and
+                a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and
+                b.storage_offset() == a.storage_offset() + a.shape[3] * a.stride(3))
+    assert len(merged) == len(segments) - joins
