@@ -406,8 +406,11 @@ class PrefixCache:
                 f"prompt ({len(prompt)} tokens) + max_tokens ({options.max_new_tokens}) exceeds the model's "
                 f"context of {self.max_context} tokens", param="messages")
         stream = TextStream(self.tokenizer, options.on_text, options.stop)
-        params, _ = (None, None) if plan is not None else self.dispatcher.route_answer(len(prompt), options)
-        if params is not None:
+        params, _ = self.dispatcher.route_answer(len(prompt), options)
+        if params is not None and plan is not None:
+            new, stats, reason = self.dispatcher.answer_blended(prompt, plan, params, scope, stream, options.cancel,
+                                                                options.timeout_seconds)
+        elif params is not None:
             new, stats, reason = self.dispatcher.answer_batched(prompt, params, scope, stream, options.cancel,
                                                                 options.timeout_seconds)
         else:

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from prefixcache import CacheConfig, InvalidRequestError
 from prefixcache.serving.blend import FIRST_SIGHT
+from tests.conftest import untouched
 
 SYSTEM = {"role": "system", "content": "Answer from the documents."}
 DOCS = ["The heron stands in the shallow water of the river at dawn, waiting. " * 4,
@@ -44,6 +46,34 @@ def test_full_recompute_answers_as_a_full_prefill(cache):
     assert list(got.token_ids) == list(want.token_ids)
     assert got.stats.chunk_reused_tokens == 0 and got.stats.chunk_recomputed_tokens > 0
     assert want.stats.chunk_reused_tokens == want.stats.chunk_recomputed_tokens == 0
+
+
+def test_blended_calls_on_the_batching_engine_answer_as_on_the_serial_one(chat_llama, tokenizer, new_cache):
+    """The batching engine answers a blending call from the KV the serial engine blends: the same tokens and
+    counts as the serial engine's own blended call; the exact namespace still holds exact KV only."""
+    batched = new_cache(chat_llama, tokenizer, CacheConfig(block_size=16), start_sweeper=False)
+    serial = new_cache(chat_llama, tokenizer, CacheConfig(block_size=16), start_sweeper=False, batching=False)
+    assert batched.batcher is not None
+    calls = [DOCS[:2], [DOCS[2], DOCS[0]], [DOCS[2], DOCS[0]], [DOCS[1], DOCS[2]]]  # first sight, blend, repeat, blend
+    for documents in calls:
+        got, want = (c.chat([SYSTEM, QUESTION], documents=documents, max_new_tokens=8, ignore_eos=True)
+                     for c in (batched, serial))
+        assert got.stats.executor == "batched" and want.stats.executor == "serial"
+        assert list(got.token_ids) == list(want.token_ids)
+        for field in ("cached_tokens", "chunk_reused_tokens", "chunk_recomputed_tokens", "chunk_stored_tokens",
+                      "blend_reason"):
+            assert getattr(got.stats, field) == getattr(want.stats, field), field
+        assert got.stats.ttft_seconds >= got.stats.lookup_seconds > 0
+    assert batched.stats()["blended"] == 3 and batched.stats()["chunk_reused_tokens"] > 0
+    # Prefilled without blending, from the exact namespace only: a full prefill's answer.
+    parts = [{"type": "text", "text": d, "prefixcache_chunk": True} for d in (DOCS[2], DOCS[0])]
+    messages = [SYSTEM, {"role": "user", "content": [*parts, {"type": "text", "text": QUESTION["content"]}]}]
+    ids = batched.canonicalizer.encode_chat(messages).token_ids
+    plain = batched.chat(messages, blend=False, max_new_tokens=8, ignore_eos=True)
+    reference = untouched(chat_llama).generate(torch.tensor([list(ids)]), max_new_tokens=8, min_new_tokens=8,
+                                               do_sample=False)
+    assert list(plain.token_ids) == reference[0, len(ids):].tolist()
+    assert plain.stats.cached_tokens < len(ids) - 1  # the blended prompt was not read as exact KV
 
 
 def test_marked_parts_and_anthropic_text_blocks_are_chunks(cache, tokenizer):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import random
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -53,6 +54,9 @@ class RagSpec:
     fidelity_prompts: int = 16
     answer_tokens: int = 16  # fidelity: greedy answer length compared
     shares: tuple[float, ...] = SHARES
+    clients: int = 8  # concurrent blending clients (serial engine against the batching engine)
+    client_tokens: int = 32  # tokens each of them generates
+    client_rounds: int = 2  # rounds of each engine, alternating
     seed: int = 0
 
 
@@ -80,6 +84,7 @@ class RagResult:
     prefix_answers_equal: int = 0  # prefix-only answers equal to generate()'s
     fidelity: list[dict[str, float]] = field(default_factory=list)  # one row per share
     full_ttft: list[float] = field(default_factory=list)  # fidelity prompts, full prefill
+    concurrent: list[dict[str, object]] = field(default_factory=list)  # one row per round and engine
     elapsed: float = 0.0
 
 
@@ -138,6 +143,7 @@ def run_rag(spec: RagSpec, out: Path, progress: Callable[[str], None] = print,
         _warm_up(model)
         _timed(result, model, caches, timed, spec, progress, clock)
         _fidelity(result, model, canon, held_out, spec, progress, clock)
+        _concurrent(result, model, tokenizer, timed, spec, progress, clock)
     finally:
         for cache in caches.values():
             cache.close()
@@ -216,6 +222,45 @@ def _fidelity(result: RagResult, model, cache: PrefixCache, held_out: list[RagPr
                        for share, r in rows.items()]
 
 
+def _concurrent(result: RagResult, model, tokenizer, timed: list[RagPrompt], spec: RagSpec, progress,
+                clock) -> None:
+    """``spec.clients`` threads each blending one of the timed prompts at the default share at once, served by
+    the serial engine or by the batching engine (rounds alternating, a fresh cache each with the documents
+    stored first): wall time, tokens/s, first-token p50, and whether both engines gave the same answers."""
+    chosen = timed[: spec.clients]
+    first: list[list[int]] | None = None  # the first round's answers (the serial engine's)
+    for round_ in range(spec.client_rounds):
+        for batching in (False, True):
+            with PrefixCache(model, tokenizer, CacheConfig(ttl_seconds=None), batching=batching,
+                             start_sweeper=False) as cache:
+                for p in chosen:  # untimed: every document stored, no prompt
+                    _store_chunks(cache, p)
+                out: list = [None] * len(chosen)
+
+                def call(i: int, cache: PrefixCache = cache, out: list = out) -> None:
+                    out[i] = cache.answer(chosen[i].ids, chunks=chosen[i].chunks, max_new_tokens=spec.client_tokens,
+                                          ignore_eos=True)
+
+                threads = [threading.Thread(target=call, args=(i,)) for i in range(len(chosen))]
+                t0 = clock()
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                wall = clock() - t0
+            if any(o is None for o in out):
+                raise RuntimeError("a concurrent blending call failed")
+            tokens = [list(o.token_ids) for o in out]
+            first = tokens if first is None else first
+            result.concurrent.append({
+                "engine": "batching" if batching else "serial", "round": round_ + 1, "wall": wall,
+                "tokens_per_s": sum(map(len, tokens)) / wall,
+                "ttft_p50": statistics.median(o.stats.ttft_seconds for o in out),
+                "executors": sorted({o.stats.executor for o in out}),
+                "blended": sum(1 for o in out if o.stats.chunk_reused_tokens), "same_answers": tokens == first})
+            progress(f"rag concurrent round {round_ + 1} {'batching' if batching else 'serial'}: {wall:.2f} s")
+
+
 def _loglik(logits: torch.Tensor, answer: list[int]) -> float:
     """Sum of log p(answer token) under ``logits`` ``[len(answer), V]``."""
     logp = torch.log_softmax(logits.float(), dim=-1)
@@ -224,6 +269,8 @@ def _loglik(logits: torch.Tensor, answer: list[int]) -> float:
 
 def _store_chunks(cache: PrefixCache, p: RagPrompt) -> None:
     """Compute and store the prompt's documents not stored yet (a build that recomputes nothing)."""
+    if cache.serial.blender.prepare() is not None:
+        raise RuntimeError(f"the model cannot blend: {cache.serial.blender.unsupported_reason}")
     scope = Scope(cache.namespace("default"), "default")
     lease = cache.store.acquire(scope, p.ids, len(p.ids) - 1)
     try:
@@ -286,4 +333,12 @@ def markdown(result: RagResult) -> str:
                      f"{row['ttft_p50']:.3f} |")
     lines += ["", "Log-likelihood gap: (log p of the full prefill's greedy answer after a full prefill − the same "
               "after the blended KV) / answer tokens, in nats; 0 = the blended KV predicts the answer as well."]
+    if result.concurrent:
+        lines += ["", f"Concurrent: {spec.clients} clients at once, each blending one timed prompt at the default "
+                  f"share, {spec.client_tokens} tokens each.", "",
+                  "| round | engine | wall s | tokens/s | TTFT p50 s | calls blended | answers = the serial engine's first round |",
+                  "|---|---|---|---|---|---|---|"]
+        for row in result.concurrent:
+            lines.append(f"| {row['round']} | {row['engine']} | {row['wall']:.2f} | {row['tokens_per_s']:.1f} | "
+                         f"{row['ttft_p50']:.2f} | {row['blended']}/{spec.clients} | {row['same_answers']} |")
     return "\n".join(lines) + "\n"

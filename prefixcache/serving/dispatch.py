@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -97,14 +97,40 @@ class Dispatcher:
         return [tokens for tokens, _ in done], done[-1][1]
 
     def answer_batched(self, prompt: list[int], params: SamplingParams, scope: Scope, stream: TextStream,
-                       cancel: threading.Event | None,
-                       timeout: float | None = None) -> tuple[list[int], CallStats, str]:
-        """(new tokens, stats, finish reason); a stop string seen by ``stream`` halts the request."""
+                       cancel: threading.Event | None, timeout: float | None = None,
+                       adjust: Callable[[CallStats], None] | None = None) -> tuple[list[int], CallStats, str]:
+        """(new tokens, stats, finish reason); a stop string seen by ``stream`` halts the request. ``adjust``
+        completes the stats before they are counted."""
         stream.put(torch.tensor(prompt))  # the stream skips the prompt, as with generate()
         req = self.batcher.submit(prompt, scope, params, lambda t: stream.put(torch.tensor([t])), Halt(cancel, stream))
-        res = self.wait(req, timeout)
+        res = self.wait(req, timeout, adjust)
         stream.end()
         return res.tokens, res.stats, res.finish_reason
+
+    def answer_blended(self, prompt: list[int], blend: BlendRequest, params: SamplingParams, scope: Scope,
+                       stream: TextStream, cancel: threading.Event | None,
+                       timeout: float | None = None) -> tuple[list[int], CallStats, str]:
+        """A blending call on the batching engine: the serial engine blends the prompt's KV and stores it in
+        the prompt's blended scope (``SerialEngine.blend_ahead``), the batching engine answers from there in
+        its shared steps. Stats as the serial engine reports a blended call (cached = exact tokens reused)."""
+        ahead = CallStats()
+        served_in, first_sight = self.serial_engine.blend_ahead(prompt, blend, scope, ahead)
+
+        def adjust(stats: CallStats) -> None:
+            if first_sight:  # its answer is out: now its documents, for later calls
+                ahead.chunk_stored_tokens = self.serial_engine.store_documents(prompt, blend, ahead.cached_tokens,
+                                                                               scope)
+            if served_in is not scope:  # the engine's hit was the blended KV: the exact part is what was cached
+                stats.cached_tokens, stats.stored_tokens = ahead.cached_tokens, ahead.stored_tokens
+            stats.lookup_seconds = ahead.lookup_seconds  # the blend's time counts in the call's first token
+            if stats.ttft_seconds is not None:
+                stats.ttft_seconds += ahead.lookup_seconds
+            stats.total_seconds += ahead.lookup_seconds
+            stats.chunk_reused_tokens, stats.chunk_recomputed_tokens = ahead.chunk_reused_tokens, \
+                ahead.chunk_recomputed_tokens
+            stats.chunk_stored_tokens, stats.blend_reason = ahead.chunk_stored_tokens, ahead.blend_reason
+
+        return self.answer_batched(prompt, params, served_in, stream, cancel, timeout, adjust)
 
     def answer_serial(self, prompt: list[int], options: AnswerOptions, stream: TextStream, scope: Scope,
                       device: torch.device, pad_id: int,
@@ -139,8 +165,12 @@ class Dispatcher:
         self.counters.record(scope.tenant, stats)
         return out, stats
 
-    def wait(self, req: Request, timeout: float | None) -> BatchResult:
-        """The batched request's result (``BatchEngine.wait``: a timeout or fault raises, typed)."""
+    def wait(self, req: Request, timeout: float | None,
+             adjust: Callable[[CallStats], None] | None = None) -> BatchResult:
+        """The batched request's result (``BatchEngine.wait``: a timeout or fault raises, typed); ``adjust``
+        completes its stats before they are counted."""
         res = self.batcher.wait(req, timeout)
+        if adjust is not None:
+            adjust(res.stats)
         self.counters.record(req.scope.tenant, res.stats)
         return res

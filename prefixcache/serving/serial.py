@@ -126,6 +126,49 @@ class SerialEngine:
         stats.total_seconds = self._clock() - start
         return out, stats
 
+    def blend_ahead(self, prompt: list[int], blend: BlendRequest, scope: Scope, stats: CallStats) -> tuple[Scope, bool]:
+        """For a blending call the batching engine serves: blend the prompt's KV now and store it where that
+        engine finds it. Returns the scope to serve the call in and whether it is a first sight (its
+        documents are then stored afterwards: ``store_documents``); ``stats`` gets what was done here.
+
+        The blended KV of ``prompt[:-1]`` goes to the prompt's blended scope (``blended_scope``: read only
+        by blending calls at the same share, never as exact KV) and the call is served there; its exact
+        leading part also goes to ``scope``. Nothing blended (no chunk after the cached prefix, a first
+        sight, a model unable to move keys): served in ``scope`` itself, a plain prefill."""
+        assert self.layout is not None
+        start, n = self._clock(), len(prompt)
+        with self.store.ledger.reserve("serial", self._bytes(2 * n)), self._model_lock:
+            lease = self.store.acquire(scope, prompt, n - 1, restore=True)
+            leases = [lease]
+            try:
+                stats.cached_tokens = lease.cached_tokens
+                unable = self.blender.prepare()
+                if unable is not None:
+                    stats.blend_reason = f"model not supported: {unable}"
+                    return scope, False
+                cache, exact, first_sight = self._blend(prompt, blend, leases, scope, n, stats)
+                if first_sight or exact >= n - 1:
+                    return scope, first_sight
+                if exact > lease.cached_tokens:
+                    stats.stored_tokens = self.store.insert(scope, prompt[:exact], cache.slice).stored_tokens
+                blended = blended_scope(scope, blend.share)  # all the KV there is: the engine computes the rest
+                self.store.insert(blended, prompt[: min(n - 1, cache.length)], cache.slice)
+                return blended, False
+            finally:
+                for held in leases:
+                    self.store.release(held)
+                stats.lookup_seconds = self._clock() - start
+
+    def store_documents(self, prompt: list[int], blend: BlendRequest, cached: int, scope: Scope) -> int:
+        """After a first sight served elsewhere: its documents computed alone and stored (``Blender.store_alone``);
+        returns the tokens stored. A failure is logged: it concerns later calls only."""
+        try:
+            with self._model_lock:
+                return self.blender.store_alone(prompt, blend, cached, scope)
+        except Exception as exc:  # noqa: BLE001 - for later calls only: the answer stands
+            log.warning("could not store a prompt's documents for blending: %s", exc)
+            return 0
+
     def prefill(self, tokens: list[int], scope: Scope, pin: bool, privileged: bool = False,
                 cancel: threading.Event | None = None, timeout: float | None = None) -> CallStats:
         """Compute and store the KV of ``tokens`` without generating (cache warming).

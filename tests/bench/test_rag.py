@@ -45,3 +45,18 @@ def test_fidelity_rows_on_a_tiny_model(chat_llama, tokenizer, new_cache):
     assert full["agree"] == 1.0 and abs(full["loglik_gap_per_token"]) < 1e-4
     assert full["leading_equal"] == spec.answer_tokens and 0 <= zero["leading_equal"] <= spec.answer_tokens
     assert zero["loglik_gap_per_token"] != 0.0
+
+
+def test_concurrent_blending_clients_on_both_engines(chat_llama, tokenizer, new_cache):
+    """Each engine serves the same blending calls at once; the batching engine's answers equal the serial one's."""
+    import time
+
+    spec = rag.RagSpec(clients=3, client_tokens=3, client_rounds=1, per_prompt=(2, 2))
+    cache: PrefixCache = new_cache(chat_llama, tokenizer, start_sweeper=False, batching=False)
+    timed = rag.prompts(cache, rag.documents(tokenizer, spec, 0)[: spec.documents], 4, spec, "timed")
+    result = rag.RagResult(spec, {}, cache.config.blend_recompute_share)
+    rag._concurrent(result, chat_llama, tokenizer, timed, spec, lambda line: None, time.perf_counter)
+    serial, batching = result.concurrent
+    assert (serial["executors"], batching["executors"]) == (["serial"], ["batched"])
+    assert serial["blended"] == batching["blended"] == 3 and batching["same_answers"]
+    assert batching["tokens_per_s"] > 0 and serial["ttft_p50"] > 0
