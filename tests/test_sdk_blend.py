@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from prefixcache import CacheConfig, InvalidRequestError
-from prefixcache.serving.blend import FIRST_SIGHT
+from prefixcache.serving.blend import BLEND_LOST, FIRST_SIGHT
 from tests.conftest import untouched
 
 SYSTEM = {"role": "system", "content": "Answer from the documents."}
@@ -74,6 +74,24 @@ def test_blended_calls_on_the_batching_engine_answer_as_on_the_serial_one(chat_l
                                                do_sample=False)
     assert list(plain.token_ids) == reference[0, len(ids):].tolist()
     assert plain.stats.cached_tokens < len(ids) - 1  # the blended prompt was not read as exact KV
+
+
+def test_a_blend_evicted_before_the_batching_engine_reads_it_is_prefilled_and_said(chat_llama, tokenizer, new_cache,
+                                                                                  monkeypatch):
+    cache = new_cache(chat_llama, tokenizer, CacheConfig(block_size=16), start_sweeper=False)
+    cache.chat([SYSTEM, QUESTION], documents=DOCS[:2], max_new_tokens=2)  # a first sight stores the documents
+    ahead = cache.serial.blend_ahead
+
+    def then_flushed(*args, **kwargs):
+        out = ahead(*args, **kwargs)
+        cache.flush()  # everything stored, the blend included, gone before the engine looks
+        return out
+
+    monkeypatch.setattr(cache.serial, "blend_ahead", then_flushed)
+    got = cache.chat([SYSTEM, QUESTION], documents=DOCS[::-1][1:], max_new_tokens=8, ignore_eos=True)
+    want = cache.chat([SYSTEM, QUESTION], documents=DOCS[::-1][1:], blend=False, max_new_tokens=8, ignore_eos=True)
+    assert got.stats.blend_reason == BLEND_LOST and got.stats.chunk_reused_tokens == 0
+    assert list(got.token_ids) == list(want.token_ids)  # computed from nothing: a full prefill's answer
 
 
 def test_marked_parts_and_anthropic_text_blocks_are_chunks(cache, tokenizer):

@@ -57,6 +57,8 @@ BLENDED_PART = "\x00blended"
 SELECT_LAYER = 1
 #: ``CallStats.blend_reason`` of a prompt none of whose marked chunks was stored yet (see ``SerialEngine._blend``).
 FIRST_SIGHT = "no marked part of the prompt stored yet: prefilled exactly, the parts stored for later prompts"
+#: ``CallStats.blend_reason`` of a call whose blended KV was evicted before the batching engine read it.
+BLEND_LOST = "the blended KV was evicted before use: the rest of the prompt was prefilled"
 
 
 def blended_scope(scope: Scope, share: float) -> Scope:

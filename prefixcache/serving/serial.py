@@ -126,10 +126,12 @@ class SerialEngine:
         stats.total_seconds = self._clock() - start
         return out, stats
 
-    def blend_ahead(self, prompt: list[int], blend: BlendRequest, scope: Scope, stats: CallStats) -> tuple[Scope, bool]:
+    def blend_ahead(self, prompt: list[int], blend: BlendRequest, scope: Scope,
+                    stats: CallStats) -> tuple[Scope, bool, int]:
         """For a blending call the batching engine serves: blend the prompt's KV now and store it where that
-        engine finds it. Returns the scope to serve the call in and whether it is a first sight (its
-        documents are then stored afterwards: ``store_documents``); ``stats`` gets what was done here.
+        engine finds it. Returns the scope to serve the call in, whether it is a first sight (its documents
+        are then stored afterwards: ``store_documents``) and how many leading tokens the engine should find
+        stored there; ``stats`` gets what was done here.
 
         The blended KV of ``prompt[:-1]`` goes to the prompt's blended scope (``blended_scope``: read only
         by blending calls at the same share, never as exact KV) and the call is served there; its exact
@@ -145,15 +147,16 @@ class SerialEngine:
                 unable = self.blender.prepare()
                 if unable is not None:
                     stats.blend_reason = f"model not supported: {unable}"
-                    return scope, False
+                    return scope, False, lease.cached_tokens
                 cache, exact, first_sight = self._blend(prompt, blend, leases, scope, n, stats)
                 if first_sight or exact >= n - 1:
-                    return scope, first_sight
+                    return scope, first_sight, lease.cached_tokens
                 if exact > lease.cached_tokens:
                     stats.stored_tokens = self.store.insert(scope, prompt[:exact], cache.slice).stored_tokens
                 blended = blended_scope(scope, blend.share)  # all the KV there is: the engine computes the rest
-                self.store.insert(blended, prompt[: min(n - 1, cache.length)], cache.slice)
-                return blended, False
+                upto = min(n - 1, cache.length)
+                self.store.insert(blended, prompt[:upto], cache.slice)
+                return blended, False, upto
             finally:
                 for held in leases:
                     self.store.release(held)
