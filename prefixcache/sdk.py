@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +20,7 @@ from prefixcache.config import CacheConfig
 from prefixcache.errors import CapacityError, ContextLengthExceededError, InvalidRequestError, PinQuotaExceededError
 from prefixcache.loading import model_fingerprint
 from prefixcache.model.hf_cache import probe
+from prefixcache.model.layout import long_tensor
 from prefixcache.serving import prompt_cache
 from prefixcache.serving.blend import blend_plan, with_documents
 from prefixcache.serving.breakpoints import Breakpoints, CacheUsage
@@ -359,6 +359,7 @@ class PrefixCache:
         current = fingerprint(self.namespace(tenant, cache_salt), chat, tools, {"tool_choice": tool_choice},
                               token_ids)
         return self.prompt_records.diagnose(tenant, current, previous_id, record_id)
+
     def encode_chat_prompt(self, messages: Sequence[dict[str, Any]],
                            tools: Sequence[dict[str, Any]] | None = None) -> CanonicalPrompt:
         """A chat request's canonical ids with its marked chunks' spans (pass them to ``answer`` as ``chunks``)."""
@@ -391,8 +392,6 @@ class PrefixCache:
         ``chunks``: token spans ``[start, end)`` of reusable chunks (``CanonicalPrompt.chunks``); ``blend``:
         False = prefill them this time, a number in [0, 1] = the share recomputed (default
         ``config.blend_recompute_share``); ``unplaced``: marked parts the encoding could not locate."""
-        if not prompt:
-            raise InvalidRequestError("the prompt encodes to zero tokens", param="prompt")
         scope = self.scope(tenant, cache_salt, ttl_seconds)
         return self.run(prompt, AnswerOptions.parse(**options), scope)
 
@@ -635,10 +634,9 @@ def _list_ids(value: Any) -> torch.Tensor:
         rows = value if isinstance(value[0], (list, tuple)) else None
         try:
             if rows is None:
-                return torch.frombuffer(array("q", value), dtype=torch.long)
+                return long_tensor(value)
             if all(isinstance(r, (list, tuple)) and len(r) == len(rows[0]) for r in rows) and rows[0]:
-                flat = rows[0] if len(rows) == 1 else [t for r in rows for t in r]
-                return torch.frombuffer(array("q", flat), dtype=torch.long).view(len(rows), -1)
+                return long_tensor(rows[0] if len(rows) == 1 else [t for r in rows for t in r]).view(len(rows), -1)
         except TypeError:
             pass  # not integers (floats, strings, tensors): torch decides, as before
     return torch.tensor(value, dtype=torch.long)

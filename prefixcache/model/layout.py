@@ -1,6 +1,8 @@
 """Shape of a model's per-token KV (what the store and the pools allocate)."""
 from __future__ import annotations
 
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,10 +37,18 @@ class KVLayout:
         return None
 
 
+def long_tensor(values: Sequence[int]) -> torch.Tensor:
+    """A long CPU tensor of the ints ``values``, through ``array`` (several times faster than ``torch.tensor``
+    on a long list). Raises ``TypeError`` for anything but ints, ``OverflowError`` beyond 64 bits."""
+    if not values:
+        return torch.empty(0, dtype=torch.long)
+    return torch.frombuffer(array("q", values), dtype=torch.long)
+
+
 def index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
     """A long tensor of ``values`` on ``device``. On CUDA through pinned memory without waiting: a copy
     from pageable memory drains the stream first, and a step makes several of these per forward."""
-    host = torch.tensor(values, dtype=torch.long)
+    host = long_tensor(values)
     if device.type != "cuda":
         return host if device.type == "cpu" else host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

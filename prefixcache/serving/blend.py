@@ -17,10 +17,11 @@ Building a prompt's KV (``Blender.build``), after prefix reuse matched its first
 A prompt none of whose chunks after ``c`` is stored yet is not blended: the serial engine
 prefills it exactly and then stores its chunks computed alone (``store_alone``), since a
 blend would compute them all alone first. With share 1 every token is recomputed: a full
-prefill. The prompt's last token is left to ``generate()``, so its logits come from the blended KV. Only the KV before the first token
-still holding reused KV equals a full prefill's; only that part is stored as a prefix. The
-blended prompt's KV is kept under ``blended_scope`` (never read as exact KV): a later
-blending call at the same share that starts the same way reuses it as its prefix.
+prefill. The prompt's last token is left to ``generate()``, so its logits come from the
+blended KV. Only the KV before the first token still holding reused KV equals a full
+prefill's; only that part is stored as a prefix. The blended prompt's KV is kept under
+``blended_scope`` (never read as exact KV): a later blending call at the same share that
+starts the same way reuses it as its prefix.
 """
 from __future__ import annotations
 

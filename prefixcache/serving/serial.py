@@ -165,12 +165,8 @@ class SerialEngine:
     def store_documents(self, prompt: list[int], blend: BlendRequest, cached: int, scope: Scope) -> int:
         """After a first sight served elsewhere: its documents computed alone and stored (``Blender.store_alone``);
         returns the tokens stored. A failure is logged: it concerns later calls only."""
-        try:
-            with self._model_lock:
-                return self.blender.store_alone(prompt, blend, cached, scope)
-        except Exception as exc:  # noqa: BLE001 - for later calls only: the answer stands
-            log.warning("could not store a prompt's documents for blending: %s", exc)
-            return 0
+        with self._model_lock:
+            return self._store_documents(prompt, blend, cached, scope)
 
     def prefill(self, tokens: list[int], scope: Scope, pin: bool, privileged: bool = False,
                 cancel: threading.Event | None = None, timeout: float | None = None) -> CallStats:
@@ -238,14 +234,19 @@ class SerialEngine:
             if exact < n - 1:  # the blended prompt, for blending calls of the same share only
                 self.store.insert(blended_scope(scope, blend.share), prompt[: n - 1], cache.slice)
             if first_sight:  # after the answer: the prompt's documents, computed alone, for later prompts to blend
-                try:
-                    stats.chunk_stored_tokens = self.blender.store_alone(prompt, blend, lease.cached_tokens, scope)
-                except Exception as exc:  # noqa: BLE001 - for later calls only: this answer stands
-                    log.warning("could not store a prompt's documents for blending: %s", exc)
+                stats.chunk_stored_tokens = self._store_documents(prompt, blend, lease.cached_tokens, scope)
             return out
         finally:
             for held in leases:
                 self.store.release(held)
+
+    def _store_documents(self, prompt: list[int], blend: BlendRequest, cached: int, scope: Scope) -> int:
+        """``store_documents`` with the model held already."""
+        try:
+            return self.blender.store_alone(prompt, blend, cached, scope)
+        except Exception as exc:  # noqa: BLE001 - for later calls only: the answer stands
+            log.warning("could not store a prompt's documents for blending: %s", exc)
+            return 0
 
     def _blend(self, prompt: list[int], blend: BlendRequest, leases: list[Lease], scope: Scope, capacity: int,
                stats: CallStats) -> tuple[WorkingCache, int, bool]:
