@@ -23,19 +23,16 @@ def coalesce(segments: Sequence[tuple[torch.Tensor, int]]) -> list[tuple[torch.T
 
     The result reads the same tokens in the same order with fewer, longer views (no copy).
     """
-    groups: list[list[Any]] = []  # [first snapshot, tokens used, more than one joined]
-    key = stride = end = None  # where the last group's run goes on, while its last segment is used whole
+    groups: list[list[Any]] = []  # [first snapshot, tokens used, the last snapshot when used whole]
     for snap, used in segments:
-        if end is not None and snap.storage_offset() == end and snap.stride() == stride and storage_key(snap) == key:
+        if groups and groups[-1][2] is not None and follows(groups[-1][2], snap):
             groups[-1][1] += used
-            groups[-1][2] = True
         else:
-            groups.append([snap, used, False])
-            key, stride = storage_key(snap), snap.stride()
-        end = snap.storage_offset() + snap.shape[3] * snap.stride(3) if used == snap.shape[3] else None
-    # One view per joined run, made once (a chain of 128 blocks used to cost 127 intermediate views).
+            groups.append([snap, used, None])
+        groups[-1][2] = snap if used == snap.shape[3] else None
+    # One view per joined run (more tokens than its first snapshot), made once, not one per block joined.
     return [(first.as_strided((*first.shape[:3], used, first.shape[4]), first.stride(), first.storage_offset())
-             if joined else first, used) for first, used, joined in groups]
+             if used > first.shape[3] else first, used) for first, used, _ in groups]
 
 
 def follows(a: torch.Tensor, b: torch.Tensor) -> bool:

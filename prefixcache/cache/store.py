@@ -58,8 +58,9 @@ class KVStore:
         self._on_evict = on_evict
         self.lower: LowerTiers | None = None  # the tier chain (``attach``)
         self._lock = threading.RLock()
-        #: Calls that could lengthen a match (inserts, deadline extensions), counted under the lock:
-        #: a lease taken at the current count is still the longest match (``Lease.version``).
+        #: Inserts, counted under the lock: only an insert can lengthen a match (it adds blocks, or gives an
+        #: expired one in use a new deadline), so a lease taken at the current count is still the longest
+        #: match (``Lease.version``).
         self.writes = 0
         self.bytes = 0
         self.tenant_bytes: Counter[str] = Counter()
@@ -127,8 +128,7 @@ class KVStore:
         The blocks are touched root-first, as a lookup touches them, so a parent never expires
         before its child.
         """
-        with self._lock:
-            self.writes += 1
+        with self._lock:  # touches usable blocks only: no match grows (``writes`` stays)
             now = self._clock()
             root = self.trie.root(scope.namespace, scope.tenant, create=False)
             if root is None or not tokens:

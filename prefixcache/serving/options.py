@@ -88,8 +88,7 @@ def bypass_reason(config: GenerationConfig, kwargs: Mapping[str, Any]) -> str | 
         if rule.kwarg and not rule.cached(kwargs.get(name)):
             return f"option {name} is served uncached"
     for name, rule in OPTIONS.items():
-        value = None if rule.kwarg else getattr(config, name, None)
-        if not rule.kwarg and not rule.cached(value):
+        if not rule.kwarg and not rule.cached(value := getattr(config, name, None)):
             return f"option {name}={value!r} is served uncached"
     return None
 
