@@ -115,16 +115,29 @@ class WorkingCache(DynamicCache):
 
     def __init__(self, layout: KVLayout, segments: Sequence[tuple[torch.Tensor, int]], capacity: int):
         """``segments``: snapshot tensors ``[L, 2, H, n, D]`` and how many leading tokens of each to use."""
-        self.layout = layout
         segments = coalesce(segments)
-        self.prefix_len = sum(used for _, used in segments)
-        cap = max(capacity, self.prefix_len + 1)
-        self._buf = torch.empty((layout.num_layers, 2, layout.num_kv_heads, cap, layout.head_dim),
-                                dtype=layout.dtype, device=layout.device)
+        length = sum(used for _, used in segments)
+        buffer = torch.empty((layout.num_layers, 2, layout.num_kv_heads, max(capacity, length + 1), layout.head_dim),
+                             dtype=layout.dtype, device=layout.device)
         pos = 0
         for snap, used in segments:
-            self._buf[:, :, :, pos : pos + used].copy_(snap[:, :, :, :used])
+            buffer[:, :, :, pos : pos + used].copy_(snap[:, :, :, :used])
             pos += used
+        self._own(layout, buffer, length)
+
+    @classmethod
+    def adopt(cls, layout: KVLayout, buffer: torch.Tensor, length: int) -> WorkingCache:
+        """A working cache over ``buffer`` itself (no copy), which it then owns: its first ``length`` tokens
+        are the prefix, the rest of its room is for new tokens."""
+        expected = (layout.num_layers, 2, layout.num_kv_heads)
+        if tuple(buffer.shape[:3]) != expected or buffer.dim() != 5 or not 0 <= length <= buffer.shape[3]:
+            raise ValueError(f"cannot adopt a {tuple(buffer.shape)} buffer with {length} tokens for layout {expected}")
+        cache = cls.__new__(cls)
+        cache._own(layout, buffer, length)
+        return cache
+
+    def _own(self, layout: KVLayout, buffer: torch.Tensor, length: int) -> None:
+        self.layout, self._buf, self.prefix_len = layout, buffer, length
         Cache.__init__(self, layers=[_BufferLayer(self, i) for i in range(layout.num_layers)])
 
     def reserve(self, end: int) -> torch.Tensor:

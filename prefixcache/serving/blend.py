@@ -77,7 +77,8 @@ class BlendRequest:
 
 @dataclass(slots=True)
 class BlendOutcome:
-    """What ``Blender.build`` did. ``buffer``: the prompt's KV ``[L, 2, H, n - 1, D]``."""
+    """What ``Blender.build`` did. ``buffer``: the prompt's KV ``[L, 2, H, room, D]``, its first n - 1 tokens
+    written (room: at least n - 1, as the caller asked)."""
 
     buffer: torch.Tensor
     reused: int  # chunk tokens whose stored KV was used as is (re-rotated)
@@ -110,17 +111,18 @@ class Blender:
                 log.info("chunk blending off for this model: %s", exc)
         return self.unsupported_reason
 
-    def build(self, prompt: Sequence[int], request: BlendRequest, lease: Lease,
-              scope: Scope) -> BlendOutcome | None:
-        """The KV of ``prompt[:-1]`` with ``lease``'s prefix, the chunks placed and blended; None when no chunk
-        lies after the prefix. Holds the model: the caller serialises calls (after ``prepare`` returned None)."""
+    def build(self, prompt: Sequence[int], request: BlendRequest, lease: Lease, scope: Scope,
+              room: int = 0) -> BlendOutcome | None:
+        """The KV of ``prompt[:-1]`` with ``lease``'s prefix, the chunks placed and blended, in a buffer with room
+        for ``room`` tokens (at least the prompt's); None when no chunk lies after the prefix. Holds the model:
+        the caller serialises calls (after ``prepare`` returned None)."""
         assert self.layout is not None and self.shift is not None
         end, cached = len(prompt) - 1, lease.cached_tokens
         spans = [(max(s, cached), min(e, end), s, e) for s, e in request.chunks if min(e, end) > max(s, cached)]
         if not spans:
             return None
         layout = self.layout
-        buffer = torch.empty((layout.num_layers, 2, layout.num_kv_heads, end, layout.head_dim), dtype=layout.dtype,
+        buffer = torch.empty((layout.num_layers, 2, layout.num_kv_heads, max(end, room), layout.head_dim), dtype=layout.dtype,
                              device=layout.device)
         pos = 0
         for step in lease.steps:

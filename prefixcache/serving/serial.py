@@ -111,8 +111,8 @@ class SerialEngine:
         # Its working cache (or generate()'s own) holds the whole sequence: reserved against the KV
         # total first (bounded wait, or ``KVMemoryError``). Seeded inside the model lock, so
         # concurrent calls cannot interleave their draws.
-        # A blended call also holds the prompt's blended KV until it is copied into the working cache.
-        need = self._bytes(n + int(max_new) + (n if blend is not None else 0))
+        # (A blended call's KV is built in that working cache's buffer.)
+        need = self._bytes(n + int(max_new))
         with self.store.ledger.reserve("serial", need), self._model_lock, \
                 isolated_rng(device, seed if seed is not None else self._entropy()):
             if stats.bypass_reason is not None:
@@ -139,7 +139,7 @@ class SerialEngine:
         sight, a model unable to move keys): served in ``scope`` itself, a plain prefill."""
         assert self.layout is not None
         start, n = self._clock(), len(prompt)
-        with self.store.ledger.reserve("serial", self._bytes(2 * n)), self._model_lock:
+        with self.store.ledger.reserve("serial", self._bytes(n)), self._model_lock:
             lease = self.store.acquire(scope, prompt, n - 1, restore=True)
             leases = [lease]
             try:
@@ -266,7 +266,7 @@ class SerialEngine:
                 e > exact_lease.cached_tokens for _, e in blend.chunks):
             stats.blend_reason = FIRST_SIGHT
             return WorkingCache(self.layout, [(s.node.kv, s.used) for s in exact_lease.steps], capacity), n, True
-        built = self.blender.build(prompt, blend, prefix, scope)
+        built = self.blender.build(prompt, blend, prefix, scope, room=capacity)
         reused_prefix = prefix.cached_tokens - exact_lease.cached_tokens if prefix is earlier else 0
         stats.chunk_reused_tokens = reused_prefix + (0 if built is None else built.reused)
         if built is None:
@@ -274,7 +274,7 @@ class SerialEngine:
             return WorkingCache(self.layout, [(s.node.kv, s.used) for s in prefix.steps], capacity), exact, False
         stats.chunk_recomputed_tokens, stats.chunk_stored_tokens = built.recomputed, built.stored
         exact = exact_lease.cached_tokens if prefix is earlier else built.exact
-        return WorkingCache(self.layout, [(built.buffer, n - 1)], capacity), exact, False
+        return WorkingCache.adopt(self.layout, built.buffer, n - 1), exact, False
 
     def effective_config(self, generation_config: GenerationConfig | None, kwargs: dict[str, Any]) -> GenerationConfig:
         """What ``generate()`` will use: the model's default (or the caller's) config updated by ``kwargs``."""

@@ -10,7 +10,7 @@ from prefixcache.cache.store import KVStore
 from prefixcache.config import CacheConfig
 from prefixcache.errors import UnsupportedModelError
 from prefixcache.model.blend import kv_deviation, recompute_count, rerotate, select_recompute
-from prefixcache.model.hf_cache import compute_alone, probe_layout, rerotation_error, rotary_shift
+from prefixcache.model.hf_cache import WorkingCache, compute_alone, probe_layout, rerotation_error, rotary_shift
 from prefixcache.serving.blend import CHUNK_PART, Blender, BlendRequest
 from tests.conftest import build_tiny
 
@@ -91,6 +91,30 @@ def test_share_one_recomputes_everything_and_equals_a_full_prefill(model, blende
     assert (out.reused, out.recomputed, out.stored, out.exact) == (0, 37, 37, len(prompt) - 1)
     full = _full_kv(model, prompt)
     torch.testing.assert_close(out.buffer, full, rtol=0, atol=1e-5 * float(full.abs().max()))
+
+
+def test_a_blend_built_with_room_is_adopted_as_the_working_cache_without_a_copy(model, blender):
+    """The buffer a blend writes is the working cache the answer grows in: decoding after it equals
+    decoding after a full prefill, and needs no new buffer while the room lasts."""
+    prompt, chunks = _prompt()
+    layout = probe_layout(model)
+    lease = blender.store.acquire(SCOPE, prompt, len(prompt) - 1)
+    out = blender.build(prompt, BlendRequest(chunks, 1.0), lease, SCOPE, room=len(prompt) + 4)
+    blender.store.release(lease)
+    n = len(prompt) - 1
+    assert out.buffer.shape[3] == n + 5
+    cache = WorkingCache.adopt(layout, out.buffer, n)
+    assert cache.length == n and cache.buffer_bytes == out.buffer.untyped_storage().nbytes()
+    full = compute_alone(model, layout, prompt[:-1])
+    with torch.no_grad():
+        got = model(input_ids=torch.tensor([prompt[-1:] + [7, 8]]), past_key_values=cache).logits
+        want = model(input_ids=torch.tensor([prompt[-1:] + [7, 8]]), past_key_values=full).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    assert cache.length == n + 3 and cache.reserve(n + 3).data_ptr() == out.buffer.data_ptr()  # written in place
+    with pytest.raises(ValueError, match="cannot adopt"):
+        WorkingCache.adopt(layout, out.buffer, n + 6)
+    with pytest.raises(ValueError, match="cannot adopt"):
+        WorkingCache.adopt(layout, out.buffer[:1], n)
 
 
 def test_share_zero_keeps_the_chunks_kv_and_a_share_recomputes_some(model, blender):
