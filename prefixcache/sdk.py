@@ -165,8 +165,11 @@ class PrefixCache:
               ttl_seconds: float | None = None) -> Scope:
         """A call's checked scope: the tenant (default ``"default"``), its namespace under ``cache_salt``,
         and the TTL (default ``config.ttl_seconds``; ``math.inf``: no expiry)."""
-        tenant = self._tenant(tenant)
-        return Scope(self.namespace(tenant, cache_salt), tenant, self._ttl(ttl_seconds), cache_salt or None)
+        return self._scope(self._tenant(tenant), cache_salt, self._ttl(ttl_seconds))
+
+    def _scope(self, tenant: str, cache_salt: str | None, ttl: float | None) -> Scope:
+        """``scope`` of a checked tenant with its TTL already resolved."""
+        return Scope(self.namespace(tenant, cache_salt), tenant, ttl, cache_salt or None)
 
     @property
     def batching_disabled_reason(self) -> str | None:
@@ -447,7 +450,7 @@ class PrefixCache:
         tokens = self.encode_prefix(prefix, tools)
         tenant = self._tenant(tenant)
         ttl = self._pin_ttl(ttl_seconds, privileged) if pin else self._ttl(ttl_seconds)
-        scope = Scope(self.namespace(tenant, cache_salt), tenant, ttl, cache_salt or None)
+        scope = self._scope(tenant, cache_salt, ttl)
         timeout = None if timeout_seconds is None else seconds(timeout_seconds, "timeout_seconds")
         need = len(tokens) * self.bytes_per_token
         if pin and not privileged and need > self.config.pin_quota_bytes:
