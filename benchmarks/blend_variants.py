@@ -15,7 +15,12 @@ Variants (every one re-rotates each document's KV, computed alone, to its place 
 - ``sink``: each document computed after a fixed head (the tokenizer's BOS, or the chat template's user
   header) instead of nothing, so its first token is not the attention sink;
 - ``attention``: deviation weighted by the attention the question's last 48 tokens pay each token on layer L;
-- ``exact=K``: layers 0..K recomputed for every token, no token recomputed above.
+- ``exact=K``: layers 0..K recomputed for every token, no token recomputed above;
+- ``lead``: each document's first tokens always among the share recomputed (where the document's
+  computation alone put its attention sink and, in these prompts, its title), the rest by deviation;
+- ``bound: layers 0-K reused``: the full prefill's KV everywhere but the documents' layers 0..K, which are
+  as computed alone: how much reuse the answers tolerate even with every layer above exact (a bound on
+  any scheme that reuses those layers; it needs the full prefill it would save).
 """
 from __future__ import annotations
 
@@ -44,6 +49,8 @@ class Variant:
     score: str = "deviation"  # deviation | oracle | attention
     head: str = ""  # "" | bos | user: what each document is computed after
     exact: int | None = None  # layers 0..exact recomputed for every token (share unused)
+    lead: int = 0  # each document's first ``lead`` tokens always among those recomputed (within the share)
+    reuse_below: int | None = None  # bound: the full prefill's KV, but documents' layers < this as computed alone
 
 
 VARIANTS = {v.name: v for v in [
@@ -52,6 +59,8 @@ VARIANTS = {v.name: v for v in [
     Variant("oracle 15%", score="oracle"), Variant("oracle 30%", share=0.30, score="oracle"),
     Variant("sink bos", head="bos"), Variant("sink user header", head="user"),
     Variant("attention", score="attention"), Variant("exact 0-14", exact=14), Variant("exact 0-21", exact=21),
+    Variant("lead 16", lead=16),
+    *(Variant(f"bound: layers 0-{k - 1} reused", reuse_below=k) for k in (2, 4, 8)),
 ]}
 
 
@@ -85,6 +94,10 @@ class Lab:
             kv, at = self.document(ids[s:e], v.head)
             rerotate(kv, s - at, self.blender.shift, out=buf[:, :, :, s:e])
             reused[s:e] = True
+        if v.reuse_below is not None:
+            full = compute_alone(self.model, layout, ids[:end]).slice(0, end)
+            full[: v.reuse_below, :, :, reused] = buf[: v.reuse_below, :, :, reused]
+            return full
         rows = torch.arange(first, end)
         positions = torch.nonzero(reused).flatten()
         k = 0 if v.exact is not None else recompute_count(int(positions.numel()), v.share)
@@ -95,7 +108,13 @@ class Lab:
             stop = watch + 1 if watch is not None else min(v.exact if v.exact is not None else v.layer, top)
             score = self._score(buf, ids, rows, v, stop, end, watch)
             if k:
-                order = torch.sort(score[reused[first:end]], descending=True, stable=True).indices[:k]
+                score = score[reused[first:end]].clone()
+                if v.lead:
+                    head = torch.zeros(end, dtype=torch.bool)
+                    for s, e in p.chunks:
+                        head[s : min(e, s + v.lead)] = True
+                    score[head[positions]] = float("inf")
+                order = torch.sort(score, descending=True, stable=True).indices[:k]
                 chosen = positions[order]
         elif k:
             chosen = positions

@@ -54,6 +54,7 @@ class RagSpec:
     fidelity_prompts: int = 16
     answer_tokens: int = 16  # fidelity: greedy answer length compared
     shares: tuple[float, ...] = SHARES
+    reference_dtypes: tuple[str, ...] = ("bfloat16", "float16")  # full prefills compared with the float32 one
     clients: int = 8  # concurrent blending clients (serial engine against the batching engine)
     client_tokens: int = 32  # tokens each of them generates
     client_rounds: int = 2  # rounds of each engine, alternating
@@ -83,6 +84,8 @@ class RagResult:
     chunk_tokens: list[int] = field(default_factory=list)
     prefix_answers_equal: int = 0  # prefix-only answers equal to generate()'s
     fidelity: list[dict[str, float]] = field(default_factory=list)  # one row per share
+    references: list[dict[str, object]] = field(default_factory=list)  # one row per reference dtype
+    margins: list[list[float]] = field(default_factory=list)  # per fidelity prompt: top-1 - top-2 logit per step
     full_ttft: list[float] = field(default_factory=list)  # fidelity prompts, full prefill
     concurrent: list[dict[str, object]] = field(default_factory=list)  # one row per round and engine
     elapsed: float = 0.0
@@ -200,9 +203,13 @@ def _fidelity(result: RagResult, model, cache: PrefixCache, held_out: list[RagPr
     rows = {share: {"agree": 0, "first": 0, "lead": [], "gap": [], "ttft": []} for share in spec.shares}
     if cache.serial.blender.prepare() is not None:
         raise RuntimeError(f"the model cannot blend: {cache.serial.blender.unsupported_reason}")
+    answers = []
     for i, p in enumerate(held_out):
         answer, ttft, logits = _generate(model, p.ids, spec.answer_tokens, clock)
+        answers.append(answer)
         full = _loglik(logits, answer)
+        top = logits.topk(2, dim=-1).values
+        result.margins.append((top[:, 0] - top[:, 1]).tolist())
         result.full_ttft.append(ttft)
         _store_chunks(cache, p)  # untimed: every share then finds the documents stored
         for share in spec.shares:
@@ -210,7 +217,7 @@ def _fidelity(result: RagResult, model, cache: PrefixCache, held_out: list[RagPr
             row = rows[share]
             row["agree"] += got == answer
             row["first"] += got[:1] == answer[:1]
-            row["lead"].append(next((j for j, (a, b) in enumerate(zip(got, answer)) if a != b), len(answer)))
+            row["lead"].append(_leading(got, answer))
             row["ttft"].append(ttft)
             row["gap"].append((full - loglik) / len(answer))
         progress(f"rag fidelity {i + 1}/{len(held_out)}")
@@ -218,8 +225,31 @@ def _fidelity(result: RagResult, model, cache: PrefixCache, held_out: list[RagPr
     result.fidelity = [{"share": share, "agree": r["agree"] / n, "first_token": r["first"] / n,
                         "leading_equal": statistics.fmean(r["lead"]),
                         "loglik_gap_per_token": statistics.fmean(r["gap"]),
-                        "loglik_gap_max": max(r["gap"]), "ttft_p50": statistics.median(r["ttft"])}
+                        "loglik_gap_max": max(r["gap"]), "ttft_p50": statistics.median(r["ttft"]),
+                        "parting_margins": [m[j] for m, j in zip(result.margins, r["lead"]) if j < len(m)]}
                        for share, r in rows.items()]
+    _references(result, model, held_out, answers, spec, progress, clock)
+
+
+def _references(result: RagResult, model, held_out: list[RagPrompt], answers: list[list[int]], spec: RagSpec,
+                progress, clock) -> None:
+    """How far plain attention in a lower precision already moves the same greedy answers: the full prefill
+    of each held-out prompt by a copy of the model in each of ``spec.reference_dtypes``, against float32's."""
+    import copy
+
+    for name in spec.reference_dtypes:
+        low = copy.deepcopy(model).to(getattr(torch, name))
+        leads = [_leading(_generate(low, p.ids, len(answer), clock)[0], answer) for p, answer in zip(held_out, answers)]
+        del low
+        result.references.append({"dtype": name, "agree": sum(j == len(a) for j, a in zip(leads, answers)) / len(leads),
+                                  "leading_equal": statistics.fmean(leads),
+                                  "parting_margins": [m[j] for m, j in zip(result.margins, leads) if j < len(m)]})
+        progress(f"rag fidelity reference {name}")
+
+
+def _leading(got: list[int], answer: list[int]) -> int:
+    """How many leading tokens of ``got`` equal ``answer``'s."""
+    return next((j for j, (a, b) in enumerate(zip(got, answer)) if a != b), len(answer))
 
 
 def _concurrent(result: RagResult, model, tokenizer, timed: list[RagPrompt], spec: RagSpec, progress,
@@ -290,8 +320,8 @@ def _blended(model, cache: PrefixCache, p: RagPrompt, share: float, answer: list
     lease = cache.store.acquire(scope, p.ids, n - 1)
     try:
         with torch.no_grad():
-            built = engine.blender.build(p.ids, BlendRequest(p.chunks, share), lease, scope)
-            kv = WorkingCache(engine.layout, [(built.buffer, n - 1)], n + len(answer))
+            built = engine.blender.build(p.ids, BlendRequest(p.chunks, share), lease, scope, room=n + len(answer))
+            kv = WorkingCache.adopt(engine.layout, built.buffer, n - 1)  # decoding writes from n - 1 on
             token = int(model(input_ids=torch.tensor([p.ids[-1:]]), past_key_values=kv).logits[0, -1].argmax())
             ttft = clock() - t0
             greedy = [token]
@@ -303,6 +333,43 @@ def _blended(model, cache: PrefixCache, p: RagPrompt, share: float, answer: list
     finally:
         cache.store.release(lease)
     return greedy, ttft, _loglik(logits, answer)
+
+
+def _margins(values: list[float]) -> str:
+    return ", ".join(f"{m:.3f}" for m in sorted(values)) if values else "no answer parts"
+
+
+def fidelity_lines(result: RagResult) -> list[str]:
+    """The fidelity table, where the answers part, and the lower-precision references, as markdown lines."""
+    spec, lines = result.spec, []
+    lines += [f"Fidelity: {len(result.full_ttft)} held-out prompts, greedy answers of {spec.answer_tokens} "
+              f"tokens; full prefill TTFT p50 {statistics.median(result.full_ttft):.3f} s.", "",
+              "| recompute share | answers = full prefill | first token = | leading tokens equal (mean) "
+              "| log-likelihood gap per token (mean) | gap (worst prompt) | TTFT p50 s |", "|---|---|---|---|---|---|---|"]
+    for row in result.fidelity:
+        lines.append(f"| {row['share']:.0%} | {row['agree']:.0%} | {row['first_token']:.0%} | "
+                     f"{row['leading_equal']:.1f} | {row['loglik_gap_per_token']:.4f} | {row['loglik_gap_max']:.4f} | "
+                     f"{row['ttft_p50']:.3f} |")
+    lines += ["", "Log-likelihood gap: (log p of the full prefill's greedy answer after a full prefill − the same "
+              "after the blended KV) / answer tokens, in nats; 0 = the blended KV predicts the answer as well."]
+    if result.margins:
+        every = [m for steps in result.margins for m in steps]
+        default = next((r for r in result.fidelity if r["share"] == result.default_share), None)
+        lines += ["", f"Where answers part: the float32 full prefill's top-1 minus top-2 logit at the first differing "
+                  f"token; over all {len(every)} answer steps its median is {statistics.median(every):.2f} and "
+                  f"{sum(m < 0.1 for m in every)} steps are under 0.1."]
+        if default is not None:
+            lines.append(f"- blended at the default share ({result.default_share:.0%}): "
+                         f"{_margins(default['parting_margins'])}")
+        for ref in result.references:
+            lines.append(f"- full prefill in {ref['dtype']}: {_margins(ref['parting_margins'])}")
+    if result.references:
+        lines += ["", "Plain attention in a lower precision, the same prompts: each full prefill by a copy of the "
+                  "model in that dtype against the float32 full prefill's answers.", "",
+                  "| full prefill in | greedy answer = float32 full prefill's | leading tokens equal (mean) |",
+                  "|---|---|---|"]
+        lines += [f"| {r['dtype']} | {r['agree']:.0%} | {r['leading_equal']:.1f} |" for r in result.references]
+    return lines
 
 
 def markdown(result: RagResult) -> str:
@@ -323,16 +390,7 @@ def markdown(result: RagResult) -> str:
         "", "| arm | TTFT p50 s | TTFT mean s | vs prefix reuse only (p50) |", "|---|---|---|---|"]
     for arm, values in result.ttft.items():
         lines.append(f"| {arm} | {p50[arm]:.3f} | {statistics.fmean(values):.3f} | {p50[arm] / prefix:.2f}x |")
-    lines += ["", f"Fidelity: {len(result.full_ttft)} held-out prompts, greedy answers of {spec.answer_tokens} "
-              f"tokens; full prefill TTFT p50 {statistics.median(result.full_ttft):.3f} s.", "",
-              "| recompute share | answers = full prefill | first token = | leading tokens equal (mean) "
-              "| log-likelihood gap per token (mean) | gap (worst prompt) | TTFT p50 s |", "|---|---|---|---|---|---|---|"]
-    for row in result.fidelity:
-        lines.append(f"| {row['share']:.0%} | {row['agree']:.0%} | {row['first_token']:.0%} | "
-                     f"{row['leading_equal']:.1f} | {row['loglik_gap_per_token']:.4f} | {row['loglik_gap_max']:.4f} | "
-                     f"{row['ttft_p50']:.3f} |")
-    lines += ["", "Log-likelihood gap: (log p of the full prefill's greedy answer after a full prefill − the same "
-              "after the blended KV) / answer tokens, in nats; 0 = the blended KV predicts the answer as well."]
+    lines += ["", *fidelity_lines(result)]
     if result.concurrent:
         lines += ["", f"Concurrent: {spec.clients} clients at once, each blending one timed prompt at the default "
                   f"share, {spec.client_tokens} tokens each.", "",

@@ -45,6 +45,14 @@ def test_fidelity_rows_on_a_tiny_model(chat_llama, tokenizer, new_cache):
     assert full["agree"] == 1.0 and abs(full["loglik_gap_per_token"]) < 1e-4
     assert full["leading_equal"] == spec.answer_tokens and 0 <= zero["leading_equal"] <= spec.answer_tokens
     assert zero["loglik_gap_per_token"] != 0.0
+    assert full["parting_margins"] == [] and len(result.margins) == 1 and len(result.margins[0]) == spec.answer_tokens
+    assert all(m >= 0 for m in result.margins[0])
+    assert [r["dtype"] for r in result.references] == list(spec.reference_dtypes)
+    for ref in result.references:
+        assert 0 <= ref["leading_equal"] <= spec.answer_tokens
+        assert (ref["agree"] == 1.0) == (ref["parting_margins"] == [])
+    text = "\n".join(rag.fidelity_lines(result))
+    assert "Where answers part" in text and "| bfloat16 |" in text
 
 
 def test_concurrent_blending_clients_on_both_engines(chat_llama, tokenizer, new_cache):
