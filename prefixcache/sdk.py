@@ -400,6 +400,9 @@ class PrefixCache:
 
     def run(self, prompt: list[int], options: AnswerOptions, scope: Scope) -> GenerationResult:
         """Answer prompt ids with checked ``options`` in ``scope`` (what ``answer`` does once it parsed them)."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("answering needs a tokenizer for the answer's text: PrefixCache(model, "
+                                      "tokenizer); generate() takes and returns token ids without one")
         if not prompt:
             raise InvalidRequestError("the prompt encodes to zero tokens", param="prompt")
         plan, why_not = blend_plan(options.chunks, options.blend, len(prompt), self.config, options.unplaced)

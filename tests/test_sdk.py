@@ -108,6 +108,15 @@ def test_input_ids_out_of_range_or_not_ints_are_clear_errors(chat_llama, tokeniz
             cache.generate(bad, max_new_tokens=1)
 
 
+def test_answering_without_a_tokenizer_is_a_clear_error_before_any_work(chat_llama, new_cache):
+    """generate() takes ids without a tokenizer; answer() (text out) says it needs one, and computes nothing."""
+    cache = new_cache(chat_llama, start_sweeper=False)
+    with pytest.raises(InvalidRequestError, match="needs a tokenizer"):
+        cache.answer([5, 6, 7], max_new_tokens=2)
+    assert cache.stats()["queries"] == 0 and cache.stats()["bytes"] == 0
+    assert cache.generate([[5, 6, 7]], max_new_tokens=2, do_sample=False).shape == (1, 5)
+
+
 WORDS = ("apple", "river", "stone", "cloud", "maple", "tiger", "lemon", "piano", "ocean", "candle")
 
 

@@ -1,5 +1,6 @@
 """The batching engine on CUDA: fused kernels equal the reference cascade, the start-up check passes
-in float32/bfloat16/float16 and refuses a broken cascade, and float32 answers equal ``generate()``.
+in float32/bfloat16/float16 and refuses a broken cascade, float32 answers equal ``generate()``, and
+documents blend there.
 Skipped without CUDA (the device path is tested where it runs)."""
 from __future__ import annotations
 
@@ -194,3 +195,33 @@ def test_decode_steps_are_captured_in_reduced_precision(dtype):
             if graphs_on:
                 assert engine.runner.graphs.disabled is None and engine.runner.graphs.replays >= 20
     assert answers[True] == answers[False]
+
+
+def test_documents_blend_on_cuda(tokenizer):
+    """float32 on CUDA: a first sight is prefilled and its documents stored; moved documents blended at the
+    default share give, on the batching engine (serving the serial engine's blend), the serial engine's tokens
+    and counts; blended at share 1 they answer as ``generate()``."""
+    model = build_tiny("llama-gqa").to("cuda")
+    ref = untouched(model).to("cuda")
+    head, doc_a, doc_b, tail, other = ([first + (j * m) % 250 for j in range(n)]
+                                       for first, n, m in ((5, 12, 7), (40, 40, 11), (41, 33, 13), (6, 6, 3), (7, 5, 2)))
+    first, moved, again = head + doc_a + doc_b + tail, head + doc_b + doc_a + tail, head + doc_b + doc_a + other
+    spans, moved_spans = ((12, 52), (52, 85)), ((12, 45), (45, 85))
+    opts = {"max_new_tokens": 8, "ignore_eos": True}
+    want = ref.generate(torch.tensor([again], device="cuda"), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                        pad_token_id=0)[0, len(again):].tolist()  # ignore_eos: an end token may come, and not stop
+    got = {}
+    for batching in (True, False):
+        with PrefixCache(model, tokenizer, start_sweeper=False, batching=batching) as pc:
+            assert (pc.batching_disabled_reason is None) == batching
+            seen = pc.answer(first, chunks=spans, **opts)
+            assert seen.stats.chunk_stored_tokens == 73 and seen.stats.chunk_reused_tokens == 0
+            blended = pc.answer(moved, chunks=moved_spans, **opts)
+            assert blended.stats.executor == ("batched" if batching else "serial")
+            assert blended.stats.chunk_reused_tokens > 0 and blended.stats.chunk_recomputed_tokens > 0
+            got[batching] = (list(blended.token_ids), blended.stats.chunk_reused_tokens,
+                             blended.stats.chunk_recomputed_tokens)
+            full = pc.answer(again, chunks=moved_spans, blend=1.0, **opts)
+            assert list(full.token_ids) == want and full.stats.chunk_reused_tokens == 0
+            assert full.stats.chunk_recomputed_tokens == 85 - full.stats.cached_tokens  # every document token after it
+    assert got[True] == got[False]
