@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from prefixcache import CacheConfig, InvalidRequestError
-from prefixcache.serving.blend import BLEND_LOST, FIRST_SIGHT
+from prefixcache.serving.blend import BLEND_FAILED, BLEND_LOST, FIRST_SIGHT
 from tests.conftest import untouched
 
 SYSTEM = {"role": "system", "content": "Answer from the documents."}
@@ -92,6 +92,29 @@ def test_a_blend_evicted_before_the_batching_engine_reads_it_is_prefilled_and_sa
     want = cache.chat([SYSTEM, QUESTION], documents=DOCS[::-1][1:], blend=False, max_new_tokens=8, ignore_eos=True)
     assert got.stats.blend_reason == BLEND_LOST and got.stats.chunk_reused_tokens == 0
     assert list(got.token_ids) == list(want.token_ids)  # computed from nothing: a full prefill's answer
+
+
+@pytest.mark.parametrize("batching", [True, False], ids=["batching", "serial"])
+def test_a_blend_that_fails_is_prefilled_and_said(chat_llama, tokenizer, new_cache, monkeypatch, batching):
+    """A blend that raises (a fault injected into the model-level build) costs the call its speed, not its
+    answer: prefilled, a full prefill's tokens, the reason given; the next call blends again."""
+    cache = new_cache(chat_llama, tokenizer, CacheConfig(block_size=16), start_sweeper=False, batching=batching)
+    cache.chat([SYSTEM, QUESTION], documents=DOCS[:2], max_new_tokens=2)  # a first sight stores the documents
+    build = cache.serial.blender.build
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(cache.serial.blender, "build", broken)
+    got = cache.chat([SYSTEM, QUESTION], documents=DOCS[::-1][1:], max_new_tokens=8, ignore_eos=True)
+    assert got.stats.blend_reason == f"{BLEND_FAILED}: injected fault"
+    assert got.stats.chunk_reused_tokens == got.stats.chunk_recomputed_tokens == 0
+    want = cache.chat([SYSTEM, QUESTION], documents=DOCS[::-1][1:], blend=False, max_new_tokens=8, ignore_eos=True)
+    assert list(got.token_ids) == list(want.token_ids)  # a full prefill's answer
+    assert cache.stats()["blend_fallbacks"] >= 1
+    monkeypatch.setattr(cache.serial.blender, "build", build)
+    again = cache.chat([SYSTEM, QUESTION], documents=[DOCS[2], DOCS[1]], max_new_tokens=2)
+    assert again.stats.blend_reason is None and again.stats.chunk_reused_tokens > 0
 
 
 def test_marked_parts_and_anthropic_text_blocks_are_chunks(cache, tokenizer):

@@ -60,6 +60,8 @@ SELECT_LAYER = 1
 FIRST_SIGHT = "no marked part of the prompt stored yet: prefilled exactly, the parts stored for later prompts"
 #: ``CallStats.blend_reason`` of a call whose blended KV was evicted before the batching engine read it.
 BLEND_LOST = "the blended KV was evicted before use: the rest of the prompt was prefilled"
+#: ``CallStats.blend_reason`` of a call whose blend raised (followed by the error): prefilled instead.
+BLEND_FAILED = "the blend failed, so the prompt was prefilled"
 
 
 def blended_scope(scope: Scope, share: float) -> Scope:

@@ -23,7 +23,7 @@ from prefixcache.cache.scope import Scope
 from prefixcache.cache.store import KVStore
 from prefixcache.errors import GenerationTimeoutError, RequestCancelledError, UnsupportedModelError
 from prefixcache.model.hf_cache import Probe, WorkingCache, probe
-from prefixcache.serving.blend import FIRST_SIGHT, Blender, BlendRequest, blended_scope
+from prefixcache.serving.blend import BLEND_FAILED, FIRST_SIGHT, Blender, BlendRequest, blended_scope
 from prefixcache.serving.options import bypass_reason
 from prefixcache.serving.request import CallStats
 from prefixcache.serving.sampling import fresh_seed
@@ -266,7 +266,12 @@ class SerialEngine:
                 e > exact_lease.cached_tokens for _, e in blend.chunks):
             stats.blend_reason = FIRST_SIGHT
             return WorkingCache(self.layout, [(s.node.kv, s.used) for s in exact_lease.steps], capacity), n, True
-        built = self.blender.build(prompt, blend, prefix, scope, room=capacity)
+        try:
+            built = self.blender.build(prompt, blend, prefix, scope, room=capacity)
+        except Exception as exc:  # noqa: BLE001 - a cache problem: prefill instead, never a wrong answer
+            log.warning("blending a prompt failed, prefilling it instead: %s", exc)
+            stats.blend_reason = f"{BLEND_FAILED}: {exc}"
+            return WorkingCache(self.layout, [(s.node.kv, s.used) for s in exact_lease.steps], capacity), n, False
         reused_prefix = prefix.cached_tokens - exact_lease.cached_tokens if prefix is earlier else 0
         stats.chunk_reused_tokens = reused_prefix + (0 if built is None else built.reused)
         if built is None:
