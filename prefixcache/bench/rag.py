@@ -13,7 +13,9 @@ ways of blending on a third set, the timed half's documents the timed workload l
   serial engine, each with its own store.
 - Fidelity: per held-out prompt, the full prefill's greedy answer and its log-likelihood; per
   recompute share, the blended greedy answer (equal to the full prefill's or not), the
-  log-likelihood of the full prefill's answer under the blended KV, and the first-token time.
+  log-likelihood of the full prefill's answer under the blended KV, and the first-token time; where
+  answers part, the full prefill's top-1 − top-2 logit margin there; as references, the full prefill
+  by copies of the model in bfloat16 and float16 against the float32 one.
 """
 from __future__ import annotations
 
