@@ -111,8 +111,8 @@ class SerialEngine:
         # Its working cache (or generate()'s own) holds the whole sequence: reserved against the KV
         # total first (bounded wait, or ``KVMemoryError``). Seeded inside the model lock, so
         # concurrent calls cannot interleave their draws.
-        # (A blended call's KV is built in that working cache's buffer.)
-        need = self._bytes(n + int(max_new))
+        # A blended call's KV is built in that buffer; a document not stored yet is computed alone beside it.
+        need = self._bytes(n + int(max_new) + _alone_room(blend))
         with self.store.ledger.reserve("serial", need), self._model_lock, \
                 isolated_rng(device, seed if seed is not None else self._entropy()):
             if stats.bypass_reason is not None:
@@ -139,7 +139,7 @@ class SerialEngine:
         sight, a model unable to move keys): served in ``scope`` itself, a plain prefill."""
         assert self.layout is not None
         start, n = self._clock(), len(prompt)
-        with self.store.ledger.reserve("serial", self._bytes(n)), self._model_lock:
+        with self.store.ledger.reserve("serial", self._bytes(n + _alone_room(blend))), self._model_lock:
             lease = self.store.acquire(scope, prompt, n - 1, restore=True)
             leases = [lease]
             try:
@@ -291,6 +291,11 @@ class SerialEngine:
         if self.layout is None:
             return f"model not supported: {self.unsupported_reason}"
         return bypass_reason(config, kwargs) or self.layout.window_reason(total_len)
+
+
+def _alone_room(blend: BlendRequest | None) -> int:
+    """Tokens of working KV a blend needs beside its prompt's: the largest document computed alone (one at a time)."""
+    return 0 if blend is None else max((e - s + 1 for s, e in blend.chunks), default=0)
 
 
 def _check_stop(cancel: threading.Event | None, deadline: float | None, timeout: float | None) -> None:
