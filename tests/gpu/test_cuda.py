@@ -197,12 +197,18 @@ def test_decode_steps_are_captured_in_reduced_precision(dtype):
     assert answers[True] == answers[False]
 
 
-def test_documents_blend_on_cuda(tokenizer):
+def test_documents_blend_on_cuda():
     """float32 on CUDA: a first sight is prefilled and its documents stored; moved documents blended at the
     default share give, on the batching engine (serving the serial engine's blend), the serial engine's tokens
     and counts; blended at share 1 they answer as ``generate()``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     model = build_tiny("llama-gqa").to("cuda")
     ref = untouched(model).to("cuda")
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(model.config.vocab_size)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words)  # built here: nothing to load on the device
     head, doc_a, doc_b, tail, other = ([first + (j * m) % 250 for j in range(n)]
                                        for first, n, m in ((5, 12, 7), (40, 40, 11), (41, 33, 13), (6, 6, 3), (7, 5, 2)))
     first, moved, again = head + doc_a + doc_b + tail, head + doc_b + doc_a + tail, head + doc_b + doc_a + other
