@@ -76,6 +76,27 @@ def test_blended_calls_on_the_batching_engine_answer_as_on_the_serial_one(chat_l
     assert plain.stats.cached_tokens < len(ids) - 1  # the blended prompt was not read as exact KV
 
 
+def test_the_next_turn_reuses_the_blended_prompt_and_answer_on_both_engines(chat_llama, tokenizer, new_cache):
+    """A conversation's second turn (documents marked in its first) finds the first turn's blended prompt and
+    answer in the blended scope: the same tokens and counts on either engine, and the answer's tokens reused."""
+    parts = [{"type": "text", "text": d, "prefixcache_chunk": True} for d in (DOCS[2], DOCS[0])]
+    turn = {"role": "user", "content": [*parts, {"type": "text", "text": QUESTION["content"]}]}
+    seen = {}
+    for batching in (True, False):
+        cache = new_cache(chat_llama, tokenizer, CacheConfig(block_size=16), start_sweeper=False, batching=batching)
+        cache.chat([SYSTEM, QUESTION], documents=DOCS[:2], max_new_tokens=2)  # a first sight stores the documents
+        first = cache.chat([SYSTEM, turn], max_new_tokens=8, ignore_eos=True)
+        follow = [SYSTEM, turn, {"role": "assistant", "content": first.text}, {"role": "user", "content": "And birds?"}]
+        second = cache.chat(follow, max_new_tokens=8, ignore_eos=True)
+        prompt = len(cache.canonicalizer.encode_chat([SYSTEM, turn]).token_ids)
+        # the first turn's prompt and answer tokens, all from the blend: beyond its exact part and its documents
+        assert second.stats.cached_tokens + second.stats.chunk_reused_tokens > prompt
+        assert second.stats.chunk_recomputed_tokens == 0 and second.stats.blend_reason is None
+        seen[batching] = [list(first.token_ids), list(second.token_ids), second.stats.cached_tokens,
+                          second.stats.chunk_reused_tokens]
+    assert seen[True] == seen[False]
+
+
 def test_a_blend_evicted_before_the_batching_engine_reads_it_is_prefilled_and_said(chat_llama, tokenizer, new_cache,
                                                                                   monkeypatch):
     cache = new_cache(chat_llama, tokenizer, CacheConfig(block_size=16), start_sweeper=False)

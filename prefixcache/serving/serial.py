@@ -231,8 +231,9 @@ class SerialEngine:
             tokens = seq[0, :keep].tolist()
             if tokens:
                 stats.stored_tokens = self.store.insert(scope, tokens, cache.slice).stored_tokens
-            if exact < n - 1:  # the blended prompt, for blending calls of the same share only
-                self.store.insert(blended_scope(scope, blend.share), prompt[: n - 1], cache.slice)
+            if exact < n - 1:  # the blended prompt (and answer, as the batching engine keeps it), for blending
+                upto = cache.length if cache_generated else n - 1  # calls of the same share only
+                self.store.insert(blended_scope(scope, blend.share), seq[0, :upto].tolist(), cache.slice)
             if first_sight:  # after the answer: the prompt's documents, computed alone, for later prompts to blend
                 stats.chunk_stored_tokens = self._store_documents(prompt, blend, lease.cached_tokens, scope)
             return out
