@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from prefixcache.cache.hashing import BlockHasher
 from prefixcache.cache.scope import Scope
@@ -12,7 +14,7 @@ from prefixcache.errors import UnsupportedModelError
 from prefixcache.model.blend import kv_deviation, recompute_count, rerotate, select_recompute
 from prefixcache.model.hf_cache import WorkingCache, compute_alone, probe_layout, rerotation_error, rotary_shift
 from prefixcache.serving.blend import CHUNK_PART, Blender, BlendRequest
-from tests.conftest import build_tiny
+from tests.conftest import FakeClock, build_tiny
 
 NS = ("tenant-a", "model")
 SCOPE = Scope(NS, "a")
@@ -149,3 +151,47 @@ def test_a_chunk_is_stored_per_namespace(blender):
     assert (mine.cached_tokens, theirs.cached_tokens) == (e - s, 0)
     blender.store.release(mine)
     blender.store.release(theirs)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_layout_of_documents_blends_consistently(model, data):
+    """Random prompts, document spans (touching, at either end, cut by a cached prefix) and shares: the counts
+    add up to the document tokens after the prefix, the part reported exact equals a full prefill, share 1 is
+    a full prefill everywhere, and share 0 leaves each document's placed tokens as computed alone."""
+    layout, shift = probe_layout(model), rotary_shift(model)
+    store = KVStore(CacheConfig(block_size=8), BlockHasher(0), FakeClock())
+    blender = Blender(model, layout, store)
+    assert blender.prepare() is None
+    n = data.draw(st.integers(10, 40), label="n")
+    prompt = data.draw(st.lists(st.integers(2, 299), min_size=n, max_size=n), label="prompt")
+    cuts = sorted(data.draw(st.sets(st.integers(0, n), min_size=2, max_size=8), label="cuts"))
+    spans = tuple(zip(cuts[::2], cuts[1::2]))
+    share = data.draw(st.sampled_from([0.0, 0.3, 1.0]), label="share")
+    full = _full_kv(model, prompt)
+    cached = data.draw(st.sampled_from([0, 8, 16]), label="cached")
+    if 0 < cached < n - 1:
+        store.insert(SCOPE, prompt[:cached], lambda a, b: full[:, :, :, a:b].clone())
+    lease = store.acquire(SCOPE, prompt, n - 1)
+    cached = lease.cached_tokens
+    try:
+        out = blender.build(prompt, BlendRequest(spans, share), lease, SCOPE)
+    finally:
+        store.release(lease)
+    end = n - 1
+    placed = [(max(s, cached), min(e, end), s, e) for s, e in spans if min(e, end) > max(s, cached)]
+    event(f"cached {cached}, {'blended' if placed else 'no document after it'}")
+    if not placed:
+        assert out is None
+        return
+    total = sum(hi - lo for lo, hi, _, _ in placed)
+    assert out.reused + out.recomputed == total and out.recomputed == recompute_count(total, share)
+    assert cached <= out.exact <= end and out.buffer.shape[3] == end
+    tol = 2e-5 * float(full.abs().max())
+    torch.testing.assert_close(out.buffer[:, :, :, : out.exact], full[:, :, :, : out.exact], rtol=0, atol=tol)
+    if share == 1.0:
+        assert out.exact == end
+    if share == 0.0:
+        for lo, hi, s, e in placed:
+            alone = rerotate(compute_alone(model, layout, prompt[s:e]).slice(0, e - s), s, shift)
+            torch.testing.assert_close(out.buffer[:, :, :, lo:hi], alone[:, :, :, lo - s : hi - s], rtol=0, atol=tol)
