@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from prefixcache import CacheConfig, InvalidRequestError
+from prefixcache import CacheConfig, InvalidRequestError, PrefixCache
 from prefixcache.serving.blend import BLEND_FAILED, BLEND_LOST, FIRST_SIGHT
 from tests.conftest import untouched
 
@@ -180,3 +182,29 @@ def test_bad_input_is_refused_with_its_parameter(cache, call, param):
     with pytest.raises(InvalidRequestError) as info:
         call(cache)
     assert info.value.param == param
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(calls=st.lists(st.tuples(st.permutations(range(len(DOCS))), st.integers(1, len(DOCS)),
+                                st.sampled_from([None, 0.0, 0.5, 1.0])), min_size=2, max_size=4))
+def test_any_sequence_of_blended_calls_answers_alike_on_both_engines(chat_llama, tokenizer, calls):
+    """Random sequences of calls (documents in any order and combination, shares default/0/0.5/1): the batching
+    engine gives the serial engine's tokens and counts call by call; share 1 answers as a full prefill."""
+    caches = [PrefixCache(chat_llama, tokenizer, CacheConfig(block_size=16), start_sweeper=False, batching=batching)
+              for batching in (True, False)]
+    try:
+        for order, count, share in calls:
+            documents = [DOCS[i] for i in order[:count]]
+            options = {"max_new_tokens": 4, "ignore_eos": True, **({} if share is None else {"blend": share})}
+            got, want = (c.chat([SYSTEM, QUESTION], documents=documents, **options) for c in caches)
+            assert list(got.token_ids) == list(want.token_ids)
+            for field in ("cached_tokens", "chunk_reused_tokens", "chunk_recomputed_tokens", "chunk_stored_tokens",
+                          "blend_reason"):
+                assert getattr(got.stats, field) == getattr(want.stats, field), field
+            if share == 1.0:
+                plain = caches[1].chat([SYSTEM, QUESTION], documents=documents, blend=False, max_new_tokens=4,
+                                       ignore_eos=True)
+                assert list(want.token_ids) == list(plain.token_ids)
+    finally:
+        for cache in caches:
+            cache.close()
