@@ -55,7 +55,8 @@ class Variant:
 
 VARIANTS = {v.name: v for v in [
     Variant("share 0%", share=0.0), Variant("share 15%"), Variant("share 30%", share=0.30),
-    Variant("share 50%", share=0.50), Variant("layer 3", layer=3), Variant("layer 6", layer=6),
+    Variant("share 50%", share=0.50), Variant("share 80%", share=0.80), Variant("share 95%", share=0.95),
+    Variant("layer 3", layer=3), Variant("layer 6", layer=6),
     Variant("oracle 15%", score="oracle"), Variant("oracle 30%", share=0.30, score="oracle"),
     Variant("sink bos", head="bos"), Variant("sink user header", head="user"),
     Variant("attention", score="attention"), Variant("exact 0-14", exact=14), Variant("exact 0-21", exact=21),
