@@ -228,7 +228,7 @@ def _fidelity(result: RagResult, model, cache: PrefixCache, held_out: list[RagPr
                         "leading_equal": statistics.fmean(r["lead"]),
                         "loglik_gap_per_token": statistics.fmean(r["gap"]),
                         "loglik_gap_max": max(r["gap"]), "ttft_p50": statistics.median(r["ttft"]),
-                        "parting_margins": [m[j] for m, j in zip(result.margins, r["lead"]) if j < len(m)]}
+                        "parting_margins": _parting(result.margins, r["lead"])}
                        for share, r in rows.items()]
     _references(result, model, held_out, answers, spec, progress, clock)
 
@@ -245,8 +245,13 @@ def _references(result: RagResult, model, held_out: list[RagPrompt], answers: li
         del low
         result.references.append({"dtype": name, "agree": sum(j == len(a) for j, a in zip(leads, answers)) / len(leads),
                                   "leading_equal": statistics.fmean(leads),
-                                  "parting_margins": [m[j] for m, j in zip(result.margins, leads) if j < len(m)]})
+                                  "parting_margins": _parting(result.margins, leads)})
         progress(f"rag fidelity reference {name}")
+
+
+def _parting(margins: list[list[float]], leads: list[int]) -> list[float]:
+    """Per prompt whose answer parts: the full prefill's margin at the first differing step."""
+    return [m[j] for m, j in zip(margins, leads) if j < len(m)]
 
 
 def _leading(got: list[int], answer: list[int]) -> int:

@@ -67,6 +67,11 @@ class Lease:
     #: ``KVStore.writes`` when the match was taken: while it is unchanged, a new match finds no more.
     version: int = -1
 
+    @property
+    def segments(self) -> list[tuple[torch.Tensor, int]]:
+        """The matched snapshots and the tokens used of each, in order (a ``WorkingCache``'s segments)."""
+        return [(step.node.kv, step.used) for step in self.steps]
+
 
 @dataclass(frozen=True, slots=True)
 class InsertResult:

@@ -169,7 +169,7 @@ class Blender:
         what is not stored yet; returns how many of its tokens were computed now."""
         lease = self.store.acquire(chunks, tokens, len(tokens), restore=True)
         try:
-            segments = [(step.node.kv, step.used) for step in lease.steps]
+            segments = lease.segments
             stored = 0
             if lease.cached_tokens < len(tokens):
                 cache = compute_alone(self.model, self.layout, tokens, segments)

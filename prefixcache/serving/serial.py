@@ -185,7 +185,7 @@ class SerialEngine:
             lease = self.store.acquire(scope, tokens, len(tokens), restore=True)
             try:
                 stats.cached_tokens = lease.cached_tokens
-                cache = WorkingCache(self.layout, [(s.node.kv, s.used) for s in lease.steps], len(tokens))
+                cache = WorkingCache(self.layout, lease.segments, len(tokens))
                 for start in range(lease.cached_tokens, len(tokens), self.prewarm_chunk):
                     _check_stop(cancel, deadline, timeout)
                     ids = torch.tensor([tokens[start : start + self.prewarm_chunk]], device=self.layout.device)
@@ -219,7 +219,7 @@ class SerialEngine:
                 stats.blend_reason = f"model not supported: {unable}"
             first_sight = False
             if blend is None or unable:
-                cache, exact = WorkingCache(self.layout, [(s.node.kv, s.used) for s in lease.steps], n + max_new), n
+                cache, exact = WorkingCache(self.layout, lease.segments, n + max_new), n
             else:
                 cache, exact, first_sight = self._blend(prompt, blend, leases, scope, n + max_new, stats)
             mask = torch.ones_like(input_ids)
@@ -266,18 +266,18 @@ class SerialEngine:
         if prefix is exact_lease and self.blender.stored(prompt, blend, exact_lease.cached_tokens, scope) == 0 and any(
                 e > exact_lease.cached_tokens for _, e in blend.chunks):
             stats.blend_reason = FIRST_SIGHT
-            return WorkingCache(self.layout, [(s.node.kv, s.used) for s in exact_lease.steps], capacity), n, True
+            return WorkingCache(self.layout, exact_lease.segments, capacity), n, True
         try:
             built = self.blender.build(prompt, blend, prefix, scope, room=capacity)
         except Exception as exc:  # noqa: BLE001 - a cache problem: prefill instead, never a wrong answer
             log.warning("blending a prompt failed, prefilling it instead: %s", exc)
             stats.blend_reason = f"{BLEND_FAILED}: {exc}"
-            return WorkingCache(self.layout, [(s.node.kv, s.used) for s in exact_lease.steps], capacity), n, False
+            return WorkingCache(self.layout, exact_lease.segments, capacity), n, False
         reused_prefix = prefix.cached_tokens - exact_lease.cached_tokens if prefix is earlier else 0
         stats.chunk_reused_tokens = reused_prefix + (0 if built is None else built.reused)
         if built is None:
             exact = exact_lease.cached_tokens if prefix is earlier else n
-            return WorkingCache(self.layout, [(s.node.kv, s.used) for s in prefix.steps], capacity), exact, False
+            return WorkingCache(self.layout, prefix.segments, capacity), exact, False
         stats.chunk_recomputed_tokens, stats.chunk_stored_tokens = built.recomputed, built.stored
         exact = exact_lease.cached_tokens if prefix is earlier else built.exact
         return WorkingCache.adopt(self.layout, built.buffer, n - 1), exact, False
