@@ -16,6 +16,7 @@ and ``unservable`` sends later calls to the serial engine.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import threading
@@ -188,6 +189,8 @@ class BatchEngine:
         self._thread = threading.Thread(target=self._run, name="prefixcache-batching", daemon=True)
         if self.layout is not None:
             self._thread.start()
+            # A caller that never closes: the loop stops before the interpreter finalizes, not inside a step.
+            atexit.register(self.close)
 
     # -- public --------------------------------------------------------------------
     @property
@@ -284,6 +287,7 @@ class BatchEngine:
         return self.store.bytes + sum(pool.nbytes for pool in pools.values())
 
     def close(self) -> None:
+        atexit.unregister(self.close)
         with self._cv:
             self._closed = True
             self._cv.notify_all()

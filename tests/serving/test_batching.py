@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -484,3 +485,26 @@ def test_batch_config_rejects_out_of_range_values(field, value):
     with pytest.raises(ConfigError, match=field):
         BatchConfig(**{field: value})
     BatchConfig(fold_max_tokens=0, pool_max_tokens=0)  # both 0 are meaningful: never copy / always own pool
+
+
+def test_an_engine_never_closed_stops_before_the_interpreter_exits():
+    """A script that never closes its cache: the batching loop is stopped at exit (a hook registered before the
+    cache runs after the engine's own and finds the loop thread gone), not left running into finalization."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import atexit, threading
+        atexit.register(lambda: print("loop alive at exit:",
+                                      any(t.name == "prefixcache-batching" for t in threading.enumerate())))
+        from prefixcache import PrefixCache
+        from tests.conftest import build_tiny
+        cache = PrefixCache(build_tiny("llama-gqa"), start_sweeper=False)
+        assert cache.batching_disabled_reason is None
+        cache.generate([[5, 6, 7, 8]], max_new_tokens=2, do_sample=False)
+    """)
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "loop alive at exit: False" in proc.stdout, proc.stdout
