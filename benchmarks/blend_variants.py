@@ -18,6 +18,12 @@ Variants (every one re-rotates each document's KV, computed alone, to its place 
 - ``exact=K``: layers 0..K recomputed for every token, no token recomputed above;
 - ``lead``: each document's first tokens always among the share recomputed (where the document's
   computation alone put its attention sink and, in these prompts, its title), the rest by deviation;
+- ``mean correction``: the tokens left reused shifted, per document, layer above L, KV and head, by a mean
+  change (keys compared before their rotation): ``oracle`` the full prefill's change over the whole document
+  (a bound on any such shift; it needs the full prefill), ``recomputed`` the change the recompute made to the
+  document's recomputed tokens (biased: they were chosen for deviating most), ``recomputed, half`` that change
+  halved, ``sample`` a third of the share spent on tokens evenly spread over the documents, their change the
+  estimate;
 - ``bound: layers 0-K reused``: the full prefill's KV everywhere but the documents' layers 0..K, which are
   as computed alone: how much reuse the answers tolerate even with every layer above exact (a bound on
   any scheme that reuses those layers; it needs the full prefill it would save).
@@ -34,7 +40,7 @@ import torch
 from prefixcache.bench.rag import RagPrompt, RagSpec, _generate, _loglik, documents, prompts
 from prefixcache.config import CacheConfig
 from prefixcache.loading import load_default_model
-from prefixcache.model.blend import kv_deviation, recompute_count, rerotate
+from prefixcache.model.blend import kv_deviation, recompute_count, rerotate, rotate_half
 from prefixcache.model.hf_cache import BlendCache, WorkingCache, blend_forward, compute_alone
 from prefixcache.sdk import PrefixCache
 
@@ -51,6 +57,8 @@ class Variant:
     exact: int | None = None  # layers 0..exact recomputed for every token (share unused)
     lead: int = 0  # each document's first ``lead`` tokens always among those recomputed (within the share)
     reuse_below: int | None = None  # bound: the full prefill's KV, but documents' layers < this as computed alone
+    correct: str = ""  # "" | oracle | recomputed | sample: the mean change reused tokens are shifted by
+    scale: float = 1.0  # of that change
 
 
 VARIANTS = {v.name: v for v in [
@@ -61,8 +69,49 @@ VARIANTS = {v.name: v for v in [
     Variant("sink bos", head="bos"), Variant("sink user header", head="user"),
     Variant("attention", score="attention"), Variant("exact 0-14", exact=14), Variant("exact 0-21", exact=21),
     Variant("lead 16", lead=16),
+    Variant("mean correction, oracle", correct="oracle"), Variant("mean correction, recomputed", correct="recomputed"),
+    Variant("mean correction, recomputed, half", correct="recomputed", scale=0.5),
+    Variant("mean correction, sample", correct="sample"),
     *(Variant(f"bound: layers 0-{k - 1} reused", reuse_below=k) for k in (2, 4, 8)),
 ]}
+
+
+def mean_change(change: torch.Tensor, positions: torch.Tensor, rotation) -> torch.Tensor:
+    """``change`` ``[L, 2, H, m, D]`` of tokens at ``positions``: its mean over the tokens ``[L, 2, H, 1, D]``, keys
+    rotated back to position 0 first (a rotated key's change is the rotated change of the key before rotation)."""
+    cos, sin = rotation[0][positions], rotation[1][positions]
+    keys = change[:, 0].float()
+    return torch.stack([keys * cos - rotate_half(keys) * sin, change[:, 1].float()], dim=1).mean(dim=3, keepdim=True)
+
+
+def shift_by(kv: torch.Tensor, positions: torch.Tensor, change: torch.Tensor, rotation, scale: float) -> None:
+    """Add ``scale`` times ``change`` (``mean_change``'s) to ``kv`` ``[L, 2, H, n, D]`` at ``positions``, keys rotated."""
+    if positions.numel():
+        cos, sin = rotation[0][positions], rotation[1][positions]
+        kv[:, 0, :, positions] += (scale * (change[:, 0] * cos + rotate_half(change[:, 0]) * sin)).to(kv.dtype)
+        kv[:, 1, :, positions] += (scale * change[:, 1]).expand_as(kv[:, 1, :, positions]).to(kv.dtype)
+
+
+class MeanCorrecting(BlendCache):
+    """A blend forward that, on each layer above ``stop``, shifts each document's reused tokens by the mean change
+    the forward makes to the document's tokens in ``estimate_from`` (a subset of the rows it computes)."""
+
+    def __init__(self, buffer, positions, chunks, estimate_from, computed, stop: int, rotation, scale: float):
+        super().__init__(buffer, positions)
+        row = torch.full((buffer.shape[3],), -1, dtype=torch.long)
+        row[positions] = torch.arange(positions.numel())
+        self.groups = [(torch.arange(s, e)[estimate_from[s:e]], torch.arange(s, e)[~computed[s:e]]) for s, e in chunks]
+        self.row, self.stop, self.rotation, self.scale = row, stop, rotation, scale
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if layer_idx > self.stop:
+            new = torch.stack([key_states[0], value_states[0]]).to(self.buffer.dtype)  # [2, H, T, D]
+            for sample, rest in self.groups:
+                if sample.numel() and rest.numel():
+                    change = new[:, :, self.row[sample]] - self.buffer[layer_idx, :, :, sample]
+                    shift_by(self.buffer[layer_idx : layer_idx + 1], rest,
+                             mean_change(change[None], sample, self.rotation), self.rotation, self.scale)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
 class Lab:
@@ -115,7 +164,14 @@ class Lab:
                     for s, e in p.chunks:
                         head[s : min(e, s + v.lead)] = True
                     score[head[positions]] = float("inf")
-                order = torch.sort(score, descending=True, stable=True).indices[:k]
+                spread = k // 3 if v.correct == "sample" else 0
+                order = torch.sort(score, descending=True, stable=True).indices[: k - spread]
+                if spread:
+                    rest = torch.ones(positions.numel(), dtype=torch.bool)
+                    rest[order] = False
+                    rest = torch.nonzero(rest).flatten()
+                    sample = rest[torch.linspace(0, rest.numel() - 1, spread).round().long()]
+                    order = torch.cat([order, sample])
                 chosen = positions[order]
         elif k:
             chosen = positions
@@ -123,8 +179,29 @@ class Lab:
         compute[:first] = False
         compute[chosen] = True
         todo = torch.nonzero(compute).flatten()
-        blend_forward(self.model, torch.tensor([ids[i] for i in todo.tolist()]), BlendCache(buf, todo))
+        cache = BlendCache(buf, todo)
+        if v.correct:
+            stop = min(v.layer, layout.num_layers - 1)
+            rotation = self._rotation(end)
+            if v.correct == "oracle":
+                full = compute_alone(self.model, layout, ids[:end]).slice(0, end)
+                for s, e in p.chunks:
+                    rest = torch.arange(s, e)[~compute[s:e]]
+                    change = mean_change(full[stop + 1 :, :, :, s:e] - buf[stop + 1 :, :, :, s:e], torch.arange(s, e), rotation)
+                    shift_by(buf[stop + 1 :], rest, change, rotation, v.scale)
+            else:
+                estimate_from = compute.clone() if v.correct == "recomputed" else torch.zeros_like(compute)
+                if v.correct == "sample":
+                    estimate_from[chosen[k - k // 3 :]] = True
+                cache = MeanCorrecting(buf, todo, [(s, e) for s, e in p.chunks], estimate_from, compute, stop, rotation,
+                                       v.scale)
+        blend_forward(self.model, torch.tensor([ids[i] for i in todo.tolist()]), cache)
         return buf
+
+    def _rotation(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[n, D]`` of the rotation to each position ``0..n-1``."""
+        cos, sin = zip(*(self.blender.shift(i) for i in range(n)))
+        return torch.stack(cos), torch.stack(sin)
 
     def _score(self, buf, ids, rows, v: Variant, stop: int, end: int, watch: int | None) -> torch.Tensor:
         """Per token after the system prompt: what the variant ranks by. Leaves layers 0..stop a full prefill's."""

@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from benchmarks.blend_variants import VARIANTS, Lab, Variant
+from benchmarks.blend_variants import VARIANTS, Lab, Variant, mean_change, shift_by
 from prefixcache import PrefixCache
 from prefixcache.bench import rag
 
@@ -29,3 +29,24 @@ def test_every_variant_builds_and_a_full_recompute_answers_as_a_full_prefill(cha
             # The system prompt before the first document is always a full prefill's.
             first = prompt.chunks[0][0]
             torch.testing.assert_close(kv[:, :, :, :first], full[:, :, :, :first], rtol=1e-4, atol=1e-5)
+
+
+def test_a_mean_change_shift_moves_the_mean_of_keys_before_rotation_exactly():
+    generator = torch.Generator().manual_seed(0)
+    layers, heads, n, dim = 2, 3, 9, 8
+    angles = torch.arange(n, dtype=torch.float32)[:, None] * torch.cat([torch.linspace(0.1, 1, dim // 2)] * 2)
+    rotation = (angles.cos(), angles.sin())
+    kv = torch.randn(layers, 2, heads, n, dim, generator=generator)
+    target = torch.randn(layers, 2, heads, n, dim, generator=generator)
+    positions = torch.arange(2, 7)
+    change = mean_change(target[:, :, :, positions] - kv[:, :, :, positions], positions, rotation)
+    before = kv.clone()
+    shift_by(kv, positions, change, rotation, 1.0)
+    after = mean_change(target[:, :, :, positions] - kv[:, :, :, positions], positions, rotation)
+    torch.testing.assert_close(after, torch.zeros_like(after), atol=1e-5, rtol=0)
+    # Tokens outside ``positions`` are left alone, and each moved key moved by the same change rotated to its place.
+    outside = torch.ones(n, dtype=torch.bool)
+    outside[positions] = False
+    assert torch.equal(kv[:, :, :, outside], before[:, :, :, outside])
+    moved = mean_change(kv[:, :, :, positions] - before[:, :, :, positions], positions, rotation)
+    torch.testing.assert_close(moved, change, atol=1e-5, rtol=0)
