@@ -35,15 +35,14 @@ def main() -> None:
     args = parser.parse_args()
 
     model, tokenizer = load_model(args.model) if args.model else load_default_model()
-    cache = PrefixCache(model, tokenizer, CacheConfig())
-    system = {"role": "system", "content": system_prompt(args.system_tokens, tokenizer)}
-    for label, question in (("cold", "Can I return a tent I bought three weeks ago?"),
-                            ("hit ", "How much does express delivery cost?")):
-        res = cache.chat([system, {"role": "user", "content": question}], max_new_tokens=args.max_new_tokens)
-        print(f"[{label}] prompt={res.usage.prompt_tokens} cached={res.usage.cached_tokens} "
-              f"ttft={res.stats.ttft_seconds:.3f}s  {res.text!r}")
-    print(cache.stats())
-    cache.close()
+    with PrefixCache(model, tokenizer, CacheConfig()) as cache:  # closed on leaving: its engine stops
+        system = {"role": "system", "content": system_prompt(args.system_tokens, tokenizer)}
+        for label, question in (("cold", "Can I return a tent I bought three weeks ago?"),
+                                ("hit ", "How much does express delivery cost?")):
+            res = cache.chat([system, {"role": "user", "content": question}], max_new_tokens=args.max_new_tokens)
+            print(f"[{label}] prompt={res.usage.prompt_tokens} cached={res.usage.cached_tokens} "
+                  f"ttft={res.stats.ttft_seconds:.3f}s  {res.text!r}")
+        print(cache.stats())
 
 
 if __name__ == "__main__":

@@ -33,15 +33,15 @@ def main() -> None:
     rng = random.Random(0)
     draw = lambda n: [rng.randrange(100, 40_000) for _ in range(n)]  # noqa: E731
     system = draw(args.system_tokens)
-    cache = PrefixCache(model, tokenizer, start_sweeper=False)
-    cold, hit = [], []
-    for _ in range(args.repeats):
-        cache.flush()
-        cache.generate(torch.tensor([system + draw(args.question_tokens)]), max_new_tokens=1, do_sample=False)
-        cold.append(cache.last_call.ttft_seconds)
-        cache.generate(torch.tensor([system + draw(args.question_tokens)]), max_new_tokens=1, do_sample=False)
-        assert cache.last_call.cached_tokens == args.system_tokens, cache.last_call
-        hit.append(cache.last_call.ttft_seconds)
+    with PrefixCache(model, tokenizer, start_sweeper=False) as cache:  # closed on leaving: its engine stops
+        cold, hit = [], []
+        for _ in range(args.repeats):
+            cache.flush()
+            cache.generate(torch.tensor([system + draw(args.question_tokens)]), max_new_tokens=1, do_sample=False)
+            cold.append(cache.last_call.ttft_seconds)
+            cache.generate(torch.tensor([system + draw(args.question_tokens)]), max_new_tokens=1, do_sample=False)
+            assert cache.last_call.cached_tokens == args.system_tokens, cache.last_call
+            hit.append(cache.last_call.ttft_seconds)
     c, h = statistics.median(cold), statistics.median(hit)
     print(f"dtype={args.dtype} system={args.system_tokens} question={args.question_tokens} repeats={args.repeats}")
     print(f"cold TTFT median {c:.3f}s  ({', '.join(f'{x:.3f}' for x in cold)})")
