@@ -1,6 +1,6 @@
 """Ways to choose what a blend recomputes, side by side on a development set (never the held-out one).
 
-Run: ``python -m benchmarks.blend_variants [--prompts 12] [--variants NAME ...]`` (embedded default model,
+Run: ``python -m benchmarks.blend_variants [--prompts 12] [--variants NAME ...] [--near-ties TAU ...]`` (embedded default model,
 float32; about 25 s per variant and 12 prompts on 2 cores). The prompts are built like the ``rag``
 workload's from the documents of its timed half that the timed workload does not use, so nothing here
 touches the held-out fidelity set. Per variant: greedy 16-token answers equal to the full prefill's, how
@@ -27,6 +27,11 @@ Variants (every one re-rotates each document's KV, computed alone, to its place 
 - ``bound: layers 0-K reused``: the full prefill's KV everywhere but the documents' layers 0..K, which are
   as computed alone: how much reuse the answers tolerate even with every layer above exact (a bound on
   any scheme that reuses those layers; it needs the full prefill it would save).
+
+``--near-ties TAU ...`` measures a safety net instead: answer from what ``Blender`` builds (15 %), and at
+the first step whose top-1 − top-2 logit margin is under TAU switch to the exact KV (the prompt and the
+answer so far prefilled) for the rest: how many answers then equal the full prefill's, and how many
+prompts needed the switch (each switch costs the full prefill the blend saved).
 """
 from __future__ import annotations
 
@@ -232,6 +237,17 @@ class Lab:
             out.append(int(self.model(input_ids=torch.tensor([out[-1:]]), past_key_values=kv).logits[0, -1].argmax()))
         return out[1:]
 
+    def margins(self, buf: torch.Tensor, p: RagPrompt, tokens: int) -> tuple[list[int], list[float]]:
+        """The greedy answer from ``buf`` and the top-1 − top-2 logit margin of each of its steps."""
+        kv = WorkingCache(self.layout, [(buf, len(p.ids) - 1)], len(p.ids) + tokens)
+        out, margins = [p.ids[-1]], []
+        for _ in range(tokens):
+            logits = self.model(input_ids=torch.tensor([out[-1:]]), past_key_values=kv).logits[0, -1]
+            top = logits.topk(2).values
+            margins.append(float(top[0] - top[1]))
+            out.append(int(logits.argmax()))
+        return out[1:], margins
+
     def loglik(self, buf: torch.Tensor, p: RagPrompt, answer: list[int]) -> float:
         kv = WorkingCache(self.layout, [(buf, len(p.ids) - 1)], len(p.ids) + len(answer))
         return _loglik(self.model(input_ids=torch.tensor([[p.ids[-1], *answer[:-1]]]), past_key_values=kv).logits[0],
@@ -243,6 +259,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--answer-tokens", type=int, default=16)
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--near-ties", nargs="*", type=float, metavar="TAU",
+                        help="measure switching to the exact KV at the first margin under TAU (no variants)")
     args = parser.parse_args()
     model, tokenizer = load_default_model(dtype=torch.float32)
     spec = RagSpec()
@@ -256,6 +274,9 @@ def main() -> None:
             references.append((answer, _loglik(logits, answer)))
         print(f"{len(dev)} development prompts of {min(len(p.ids) for p in dev)}-{max(len(p.ids) for p in dev)} "
               f"tokens, {args.answer_tokens}-token greedy answers\n")
+        if args.near_ties:
+            near_ties(lab, dev, references, args.near_ties, args.answer_tokens)
+            return
         print("| variant | answers = full prefill | leading tokens equal (mean) | log-likelihood gap per token |")
         print("|---|---|---|---|")
         for name in args.variants:
@@ -268,6 +289,24 @@ def main() -> None:
                 gaps.append((full - lab.loglik(buf, p, answer)) / len(answer))
             print(f"| {name} | {equal}/{len(dev)} | {statistics.fmean(lead):.1f} | {statistics.fmean(gaps):.4f} |",
                   flush=True)
+
+
+def near_ties(lab: Lab, dev: list[RagPrompt], references, taus: list[float], tokens: int) -> None:
+    """Per TAU: answers equal to the full prefill's when the blend's answer switches to the exact KV at its first
+    step with a margin under TAU; how many prompts switched, and at which step on average."""
+    runs = [lab.margins(lab.build(p, VARIANTS["share 15%"]), p, tokens) for p in dev]
+    print("| switch to the exact KV below a margin of | answers = full prefill | prompts switched | step of the switch (mean) |")
+    print("|---|---|---|---|")
+    for tau in taus:
+        equal, steps = 0, []
+        for p, (answer, _), (got, margins) in zip(dev, references, runs):
+            step = next((i for i, m in enumerate(margins) if m < tau), None)
+            if step is not None:
+                steps.append(step)
+                got = got[:step] + _generate(lab.model, p.ids + got[:step], tokens - step, time.perf_counter)[0]
+            equal += got == answer
+        mean = f"{statistics.fmean(steps):.1f}" if steps else "-"
+        print(f"| {tau:g} | {equal}/{len(dev)} | {len(steps)}/{len(dev)} | {mean} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -5,12 +5,12 @@ import time
 
 import torch
 
-from benchmarks.blend_variants import VARIANTS, Lab, Variant, mean_change, shift_by
+from benchmarks.blend_variants import VARIANTS, Lab, Variant, mean_change, near_ties, shift_by
 from prefixcache import PrefixCache
 from prefixcache.bench import rag
 
 
-def test_every_variant_builds_and_a_full_recompute_answers_as_a_full_prefill(chat_llama, tokenizer, new_cache):
+def test_every_variant_builds_and_a_full_recompute_answers_as_a_full_prefill(chat_llama, tokenizer, new_cache, capsys):
     spec = rag.RagSpec(per_prompt=(2, 2))
     cache: PrefixCache = new_cache(chat_llama, tokenizer, start_sweeper=False, batching=False)
     prompt = rag.prompts(cache, rag.documents(tokenizer, spec, 0)[spec.documents : spec.documents + 3], 1, spec,
@@ -29,6 +29,13 @@ def test_every_variant_builds_and_a_full_recompute_answers_as_a_full_prefill(cha
             # The system prompt before the first document is always a full prefill's.
             first = prompt.chunks[0][0]
             torch.testing.assert_close(kv[:, :, :, :first], full[:, :, :, :first], rtol=1e-4, atol=1e-5)
+        got, margins = lab.margins(none, prompt, 3)
+        assert got == lab.answer(none, prompt, 3) and len(margins) == 3 and min(margins) >= 0
+        # Switching to the exact KV before the first step is a full prefill's answer; never switching, the blend's.
+        near_ties(lab, [prompt], [(answer, 0.0)], [float("inf"), 0.0], 3)
+        blended = int(lab.answer(lab.build(prompt, VARIANTS["share 15%"]), prompt, 3) == answer)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| inf") or line.startswith("| 0 ")]
+    assert rows == ["| inf | 1/1 | 1/1 | 0.0 |", f"| 0 | {blended}/1 | 0/1 | - |"]
 
 
 def test_a_mean_change_shift_moves_the_mean_of_keys_before_rotation_exactly():
