@@ -21,6 +21,7 @@ from prefixcache.errors import CapacityError, ContextLengthExceededError, Invali
 from prefixcache.loading import model_fingerprint
 from prefixcache.model.hf_cache import probe
 from prefixcache.model.layout import long_tensor
+from prefixcache.model.threads import WorkerThreads
 from prefixcache.serving import prompt_cache
 from prefixcache.serving.blend import blend_plan, with_documents
 from prefixcache.serving.breakpoints import Breakpoints, CacheUsage
@@ -113,7 +114,9 @@ class PrefixCache:
             unicode_normalization=self.config.unicode_normalization)
         self.store = KVStore(self.config, BlockHasher(self.config.hash_seed, hash_fn), clock, on_evict)
         support = probe(self.model)  # the model's KV layout, once for both engines
-        self.serial = SerialEngine(self.model, self.store, clock, support=support)
+        # Threads that compute and then wait give their CPU workers back (``model/threads.py``).
+        threads = WorkerThreads.of_torch()
+        self.serial = SerialEngine(self.model, self.store, clock, support=support, threads=threads)
         self.breakpoints = Breakpoints(self.store, self.config.breakpoint_min_tokens)
         self.prompt_records = PromptRecords(clock)
         # Every call the batching engine reproduces exactly runs there (continuous batching with
@@ -123,14 +126,14 @@ class PrefixCache:
             # A BatchConfig as given; else sized for the device, with a mapping's fields over those defaults.
             batch_config = batching if isinstance(batching, (BatchConfig, dict)) else None
             self.batcher = BatchEngine(self.model, self.store, clock, batch_config, self.config.cache_generated,
-                                       support=support)
+                                       support=support, threads=threads)
         self.dispatcher = Dispatcher(self.serial, self.batcher, self.config.cache_generated)
         self.tiers: TierChain | None = None
         layout = self.serial.layout
         if layout is not None:
             self.tiers = build_chain(self.config, KVShape(layout.num_layers, layout.num_kv_heads, layout.head_dim,
                                                           self.config.block_size, layout.dtype, layout.device),
-                                     wall_clock)
+                                     wall_clock, idle=threads.release)
             self.store.attach(self.tiers)
         self._model_key = tuple(model_fingerprint(model))
         self._local = threading.local()
@@ -139,6 +142,7 @@ class PrefixCache:
         if start_sweeper and self.config.ttl_seconds is not None:
             self._sweeper = threading.Thread(target=self._sweep_loop, name="prefixcache-sweeper", daemon=True)
             self._sweeper.start()
+        threads.release()  # the probes above ran on this thread, which computes no more until a serial call
 
     # -- identity ------------------------------------------------------------------
     @property

@@ -34,6 +34,7 @@ from prefixcache.errors import ConfigError, EngineFaultError, GenerationTimeoutE
 from prefixcache.model.hf_cache import Probe, check_cascade, enable_cascade_attention, probe
 from prefixcache.model.layout import KVLayout
 from prefixcache.model.step_graphs import Capture, device_capture
+from prefixcache.model.threads import WorkerThreads
 from prefixcache.serving.model_runner import ModelRunner
 from prefixcache.serving.request import CallStats, Request, SamplingParams, Status, finish_reason
 from prefixcache.serving.sampling import Sampler, fresh_seed
@@ -149,8 +150,11 @@ class BatchEngine:
     def __init__(self, model: torch.nn.Module, store: KVStore, clock: Callable[[], float],
                  config: BatchConfig | dict[str, Any] | None = None, cache_generated: bool = True,
                  entropy: Callable[[], int] = fresh_seed, step_capture: Capture | None = None,
-                 support: Probe | None = None):
+                 support: Probe | None = None, threads: WorkerThreads | None = None):
         self.model, self.store, self._clock = model, store, clock
+        # CPU workers of a thread about to wait go back (``model/threads.py``): the loop's when it idles,
+        # a caller's as it submits, the constructing thread's after the self-check below.
+        self._threads = threads if threads is not None else WorkerThreads.of_torch()
         # None or a mapping of fields: sized for the device once its layout is known, the mapping over it.
         overrides = None if isinstance(config, BatchConfig) else dict(config or {})
         for name in set(overrides or ()) - {f.name for f in dataclasses.fields(BatchConfig)}:
@@ -184,6 +188,8 @@ class BatchEngine:
         except UnsupportedModelError as exc:
             self.disabled_reason = str(exc)
             log.warning("batching disabled: %s", exc)
+        finally:
+            self._threads.release()
         self._cv = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="prefixcache-batching", daemon=True)
@@ -233,6 +239,7 @@ class BatchEngine:
         reason = self.unservable(len(prompt), params)
         if reason is not None:
             raise UnsupportedModelError(reason)
+        self._threads.release()  # the caller waits from here on; the loop's thread computes
         req = Request(list(prompt), scope, params, self._clock(), on_token, cancel, stop)
         sampler = Sampler(params, len(req.prompt))
         req.sampler = None if sampler.argmax_only else sampler  # None: the step's one batched argmax
@@ -316,6 +323,7 @@ class BatchEngine:
         while True:
             with self._cv:
                 while not self._closed and not sched.waiting and not sched.running:
+                    self._threads.release()
                     self._cv.wait()
                 if self._closed:
                     break

@@ -23,6 +23,7 @@ from prefixcache.cache.scope import Scope
 from prefixcache.cache.store import KVStore
 from prefixcache.errors import GenerationTimeoutError, RequestCancelledError, UnsupportedModelError
 from prefixcache.model.hf_cache import Probe, WorkingCache, probe
+from prefixcache.model.threads import WorkerThreads
 from prefixcache.serving.blend import BLEND_FAILED, FIRST_SIGHT, Blender, BlendRequest, blended_scope
 from prefixcache.serving.options import bypass_reason
 from prefixcache.serving.request import CallStats
@@ -77,12 +78,15 @@ class SerialEngine:
     ``seed`` (their RNG is isolated too). It counts nothing: its caller (``Dispatcher``) does."""
 
     def __init__(self, model: torch.nn.Module, store: KVStore, clock: Callable[[], float],
-                 entropy: Callable[[], int] = fresh_seed, support: Probe | None = None):
+                 entropy: Callable[[], int] = fresh_seed, support: Probe | None = None,
+                 threads: WorkerThreads | None = None):
         self.model = model
         self.store = store
         self._clock = clock
         self._entropy = entropy
         self._model_lock = threading.Lock()
+        # The calling thread's CPU workers go back after each call (``model/threads.py``).
+        self._threads = threads if threads is not None else WorkerThreads.of_torch()
         self.prewarm_chunk = PREWARM_CHUNK_TOKENS
         support = support if support is not None else probe(model)  # ``support``: probed by the caller
         self.layout, self.unsupported_reason = support.layout, support.unsupported_reason
@@ -113,7 +117,7 @@ class SerialEngine:
         # concurrent calls cannot interleave their draws.
         # A blended call's KV is built in that buffer; a document not stored yet is computed alone beside it.
         need = self._bytes(n + int(max_new) + _alone_room(blend))
-        with self.store.ledger.reserve("serial", need), self._model_lock, \
+        with self.store.ledger.reserve("serial", need), self._holding_model(), \
                 isolated_rng(device, seed if seed is not None else self._entropy()):
             if stats.bypass_reason is not None:
                 out = self.model.generate(input_ids, generation_config=generation_config, **kwargs)
@@ -139,7 +143,7 @@ class SerialEngine:
         sight, a model unable to move keys): served in ``scope`` itself, a plain prefill."""
         assert self.layout is not None
         start, n = self._clock(), len(prompt)
-        with self.store.ledger.reserve("serial", self._bytes(n + _alone_room(blend))), self._model_lock:
+        with self.store.ledger.reserve("serial", self._bytes(n + _alone_room(blend))), self._holding_model():
             lease = self.store.acquire(scope, prompt, n - 1, restore=True)
             leases = [lease]
             try:
@@ -165,7 +169,7 @@ class SerialEngine:
     def store_documents(self, prompt: list[int], blend: BlendRequest, cached: int, scope: Scope) -> int:
         """After a first sight served elsewhere: its documents computed alone and stored (``Blender.store_alone``);
         returns the tokens stored. A failure is logged: it concerns later calls only."""
-        with self._model_lock:
+        with self._holding_model():
             return self._store_documents(prompt, blend, cached, scope)
 
     def prefill(self, tokens: list[int], scope: Scope, pin: bool, privileged: bool = False,
@@ -181,7 +185,7 @@ class SerialEngine:
             raise UnsupportedModelError(self.unsupported_reason or "model not supported")
         deadline = None if timeout is None else time.monotonic() + timeout
         stats = CallStats(prompt_tokens=len(tokens), executor="serial")
-        with self.store.ledger.reserve("prewarm", self._bytes(len(tokens)), cancel), self._model_lock:
+        with self.store.ledger.reserve("prewarm", self._bytes(len(tokens)), cancel), self._holding_model():
             lease = self.store.acquire(scope, tokens, len(tokens), restore=True)
             try:
                 stats.cached_tokens = lease.cached_tokens
@@ -197,6 +201,15 @@ class SerialEngine:
             finally:
                 self.store.release(lease)
         return stats
+
+    @contextlib.contextmanager
+    def _holding_model(self) -> Iterator[None]:
+        """Hold the model (one call at a time); afterwards the calling thread's CPU workers go back."""
+        try:
+            with self._model_lock:
+                yield
+        finally:
+            self._threads.release()
 
     def _bytes(self, tokens: int) -> int:
         """KV bytes of ``tokens`` tokens (0 for a model whose layout is unknown)."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
+import time
 
 import pytest
 import torch
@@ -99,6 +101,26 @@ def test_write_through_writes_at_once_and_expired_blocks_are_not_written(tmp_pat
     store.sweep()  # an expired block is gone for good: nothing more is written
     chain.flush_writes(5)
     assert chain.stats()["disk"]["write_backs"] == 6
+    chain.close()
+
+
+def test_the_writer_thread_calls_idle_each_time_before_it_waits(tmp_path, clock):
+    """(The cache passes ``WorkerThreads.release``: the writer's CPU workers go back while it waits.)"""
+    calls: list[str] = []
+    store = make_store(clock, blocks_budget=100)
+    chain = disk_chain(tmp_path, policy="write-through", idle=lambda: calls.append(threading.current_thread().name))
+    store.attach(chain)
+
+    def idled(times: int) -> bool:
+        deadline = time.monotonic() + 10
+        while len(calls) < times and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return len(calls) >= times
+
+    assert idled(1)  # started with nothing to write
+    insert(store, "a", SEQ)
+    assert chain.flush_writes(5) and idled(2)  # written, then idle again
+    assert set(calls) == {"prefixcache-tier-writer"}
     chain.close()
 
 

@@ -20,11 +20,12 @@ def keys(secret: bytes = SECRET, block_size: int = 4) -> BlockKeys:
 
 
 def disk_chain(path, block_size: int = 4, budget: int = 1 << 20, clock=None, policy: str = "write-back",
-               secret: bytes = SECRET, queue_bytes: int = 1 << 20, encrypt: bool = False) -> TierChain:
+               secret: bytes = SECRET, queue_bytes: int = 1 << 20, encrypt: bool = False,
+               idle=lambda: None) -> TierChain:
     wall = clock if clock is not None else (lambda: 1_000_000.0)
     tier = DiskTier(path, budget, wall)
     return TierChain([tier], keys(secret, block_size), shape(block_size), write_policy=policy,
-                     queue_bytes=queue_bytes, clock=wall, encrypt=encrypt)
+                     queue_bytes=queue_bytes, clock=wall, encrypt=encrypt, idle=idle)
 
 
 def block_files(path) -> list:

@@ -14,13 +14,15 @@ __all__ = ["KVShape", "TierChain", "TierPurgeError", "build_chain"]
 log = logging.getLogger(__name__)
 
 
-def build_chain(config: CacheConfig, shape: KVShape, clock: Callable[[], float] = time.time) -> TierChain | None:
+def build_chain(config: CacheConfig, shape: KVShape, clock: Callable[[], float] = time.time,
+                idle: Callable[[], None] = lambda: None) -> TierChain | None:
     """The tiers ``config`` asks for, in order host, disk, Redis; None when it asks for none.
 
     The host tier is left out when the KV lives on the CPU already. Without
     ``hash_secret`` a disk tier keeps a random secret in its directory (so it survives a
     restart); with no disk tier the secret is drawn per process. A tier that cannot start
-    releases those started before it (the disk tier's directory lock) and raises.
+    releases those started before it (the disk tier's directory lock) and raises. ``idle``: called by
+    the chain's writer thread before it waits for blocks.
     """
     tiers: list = []
     try:
@@ -51,7 +53,7 @@ def build_chain(config: CacheConfig, shape: KVShape, clock: Callable[[], float] 
         else:
             secret = secrets.token_bytes(MIN_SECRET_BYTES)
         return TierChain(tiers, BlockKeys(secret, shape.name), shape, write_policy=config.tier_write_policy,
-                         queue_bytes=config.tier_queue_bytes, clock=clock, encrypt=config.tier_encrypt)
+                         queue_bytes=config.tier_queue_bytes, clock=clock, encrypt=config.tier_encrypt, idle=idle)
     except BaseException:
         for tier in tiers:
             tier.close()

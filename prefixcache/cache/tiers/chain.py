@@ -58,7 +58,8 @@ class KVShape:
 class TierChain:
     def __init__(self, tiers: Sequence[Tier], keys: BlockKeys, shape: KVShape, *, write_policy: str = "write-back",
                  queue_bytes: int = 256 << 20, clock: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic, encrypt: bool = False):
+                 monotonic: Callable[[], float] = time.monotonic, encrypt: bool = False,
+                 idle: Callable[[], None] = lambda: None):
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {WRITE_POLICIES}")
         self.tiers = list(tiers)
@@ -67,6 +68,7 @@ class TierChain:
         self.write_through = write_policy == "write-through"
         self.queue_bytes = queue_bytes
         self._clock, self._monotonic = clock, monotonic
+        self._idle = idle  # the writer thread, about to wait for blocks (``WorkerThreads.release``)
         self._cv = threading.Condition()
         self._queue: deque[tuple[EvictedSnapshot, float | None]] = deque()  # (block, wall-clock expiry)
         self._pending = 0  # bytes queued or being written
@@ -125,6 +127,7 @@ class TierChain:
         while True:
             with self._cv:
                 while not self._queue and not self._closed:
+                    self._idle()
                     self._cv.wait()
                 if not self._queue:
                     return
