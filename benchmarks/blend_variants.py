@@ -254,14 +254,14 @@ class Lab:
                        answer)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--answer-tokens", type=int, default=16)
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--near-ties", nargs="*", type=float, metavar="TAU",
                         help="measure switching to the exact KV at the first margin under TAU (no variants)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     model, tokenizer = load_default_model(dtype=torch.float32)
     spec = RagSpec()
     with PrefixCache(model, tokenizer, CacheConfig(ttl_seconds=None), batching=False, start_sweeper=False) as cache, \

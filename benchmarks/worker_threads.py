@@ -67,10 +67,10 @@ def callers(model, tokenizer) -> tuple[float, list[list[int]]]:
         return time.perf_counter() - t0, out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     model, tokenizer = load_default_model(dtype=torch.float32)
     if not WorkerThreads.of_torch().active:
         raise SystemExit("torch here does not run CPU operators on libgomp: nothing is released either way")
