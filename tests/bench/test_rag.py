@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import statistics
 
 from prefixcache import PrefixCache
 from prefixcache.bench import add_arguments, rag, run
@@ -68,3 +69,30 @@ def test_concurrent_blending_clients_on_both_engines(chat_llama, tokenizer, new_
     assert (serial["executors"], batching["executors"]) == (["serial"], ["batched"])
     assert serial["blended"] == batching["blended"] == 3 and batching["same_answers"]
     assert batching["tokens_per_s"] > 0 and serial["ttft_p50"] > 0
+
+
+def test_timed_arms_on_both_engines_each_against_prefix_reuse_on_its_engine(chat_llama, tokenizer, new_cache):
+    """The timed table's arms, the batching engine's (how the SDK serves by default) beside the serial engine's."""
+    import time
+
+    spec = rag.RagSpec(timed_shares=(0.15,), per_prompt=(2, 2), output_tokens=2)
+    serial = {name: new_cache(chat_llama, tokenizer, start_sweeper=False, batching=False)
+              for name in (rag.PREFIX_ONLY, rag._arm(0.15))}
+    default = serial[rag.PREFIX_ONLY].config.blend_recompute_share
+    batched = {name + rag.ON_BATCHING: new_cache(chat_llama, tokenizer, start_sweeper=False)
+               for name in (rag.PREFIX_ONLY, rag._arm(default))}
+    timed = rag.prompts(serial[rag.PREFIX_ONLY], rag.documents(tokenizer, spec, 0)[: spec.documents], 3, spec, "timed")
+    result = rag.RagResult(spec, {"cpu": "cpu", "cpus": 1, "torch_threads": 1, "torch": "t", "transformers": "t"},
+                           default)
+    rag._timed(result, chat_llama, {**serial, **batched}, timed, spec, lambda line: None, time.perf_counter)
+    assert list(result.ttft) == ["no cache (generate)", rag.PREFIX_ONLY, rag._arm(0.15), *batched]
+    assert all(len(v) == 3 and all(t > 0 for t in v) for v in result.ttft.values())
+    assert result.prefix_answers_equal == 3
+    blended = batched[rag._arm(default) + rag.ON_BATCHING]
+    assert blended.last_call.executor == "batched" and blended.last_call.chunk_reused_tokens > 0
+    result.full_ttft = [1.0]
+    table = rag.markdown(result)
+    p50 = {arm: statistics.median(v) for arm, v in result.ttft.items()}
+    ratio = p50[rag._arm(default) + rag.ON_BATCHING] / p50[rag.PREFIX_ONLY + rag.ON_BATCHING]
+    assert f"| {rag._arm(default)}{rag.ON_BATCHING} | {p50[rag._arm(default) + rag.ON_BATCHING]:.3f} |" in table
+    assert f"{ratio:.2f}x |" in table
