@@ -115,7 +115,7 @@ class PrefixCache:
         self.store = KVStore(self.config, BlockHasher(self.config.hash_seed, hash_fn), clock, on_evict)
         support = probe(self.model)  # the model's KV layout, once for both engines
         # Threads that compute and then wait give their CPU workers back (``model/threads.py``).
-        threads = WorkerThreads.of_torch()
+        self._threads = threads = WorkerThreads.of_torch()
         self.serial = SerialEngine(self.model, self.store, clock, support=support, threads=threads)
         self.breakpoints = Breakpoints(self.store, self.config.breakpoint_min_tokens)
         self.prompt_records = PromptRecords(clock)
@@ -559,6 +559,7 @@ class PrefixCache:
             self.store.sweep()
             if self.tiers is not None:
                 self.tiers.sweep()
+            self._threads.release()  # an eviction may have copied KV; the sweeper waits again
 
     def _canon(self) -> Canonicalizer:
         if self.canonicalizer is None:
