@@ -71,7 +71,8 @@ def steady_step_seconds(engine: BatchEngine, prompts: list[list[int]], new_token
         stamps.append(time.monotonic())
 
     params = SamplingParams(max_new_tokens=new_tokens)
-    reqs = [engine.submit(p, SCOPE, params, on_token=stamp if i == 0 else None) for i, p in enumerate(prompts)]
+    with engine._cv:  # the loop plans once every prompt waits (a reentrant lock): they start together
+        reqs = [engine.submit(p, SCOPE, params, on_token=stamp if i == 0 else None) for i, p in enumerate(prompts)]
     results = [engine.wait(r) for r in reqs]
     last_first = max(r.stats.ttft_seconds for r in results)
     start = reqs[0].arrival + last_first  # the engine's clock is time.monotonic: every request is decoding

@@ -377,9 +377,10 @@ def test_followers_of_a_stored_prefix_prefill_together():
     try:
         prefix = list(range(10, 74))  # 64 tokens: several prefill steps for the leader
         prompts = [prefix + [100 + i, 101, 102] for i in range(4)]
-        requests = [engine.submit(p, SCOPE, params(3),
-                                  on_token=lambda _t, i=i: first_step.setdefault(i, engine.steps))
-                    for i, p in enumerate(prompts)]
+        with engine._cv:  # the loop plans once all four wait (a reentrant lock): a burst, on any machine
+            requests = [engine.submit(p, SCOPE, params(3),
+                                      on_token=lambda _t, i=i: first_step.setdefault(i, engine.steps))
+                        for i, p in enumerate(prompts)]
         results = [engine.wait(r) for r in requests]
         leader = min(range(4), key=lambda i: results[i].stats.cached_tokens)
         followers = [i for i in range(4) if i != leader]
@@ -411,8 +412,9 @@ def test_a_leader_reads_its_stored_prompt_in_place_with_its_followers():
     try:
         prefix = list(range(10, 74))  # 64 tokens: more than pool_max_tokens, so the leader starts in its own pool
         prompts = [prefix + [100 + i, 101, 102] for i in range(4)]
-        for i, p in enumerate(prompts):
-            requests.append(engine.submit(p, SCOPE, params(4), on_token=on_token(i)))
+        with engine._cv:  # the loop plans once all four wait (a reentrant lock): a burst, on any machine
+            for i, p in enumerate(prompts):
+                requests.append(engine.submit(p, SCOPE, params(4), on_token=on_token(i)))
         results = [engine.wait(r) for r in requests]
         assert [r.stats.cached_tokens for r in results] == [0, 64, 64, 64]  # request 0 led
         assert first == {i: (64, 3, True) for i in range(4)}, first  # leader too: 64 read in place, 3 private
@@ -437,7 +439,8 @@ def test_own_history_is_copied_into_private_system_prompt_read_in_place(fold_max
                 h += [60 + 10 * u + turn, 61 + 10 * u, 62 + turn]
                 h += engine.generate(h, SCOPE, SamplingParams(max_new_tokens=5)).tokens
         prompts = [h + [90 + u, 91] for u, h in enumerate(history)]
-        reqs = [engine.submit(p, SCOPE, params(6)) for p in prompts]
+        with engine._cv:  # the loop plans once all three wait (a reentrant lock): each sees the others share the system prompt
+            reqs = [engine.submit(p, SCOPE, params(6)) for p in prompts]
         for req, prompt in zip(reqs, prompts):
             got = engine.wait(req, timeout=60)
             assert got.tokens == expected(ref, prompt, 6)

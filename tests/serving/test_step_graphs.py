@@ -40,10 +40,11 @@ def engine_with(model, capture, **cfg):
 def answers(engine, prompts, news, seeds=None):
     """Every prompt submitted at once (they decode together, and leave at different steps)."""
     reqs = []
-    for i, (p, n) in enumerate(zip(prompts, news)):
-        seed = None if seeds is None else seeds[i]
-        params = SamplingParams(max_new_tokens=n, temperature=None if seed is None else 0.8, seed=seed)
-        reqs.append(engine.submit(p, SCOPE, params))
+    with engine._cv:  # the loop plans once all wait (a reentrant lock): at once on any machine
+        for i, (p, n) in enumerate(zip(prompts, news)):
+            seed = None if seeds is None else seeds[i]
+            params = SamplingParams(max_new_tokens=n, temperature=None if seed is None else 0.8, seed=seed)
+            reqs.append(engine.submit(p, SCOPE, params))
     return [engine.wait(r, timeout=60).tokens for r in reqs]
 
 
