@@ -1,9 +1,9 @@
 """What idle threads' CPU workers cost the batching engine: releasing them (``model/threads.py``) against keeping them.
 
-Run: ``python -m benchmarks.worker_threads [--rounds 2]`` (embedded default model, float32, CPU; ~3 min
-a round). Each round runs both ways, in turn: "kept" with ``WorkerThreads.release`` a no-op (what
-every thread did before: the thread that built the cache, and the batching loop between requests, keep
-their OpenMP team), "released" as shipped. Per way, on a fresh cache with the batching engine:
+Run: ``python -m benchmarks.worker_threads [--rounds 2]`` (embedded default model, float32, CPU; ~2 min
+a round). Each round runs both ways, in turn: "kept" with ``WorkerThreads.release`` a no-op (torch's
+default: the thread that built the cache, and the batching loop between requests, keep their OpenMP
+team while they live), "released" as shipped. Per way, on a fresh cache with the batching engine:
 
 - the ``rag`` workload's 16 timed prompts, one after another: TTFT p50 with prefix reuse only, and
   blended at the default share (each on its own cache; the serial engine blends, the loop answers);
