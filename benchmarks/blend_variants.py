@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixcache.bench.rag import RagPrompt, RagSpec, _generate, _loglik, documents, prompts
+from prefixcache.bench.rag import RagPrompt, RagSpec, _generate, _leading, _loglik, documents, prompts
 from prefixcache.config import CacheConfig
 from prefixcache.loading import load_default_model
 from prefixcache.model.blend import kv_deviation, recompute_count, rerotate, rotate_half
@@ -231,11 +231,7 @@ class Lab:
         return deviation * seen["attention"][rows] if v.score == "attention" else deviation
 
     def answer(self, buf: torch.Tensor, p: RagPrompt, tokens: int) -> list[int]:
-        kv = WorkingCache(self.layout, [(buf, len(p.ids) - 1)], len(p.ids) + tokens)
-        out = [p.ids[-1]]
-        for _ in range(tokens):
-            out.append(int(self.model(input_ids=torch.tensor([out[-1:]]), past_key_values=kv).logits[0, -1].argmax()))
-        return out[1:]
+        return self.margins(buf, p, tokens)[0]
 
     def margins(self, buf: torch.Tensor, p: RagPrompt, tokens: int) -> tuple[list[int], list[float]]:
         """The greedy answer from ``buf`` and the top-1 − top-2 logit margin of each of its steps."""
@@ -285,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
                 buf = lab.build(p, VARIANTS[name])
                 got = lab.answer(buf, p, len(answer))
                 equal += got == answer
-                lead.append(next((i for i, (a, b) in enumerate(zip(got, answer)) if a != b), len(answer)))
+                lead.append(_leading(got, answer))
                 gaps.append((full - lab.loglik(buf, p, answer)) / len(answer))
             print(f"| {name} | {equal}/{len(dev)} | {statistics.fmean(lead):.1f} | {statistics.fmean(gaps):.4f} |",
                   flush=True)
