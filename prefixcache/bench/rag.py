@@ -239,7 +239,7 @@ def _fidelity(result: RagResult, model, cache: PrefixCache, held_out: list[RagPr
                         "leading_equal": statistics.fmean(r["lead"]),
                         "loglik_gap_per_token": statistics.fmean(r["gap"]),
                         "loglik_gap_max": max(r["gap"]), "ttft_p50": statistics.median(r["ttft"]),
-                        "parting_margins": _parting(result.margins, r["lead"])}
+                        "parting_margins": _parting(result.margins, r["lead"]), "leads": r["lead"]}
                        for share, r in rows.items()]
     _references(result, model, held_out, answers, spec, progress, clock)
 
@@ -256,8 +256,17 @@ def _references(result: RagResult, model, held_out: list[RagPrompt], answers: li
         del low
         result.references.append({"dtype": name, "agree": sum(j == len(a) for j, a in zip(leads, answers)) / len(leads),
                                   "leading_equal": statistics.fmean(leads),
-                                  "parting_margins": _parting(result.margins, leads)})
+                                  "parting_margins": _parting(result.margins, leads), "leads": leads})
         progress(f"rag fidelity reference {name}")
+
+
+def stable_agreement(result: RagResult, dtype: str) -> tuple[int, list[tuple[float, int]]]:
+    """Answers a full prefill in ``dtype`` leaves as float32's (how many prompts) and, per share, how many of those
+    the blend reproduces: agreement on the answers plain attention in a lower precision does not move."""
+    ref = next(r for r in result.references if r["dtype"] == dtype)
+    n = result.spec.answer_tokens
+    stable = [i for i, lead in enumerate(ref["leads"]) if lead == n]
+    return len(stable), [(row["share"], sum(row["leads"][i] == n for i in stable)) for row in result.fidelity]
 
 
 def _parting(margins: list[list[float]], leads: list[int]) -> list[float]:
@@ -387,6 +396,11 @@ def fidelity_lines(result: RagResult) -> list[str]:
                   "| full prefill in | greedy answer = float32 full prefill's | leading tokens equal (mean) |",
                   "|---|---|---|"]
         lines += [f"| {r['dtype']} | {r['agree']:.0%} | {r['leading_equal']:.1f} |" for r in result.references]
+        for ref in (r for r in result.references if r["agree"] < 1):  # where that dtype moved an answer
+            count, rows = stable_agreement(result, ref["dtype"])
+            lines += ["", f"On the {count} prompts whose float32 answer the {ref['dtype']} full prefill also gives "
+                      "(answers plain attention in that dtype does not move), blended answers equal to the full "
+                      "prefill's: " + ", ".join(f"{share:.0%} {agree}/{count}" for share, agree in rows) + "."]
     return lines
 
 

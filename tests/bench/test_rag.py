@@ -54,6 +54,14 @@ def test_fidelity_rows_on_a_tiny_model(chat_llama, tokenizer, new_cache):
         assert (ref["agree"] == 1.0) == (ref["parting_margins"] == [])
     text = "\n".join(rag.fidelity_lines(result))
     assert "Where answers part" in text and "| bfloat16 |" in text
+    for ref in result.references:  # agreement on the answers the lower precision leaves alone
+        count, rows = rag.stable_agreement(result, ref["dtype"])
+        assert count == (1 if ref["agree"] == 1.0 else 0)
+        assert rows == [(0.0, count if zero["agree"] == 1.0 else 0), (1.0, count)]
+        if ref["agree"] < 1:  # a dtype that moved no answer adds no line
+            assert f"{ref['dtype']} full prefill also gives" in text and f"100% {count}/{count}." in text
+        else:
+            assert f"the {ref['dtype']} full prefill also gives" not in text
 
 
 def test_concurrent_blending_clients_on_both_engines(chat_llama, tokenizer, new_cache):
@@ -96,3 +104,24 @@ def test_timed_arms_on_both_engines_each_against_prefix_reuse_on_its_engine(chat
     ratio = p50[rag._arm(default) + rag.ON_BATCHING] / p50[rag.PREFIX_ONLY + rag.ON_BATCHING]
     assert f"| {rag._arm(default)}{rag.ON_BATCHING} | {p50[rag._arm(default) + rag.ON_BATCHING]:.3f} |" in table
     assert f"{ratio:.2f}x |" in table
+
+
+def test_agreement_on_the_answers_a_lower_precision_leaves_alone():
+    """Only prompts whose float32 answer the lower-precision full prefill reproduces count, per share."""
+    spec = rag.RagSpec(answer_tokens=4, shares=(0.0, 0.15, 1.0))
+    result = rag.RagResult(spec, {}, 0.15, margins=[[1.0] * 4] * 4)
+    result.fidelity = [{"share": 0.0, "leads": [4, 0, 1, 4], "parting_margins": []},
+                       {"share": 0.15, "leads": [4, 4, 3, 2], "parting_margins": []},
+                       {"share": 1.0, "leads": [4, 4, 4, 4], "parting_margins": []}]
+    result.fidelity = [{**row, "agree": 0.0, "first_token": 0.0, "leading_equal": 0.0, "loglik_gap_per_token": 0.0,
+                        "loglik_gap_max": 0.0, "ttft_p50": 0.0} for row in result.fidelity]
+    result.full_ttft = [1.0] * 4
+    result.references = [{"dtype": "bfloat16", "agree": 0.5, "leading_equal": 3.0, "parting_margins": [1.0, 1.0],
+                          "leads": [4, 2, 0, 4]},
+                         {"dtype": "float16", "agree": 1.0, "leading_equal": 4.0, "parting_margins": [],
+                          "leads": [4, 4, 4, 4]}]
+    assert rag.stable_agreement(result, "bfloat16") == (2, [(0.0, 2), (0.15, 1), (1.0, 2)])
+    assert rag.stable_agreement(result, "float16") == (4, [(0.0, 2), (0.15, 2), (1.0, 4)])
+    text = "\n".join(rag.fidelity_lines(result))
+    assert "On the 2 prompts whose float32 answer the bfloat16 full prefill also gives" in text
+    assert "0% 2/2, 15% 1/2, 100% 2/2." in text and "the float16 full prefill also gives" not in text
