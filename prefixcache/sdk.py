@@ -510,7 +510,10 @@ class PrefixCache:
         scope = None if tenant is None else self._tenant(tenant)
         freed = self.store.flush(scope)
         if tiers and self.tiers is not None:
-            self.tiers.purge(scope)
+            try:
+                self.tiers.purge(scope)
+            finally:  # what a restore brought back from a tier before the purge reached it (one reading the
+                freed += self.store.flush(scope)  # tiers across this flush stores nothing: KVStore.flushes)
         return freed
 
     def sweep(self) -> int:

@@ -225,6 +225,27 @@ def test_fingerprint_is_stable_and_tells_weights_apart(tiny_llama):
     assert model_fingerprint(a)[3] != model_fingerprint(b)[3]
 
 
+@pytest.mark.parametrize("edit", ["merged adapter", "one element"])
+def test_fingerprint_sees_a_change_to_any_tensor(tiny_llama, edit, monkeypatch):
+    """A fine-tune or merged adapter may touch only some tensors, none of them the first, middle or last:
+    its KV must never be read as the original model's (the namespace differs)."""
+    import prefixcache.loading
+
+    monkeypatch.setattr(prefixcache.loading, "_CHUNK_BYTES", 24)  # a parameter in several chunks
+    a, _ = load_model(str(tiny_llama))
+    b, _ = load_model(str(tiny_llama))
+    attention = b.model.layers[0].self_attn
+    with torch.no_grad():
+        if edit == "merged adapter":  # W + B @ A on the value and output projections only
+            for proj in (attention.v_proj, attention.o_proj):
+                out, inp = proj.weight.shape
+                proj.weight.add_(0.01 * torch.randn(out, 2) @ torch.randn(2, inp))
+        else:  # one element of one tensor
+            attention.k_proj.weight.view(-1)[1] += 0.5
+    assert model_fingerprint(a)[:3] == model_fingerprint(b)[:3]
+    assert model_fingerprint(a)[3] != model_fingerprint(b)[3]
+
+
 @pytest.mark.parametrize("bad", ["fp33", "int8", "", torch.int64, 32])
 def test_bad_dtype_raises_config_error(tiny_llama, tmp_path, bad):
     with pytest.raises(ConfigError, match="dtype"):

@@ -48,8 +48,9 @@ class LowerTiers(Protocol):
         """Blocks just stored (write-through) or pinned (called under the store's lock: must not block)."""
 
     def restore(self, namespace: tuple[str, ...], tokens: Sequence[int], first: int,
-                limit: int) -> tuple[int, torch.Tensor] | None:
-        """``(end, kv)``: the KV of ``tokens[first:end]`` from the tiers (``end <= limit``), or None."""
+                limit: int, tenant: str) -> tuple[int, torch.Tensor] | None:
+        """``(end, kv)``: the KV of ``tokens[first:end]`` (of ``tenant``'s namespace) from the tiers
+        (``end <= limit``), or None."""
 
 
 #: Returns a fresh tensor holding the KV of tokens [start, end), shape [L, 2, H, end-start, D].
@@ -71,6 +72,10 @@ class Lease:
     def segments(self) -> list[tuple[torch.Tensor, int]]:
         """The matched snapshots and the tokens used of each, in order (a ``WorkingCache``'s segments)."""
         return [(step.node.kv, step.used) for step in self.steps]
+
+
+class FlushedMeanwhile(LookupError):
+    """A restore's tier read came before a flush that its insert would come after: nothing is stored."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ from prefixcache.cache.eviction import evict_to, expire, flush_all, make_room, m
 from prefixcache.cache.handles import (
     EvictedSnapshot,
     EvictHook,
+    FlushedMeanwhile,
     InsertResult,
     KVSlicer,
     Lease,
@@ -62,6 +63,7 @@ class KVStore:
         #: expired one in use a new deadline), so a lease taken at the current count is still the longest
         #: match (``Lease.version``).
         self.writes = 0
+        self.flushes = 0  # flushes so far: a restore that read the tiers across one stores nothing
         self.bytes = 0
         self.tenant_bytes: Counter[str] = Counter()
         # Eviction and expiry candidates and per-tenant totals (evictions too), kept in step with every node change.
@@ -156,7 +158,7 @@ class KVStore:
 
     # -- write path ----------------------------------------------------------------
     def insert(self, scope: Scope, tokens: Sequence[int], slice_kv: KVSlicer, pin: bool = False,
-               privileged: bool = False, _restoring: bool = False) -> InsertResult:
+               privileged: bool = False, _restoring: bool = False, _flushes: int | None = None) -> InsertResult:
         """Store the KV of ``tokens`` (all of them) in ``scope``, block by block, kept for ``scope.ttl_seconds``.
 
         Blocks are added root-first, so what is stored is always a prefix of
@@ -165,9 +167,12 @@ class KVStore:
         ``privileged``, a pin whose newly pinned bytes would take the tenant's pinned
         bytes over ``config.pin_quota_bytes`` raises ``PinQuotaExceededError`` before
         anything is stored or evicted. With lower tiers attached, new blocks (write-through
-        policy) or the whole pinned path are queued for them.
+        policy) or the whole pinned path are queued for them. A restore passes ``_flushes``, the
+        count it saw before reading the tiers: after a flush since, ``FlushedMeanwhile`` (nothing stored).
         """
         with self._lock:
+            if _flushes is not None and _flushes != self.flushes:
+                raise FlushedMeanwhile("a flush came between this restore's tier read and its insert")
             self.writes += 1
             now = self._clock()
             tenant = scope.tenant
@@ -332,6 +337,7 @@ class KVStore:
     def flush(self, tenant: str | None = None) -> int:
         """Drop every prefix (of one tenant, or all). Prefixes in use die on release."""
         with self._lock:
+            self.flushes += 1
             freed = flush_all(self, tenant)
             self._compact()
             return freed

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -139,12 +140,21 @@ def test_dashboard_queries_name_real_metrics():
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
 
 
-def test_compose_example_in_its_header_is_a_valid_api_keys_value():
-    header = (ROOT / "docker-compose.yml").read_text().splitlines()[:5]
-    line = next(h for h in header if "PREFIXCACHE_API_KEYS=" in h)
-    value = shlex.split(line.lstrip("# ").split("PREFIXCACHE_API_KEYS=", 1)[1])[0]
-    keys = Settings(api_keys=json.loads(value), admin_key="x").api_keys
-    assert keys == {"sk-team-a-7f3c9e1b5d2a8f64": "team-a", "sk-team-b-0c6e4a9d1f7b3e25": "team-b"}
+@pytest.mark.parametrize("path", ["docker-compose.yml", "deploy/replicas/compose.yml"])
+def test_compose_example_in_its_header_makes_fresh_api_keys(path):
+    """The header's commands, run by a shell up to ``docker compose``, give a valid PREFIXCACHE_API_KEYS with
+    keys made on the spot (no key printed in a file anyone can copy)."""
+    header = [h.removeprefix("#").strip() for h in (ROOT / path).read_text().splitlines()[:8]]
+    start = next(i for i, h in enumerate(header) if h.startswith("export TEAM_A_KEY="))
+    end = next(i for i in range(start, len(header)) if "docker compose" in header[i])
+    script = "\n".join([*header[start:end], header[end].split(" docker compose", 1)[0]])
+    script = script.replace("PREFIXCACHE_API_KEYS=", "export PREFIXCACHE_API_KEYS=") + '\nprintf %s "$PREFIXCACHE_API_KEYS"'
+    values = [subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
+              for _ in range(2)]
+    keys = [Settings(api_keys=json.loads(v), admin_key="x").api_keys for v in values]
+    assert set(keys[0].values()) == set(keys[1].values()) and "team-a" in keys[0].values()
+    assert all(re.fullmatch(r"sk-team-[ab]-[0-9a-f]{32}", k) for k in [*keys[0], *keys[1]])
+    assert not set(keys[0]) & set(keys[1])  # fresh each time
 
 
 def test_proxy_page_documents_every_route():

@@ -76,6 +76,42 @@ def test_a_restore_continues_after_the_device_match(tiered):
     store.check_integrity()
 
 
+class FlushDuringRead:
+    """The chain, with a flush of the store landing while a restore reads the tiers (between read and insert)."""
+
+    def __init__(self, store, chain, tenant):
+        self.store, self.chain, self.tenant = store, chain, tenant
+        self.write_through = chain.write_through
+
+    def __getattr__(self, name):
+        return getattr(self.chain, name)
+
+    def restore(self, *args):
+        found = self.chain.restore(*args)
+        self.store.flush(self.tenant)
+        return found
+
+
+@pytest.mark.parametrize("tenant", ["a", None])
+def test_a_flush_during_a_restore_keeps_the_restored_blocks_out(tiered, tenant):
+    store, chain = tiered
+    insert(store, "a", SEQ)
+    evict_all(store)
+    chain.flush_writes(5)
+    store.attach(FlushDuringRead(store, chain, tenant))
+    lease = restore(store, "a", SEQ)
+    assert lease.cached_tokens == 0  # what was read before the flush is not stored after it
+    store.release(lease)
+    again = store.acquire(scope("a"), SEQ, len(SEQ))
+    assert again.cached_tokens == 0
+    store.release(again)
+    store.attach(chain)  # no flush this time: the same blocks restore
+    lease = restore(store, "a", SEQ)
+    assert lease.cached_tokens == 24 and lease_values(lease) == [kv_value(SEQ, i) for i in range(24)]
+    store.release(lease)
+    store.check_integrity()
+
+
 def test_other_tenant_and_other_secret_never_hit(tiered, tmp_path, clock):
     store, chain = tiered
     insert(store, "a", SEQ)

@@ -63,8 +63,9 @@ def test_keys_name_nothing_of_the_prompt_or_tenant(writer, redis_server):
 @pytest.mark.parametrize("damage", ["flip", "truncate", "payload-gone"])
 def test_a_damaged_or_missing_payload_is_a_deleted_miss(writer, redis_server, clock, damage):
     client = redis_server.client()
-    key = BlockKeys(SECRET, shape().name).blocks(NS["a"], SEQ, 4, 3)[3]
-    name = f"{PREFIX}b:{key.hex()}"
+    keys = BlockKeys(SECRET, shape().name)
+    key = keys.blocks(NS["a"], SEQ, 4, 3)[3]
+    name = f"{PREFIX}b:{keys.tenant_tag('a')}:{key.hex()}"
     blob = bytearray(client.get(name))
     if damage == "flip":
         blob[-30] ^= 0x10
@@ -79,7 +80,7 @@ def test_a_damaged_or_missing_payload_is_a_deleted_miss(writer, redis_server, cl
     lease = restore(reader, SEQ)
     assert lease.cached_tokens == 8 and lease_values(lease) == [kv_value(SEQ, i) for i in range(8)]
     assert chain.stats()["redis"]["corrupt_entries"] == (0 if damage == "payload-gone" else 1)
-    assert client.zscore(PREFIX + "lru", key.hex()) is None and not client.exists(name)
+    assert client.zscore(PREFIX + "lru", name[len(PREFIX) + 2:]) is None and not client.exists(name)
     chain.close()
 
 
@@ -129,3 +130,40 @@ def test_redis_down_means_recompute_degraded_then_recovery(redis_server, clock):
     other.attach(chain)
     assert restore(other, new).cached_tokens == 16
     chain.close()
+
+
+def test_a_purge_reaches_blocks_whose_index_redis_dropped(writer, redis_server, clock):
+    """Redis' own maxmemory eviction may drop any key, index keys too: a tenant's purge finds its blocks by
+    name, deletes every one still there, and leaves other tenants' blocks alone."""
+    store = make_store(clock, blocks_budget=100)
+    store.attach(writer)
+    insert(store, "b", SEQ)
+    writer.flush_writes(5)
+    client = redis_server.client()
+    tags = {t: BlockKeys(SECRET, shape().name).tenant_tag(t) for t in "ab"}
+    assert {t: len(client.keys(f"{PREFIX}b:{tag}:*")) for t, tag in tags.items()} == {"a": 6, "b": 6}
+    lost = client.zrange(PREFIX + "lru", 0, -1)
+    client.zrem(PREFIX + "lru", *[m for m in lost if m.decode().startswith(tags["a"])][:3])  # as eviction would
+    client.delete(PREFIX + "size")
+    assert writer.purge("a") == 6
+    assert client.keys(f"{PREFIX}b:{tags['a']}:*") == [] and len(client.keys(f"{PREFIX}b:{tags['b']}:*")) == 6
+    assert not [m for m in client.zrange(PREFIX + "lru", 0, -1) if m.decode().startswith(tags["a"])]
+    fresh = make_store(clock, blocks_budget=100)
+    fresh.attach(writer)
+    assert restore(fresh, SEQ, "a").cached_tokens == 0 and restore(fresh, SEQ, "b").cached_tokens == 24
+    with pytest.raises(ValueError, match="tenant tag"):
+        writer.tiers[0].purge("*")
+
+
+def test_a_purge_of_every_tenant_stays_under_its_own_prefix(writer, redis_server, clock):
+    """A prefix holding glob characters is matched literally: purging it leaves another prefix's blocks."""
+    odd = redis_chain(redis_server.url, prefix="{odd*[x]?}:kv:")
+    store = make_store(clock, blocks_budget=100)
+    store.attach(odd)
+    insert(store, "a", SEQ)
+    odd.flush_writes(5)
+    client = redis_server.client()
+    assert len(client.keys(r"{odd\*\[x\]\?}:kv:b:*")) == 6
+    assert odd.purge() == 6
+    assert client.keys(r"{odd\*\[x\]\?}:kv:*") == [] and len(client.keys(PREFIX + "b:*")) == 6
+    odd.close()

@@ -52,9 +52,9 @@ class Monotonic:
 
 
 def redis_chain(url, secret: bytes = SECRET, budget: int = 1 << 20, monotonic=None, policy: str = "write-through",
-                encrypt: bool = False) -> TierChain:
-    from prefixcache.cache.tiers.redis_tier import RedisTier
+                encrypt: bool = False, prefix: str | None = None) -> TierChain:
+    from prefixcache.cache.tiers.redis_tier import PREFIX, RedisTier
 
     wall = lambda: 1_000_000.0  # noqa: E731
-    tier = RedisTier(url, budget, wall, monotonic or Monotonic())
+    tier = RedisTier(url, budget, wall, monotonic or Monotonic(), prefix=PREFIX if prefix is None else prefix)
     return TierChain([tier], keys(secret), shape(), write_policy=policy, clock=wall, encrypt=encrypt)

@@ -336,10 +336,38 @@ def test_the_tier_accepts_rediss_with_certificate_checks():
     url = "rediss://:pw@redis:6380/0?ssl_ca_certs=/etc/redis-ca/ca.crt"
     settings = Settings(tier_redis=url, hash_secret="s" * 32, admin_key="sk-admin")
     assert settings.cache_config().tier_redis == url
-    pool = redis.Redis.from_url(url).connection_pool
+    from prefixcache.cache.tiers.redis_tier import RedisTier
+
+    tier = RedisTier(url, 1 << 20, lambda: 0.0)  # connects at its first call: none here
+    pool = tier._client.connection_pool
     assert pool.connection_class is redis.SSLConnection
-    conn = pool.make_connection()
+    conn = pool.make_connection()  # the tier asks for the checks itself, whatever redis-py's defaults
     assert (conn.cert_reqs, conn.check_hostname, conn.ca_certs) == (ssl.CERT_REQUIRED, True, "/etc/redis-ca/ca.crt")
+    tier.close()
+    plain = RedisTier("redis://:pw@redis:6379/0", 1 << 20, lambda: 0.0)
+    assert plain._client.connection_pool.connection_class is redis.Connection
+    plain.close()
+
+
+def _redis_memory(quantity: str) -> int:
+    """A ``redis.conf`` memory size: ``8gb`` is 8 GiB, ``8g`` 8 * 10**9 (Redis' own units)."""
+    number, unit = re.fullmatch(r"(\d+)(k|kb|m|mb|g|gb|)", quantity.lower()).groups()
+    return int(number) * {"": 1, "k": 10**3, "kb": 1 << 10, "m": 10**6, "mb": 1 << 20, "g": 10**9, "gb": 1 << 30}[unit]
+
+
+def test_the_tier_budget_leaves_redis_room_under_maxmemory():
+    """Redis' own eviction may drop any key (index entries too): the replicas' tier budget stays well under
+    maxmemory, so the tier's LRU does the evicting."""
+    scripts = [s["command"][2] for _, s in _compose_redis()] + [c["args"][2] for _, c in _k8s_redis()]
+    argvs = [s.get("command") or [] for p in COMPOSE_FILES for s in _services(p).values()
+             if s.get("image", "").startswith("prefixcache:")]
+    argvs += [c["args"] for o in _workloads() for c in _containers(o) if c["image"].startswith("prefixcache:")]
+    budgets = [int(a[a.index("--tier-redis-bytes") + 1]) for a in argvs if "--tier-redis-bytes" in a]
+    assert scripts and budgets
+    for script in scripts:
+        argv = _redis_argv(script.replace("$$", "$"))
+        maxmemory = _redis_memory(argv[argv.index("--maxmemory") + 1])
+        assert all(budget <= 0.9 * maxmemory for budget in budgets), (budgets, maxmemory)
 
 
 # -- Grafana and Prometheus: per-tenant metrics behind a login and the admin key --------------------------

@@ -21,6 +21,7 @@ from prefixcache.cache.tiers.codec import MAC_BYTES, PREFIX, BlockCodec, BlockMe
 from prefixcache.cache.tiers.disk import DiskTier
 from prefixcache.cache.tiers.files import LOCK, MARKER, SECRET_FILE, TierDirectoryError
 from prefixcache.cache.tiers.redis_tier import PREFIX as KEY_PREFIX
+from prefixcache.cache.tiers.redis_tier import member
 from prefixcache.config import CacheConfig
 from prefixcache.errors import ConfigError
 from tests.cache.store_helpers import NS, insert, kv_value, lease_values, make_store, scope
@@ -70,7 +71,7 @@ def payload_key(name: bytes) -> bytes:
 def first_meta() -> BlockMeta:
     """The first block of ``SEQ`` for tenant a, as a reader expects it."""
     chain = keys().blocks(NS["a"], SEQ, 4, 1)
-    return BlockMeta(chain[1], chain[0], keys().namespace_tag(NS["a"]), tuple(SEQ[:4]), None)
+    return BlockMeta(chain[1], chain[0], keys().namespace_tag(NS["a"]), tuple(SEQ[:4]), None, keys().tenant_tag("a"))
 
 
 def assert_refused_and_deleted(chain, tier: str, clock) -> None:
@@ -79,7 +80,7 @@ def assert_refused_and_deleted(chain, tier: str, clock) -> None:
     fresh = make_store(clock, blocks_budget=100)
     fresh.attach(chain)
     assert restore(fresh, SEQ).cached_tokens == 0
-    assert chain.stats()[tier]["corrupt_entries"] == 1 and not chain.tiers[0].contains(first_meta().key)
+    assert chain.stats()[tier]["corrupt_entries"] == 1 and not chain.tiers[0].contains(first_meta())
 
 
 def written(tier: str, tmp_path, request, clock):
@@ -124,7 +125,7 @@ def test_a_block_sealed_under_another_secret_is_refused(tier, tmp_path, request,
     if tier == "disk":
         prefix_files(tmp_path, NS["a"], SEQ)[0].write_bytes(forged)
     else:
-        server.client().set(f"{KEY_PREFIX}b:{first_meta().key.hex()}", forged)
+        server.client().set(f"{KEY_PREFIX}b:{member(first_meta())}", forged)
     assert_refused_and_deleted(chain, tier, clock)
     chain.close()
 
@@ -160,10 +161,10 @@ def test_a_malformed_header_in_a_tier_is_deleted_and_the_tier_starts(tier, name,
         prefix_files(tmp_path, NS["a"], SEQ)[0].write_bytes(blob)
         chain = disk_chain(tmp_path)  # a restart indexes it without parsing it
     else:
-        server.client().set(f"{KEY_PREFIX}b:{first_meta().key.hex()}", blob)
+        server.client().set(f"{KEY_PREFIX}b:{member(first_meta())}", blob)
     assert_refused_and_deleted(chain, tier, clock)
     if server is not None:
-        assert server.client().zscore(KEY_PREFIX + "lru", first_meta().key.hex()) is None
+        assert server.client().zscore(KEY_PREFIX + "lru", member(first_meta())) is None
     chain.close()
 
 
@@ -174,7 +175,7 @@ def test_an_oversized_value_is_refused_unread(tier, tmp_path, request, clock):
     if server is None:
         os.truncate(prefix_files(tmp_path, NS["a"], SEQ)[0], huge)  # sparse: costs no disk
     else:
-        server.client().setrange(f"{KEY_PREFIX}b:{first_meta().key.hex()}", huge, b"x")
+        server.client().setrange(f"{KEY_PREFIX}b:{member(first_meta())}", huge, b"x")
     fresh = make_store(clock, blocks_budget=100)
     fresh.attach(chain)
     tracemalloc.start()
@@ -184,7 +185,7 @@ def test_an_oversized_value_is_refused_unread(tier, tmp_path, request, clock):
     finally:
         tracemalloc.stop()
     assert peak < huge // 8, f"{peak} bytes allocated: the value was read"
-    assert chain.stats()[tier]["corrupt_entries"] == 1 and not chain.tiers[0].contains(first_meta().key)
+    assert chain.stats()[tier]["corrupt_entries"] == 1 and not chain.tiers[0].contains(first_meta())
     chain.close()
 
 

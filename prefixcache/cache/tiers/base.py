@@ -65,8 +65,8 @@ class Tier(Protocol):
     name: str
     stats: TierStats
 
-    def contains(self, key: bytes) -> bool:
-        """Whether a live block is stored under ``key`` (False when the tier cannot be reached)."""
+    def contains(self, meta: BlockMeta) -> bool:
+        """Whether a live block is stored under ``meta.key`` (False when the tier cannot be reached)."""
 
     def put(self, meta: BlockMeta, kv: torch.Tensor, encoded: Callable[[], bytes]) -> bool:
         """Store one block (``encoded()`` gives its bytes, made once for all tiers). Whether it was stored."""
@@ -94,9 +94,9 @@ class IndexedTier:
     _index: BlockIndex
     stats: TierStats
 
-    def contains(self, key: bytes) -> bool:
+    def contains(self, meta: BlockMeta) -> bool:
         with self._lock:
-            return key in self._index
+            return meta.key in self._index
 
     def load_run(self, metas: Sequence[BlockMeta], codec: BlockCodec) -> list[torch.Tensor]:
         out = []

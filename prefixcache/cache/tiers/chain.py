@@ -162,7 +162,7 @@ class TierChain:
         written = 0
         for tier in self.tiers:
             try:
-                if tier.contains(meta.key):
+                if tier.contains(meta):
                     continue
                 if tier.put(meta, snap.kv, encoded):
                     tier.stats.add("write_backs")
@@ -178,17 +178,17 @@ class TierChain:
 
     # -- reads ---------------------------------------------------------------------
     def restore(self, namespace: tuple[str, ...], tokens: Sequence[int], first: int,
-                limit: int) -> tuple[int, torch.Tensor] | None:
-        """The KV of the longest run of full blocks of ``tokens`` from ``first`` (block aligned) up to
-        ``limit`` that the tiers hold: ``(end, kv)``, ``kv``: ``[L, 2, H, end - first, D]`` on the
-        device, a fresh tensor. None when no tier holds the block at ``first``."""
+                limit: int, tenant: str) -> tuple[int, torch.Tensor] | None:
+        """The KV of the longest run of full blocks of ``tokens`` (of ``tenant``'s namespace) from ``first``
+        (block aligned) up to ``limit`` that the tiers hold: ``(end, kv)``, ``kv``: ``[L, 2, H, end - first, D]``
+        on the device, a fresh tensor. None when no tier holds the block at ``first``."""
         bs = self.shape.block_size
         lo, hi = first // bs, limit // bs
         if hi <= lo or not self.tiers:
             return None
         keys = self.keys.blocks(namespace, tokens, bs, hi)
-        tag = self.keys.namespace_tag(namespace)
-        metas = [BlockMeta(keys[i + 1], keys[i], tag, tuple(tokens[i * bs : (i + 1) * bs]), None)
+        tag, owner = self.keys.namespace_tag(namespace), self.keys.tenant_tag(tenant)
+        metas = [BlockMeta(keys[i + 1], keys[i], tag, tuple(tokens[i * bs : (i + 1) * bs]), None, owner)
                  for i in range(lo, hi)]
         parts: list[torch.Tensor] = []
         for tier in self.tiers:

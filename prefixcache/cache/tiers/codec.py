@@ -106,14 +106,14 @@ class BlockKeys:
 
 @dataclass(frozen=True, slots=True)
 class BlockMeta:
-    """What a block header says besides its KV, and the tenant tag tiers group it by (writes only)."""
+    """What a block header says besides its KV, and the tenant tag tiers group it by."""
 
     key: bytes
     parent: bytes
     namespace_tag: str
     tokens: tuple[int, ...]
     expires_at: float | None  # wall-clock seconds; None: no TTL
-    tenant: str = ""  # ``BlockKeys.tenant_tag``; empty on the read side (a reader looks blocks up by key)
+    tenant: str = ""  # ``BlockKeys.tenant_tag`` (a reader knows it from the request's tenant, as the writer did)
 
 
 @dataclass(frozen=True, slots=True)

@@ -74,5 +74,5 @@ class HostTier(IndexedTier):
 
 
 def _fresh(want: BlockMeta, stored: BlockMeta) -> BlockMeta:
-    """``want`` with the stored expiry and tenant tag (what a reader does not know in advance)."""
+    """``want`` with the stored expiry (what a reader does not know in advance) and tenant tag."""
     return BlockMeta(want.key, want.parent, want.namespace_tag, want.tokens, stored.expires_at, stored.tenant)

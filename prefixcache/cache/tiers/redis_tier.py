@@ -2,12 +2,13 @@
 
 Layout (all under the key prefix, ``PREFIX`` by default: its ``{hash tag}`` puts every key in
 one cluster slot, as the scripts need; key names are keyed hashes, so they say nothing about
-prompts or tenants): ``b:<key>`` holds the sealed block, with a Redis expiry when the block
-has a TTL; the index is a sorted set ``lru`` (member: key, score: last use), a hash ``size``
-(key -> bytes), a counter ``bytes``, and for purges a hash ``owner`` (key -> tenant tag), a
-set ``t:<tenant tag>`` of each tenant's keys and a set ``tenants``. One server-side script
+prompts or tenants): ``b:<tenant tag>:<key>`` holds the sealed block, with a Redis expiry when
+the block has a TTL; the index is a sorted set ``lru`` (member: ``<tenant tag>:<key>``, score:
+last use), a hash ``size`` (member -> bytes) and a counter ``bytes``. One server-side script
 writes the payload *before* its index entry and then evicts least recently used blocks until
-the tier's byte budget holds, so the budget and the LRU are shared by every process.
+the tier's byte budget holds, so the budget and the LRU are shared by every process. A purge
+finds a tenant's blocks by their names (``SCAN``), not through an index key: Redis' own
+``maxmemory`` eviction may drop any key, and a purge must reach every block still there.
 
 A reader asks the index for the longest run of keys in one round trip, then fetches those
 payloads a few blocks per reply through a script that checks each value's type and length
@@ -23,6 +24,7 @@ write until a retry, after a backoff that doubles from ``BACKOFF_SECONDS`` up to
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -47,45 +49,39 @@ READ_BATCH = 4
 PURGE_BATCH = 256
 BACKOFF_SECONDS = 0.5
 MAX_BACKOFF_SECONDS = 30.0
+#: The tenant tag of blocks written without one.
+NO_TENANT = "_"
+_TAG = re.compile(r"[0-9a-f]+|_")
 #: What ``_READ`` answers for a key instead of its value.
 _MISSING, _REFUSED = 0, 1
 
-# Removes one block and every index entry of it. KEYS: lru, size, bytes, owner. P: the key prefix.
+# Removes one block and every index entry of it. KEYS: lru, size, bytes. P: the key prefix.
 _DROP = """
 local P = ARGV[1]
 local function drop(member)
-  redis.call('DEL', P .. 'b:' .. member)
+  local gone = redis.call('DEL', P .. 'b:' .. member)
   redis.call('ZREM', KEYS[1], member)
   local size = redis.call('HGET', KEYS[2], member)
   if size then
     redis.call('HDEL', KEYS[2], member)
     redis.call('DECRBY', KEYS[3], size)
   end
-  local tag = redis.call('HGET', KEYS[4], member)
-  if tag then
-    redis.call('SREM', P .. 't:' .. tag, member)
-    redis.call('HDEL', KEYS[4], member)
-  end
+  return gone
 end
 """
-# KEYS: lru, size, bytes, owner, payload, tenant set, tenants. ARGV: prefix, member, blob, ttl ms (0: none),
-# now, budget, tenant tag. The SET comes first: under OOM it is refused before anything else is written
-# (Redis lets a script that has written once go on writing).
+# KEYS: lru, size, bytes, payload. ARGV: prefix, member, blob, ttl ms (0: none), now, budget. The SET comes
+# first: under OOM it is refused before anything else is written (Redis lets a script that has written once
+# go on writing).
 _PUT = _DROP + """
 if ARGV[4] ~= '0' then
-  redis.call('SET', KEYS[5], ARGV[3], 'PX', ARGV[4])
+  redis.call('SET', KEYS[4], ARGV[3], 'PX', ARGV[4])
 else
-  redis.call('SET', KEYS[5], ARGV[3])
+  redis.call('SET', KEYS[4], ARGV[3])
 end
 local old = redis.call('HGET', KEYS[2], ARGV[2])
 if old then redis.call('DECRBY', KEYS[3], old) end
-local prev = redis.call('HGET', KEYS[4], ARGV[2])
-if prev and prev ~= ARGV[7] then redis.call('SREM', ARGV[1] .. 't:' .. prev, ARGV[2]) end
 local n = string.len(ARGV[3])
 redis.call('HSET', KEYS[2], ARGV[2], n)
-redis.call('HSET', KEYS[4], ARGV[2], ARGV[7])
-redis.call('SADD', KEYS[6], ARGV[2])
-redis.call('SADD', KEYS[7], ARGV[7])
 redis.call('ZADD', KEYS[1], ARGV[5], ARGV[2])
 local total = redis.call('INCRBY', KEYS[3], n)
 while total > tonumber(ARGV[6]) do
@@ -96,24 +92,16 @@ while total > tonumber(ARGV[6]) do
 end
 return total
 """
-# KEYS: lru, size, bytes, owner. ARGV: prefix, member.
-_FORGET = _DROP + "drop(ARGV[2])\nreturn 1\n"
-# KEYS: lru, size, bytes, owner, tenant set, tenants. ARGV: prefix, batch, tenant tag. Returns blocks dropped.
-_PURGE_TENANT = _DROP + """
-local members = redis.call('SPOP', KEYS[5], tonumber(ARGV[2]))
-for _, member in ipairs(members) do drop(member) end
-if redis.call('SCARD', KEYS[5]) == 0 then redis.call('SREM', KEYS[6], ARGV[3]) end
-return #members
+# KEYS: lru, size, bytes. ARGV: prefix, members... Returns the payloads deleted.
+_FORGET = _DROP + """
+local gone = 0
+for i = 2, #ARGV do gone = gone + drop(ARGV[i]) end
+return gone
 """
-# KEYS: lru, size, bytes, owner, tenants. ARGV: prefix, batch. Returns blocks dropped.
-_PURGE_ALL = _DROP + """
-local popped = redis.call('ZPOPMIN', KEYS[1], tonumber(ARGV[2]))
-for i = 1, #popped, 2 do drop(popped[i]) end
-if redis.call('ZCARD', KEYS[1]) == 0 then  -- nothing indexed is left: what remains of the index is stale
-  for _, tag in ipairs(redis.call('SMEMBERS', KEYS[5])) do redis.call('DEL', ARGV[1] .. 't:' .. tag) end
-  redis.call('DEL', KEYS[5], KEYS[4], KEYS[2], KEYS[3])
-end
-return #popped / 2
+# KEYS: lru, size, bytes. Drops what is left of the index once nothing is indexed (after a purge of all).
+_RESET = """
+if redis.call('ZCARD', KEYS[1]) == 0 then redis.call('DEL', KEYS[2], KEYS[3]) end
+return 1
 """
 # KEYS: payloads. ARGV: most bytes. Each value, or 0 (none) or 1 (not a string, or too large: not sent).
 _READ = """
@@ -142,12 +130,13 @@ class RedisTier:
         self.max_bytes = max_bytes
         self.prefix = prefix
         self._clock, self._monotonic = clock, monotonic
+        # Over TLS the server's certificate and host name are checked (a URL's own query options still win).
+        tls = {"ssl_cert_reqs": "required", "ssl_check_hostname": True} if url.startswith("rediss://") else {}
         self._client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
-                                            retry=Retry(NoBackoff(), 0))
+                                            retry=Retry(NoBackoff(), 0), **tls)
         self._scripts = {name: self._client.register_script(body) for name, body in
-                         (("put", _PUT), ("forget", _FORGET), ("purge", _PURGE_TENANT), ("purge_all", _PURGE_ALL),
-                          ("read", _READ))}
-        self._index = [prefix + name for name in ("lru", "size", "bytes", "owner")]
+                         (("put", _PUT), ("forget", _FORGET), ("reset", _RESET), ("read", _READ))}
+        self._index = [prefix + name for name in ("lru", "size", "bytes")]
         self._lock = threading.Lock()
         self._degraded = False
         self._backoff = BACKOFF_SECONDS
@@ -182,8 +171,8 @@ class RedisTier:
         return result
 
     # -- tier interface ------------------------------------------------------------
-    def contains(self, key: bytes) -> bool:
-        return bool(self._call("exists", lambda: self._client.exists(self._payload(key)), 0))
+    def contains(self, meta: BlockMeta) -> bool:
+        return bool(self._call("exists", lambda: self._client.exists(self._payload(member(meta))), 0))
 
     def put(self, meta: BlockMeta, kv: torch.Tensor, encoded: Callable[[], bytes]) -> bool:
         now = self._clock()
@@ -195,11 +184,11 @@ class RedisTier:
         blob = encoded()
         if len(blob) > self.max_bytes:
             return False
-        member, tag = meta.key.hex(), meta.tenant or "_"
-        keys = [*self._index, self._payload(meta.key), f"{self.prefix}t:{tag}", self.prefix + "tenants"]
+        name = member(meta)
+        keys = [*self._index, self._payload(name)]
         sentinel = object()
         done = self._call("write", lambda: self._scripts["put"](
-            keys=keys, args=[self.prefix, member, blob, ttl_ms, now, self.max_bytes, tag]), sentinel)
+            keys=keys, args=[self.prefix, name, blob, ttl_ms, now, self.max_bytes]), sentinel)
         if done is sentinel:
             raise TierUnavailable("redis tier unavailable")
         return True
@@ -207,7 +196,7 @@ class RedisTier:
     def load_run(self, metas: Sequence[BlockMeta], codec: BlockCodec) -> list[torch.Tensor]:
         if not metas:
             return []
-        members = [m.key.hex() for m in metas]
+        members = [member(m) for m in metas]
 
         def scores():
             pipe = self._client.pipeline(transaction=False)
@@ -223,7 +212,7 @@ class RedisTier:
         for at in range(0, run, READ_BATCH):  # a few blocks per reply: no reply waits on a whole prefix
             batch = metas[at : min(at + READ_BATCH, run)]
             got = self._call("read", lambda: self._scripts["read"](
-                keys=[self._payload(m.key) for m in batch], args=[codec.max_bytes]), None)
+                keys=[self._payload(member(m)) for m in batch], args=[codec.max_bytes]), None)
             if got is None or not self._decode(batch, got, codec, out):
                 break
         if out:
@@ -236,7 +225,7 @@ class RedisTier:
         """Append the verified KV of ``batch`` to ``out``; False at the first unusable block (then deleted)."""
         for meta, blob in zip(batch, got):
             if blob == _MISSING:  # expired or evicted by the server: the index entry is stale
-                self._forget(meta.key)
+                self._forget(meta)
                 return False
             try:
                 if blob == _REFUSED:
@@ -245,28 +234,35 @@ class RedisTier:
             except CorruptBlock as exc:
                 log.warning("redis tier: block %s refused (%s); deleted, recomputing", meta.key.hex()[:12], exc)
                 self.stats.add("corrupt_entries")
-                self._forget(meta.key)
+                self._forget(meta)
                 return False
         return len(got) == len(batch)
 
-    def _forget(self, key: bytes) -> None:
-        self._call("delete", lambda: self._scripts["forget"](keys=self._index, args=[self.prefix, key.hex()]), 0)
+    def _forget(self, meta: BlockMeta) -> None:
+        self._call("delete", lambda: self._scripts["forget"](keys=self._index, args=[self.prefix, member(meta)]), 0)
 
     def purge(self, tenant: str | None) -> int:
-        """Delete ``tenant``'s blocks (every block under the prefix when None), a batch per script call."""
-        if tenant is None:
-            keys, args, script = [*self._index, self.prefix + "tenants"], [self.prefix, PURGE_BATCH], "purge_all"
-        else:
-            keys = [*self._index, f"{self.prefix}t:{tenant}", self.prefix + "tenants"]
-            args, script = [self.prefix, PURGE_BATCH, tenant], "purge"
-        total = 0
-        while True:
-            n = self._call("purge", lambda: self._scripts[script](keys=keys, args=args), None)
-            if n is None:
-                raise TierUnavailable("redis tier unavailable: purge incomplete")
-            total += int(n)
-            if int(n) < PURGE_BATCH:
-                return total
+        """Delete ``tenant``'s blocks (a ``BlockKeys.tenant_tag``; every block under the prefix when None), found
+        by their names, so a block whose index entries Redis dropped is deleted too. Returns the blocks deleted."""
+        if tenant is not None and not _TAG.fullmatch(tenant):
+            raise ValueError("purge takes a tenant tag (BlockKeys.tenant_tag)")
+        pattern = "*" if tenant is None else f"{tenant}:*"
+        payloads = _glob_escape(self.prefix + "b:") + pattern
+
+        def run() -> int:
+            members = {name.decode()[len(self.prefix) + 2:] for name in self._client.scan_iter(payloads, count=1000)}
+            members.update(m.decode() for m, _ in self._client.zscan_iter(self._index[0], match=pattern, count=1000))
+            batch, gone = sorted(members), 0
+            for at in range(0, len(batch), PURGE_BATCH):  # each script call stays short: Redis runs scripts alone
+                gone += int(self._scripts["forget"](keys=self._index, args=[self.prefix, *batch[at : at + PURGE_BATCH]]))
+            if tenant is None:
+                self._scripts["reset"](keys=self._index)
+            return gone
+
+        deleted = self._call("purge", run, None)
+        if deleted is None:
+            raise TierUnavailable("redis tier unavailable: purge incomplete")
+        return deleted
 
     def figures(self) -> dict[str, Any]:
         def read():
@@ -287,5 +283,15 @@ class RedisTier:
     def close(self) -> None:
         self._client.close()
 
-    def _payload(self, key: bytes) -> str:
-        return f"{self.prefix}b:{key.hex()}"
+    def _payload(self, member: str) -> str:
+        return f"{self.prefix}b:{member}"
+
+
+def member(meta: BlockMeta) -> str:
+    """A block's name in the index and (after ``b:``) of its payload: its tenant tag (``_``: none), then its key."""
+    return f"{meta.tenant or NO_TENANT}:{meta.key.hex()}"
+
+
+def _glob_escape(text: str) -> str:
+    """``text`` matched literally by a Redis glob pattern."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)

@@ -5,7 +5,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from prefixcache.cache.handles import KVSlicer, Lease, LowerTiers
+from prefixcache.cache.handles import FlushedMeanwhile, KVSlicer, Lease, LowerTiers
 from prefixcache.cache.scope import Scope
 
 if TYPE_CHECKING:
@@ -20,18 +20,23 @@ def restore_below(store: KVStore, lower: LowerTiers, lease: Lease, scope: Scope,
 
     Called outside the store's lock: the lookup may read a disk or the network. Restored
     blocks are stored like computed ones (``insert``), so the budget, quotas and accounting
-    hold; anything failing leaves the device match (the rest is recomputed).
+    hold; anything failing leaves the device match (the rest is recomputed), and so does a flush
+    between the tier read and the insert (what was read may be what the flush purged).
     """
     bs = store.config.block_size
     first = lease.cached_tokens // bs * bs
     if limit - first < bs:
         return lease
+    flushes = store.flushes  # a flush after this read must not be undone by its insert
     try:
-        found = lower.restore(scope.namespace, tokens, first, limit)
+        found = lower.restore(scope.namespace, tokens, first, limit, scope.tenant)
         if found is None:
             return lease
         end, kv = found
-        store.insert(scope, tokens[:end], restored_slicer(first, kv), _restoring=True)
+        store.insert(scope, tokens[:end], restored_slicer(first, kv), _restoring=True, _flushes=flushes)
+    except FlushedMeanwhile:
+        log.debug("a flush came during a restore: the restored blocks are dropped")
+        return lease
     except Exception as exc:  # noqa: BLE001 - a tier problem costs a recompute, never the request
         log.warning("restoring a prefix from the lower tiers failed: %s", exc)
         return lease
