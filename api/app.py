@@ -102,7 +102,7 @@ def create_app(settings: Settings | None = None, *, cache: PrefixCache | None = 
     app.include_router(router)
     app.include_router(replica)
     app.include_router(anthropic_router)
-    app.add_middleware(InternalErrors, on_error=lambda scope: metrics.error(_route(scope), 500))
+    app.add_middleware(InternalErrors, on_error=lambda scope, status: metrics.error(_route(scope), status))
     return app
 
 
@@ -119,7 +119,7 @@ class InternalErrors:
     server drops the keep-alive connection the client will reuse.)
     """
 
-    def __init__(self, app: ASGIApp, on_error: Callable[[Scope], None]):
+    def __init__(self, app: ASGIApp, on_error: Callable[[Scope, int], None]):
         self.app, self.on_error = app, on_error
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -135,7 +135,9 @@ class InternalErrors:
         except Exception as exc:
             if scope["type"] != "http" or started:
                 raise  # too late for an error response
-            log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
-            self.on_error(scope)
-            await errors.error_response(errors.map_exception(exc), 0, scope.get("path", ""))(scope, receive, send)
+            mapped = errors.map_exception(exc)  # counted as answered: a known error that escaped its handler is no 500
+            if mapped.status >= 500:
+                log.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"), exc_info=exc)
+            self.on_error(scope, mapped.status)
+            await errors.error_response(mapped, 0, scope.get("path", ""))(scope, receive, send)
 

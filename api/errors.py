@@ -274,6 +274,6 @@ def install(app: FastAPI, retry_after: int, on_error: Callable[[Request, int], N
     app.add_exception_handler(RequestValidationError, validation)
     app.add_exception_handler(StarletteHTTPException, http_error)
     for kind in (ProxyError, InvalidRequestError, ConfigError, CapacityError, UnsupportedModelError, EngineFaultError,
-                 GenerationTimeoutError, RequestCancelledError, TierPurgeError, RecursionError):
+                 GenerationTimeoutError, RequestCancelledError, TierPurgeError, ToolCallError, RecursionError):
         app.add_exception_handler(kind, known)
     app.add_exception_handler(Exception, unexpected)

@@ -221,6 +221,8 @@ class PrefixCache:
         if attention_mask is not None and tuple(attention_mask.shape) != tuple(ids.shape):
             raise InvalidRequestError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
                                       f"{tuple(ids.shape)}", param="attention_mask")
+        if attention_mask is None:  # as generate() infers it: the pad id masked, where it is no EOS id
+            attention_mask = self._inferred_mask(ids, generation_config, kwargs)
         rows = [ids[i] if attention_mask is None else ids[i][attention_mask[i].to(torch.bool)]
                 for i in range(ids.shape[0])]
         if any(len(r) == 0 for r in rows):
@@ -606,6 +608,19 @@ class PrefixCache:
         if privileged or cap is None:
             return ttl
         return cap if ttl is None else min(ttl, cap)
+
+    def _inferred_mask(self, ids: torch.Tensor, generation_config: GenerationConfig | None,
+                       kwargs: dict[str, Any]) -> torch.Tensor | None:
+        """The attention mask ``generate()`` builds when given none: positions holding the pad id masked, if the
+        pad id is set, occurs in ``ids`` and is no EOS id; None (every token counts) otherwise."""
+        configs = (generation_config, self.model.generation_config)
+        pad = kwargs.get("pad_token_id", next((c.pad_token_id for c in configs if c is not None
+                                               and c.pad_token_id is not None), None))
+        eos = kwargs.get("eos_token_id", next((c.eos_token_id for c in configs if c is not None
+                                               and c.eos_token_id is not None), None))
+        if pad is None or int(pad) in as_id_set(eos) or not bool((ids == int(pad)).any()):
+            return None
+        return ids.ne(int(pad)).long()
 
     def _pad_id(self, generation_config: GenerationConfig | None) -> int:
         for cfg in (generation_config, self.model.generation_config):

@@ -145,3 +145,38 @@ def test_no_ttl_never_expires(llama, clock, how, new_cache):
     assert cache.sweep() == 0 and cache.stats()["bytes"] > 0
     cache.generate(prompt, max_new_tokens=1, do_sample=False)
     assert cache.last_call.cached_tokens == len(PROMPT) - 1
+
+
+@pytest.mark.parametrize("batching", [False, True])
+def test_a_pad_id_in_the_prompt_is_masked_as_generate_masks_it(new_cache, batching):
+    """generate() masks the pad id when no mask is given (and the pad id is no EOS id); a mask of ones keeps it.
+    Both ways, on the cached path and on a call served uncached (beams), the answer is generate()'s."""
+    model = build_tiny("llama-gqa")
+    ref = untouched(model)
+    ids = torch.tensor([[62, 17, 43, 5, 59, 0, 23, 8]])  # 0 is the pad id, inside the prompt
+    ones = torch.ones_like(ids)
+    cache = new_cache(model, None, CacheConfig(block_size=4), batching=batching, start_sweeper=False)
+    for options in ({"do_sample": False}, {"do_sample": False, "num_beams": 2}):
+        for mask in (None, ones):
+            want = ref.generate(ids, attention_mask=mask, max_new_tokens=4, **options)
+            for _ in range(2):  # cold, then from the cache
+                got = cache.generate(ids, attention_mask=mask, max_new_tokens=4, **options)
+                assert torch.equal(got, want), (options, mask)
+    masked = ref.generate(ids, max_new_tokens=4, do_sample=False)
+    kept = ref.generate(ids, attention_mask=ones, max_new_tokens=4, do_sample=False)
+    assert not torch.equal(masked, kept)  # the two readings differ: the test tells them apart
+    same = ref.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=1)  # pad id = EOS id: nothing masked
+    assert torch.equal(cache.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=1), same)
+
+
+@pytest.mark.parametrize("batching", [False, True])
+def test_a_max_length_the_prompt_already_reaches_raises_as_generate_does(new_cache, batching):
+    model = build_tiny("llama-gqa")
+    ids = torch.arange(5, 12).unsqueeze(0)  # 7 tokens
+    with pytest.raises(ValueError, match="max_length"):
+        untouched(model).generate(ids, max_length=3, do_sample=False)
+    cache = new_cache(model, None, CacheConfig(block_size=4), batching=batching, start_sweeper=False)
+    with pytest.raises(ValueError, match="max_length"):
+        cache.generate(ids, max_length=7, do_sample=False)
+    want = untouched(model).generate(ids, max_length=9, do_sample=False)
+    assert torch.equal(cache.generate(ids, max_length=9, do_sample=False), want)

@@ -101,6 +101,11 @@ class Canonicalizer:
         self._fingerprint = template_fingerprint(tokenizer, normalize_whitespace=self._ws,
                                                  unicode_normalization=self._form)
         self._auto_prefix = _auto_prefix_ids(tokenizer)
+        template = str(getattr(tokenizer, "chat_template", None) or "")
+        # OpenAI's "developer" role is its system instructions: a template that names no such role would drop
+        # the message or frame it as a stranger's turn, so it reaches such a template as "system".
+        self._developer_role = "developer" in template
+        self._renders_tool_calls = "tool_calls" in template
 
     @classmethod
     def from_config(cls, tokenizer: Any, config: CacheConfig) -> Canonicalizer:
@@ -123,9 +128,11 @@ class Canonicalizer:
         return CanonicalPrompt(ids, (len(ids),), False)
 
     def encode_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None,
-                    add_generation_prompt: bool = True) -> CanonicalPrompt:
+                    add_generation_prompt: bool = True, continue_final_message: bool = False) -> CanonicalPrompt:
         """Canonical, prefix-stable ids of an OpenAI-shaped chat request.
 
+        With ``continue_final_message`` the last message, an assistant turn of text, is left open
+        (no end of turn, no generation prompt): the answer continues it (Anthropic's prefill).
         Raises ``InvalidRequestError`` (with ``param``) for malformed messages or tools,
         tools on a template that ignores them, a tokenizer without a chat template, or a
         template that refuses the conversation.
@@ -138,7 +145,16 @@ class Canonicalizer:
         # Refuse rather than silently drop tools the model would never see.
         if tools and not re.search(r"\btools\b", self._tok.get_chat_template(None, tools)):
             raise InvalidRequestError("this model's chat template does not support tools", param="tools")
-        full, cuts, ends, drift = self._plan(msgs, tools, add_generation_prompt)
+        for i, msg in enumerate(msgs):
+            if msg["role"] == "developer" and not self._developer_role:
+                msg["role"] = "system"
+            if "tool_calls" in msg and not self._renders_tool_calls:  # refused, as tools are: never silently dropped
+                raise InvalidRequestError("this model's chat template does not render tool calls",
+                                          param=f"messages[{i}].tool_calls")
+        if continue_final_message:
+            _check_continued(msgs)
+            add_generation_prompt = False
+        full, cuts, ends, drift = self._plan(msgs, tools, add_generation_prompt, continue_final_message)
         marked, unplaced = _place_chunks(full, ends, _marked_texts(messages, self._clean))
         cuts = sorted({*cuts, *(at for span in marked for at in span)})
         spans = [full[a:b] for a, b in zip(cuts, cuts[1:])]
@@ -161,14 +177,14 @@ class Canonicalizer:
         table = dict(zip(distinct, ids))
         return [table[span] for span in spans]
 
-    def _plan(self, msgs: list[dict], tools: list[dict] | None,
-              add_generation_prompt: bool) -> tuple[str, list[int], list[int], bool]:
+    def _plan(self, msgs: list[dict], tools: list[dict] | None, add_generation_prompt: bool,
+              continued: bool = False) -> tuple[str, list[int], list[int], bool]:
         """Render the request once and choose its cuts: character offsets where spans split.
 
         Returns (full text, cuts from 0 to len(full), each message's end cut, drift). The
         work is linear in the conversation: see ``_Cutter``.
         """
-        full = self._render(msgs, tools, add_generation_prompt, strict=True)
+        full = self._render(msgs, tools, add_generation_prompt, strict=True, continued=continued)
         cutter = _Cutter(full, lambda part, gen: self._render(part, tools, gen))
         ends: list[int | None] = []
         for i, msg in enumerate(msgs):
@@ -186,8 +202,12 @@ class Canonicalizer:
             after = ends[i] = after if ends[i] is None else ends[i]
         return full, cuts, ends, cutter.drift
 
-    def _render(self, msgs: list[dict], tools: list[dict] | None, gen: bool, strict: bool = False) -> str | None:
+    def _render(self, msgs: list[dict], tools: list[dict] | None, gen: bool, strict: bool = False,
+                continued: bool = False) -> str | None:
         try:
+            if continued:  # the last message left open (only a full render asks)
+                return self._tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=False,
+                                                     continue_final_message=True, tokenize=False)
             return self._tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=gen, tokenize=False)
         except Exception as exc:  # templates are user code: any failure is the template's verdict
             if not strict:
@@ -283,6 +303,18 @@ class _Cutter:
         elif at > self.cuts[-1]:
             self.cuts.append(at)
         return at
+
+
+def _check_continued(msgs: list[dict]) -> None:
+    """A conversation whose last message can be continued: an assistant turn of text without tool calls."""
+    where, last = f"messages[{len(msgs) - 1}]", msgs[-1]
+    if last["role"] != "assistant" or "tool_calls" in last:
+        raise InvalidRequestError("only a final assistant message of text can be continued", param=where)
+    if not last["content"]:
+        raise InvalidRequestError("a final assistant message to continue must not be empty", param=f"{where}.content")
+    if last["content"] != last["content"].rstrip():
+        raise InvalidRequestError("a final assistant message to continue cannot end with whitespace",
+                                  param=f"{where}.content")
 
 
 def _marked_texts(messages: Sequence[dict], clean: Callable[[str], str]) -> list[tuple[int, str]]:

@@ -58,7 +58,8 @@ def encode_messages(canon: Canonicalizer, messages: Sequence[dict[str, Any]], sy
     check_breakpoints([bp for bp, _ in marks])
     chat, chat_tools = to_chat(messages, system, tools)
     chat_tools = None if hide_tools else chat_tools
-    encoded = canon.encode_chat(chat, chat_tools)
+    prefill = bool(chat) and chat[-1]["role"] == "assistant"  # a final assistant turn: the answer continues it
+    encoded = canon.encode_chat(chat, chat_tools, add_generation_prompt=not prefill, continue_final_message=prefill)
     full = encoded.token_ids
     located, floor = [], 0
     for bp, cut in marks:

@@ -123,7 +123,11 @@ def batch_params(config: GenerationConfig, kwargs: Mapping[str, Any],
         return None, reason
     max_new = config.max_new_tokens
     if max_new is None:
-        max_new = max((config.max_length if config.max_length is not None else 20) - prompt_len, 1)
+        max_length = config.max_length if config.max_length is not None else 20
+        if max_length <= prompt_len:
+            return None, f"max_length={max_length} not above the prompt's {prompt_len} tokens (generate() raises): " \
+                         "served by the serial engine"
+        max_new = max_length - prompt_len
     return _params(config, prompt_len, max_new=int(max_new), temperature=float(temperature) if sample else None,
                    top_p=config.top_p if sample else None, top_k=config.top_k if sample else None,
                    seed=kwargs.get("seed"), eos=frozenset(as_id_set(config.eos_token_id))), None

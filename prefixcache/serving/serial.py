@@ -120,7 +120,9 @@ class SerialEngine:
         with self.store.ledger.reserve("serial", need), self._holding_model(), \
                 isolated_rng(device, seed if seed is not None else self._entropy()):
             if stats.bypass_reason is not None:
-                out = self.model.generate(input_ids, generation_config=generation_config, **kwargs)
+                # The row is unpadded already: every token counts (generate() would otherwise mask a pad id in it).
+                out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                          generation_config=generation_config, **kwargs)
             else:
                 out = self._cached_generate(input_ids, scope, generation_config, kwargs, cache_generated, max_new,
                                             stats, start, blend)

@@ -10,6 +10,7 @@ import threading
 import anthropic
 import httpx
 import pytest
+import torch
 from fastapi.testclient import TestClient
 from prefixcache_api import create_app
 from proxy_support import (
@@ -119,8 +120,27 @@ def test_tool_use_and_tool_result_blocks_are_served(srv, alpha):
         assert r.usage.output_tokens >= 1
     except anthropic.BadRequestError as exc:  # a chat template without tools refuses them, clearly
         assert "does not support tools" in str(exc)
-    r = alpha.messages.create(model=MODEL, max_tokens=3, tools=tools, tool_choice={"type": "none"}, messages=messages)
-    assert r.content[0].type == "text"
+    try:
+        r = alpha.messages.create(model=MODEL, max_tokens=3, tools=tools, tool_choice={"type": "none"},
+                                  messages=messages)
+        assert r.content[0].type == "text"
+    except anthropic.BadRequestError as exc:  # nor is the earlier call dropped from the prompt silently
+        assert "does not render tool calls" in str(exc)
+
+
+def test_a_final_assistant_message_is_a_prefill_the_answer_continues(srv, alpha):
+    """Anthropic's prefill: the prompt ends inside the assistant turn, and the answer is what follows it."""
+    messages = [*user("Name a colour."), {"role": "assistant", "content": "My answer is"}]
+    ids = srv.cache.encode_messages(messages).token_ids
+    assert srv.cache.tokenizer.decode(ids).endswith("<|im_start|>assistant\nMy answer is")
+    counted = alpha.messages.count_tokens(model=MODEL, messages=messages)
+    r = alpha.messages.create(model=MODEL, max_tokens=4, messages=messages, extra_body={"temperature": 0})
+    assert counted.input_tokens == parts(r.usage) == len(ids)
+    want = srv.cache.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False)[0, len(ids):]
+    assert r.content[0].text == srv.cache.tokenizer.decode(want, skip_special_tokens=True)
+    with pytest.raises(anthropic.BadRequestError, match="whitespace"):
+        alpha.messages.create(model=MODEL, max_tokens=4, messages=[*messages[:1], {"role": "assistant",
+                                                                                   "content": "My answer is "}])
 
 
 def test_errors_reach_the_sdk_as_its_typed_exceptions(srv, alpha):

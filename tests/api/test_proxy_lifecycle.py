@@ -55,25 +55,18 @@ TOOL_TURN = [
 ]
 
 
-def test_tool_call_messages_are_accepted_rendered_and_cached(server):
-    server.cache.flush("alpha")
+def test_tool_calls_in_the_history_are_refused_where_the_template_cannot_render_them(server):
+    """The default model's template renders no tool calls: a conversation holding one is refused (as ``tools``
+    are), never answered from a prompt that silently lost the call. Tool-capable templates serve such turns
+    (test_proxy_tool_calls); a tool result alone is text like any other turn."""
     with server.client(ALPHA) as alpha:
-        first = cached(alpha, TOOL_TURN)
-        without_tool = cached(alpha, TOOL_TURN[:2])
-        assert first["prompt_tokens"] > without_tool["prompt_tokens"] + 10  # the tool result is in the prompt
-        # The same arguments with another key order and spacing encode the same: a full hit.
-        reordered = [*TOOL_TURN[:2], {**TOOL_TURN[2], "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "track", "arguments": '{"detail":"full",  "parcel":"HF42"}'}}]}, TOOL_TURN[3]]
-        again = cached(alpha, reordered)
-        assert again["prompt_tokens"] == first["prompt_tokens"]
-        assert again["prompt_tokens_details"]["cached_tokens"] == first["prompt_tokens"] - 1
-        # The next turn reuses everything up to and including the tool result.
-        follow = cached(alpha, [*TOOL_TURN, {"role": "assistant", "content": "It arrives Friday."},
-                                {"role": "user", "content": "Thanks!"}])
-        assert follow["prompt_tokens_details"]["cached_tokens"] >= first["prompt_tokens"] - 4
-        streamed = alpha.post(CHAT, json=chat_body(TOOL_TURN, stream=True))
-        assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+        for stream in (False, True):
+            r = alpha.post(CHAT, json=chat_body(TOOL_TURN, stream=stream))
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "messages[2].tool_calls"
+            assert "does not render tool calls" in r.json()["error"]["message"]
+        without_call = [*TOOL_TURN[:2], {"role": "assistant", "content": "Let me look."}, TOOL_TURN[3]]
+        assert cached(alpha, without_call)["prompt_tokens"] > cached(alpha, TOOL_TURN[:2])["prompt_tokens"] + 10
 
 
 def test_a_shutting_down_proxy_answers_503_and_cancels_running_work(tiny_model, tokenizer):

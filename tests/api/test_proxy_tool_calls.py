@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from prefixcache_api import create_app
-from proxy_support import ALPHA, MODEL, live, make_cache
+from proxy_support import ADMIN, ALPHA, MODEL, live, make_cache
 from proxy_support import settings as proxy_settings
 
 from tests.support.tool_templates import CALL_START, TEXT_BEFORE, broken_bias, family_tokenizer, scripted_model
@@ -141,8 +141,10 @@ def test_required_and_named_calls_the_model_makes_are_served(family_server):
     assert r.stop_reason == "tool_use"
 
 
-def test_a_required_or_named_call_the_model_does_not_make_is_an_error(family_server):
+def test_a_required_or_named_call_the_model_does_not_make_is_an_error(family_server, caplog):
     family, _, srv = family_server
+    with srv.client(ADMIN) as admin:
+        before = admin.get("/metrics").text
     client, claude = openai_client(srv), anthropic_client(srv)
     cut = {"stop": [CALL_START[family]]}  # the answer ends before its call
     other = {"type": "function", "function": {"name": "get_time"}}
@@ -160,6 +162,12 @@ def test_a_required_or_named_call_the_model_does_not_make_is_an_error(family_ser
     with pytest.raises(openai.BadRequestError, match="not one of the tools"):
         client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert "unhandled error" not in caplog.text  # a 422 of the model's answer is no bug
+    with srv.client(ADMIN) as admin:
+        after = admin.get("/metrics").text
+    for route in ("/v1/chat/completions", "/v1/messages"):  # counted as the 422 the client got, never a 500
+        label = f'prefixcache_request_errors_total{{route="{route}",status="%s"}}'
+        assert label % "422" in after and label % "500" not in after and label % "500" not in before
 
 
 def test_a_broken_call_comes_back_as_text_never_a_500(family_server, caplog):

@@ -396,3 +396,39 @@ def test_messages_matched_in_place_equal_partial_renders(tok):
         part = canon.encode_chat(messages[:k], add_generation_prompt=False)
         assert full.token_ids[:len(part.token_ids)] == part.token_ids
         assert full.boundaries[k - 1] == len(part.token_ids)
+
+
+# --- roles OpenAI and Anthropic give meaning to --------------------------------------------------------
+
+def test_developer_messages_are_system_instructions_where_the_template_names_no_such_role(tok):
+    canon = Canonicalizer(tok)  # the default model's template knows no "developer"
+    asked = canon.encode_chat([msg("developer", "Be terse."), msg("user", "q")])
+    assert asked == canon.encode_chat([msg("system", "Be terse."), msg("user", "q")])
+    assert "Be terse." in tok.decode(asked.token_ids)
+    named = with_template(tok, "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                               "{% if add_generation_prompt %}<assistant>{% endif %}{# developer #}")
+    out = Canonicalizer(named).encode_chat([msg("developer", "Be terse."), msg("user", "q")])
+    assert named.decode(out.token_ids) == "<developer>Be terse.<user>q<assistant>"  # a template's own role
+
+
+def test_a_final_assistant_message_is_continued_not_closed(tok):
+    canon = Canonicalizer(tok)
+    conversation = [msg("user", "q"), msg("assistant", "The answer is")]
+    out = canon.encode_chat(conversation, continue_final_message=True)
+    asked = canon.encode_chat(conversation[:1])  # the same history with the generation prompt: a prefix of it
+    assert out.token_ids == asked.token_ids + tuple(tok("The answer is", add_special_tokens=False)["input_ids"])
+    assert tok.decode(canon.encode_chat(conversation).token_ids).endswith("<|im_start|>assistant\n")  # closed
+    assert out.boundaries[-1] == len(out.token_ids) and not out.drift
+    bad = {"user last": [msg("user", "q")], "empty": [msg("user", "q"), msg("assistant", "")],
+           "trailing space": [msg("user", "q"), msg("assistant", "The answer is ")],
+           "tool call": [msg("user", "q"), _call({"city": "Paris"})]}
+    for name, messages in bad.items():
+        with pytest.raises(InvalidRequestError, match="final assistant message"):
+            Canonicalizer(with_template(tok, TOOLS)).encode_chat(messages, continue_final_message=True)
+
+
+def test_tool_calls_a_template_cannot_render_are_refused(tok):
+    with pytest.raises(InvalidRequestError, match="does not render tool calls") as caught:
+        Canonicalizer(tok).encode_chat([msg("user", "Weather?"), _call({"city": "Paris"}), msg("user", "And?")])
+    assert caught.value.param == "messages[1].tool_calls"
+    assert Canonicalizer(with_template(tok, TOOLS)).encode_chat([msg("user", "Weather?"), _call({"city": "Paris"})])

@@ -60,3 +60,13 @@ def test_one_table_decides_bypass_and_batching():
     scores = effective({"output_scores": True})  # served by the serial engine, still from the cache
     assert bypass_reason(scores, {}) is None and unbatchable(scores, {}) is not None
     assert {"num_beams", "use_cache", "past_key_values", "streamer"} <= set(OPTIONS)
+
+
+@pytest.mark.parametrize("max_length", [3, 7])
+def test_a_max_length_not_above_the_prompt_goes_where_generate_raises(max_length):
+    """generate() refuses a prompt of at least max_length tokens (no max_new_tokens); the batching engine must
+    not make up a token for it: the call goes to the serial engine, which raises as generate() does."""
+    params, reason = batch_params(GenerationConfig(max_length=max_length, do_sample=False), {}, 7)
+    assert params is None and "max_length" in reason and "generate() raises" in reason
+    params, reason = batch_params(GenerationConfig(max_length=9, do_sample=False), {}, 7)
+    assert reason is None and params.max_new_tokens == 2
