@@ -9,8 +9,7 @@ prompt_cache_retention, and the diagnostics extension.
 Refused with a 400 naming the parameter, here: logprobs, suffix, response_format
 other than text, max_tokens over the server's limit, SGLang's extensions (which
 sglang-router adds to every chat body) with a value other than what this server does
-(``no_stop_trim``, ``skip_special_tokens``, ``return_hidden_states``,
-``continue_final_message``); by the schema (``protocol``):
+(``no_stop_trim``, ``skip_special_tokens``, ``return_hidden_states``); by the schema (``protocol``):
 n > 1, best_of > 1, token-id or multi-prompt completions, non-text content parts.
 """
 from __future__ import annotations
@@ -59,6 +58,7 @@ class Job:
     options: AnswerOptions = field(default_factory=AnswerOptions)
     ttl_seconds: float | None = None  # None: the cache's default TTL
     tool_use: ToolUse | None = None  # how the answer's tool calls are read (None: the answer is text)
+    continue_final: bool = False  # a chat whose answer continues its last (assistant) message
 
     def max_new_tokens(self, prompt_tokens: int, max_context: int, default: int) -> int:
         """The requested ``max_tokens``, or the default capped to the room left in the context.
@@ -82,7 +82,7 @@ class Job:
 def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_size: int,
              tool_family: str | None = None) -> Job:
     """``tool_family``: the syntax of the model's tool calls (``tool_calls.tokenizer_family``)."""
-    _only_defaults(req, continue_final_message=False)
+    _only_defaults(req)
     if req.logprobs or req.top_logprobs:
         raise InvalidRequestError("logprobs are not supported by this server", param="logprobs")
     if req.response_format is not None and req.response_format.type != "text":
@@ -101,7 +101,7 @@ def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_
     reading = openai_tool_use(tool_family, asked.get("tools"), asked.get("tool_choice"), req.parallel_tool_calls)
     options = _options(req, settings, vocab_size, blend=req.prefixcache_blend)
     return Job("chat", tenant, messages=messages, tools=tools, max_tokens=limit_max_tokens(max_tokens, settings),
-               options=options, cache_key=req.prompt_cache_key,
+               options=options, cache_key=req.prompt_cache_key, continue_final=bool(req.continue_final_message),
                retention=req.prompt_cache_retention, cache_salt=req.cache_salt or None,
                diagnose=req.diagnostics is not None, tool_choice=choice, tool_use=reading,
                previous_id=req.diagnostics.previous_message_id if req.diagnostics else None,

@@ -230,8 +230,9 @@ class ChatCompletionRequest(GenerationFields):
     response_format: ResponseFormat | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    continue_final_message: bool | None = Field(None, description="SGLang extension: only false (the answer "
-                                                "is a new assistant message).")
+    continue_final_message: bool | None = Field(None, description="SGLang extension: true continues the last "
+                                                "message, an assistant turn of text (the answer extends it); "
+                                                "false or unset: the answer is a new assistant message.")
     separate_reasoning: bool | None = Field(None, description="SGLang extension: accepted, no effect (no "
                                             "reasoning parser: the whole answer is content).")
     stream_reasoning: bool | None = Field(None, description="SGLang extension: accepted, no effect (as "

@@ -237,14 +237,16 @@ class Serving:
             if job.endpoint == "messages":
                 prompt = cache.encode_messages(**job.anthropic)
             elif job.breakpoints and job.endpoint == "chat":  # OpenAI's breakpoints, written as Anthropic's are
-                prompt = cache.encode_chat_breakpoints(job.messages, job.tools, mode=job.cache_mode, ttl=job.cache_ttl)
+                prompt = cache.encode_chat_breakpoints(job.messages, job.tools, mode=job.cache_mode, ttl=job.cache_ttl,
+                                                       continue_final=job.continue_final)
             elif job.breakpoints:
                 text = cache.encode_text(job.prompt)
                 prompt = MessagesPrompt(tuple(text), text_breakpoints(text, job.cache_mode, job.cache_ttl))
             if prompt is not None:
                 ids = list(prompt.token_ids)
             else:
-                encoded = cache.encode_chat_prompt(job.messages, job.tools) if job.endpoint == "chat" else None
+                encoded = cache.encode_chat_prompt(job.messages, job.tools, continue_final=job.continue_final) \
+                    if job.endpoint == "chat" else None
                 ids = list(encoded.token_ids) if encoded is not None else cache.encode_text(job.prompt)
                 if encoded is not None and (encoded.chunks or encoded.unplaced):
                     chunks = {"chunks": encoded.chunks, "unplaced": encoded.unplaced}

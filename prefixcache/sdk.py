@@ -351,11 +351,13 @@ class PrefixCache:
         return dataclasses.replace(result, cache=usage)
 
     def encode_chat_breakpoints(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
-                                *, mode: str | None = None, ttl: str | None = None) -> MessagesPrompt:
+                                *, mode: str | None = None, ttl: str | None = None,
+                                continue_final: bool = False) -> MessagesPrompt:
         """An OpenAI-shaped chat's canonical ids and the prompt-cache breakpoints it writes under OpenAI's rules
         (``prompt_cache_breakpoint`` on parts, ``mode`` and ``ttl`` of ``prompt_cache_options``;
-        ``serving/prompt_cache.py``); answer it with ``answer_messages``."""
-        return prompt_cache.encode_chat(self._canon(), list(messages), tools, mode, ttl)
+        ``serving/prompt_cache.py``); answer it with ``answer_messages``. ``continue_final``: the answer continues
+        the last message, an assistant turn of text."""
+        return prompt_cache.encode_chat(self._canon(), list(messages), tools, mode, ttl, continue_final)
 
     def diagnose(self, chat: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
                  token_ids: Sequence[int], *, tenant: str | None = None, cache_salt: str | None = None,
@@ -369,10 +371,11 @@ class PrefixCache:
                               token_ids)
         return self.prompt_records.diagnose(tenant, current, previous_id, record_id)
 
-    def encode_chat_prompt(self, messages: Sequence[dict[str, Any]],
-                           tools: Sequence[dict[str, Any]] | None = None) -> CanonicalPrompt:
-        """A chat request's canonical ids with its marked chunks' spans (pass them to ``answer`` as ``chunks``)."""
-        return self._canon().encode_chat(list(messages), tools=tools)
+    def encode_chat_prompt(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
+                           *, continue_final: bool = False) -> CanonicalPrompt:
+        """A chat request's canonical ids with its marked chunks' spans (pass them to ``answer`` as ``chunks``);
+        ``continue_final``: the answer continues the last message, an assistant turn of text."""
+        return self._canon().encode_chat(list(messages), tools=tools, continue_final_message=continue_final)
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
         return list(self._canon().encode_chat(list(messages), tools=tools).token_ids)

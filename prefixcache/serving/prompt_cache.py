@@ -34,10 +34,11 @@ FIELD = "prompt_cache_breakpoint"
 
 
 def encode_chat(canon: Canonicalizer, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
-                mode: str | None = None, ttl: str | None = None) -> MessagesPrompt:
-    """A chat's ids and the breakpoints it writes, in prefix order. Raises ``InvalidRequestError``."""
+                mode: str | None = None, ttl: str | None = None, continue_final: bool = False) -> MessagesPrompt:
+    """A chat's ids and the breakpoints it writes, in prefix order (``continue_final``: the answer continues the
+    last message). Raises ``InvalidRequestError``."""
     mode, ttl = _options(mode, ttl)
-    encoded = canon.encode_chat(messages, tools)
+    encoded = canon.encode_chat(messages, tools, continue_final_message=continue_final)
     full = encoded.token_ids
     marks = _marks(messages, ttl)
     written = marks[-(MAX_WRITTEN - (mode == "implicit")):] if marks else []

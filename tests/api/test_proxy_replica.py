@@ -83,7 +83,6 @@ def test_ignore_eos_and_max_completion_tokens_are_honoured_in_the_routers_shape(
     ("no_stop_trim", True, ("chat", "completions")),
     ("skip_special_tokens", False, ("chat", "completions")),
     ("return_hidden_states", True, ("chat", "completions")),
-    ("continue_final_message", True, ("chat",)),
 ])
 def test_a_non_default_value_that_would_change_the_answer_is_refused(server, field, value, routes):
     for route in routes:
@@ -96,6 +95,26 @@ def test_a_non_default_value_that_would_change_the_answer_is_refused(server, fie
         assert response.status_code == 400, (route, response.text)
         error = response.json()["error"]
         assert error["param"] == field and "not supported" in error["message"], error
+
+
+def test_continue_final_message_continues_the_last_assistant_turn(server):
+    """SGLang's continue_final_message: the prompt ends inside the last assistant message and the answer extends
+    it; the same conversation without it gets a new assistant turn."""
+    conversation = [*MESSAGES, {"role": "assistant", "content": "My answer is"}]
+    base = {"model": MODEL, "messages": conversation, "max_completion_tokens": 3, "temperature": 0, **CHAT_DEFAULTS}
+    continued = _post(server, "/v1/chat/completions", {**base, "continue_final_message": True})
+    assert continued.status_code == 200, continued.text
+    ids = server.cache.encode_chat_prompt(conversation, continue_final=True).token_ids
+    assert server.cache.tokenizer.decode(ids).endswith("<|im_start|>assistant\nMy answer is")
+    assert continued.json()["usage"]["prompt_tokens"] == len(ids)
+    with_breakpoints = _post(server, "/v1/chat/completions", {**base, "continue_final_message": True,
+                                                              "prompt_cache_options": {"mode": "implicit"}})
+    assert with_breakpoints.json()["usage"]["prompt_tokens"] == len(ids)  # OpenAI's breakpoints path, the same ids
+    closed = _post(server, "/v1/chat/completions", base).json()
+    assert closed["usage"]["prompt_tokens"] > len(ids)  # the turn closed and a new one opened
+    spaced = [*MESSAGES, {"role": "assistant", "content": "My answer is "}]
+    refused = _post(server, "/v1/chat/completions", {**base, "messages": spaced, "continue_final_message": True})
+    assert refused.status_code == 400 and "whitespace" in refused.json()["error"]["message"]
 
 
 def test_reasoning_switches_are_accepted_either_way(server):
