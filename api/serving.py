@@ -274,11 +274,14 @@ class Serving:
             result = cache.run_messages(prompt, options, scope)
         if miss is not None:
             result.stats.miss_reason, result.stats.cache_missed_tokens = miss.type, miss.cache_missed_input_tokens
-        self.metrics.observe(job.endpoint, job.tenant, result.stats)
+        # A generation cut short (timeout, client gone, shutdown) is counted by its error status only, as when
+        # the engine's own timer ends it first: the served-generation counters hold answers delivered.
+        if result.finish_reason != "cancelled":
+            self.metrics.observe(job.endpoint, job.tenant, result.stats)
+            self.metrics.observe_cache_hints(job.tenant, job.cache_key, job.retention, result.stats)
         if self.request_log is not None:
             self.request_log.record(job.tenant, ids, result.token_ids, result.stats.cached_tokens,
                                     self._held_tokens(len(ids), result))
-        self.metrics.observe_cache_hints(job.tenant, job.cache_key, job.retention, result.stats)
         if result.finish_reason == "cancelled" and self.closing:  # cut short by shutdown: not an answer
             raise UnavailableError("the server is shutting down; the generation was cancelled", code="shutting_down")
         return result

@@ -60,10 +60,10 @@ class FanOut:
             return dict(zip(self.replicas, pool.map(one, self.replicas), strict=True))
 
     def stats(self, tenant: str | None = None) -> dict[str, Any]:
-        return _report(self.call("GET", "/v1/cache/stats", params=_tenant(tenant)), aggregate_stats)
+        return _report(_scoped(self.call("GET", "/v1/cache/stats", params=_tenant(tenant)), tenant), aggregate_stats)
 
     def flush(self, tenant: str | None = None) -> dict[str, Any]:
-        return _report(self.call("DELETE", "/v1/cache", params=_tenant(tenant)),
+        return _report(_scoped(self.call("DELETE", "/v1/cache", params=_tenant(tenant)), tenant),
                        lambda answers: {"freed_bytes": sum(a["freed_bytes"] for a in answers)})
 
     def prewarm(self, body: dict[str, Any], tenant: str | None = None) -> dict[str, Any]:
@@ -86,6 +86,18 @@ def _report(answers: dict[str, dict[str, Any]], combine: Callable[[list[dict[str
             ) -> dict[str, Any]:
     good = [a for a in answers.values() if "error" not in a]
     return {"ok": len(good) == len(answers), "total": combine(good) if good else None, "replicas": answers}
+
+
+def _scoped(answers: dict[str, dict[str, Any]], tenant: str | None) -> dict[str, dict[str, Any]]:
+    """Each answer, or an error where the replica acted on another tenant than asked (None: all): a tenant's key
+    is scoped to its own tenant without an error, so a wrong key would otherwise pass for the admin key."""
+    def check(answer: dict[str, Any]) -> dict[str, Any]:
+        if "error" in answer or answer.get("tenant") == tenant:
+            return answer
+        asked = "every tenant" if tenant is None else f"tenant {tenant!r}"
+        return {"error": f"the replica answered for tenant {answer.get('tenant')!r}, not {asked}: this key is not "
+                         "the admin key", "status": 200}
+    return {url: check(answer) for url, answer in answers.items()}
 
 
 def _tenant(tenant: str | None) -> dict[str, str] | None:

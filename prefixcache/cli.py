@@ -108,8 +108,12 @@ def _admin(args: argparse.Namespace) -> int:
             if args.prompt is not None:
                 body["prompt"] = args.prompt
             else:
-                with open(args.messages_file, encoding="utf-8") as f:
-                    body["messages"] = json.load(f)
+                try:
+                    with open(args.messages_file, encoding="utf-8") as f:
+                        body["messages"] = json.load(f)
+                except (OSError, ValueError) as exc:  # a missing file or not JSON: one line, not a traceback
+                    print(f"prefixcache admin: cannot read --messages-file {args.messages_file}: {exc}", file=sys.stderr)
+                    return 2
             body |= {k: v for k, v in (("model", args.model), ("ttl_seconds", args.ttl_seconds)) if v is not None}
             report = fan.prewarm(body, args.tenant)
     print(json.dumps(report, indent=2))

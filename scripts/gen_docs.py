@@ -247,8 +247,10 @@ def metrics_page() -> str:
         *rows,
         "",
         "Label values: `outcome` is `hit`, `partial`, `miss` or `bypass`; `reason` is `lru`, `ttl`, "
-        "`quota` or `flush`; `basis` is `requests` or `tokens`. Counters also expose `_created` "
-        "series. The dashboard in `deploy/grafana/` queries these names (a test checks each one exists).",
+        "`quota` or `flush`; `basis` is `requests` or `tokens`. Counters recorded as requests finish "
+        "also expose `_created` series (those read from the engine at scrape time do not). Request counters "
+        "hold answers delivered: a generation cut short (a timeout, a client gone, shutdown) is counted in "
+        "`prefixcache_request_errors_total` only. The dashboard in `deploy/grafana/` queries these names (a test checks each one exists).",
         "",
     ]
     return "\n".join(out)

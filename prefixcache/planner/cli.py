@@ -116,8 +116,13 @@ def model_bytes_per_token(model: str, dtype_bytes: int) -> int:
 
 def _pin(text: str, trace: Trace) -> tuple[str, tuple[int, ...]]:
     tenant, sep, ids = text.rpartition(":")
+    known = list(trace.tenants)
     if not sep:
-        tenant = trace.tenants[0] if len(trace.tenants) == 1 else ""
+        if len(known) > 1:  # a pin under no tenant of the log: no request could ever hit it
+            raise ValueError(f"--pin {text!r}: the log has several tenants ({', '.join(known)}): write TENANT:IDS")
+        tenant = known[0] if known else ""
+    elif known and tenant not in known:
+        raise ValueError(f"--pin {text!r}: no tenant {tenant!r} in the log (its tenants: {', '.join(known)})")
     try:
         values = tuple(int(i, 16) if trace.kv_bytes_per_token is not None else int(i) for i in split_list(ids))
     except ValueError:

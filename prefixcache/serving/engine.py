@@ -245,7 +245,9 @@ class BatchEngine:
         req.sampler = None if sampler.argmax_only else sampler  # None: the step's one batched argmax
         # Pin the longest cached prefix now: admission order needs its length. The last
         # prompt token is always recomputed, so its logits exist.
+        looked = self._clock()
         req.lease = self.store.acquire(scope, req.prompt, len(req.prompt) - 1, restore=True)
+        req.stats.lookup_seconds = self._clock() - looked  # a restore from the tiers below included
         req.stats.prompt_tokens, req.stats.cached_tokens = len(req.prompt), req.cached_len
         with self._cv:
             if self._closed or self.failure is not None:

@@ -93,6 +93,15 @@ def live(app) -> Iterator[LiveServer]:
         server.stop()
 
 
+def counter_sum(server, name: str) -> float:
+    """The sum of a series' samples on the server's ``/metrics`` (read with the admin key)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with server.client(ADMIN) as admin:
+        text = admin.get("/metrics").text
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name)
+
+
 def leased_refs(cache: PrefixCache) -> int:
     """Refcounts held on cached blocks (pins of running requests); 0 when nothing runs."""
     with cache.store._lock:  # test-only peek at the store's invariant state

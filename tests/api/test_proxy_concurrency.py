@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from proxy_support import ADMIN, ALPHA, BETA, MODEL, auth, leased_refs, wait_until
+from proxy_support import ADMIN, ALPHA, BETA, MODEL, auth, counter_sum, leased_refs, wait_until
 
 CHAT = "/v1/chat/completions"
 LONG = 1500
@@ -48,6 +48,8 @@ def test_disconnect_of_a_non_streaming_request_cancels_it(server, tokenizer):
     before = server.cache.stats("alpha")["completion_tokens"]
     body = {**long_stream(tokenizer), "stream": False}
     queries = server.cache.stats("alpha")["queries"]
+    counted = {name: counter_sum(server, name) for name in ("prefixcache_requests_total",
+                                                       "prefixcache_completion_tokens_total")}
     # The client gives up while the answer is being generated: an answer within 0.5 s would
     # mean the long request was not run at all, and fails the test.
     with pytest.raises(httpx.ReadTimeout):
@@ -55,6 +57,8 @@ def test_disconnect_of_a_non_streaming_request_cancels_it(server, tokenizer):
     wait_until(lambda: idle(server), timeout=10.0)
     assert server.cache.stats("alpha")["queries"] == queries + 1  # it ran, and was cancelled
     assert server.cache.stats("alpha")["completion_tokens"] - before < LONG
+    # Nobody got an answer: the served-generation counters leave it out.
+    assert {name: counter_sum(server, name) for name in counted} == counted
 
 
 def test_the_event_loop_stays_free_during_generation(server, tokenizer):

@@ -8,7 +8,19 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 from prefixcache_api import create_app
-from proxy_support import ADMIN, ALPHA, BETA, MODEL, auth, leased_refs, live, make_cache, settings, wait_until
+from proxy_support import (
+    ADMIN,
+    ALPHA,
+    BETA,
+    MODEL,
+    auth,
+    counter_sum,
+    leased_refs,
+    live,
+    make_cache,
+    settings,
+    wait_until,
+)
 
 from tests.step_hooks import hold_until_cancelled
 
@@ -227,10 +239,17 @@ def test_queue_full_is_429_with_retry_after_and_a_timeout_ends_the_stream(tight,
 
 
 def test_timeout_is_504_and_cancels_the_generation(tight, tokenizer):
+    before = {name: counter_sum(tight, name) for name in ("prefixcache_requests_total", "prefixcache_completion_tokens_total",
+                                                         "prefixcache_request_errors_total")}
     with hold_until_cancelled(tight.cache), tight.client(ALPHA) as client:  # still answering at 1 s, on any machine
         assert_error(client.post(CHAT, json=long_job(tokenizer)), 504, code="request_timeout")
     wait_until(lambda: tight.serving.queue() == (0, 0), timeout=10)  # cancelled: see the token count
     assert tight.cache.stats()["completion_tokens"] < LONG
+    # Counted as the 504 it was, never as a generation served (whichever timer ended it).
+    after = {name: counter_sum(tight, name) for name in before}
+    assert after["prefixcache_request_errors_total"] == before["prefixcache_request_errors_total"] + 1
+    assert after["prefixcache_requests_total"] == before["prefixcache_requests_total"]
+    assert after["prefixcache_completion_tokens_total"] == before["prefixcache_completion_tokens_total"]
 
 
 def test_memory_pressure_on_a_pin_is_503_with_retry_after(tiny_model, tokenizer):

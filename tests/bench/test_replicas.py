@@ -141,6 +141,15 @@ def test_admin_fans_out_to_every_replica_and_aggregates(replicas, capsys):
     capsys.readouterr()
     with FanOut(replicas.urls, "wrong") as fan:
         assert {a["status"] for a in fan.stats()["replicas"].values()} == {401}
+    # A tenant's key passes the replicas' checks but acts on its own tenant only: an error, never "ok".
+    for action in ("stats", "flush"):
+        assert main(["admin", "--replicas", urls, "--admin-key", "sk-group-0", action]) == 1
+        report = json.loads(capsys.readouterr().out)
+        assert not report["ok"] and report["total"] is None
+        assert all("not the admin key" in a["error"] for a in report["replicas"].values())
+    assert main(["admin", "--replicas", urls, "--admin-key", ADMIN_KEY, "prewarm", "--messages-file",
+                 "/nonexistent/messages.json"]) == 2
+    assert "cannot read --messages-file" in capsys.readouterr().err
 
 
 def test_a_killed_replica_fails_only_its_requests_in_flight_and_its_prefixes_survive_in_the_tier(

@@ -120,3 +120,17 @@ def test_sizes_and_durations():
             parse_size(bad, 10)
     with pytest.raises(ValueError):
         parse_duration("0s")
+
+
+def test_a_pin_names_a_tenant_of_the_log_where_it_has_several():
+    """A pin under no tenant of the log could never be hit: refused, not planned as a loss."""
+    from prefixcache.planner.cli import _pin
+    from prefixcache.planner.trace import Trace
+
+    two = Trace(4, None, tenants=["alpha", "beta"])
+    assert _pin("beta:1,2", two) == ("beta", (1, 2))
+    with pytest.raises(ValueError, match="several tenants"):
+        _pin("1,2", two)
+    with pytest.raises(ValueError, match="no tenant 'gamma'"):
+        _pin("gamma:1,2", two)
+    assert _pin("1,2", Trace(4, None, tenants=["alpha"])) == ("alpha", (1, 2))  # the one tenant
