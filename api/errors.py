@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from prefixcache.errors import (
+    CacheClosedError,
     CapacityError,
     ConfigError,
     ContextLengthExceededError,
@@ -158,6 +159,8 @@ def map_exception(exc: BaseException) -> Mapped:
     if isinstance(exc, RecursionError):  # input nested deeper than the stack got past the depth checks: its fault
         return Mapped(400, ErrorDetail(message="the request nests too deeply", type="invalid_request_error",
                                        code="json_too_deep"))
+    if isinstance(exc, CacheClosedError):  # the server is shutting down: another replica (or a retry) serves it
+        return Mapped(503, ErrorDetail(message=str(exc), type="server_error", code="shutting_down"), True)
     if isinstance(exc, UnsupportedModelError):
         return Mapped(501, ErrorDetail(message=f"prefix caching is not available for this model: {exc}",
                                        type="invalid_request_error", code="not_supported"))
@@ -274,6 +277,7 @@ def install(app: FastAPI, retry_after: int, on_error: Callable[[Request, int], N
     app.add_exception_handler(RequestValidationError, validation)
     app.add_exception_handler(StarletteHTTPException, http_error)
     for kind in (ProxyError, InvalidRequestError, ConfigError, CapacityError, UnsupportedModelError, EngineFaultError,
-                 GenerationTimeoutError, RequestCancelledError, TierPurgeError, ToolCallError, RecursionError):
+                 GenerationTimeoutError, RequestCancelledError, TierPurgeError, ToolCallError, CacheClosedError,
+                 RecursionError):
         app.add_exception_handler(kind, known)
     app.add_exception_handler(Exception, unexpected)

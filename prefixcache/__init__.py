@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from prefixcache.config import CacheConfig
     from prefixcache.errors import (
+        CacheClosedError,
         CapacityError,
         ConfigError,
         ContextLengthExceededError,
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from prefixcache.serving.tool_calls import ToolCall
 
 #: Every error class a caller may catch (``prefixcache.errors``; each derives from ``PrefixCacheError``).
-_ERRORS = ("CapacityError", "ConfigError", "ContextLengthExceededError", "EngineFaultError", "GenerationTimeoutError",
+_ERRORS = ("CacheClosedError", "CapacityError", "ConfigError", "ContextLengthExceededError", "EngineFaultError", "GenerationTimeoutError",
            "InvalidRequestError", "KVMemoryError", "ModelLoadError", "PinQuotaExceededError", "PrefixCacheError",
            "RequestCancelledError", "TierPurgeError", "ToolCallError", "UnsupportedModelError")
 

@@ -97,5 +97,9 @@ class TierPurgeError(PrefixCacheError, RuntimeError):
     """A flush could not reach every lower tier (the message names those it could not); retry later."""
 
 
+class CacheClosedError(PrefixCacheError, RuntimeError):
+    """A call on a ``PrefixCache`` (or its batching engine) after ``close()``: nothing was computed or stored."""
+
+
 class ToolCallError(PrefixCacheError, RuntimeError):
     """``tool_choice`` asked for a call (any, or to a named tool) that the model's answer does not make."""

@@ -17,7 +17,14 @@ from prefixcache.cache.scope import Scope
 from prefixcache.cache.store import KVStore
 from prefixcache.cache.tiers import KVShape, TierChain, build_chain
 from prefixcache.config import CacheConfig
-from prefixcache.errors import CapacityError, ContextLengthExceededError, InvalidRequestError, PinQuotaExceededError
+from prefixcache.errors import (
+    CacheClosedError,
+    CapacityError,
+    ConfigError,
+    ContextLengthExceededError,
+    InvalidRequestError,
+    PinQuotaExceededError,
+)
 from prefixcache.loading import model_fingerprint
 from prefixcache.model.hf_cache import probe
 from prefixcache.model.layout import long_tensor
@@ -30,9 +37,8 @@ from prefixcache.serving.diagnostics import MissReason, PromptRecords, fingerpri
 from prefixcache.serving.dispatch import Dispatcher
 from prefixcache.serving.engine import BatchConfig, BatchEngine
 from prefixcache.serving.messages import MessagesPrompt, encode_messages, to_chat
-from prefixcache.serving.options import AnswerOptions, seconds
+from prefixcache.serving.options import AnswerOptions, check_seed, seconds
 from prefixcache.serving.request import CallStats
-from prefixcache.serving.sampling import as_id_set
 from prefixcache.serving.serial import SerialEngine
 from prefixcache.serving.stats import CacheReport, ServerFigures
 from prefixcache.serving.text_stream import TextStream, first_stop
@@ -103,6 +109,10 @@ class PrefixCache:
                  clock: Callable[[], float] = time.monotonic, hash_fn: HashFn = xxh3_64,
                  start_sweeper: bool = True, on_evict: EvictHook | None = None,
                  batching: BatchConfig | dict[str, Any] | bool = True, wall_clock: Callable[[], float] = time.time):
+        if not isinstance(batching, (bool, BatchConfig, dict)):  # 0, None or "off" must not mean batching on
+            raise ConfigError("batching", batching, "True, False, a BatchConfig or a dict of its fields")
+        if config is not None and not isinstance(config, CacheConfig):
+            raise ConfigError("config", config, "a CacheConfig (CacheConfig(**fields) from a dict)")
         self.model = model.eval()
         self.tokenizer = tokenizer
         #: The syntax of the model's tool calls, from its chat template (None: calls stay text).
@@ -215,12 +225,14 @@ class PrefixCache:
         with a streamer, or on the serial engine), and are put back together padded as
         ``generate()`` pads them. ``return_dict_in_generate`` needs batch size 1.
         """
+        self._check_open()
         ids = self._as_ids(kwargs.pop("inputs", input_ids))
         scope = self.scope(tenant, None, ttl_seconds)
         timeout = None if timeout_seconds is None else seconds(timeout_seconds, "timeout_seconds")
         if attention_mask is not None and tuple(attention_mask.shape) != tuple(ids.shape):
             raise InvalidRequestError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
                                       f"{tuple(ids.shape)}", param="attention_mask")
+        check_seed(kwargs.get("seed"))
         if attention_mask is None:  # as generate() infers it: the pad id masked, where it is no EOS id
             attention_mask = self._inferred_mask(ids, generation_config, kwargs)
         rows = [ids[i] if attention_mask is None else ids[i][attention_mask[i].to(torch.bool)]
@@ -245,7 +257,7 @@ class PrefixCache:
                 outs.append(out[0, len(row):])
         if whole:
             return torch.cat([ids, outs[0].unsqueeze(0)], dim=1)
-        pad = self._pad_id(generation_config)
+        pad = self._pad_id(generation_config, kwargs)
         width = max(len(o) for o in outs)
         new = torch.full((len(outs), width), pad, dtype=ids.dtype, device=ids.device)
         for i, o in enumerate(outs):
@@ -405,15 +417,24 @@ class PrefixCache:
         False = prefill them this time, a number in [0, 1] = the share recomputed (default
         ``config.blend_recompute_share``); ``unplaced``: marked parts the encoding could not locate."""
         scope = self.scope(tenant, cache_salt, ttl_seconds)
-        return self.run(prompt, AnswerOptions.parse(**options), scope)
+        vocab = self.model.get_input_embeddings().num_embeddings
+        if isinstance(prompt, (str, bytes)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
+            raise InvalidRequestError(f"prompt must be a list of token ids in [0, {vocab})", param="prompt")
+        return self.run(list(prompt), AnswerOptions.parse(**options), scope)
 
     def run(self, prompt: list[int], options: AnswerOptions, scope: Scope) -> GenerationResult:
         """Answer prompt ids with checked ``options`` in ``scope`` (what ``answer`` does once it parsed them)."""
+        self._check_open()
         if self.tokenizer is None:
             raise InvalidRequestError("answering needs a tokenizer for the answer's text: PrefixCache(model, "
                                       "tokenizer); generate() takes and returns token ids without one")
         if not prompt:
             raise InvalidRequestError("the prompt encodes to zero tokens", param="prompt")
+        # Checked here, not where a batched step would fail on it (every request of that step with it).
+        vocab = self.model.get_input_embeddings().num_embeddings
+        if any(token >= vocab for token, _ in options.logit_bias):
+            raise InvalidRequestError(f"logit_bias keys must be token ids below {vocab}", param="logit_bias")
         plan, why_not = blend_plan(options.chunks, options.blend, len(prompt), self.config, options.unplaced)
         if len(prompt) + options.max_new_tokens > self.max_context:
             raise ContextLengthExceededError(
@@ -459,6 +480,12 @@ class PrefixCache:
         is set (``RequestCancelledError``) or after ``timeout_seconds`` (``GenerationTimeoutError``);
         then nothing is stored. With ``cache_salt`` only calls with the same salt read the prefix.
         """
+        self._check_open()
+        for name, flag in (("pin", pin), ("privileged", privileged)):
+            if not isinstance(flag, bool):
+                raise InvalidRequestError(f"{name} must be True or False", param=name)
+        if cancel is not None and not callable(getattr(cancel, "is_set", None)):
+            raise InvalidRequestError("cancel must be a threading.Event (or have is_set())", param="cancel")
         tokens = self.encode_prefix(prefix, tools)
         tenant = self._tenant(tenant)
         ttl = self._pin_ttl(ttl_seconds, privileged) if pin else self._ttl(ttl_seconds)
@@ -562,6 +589,10 @@ class PrefixCache:
         self.close()
 
     # -- helpers -------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed.is_set():  # a warm after close would store what no persist writes down any more
+            raise CacheClosedError("this PrefixCache is closed")
+
     def _sweep_loop(self) -> None:
         while not self._closed.wait(self.config.sweep_interval_seconds):
             self.store.sweep()
@@ -612,25 +643,31 @@ class PrefixCache:
             return ttl
         return cap if ttl is None else min(ttl, cap)
 
+    def _special_ids(self, generation_config: GenerationConfig | None,
+                     kwargs: dict[str, Any]) -> tuple[int | None, list[int]]:
+        """The pad id and the EOS ids (in their order) ``generate()`` uses: the call's, else its config's, else the
+        model's."""
+        configs = [c for c in (generation_config, self.model.generation_config) if c is not None]
+        pad = kwargs.get("pad_token_id", next((c.pad_token_id for c in configs if c.pad_token_id is not None), None))
+        eos = kwargs.get("eos_token_id", next((c.eos_token_id for c in configs if c.eos_token_id is not None), None))
+        if isinstance(eos, torch.Tensor):
+            eos = eos.flatten().tolist()
+        return (None if pad is None else int(pad)), ([] if eos is None else [int(e) for e in (
+            eos if isinstance(eos, (list, tuple)) else [eos])])
+
     def _inferred_mask(self, ids: torch.Tensor, generation_config: GenerationConfig | None,
                        kwargs: dict[str, Any]) -> torch.Tensor | None:
         """The attention mask ``generate()`` builds when given none: positions holding the pad id masked, if the
         pad id is set, occurs in ``ids`` and is no EOS id; None (every token counts) otherwise."""
-        configs = (generation_config, self.model.generation_config)
-        pad = kwargs.get("pad_token_id", next((c.pad_token_id for c in configs if c is not None
-                                               and c.pad_token_id is not None), None))
-        eos = kwargs.get("eos_token_id", next((c.eos_token_id for c in configs if c is not None
-                                               and c.eos_token_id is not None), None))
-        if pad is None or int(pad) in as_id_set(eos) or not bool((ids == int(pad)).any()):
+        pad, eos = self._special_ids(generation_config, kwargs)
+        if pad is None or pad in eos or not bool((ids == pad).any()):
             return None
-        return ids.ne(int(pad)).long()
+        return ids.ne(pad).long()
 
-    def _pad_id(self, generation_config: GenerationConfig | None) -> int:
-        for cfg in (generation_config, self.model.generation_config):
-            if cfg is not None and cfg.pad_token_id is not None:
-                return int(cfg.pad_token_id)
-        eos = sorted(as_id_set(self.model.generation_config.eos_token_id))
-        return eos[0] if eos else 0
+    def _pad_id(self, generation_config: GenerationConfig | None, kwargs: dict[str, Any] | None = None) -> int:
+        """What ``generate()`` pads finished rows with: the pad id, else the first EOS id (else 0)."""
+        pad, eos = self._special_ids(generation_config, kwargs or {})
+        return pad if pad is not None else (eos[0] if eos else 0)
 
 
 def _noted(result: GenerationResult, miss: MissReason | None) -> GenerationResult:

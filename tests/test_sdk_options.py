@@ -180,3 +180,75 @@ def test_a_max_length_the_prompt_already_reaches_raises_as_generate_does(new_cac
         cache.generate(ids, max_length=7, do_sample=False)
     want = untouched(model).generate(ids, max_length=9, do_sample=False)
     assert torch.equal(cache.generate(ids, max_length=9, do_sample=False), want)
+
+
+def test_a_bad_option_fails_its_own_call_before_any_work(new_cache, chat_llama, tokenizer):
+    """Checked before the call reaches the batching engine: one caller's mistake never fails a shared step."""
+    from prefixcache.errors import InvalidRequestError
+
+    cache = new_cache(chat_llama, tokenizer, start_sweeper=False)
+    vocab = chat_llama.get_input_embeddings().num_embeddings
+    ask = [{"role": "user", "content": "Hi"}]
+    bad = {"logit_bias": dict(logit_bias={vocab + 5: 1.0}), "seed": dict(seed="abc"),
+           "cancel": dict(cancel=True), "on_text": dict(on_text=5), "do_sample": dict(do_sample="no"),
+           "temperature": dict(temperature=float("nan")), "max_tokens": dict(max_tokens=5)}
+    for param, options in bad.items():
+        with pytest.raises(InvalidRequestError) as caught:
+            cache.chat(ask, max_new_tokens=2, **options)
+        assert caught.value.param == param, (param, caught.value)
+    for prompt in ([vocab], [-1], "text", [1.5]):
+        with pytest.raises(InvalidRequestError) as caught:
+            cache.answer(prompt, max_new_tokens=2)
+        assert caught.value.param == "prompt"
+    with pytest.raises(InvalidRequestError, match="seed"):
+        cache.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=True, seed=2**70)
+    with pytest.raises(InvalidRequestError, match="cancel"):
+        cache.warm(ask, cancel=True)
+    assert not cache.engine_faulting and cache.batcher.failure is None
+    assert cache.chat(ask, max_new_tokens=2).usage.completion_tokens == 2  # the engine serves on
+
+
+@pytest.mark.parametrize("batching", [False, True])
+def test_sampling_with_a_seed_draws_as_generate_does(new_cache, batching):
+    """Unset in the model's config, top_k is transformers' default (50) in generate(): the same on both engines."""
+    model = build_tiny("llama-gqa")
+    assert model.generation_config.top_k is None or model.generation_config.top_k == 50
+    ids = torch.tensor([[5, 9, 33, 41, 7]])
+    cache = new_cache(model, None, CacheConfig(block_size=4), batching=batching, start_sweeper=False)
+    for seed in (1, 2, 3):
+        torch.manual_seed(seed)
+        want = untouched(model).generate(ids, max_new_tokens=8, do_sample=True, temperature=1.5)
+        assert torch.equal(cache.generate(ids, max_new_tokens=8, do_sample=True, temperature=1.5, seed=seed), want)
+
+
+def test_finished_rows_are_padded_with_the_call_s_pad_id(new_cache):
+    model = build_tiny("llama-gqa")
+    ref = untouched(model)
+    rows = [[5, 9, 33, 41, 7], [8, 21, 2, 77, 64]]
+    first = ref.generate(torch.tensor([rows[0]]), max_new_tokens=6, do_sample=False)[0, 5:].tolist()
+    other = ref.generate(torch.tensor([rows[1]]), max_new_tokens=6, do_sample=False)[0, 5:].tolist()
+    stop = next(t for t in first[1:] if t not in other and t not in (0, 1))  # ends row 0 early, not row 1
+    options = dict(max_new_tokens=6, do_sample=False, eos_token_id=stop, pad_token_id=3)  # 3: in no prompt
+    want = ref.generate(torch.tensor(rows), **options)
+    assert want[0].tolist()[-1] == 3  # row 0 finished and was padded
+    cache = new_cache(model, None, CacheConfig(block_size=4), start_sweeper=False)
+    assert torch.equal(cache.generate(torch.tensor(rows), **options), want)
+
+
+def test_a_closed_cache_refuses_calls_and_arguments_are_typed(new_cache, chat_llama, tokenizer):
+    from prefixcache.errors import CacheClosedError, ConfigError
+
+    for batching in (0, None, "off"):
+        with pytest.raises(ConfigError, match="batching"):
+            PrefixCache(chat_llama, tokenizer, batching=batching, start_sweeper=False)
+    with pytest.raises(ConfigError, match="CacheConfig"):
+        PrefixCache(chat_llama, tokenizer, {"max_bytes": 1}, start_sweeper=False)
+    for batching in (False, True):
+        cache = new_cache(chat_llama, tokenizer, batching=batching, start_sweeper=False)
+        cache.close()
+        ask = [{"role": "user", "content": "Hi"}]
+        for call in (lambda c=cache: c.chat(ask, max_new_tokens=2), lambda c=cache: c.warm(ask),
+                     lambda c=cache: c.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2)):
+            with pytest.raises(CacheClosedError):
+                call()
+        cache.close()  # twice: a no-op

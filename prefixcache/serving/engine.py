@@ -30,7 +30,13 @@ import torch
 from prefixcache.cache.scope import Scope
 from prefixcache.cache.store import KVStore
 from prefixcache.config import check_int, check_positive
-from prefixcache.errors import ConfigError, EngineFaultError, GenerationTimeoutError, UnsupportedModelError
+from prefixcache.errors import (
+    CacheClosedError,
+    ConfigError,
+    EngineFaultError,
+    GenerationTimeoutError,
+    UnsupportedModelError,
+)
 from prefixcache.model.hf_cache import Probe, check_cascade, enable_cascade_attention, probe
 from prefixcache.model.layout import KVLayout
 from prefixcache.model.step_graphs import Capture, device_capture
@@ -254,7 +260,7 @@ class BatchEngine:
                 self.store.release(req.lease)
                 if self.failure is not None:
                     raise self._stopped()
-                raise UnsupportedModelError("the batching engine is closed")
+                raise CacheClosedError("the batching engine is closed")
             self.scheduler.add(req)
             self._cv.notify()
         return req

@@ -12,13 +12,14 @@ call the batching engine cannot serve turns it into ``generate()`` keyword argum
 """
 from __future__ import annotations
 
+import inspect
 import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from transformers import GenerationConfig
+from transformers import GenerationConfig, GenerationMixin
 
 from prefixcache.errors import InvalidRequestError
 from prefixcache.serving.canonicalize import check_text
@@ -42,6 +43,14 @@ class Rule:
     cached: Callable[[Any], bool] = _always  # the serial engine may reuse cached KV (else: a bypass)
     kwarg: bool = False  # a ``generate()`` keyword argument, not a ``GenerationConfig`` field
 
+
+#: What ``generate()`` takes besides ``GenerationConfig`` fields: its parameters, and the keyword arguments it
+#: reads itself (a tokenizer for stop strings; the prompt's mask).
+_GENERATE_PARAMETERS = frozenset(inspect.signature(GenerationMixin.generate).parameters) - {"self", "kwargs"} | {
+    "tokenizer", "assistant_tokenizer", "attention_mask"}
+_CONFIG_FIELDS = GenerationConfig()
+#: The values generate() gives options neither the call nor the model's config sets (transformers 5).
+_GENERATE_DEFAULTS: dict[str, Any] = getattr(GenerationConfig, "_get_default_generation_params", dict)()
 
 _READ = Rule(batched=_always)  # the batching engine reads it (``sampling.batch_params``)
 _INERT = Rule(batched=_always)  # describes the model, or matters only for beam search, speculation, compilation
@@ -128,8 +137,10 @@ def batch_params(config: GenerationConfig, kwargs: Mapping[str, Any],
             return None, f"max_length={max_length} not above the prompt's {prompt_len} tokens (generate() raises): " \
                          "served by the serial engine"
         max_new = max_length - prompt_len
+    # What generate() uses where neither the call nor the model sets it: transformers' defaults (top_k 50).
+    top_k = config.top_k if config.top_k is not None else _GENERATE_DEFAULTS.get("top_k")
     return _params(config, prompt_len, max_new=int(max_new), temperature=float(temperature) if sample else None,
-                   top_p=config.top_p if sample else None, top_k=config.top_k if sample else None,
+                   top_p=config.top_p if sample else None, top_k=top_k if sample else None,
                    seed=kwargs.get("seed"), eos=frozenset(as_id_set(config.eos_token_id))), None
 
 
@@ -199,6 +210,17 @@ class AnswerOptions:
         for s in stops:
             check_text(s, "stop")
         timeout = None if timeout_seconds is None else seconds(timeout_seconds, "timeout_seconds")
+        check_seed(seed)
+        if not isinstance(ignore_eos, bool):
+            raise InvalidRequestError("ignore_eos must be true or false", param="ignore_eos")
+        if on_text is not None and not callable(on_text):
+            raise InvalidRequestError("on_text must be a function of the text delta", param="on_text")
+        if cancel is not None and not callable(getattr(cancel, "is_set", None)):
+            raise InvalidRequestError("cancel must be a threading.Event (or have is_set())", param="cancel")
+        for name in extra:  # anything else goes to generate(): a name it does not know would fail only there
+            if not generate_option(name):
+                hint = " (max_new_tokens is the answer's length here)" if name == "max_tokens" else ""
+                raise InvalidRequestError(f"unknown option {name!r}{hint}", param=name)
         sampling = openai_params(temperature, top_p, top_k, do_sample)
         if sampling["do_sample"] and sampling["top_k"] is None:
             sampling["top_k"] = 0  # OpenAI semantics: no top-k unless asked (generate() would default to 50)
@@ -245,6 +267,17 @@ class AnswerOptions:
         if self.seed is not None:
             gen["seed"] = self.seed
         return gen
+
+
+def check_seed(seed: Any) -> None:
+    """A sampling seed is an integer torch can take (what the proxy's schema allows too)."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64):
+        raise InvalidRequestError("seed must be an integer in [-2**63, 2**64)", param="seed")
+
+
+def generate_option(name: str) -> bool:
+    """Whether ``generate()`` takes ``name``: a ``GenerationConfig`` field or one of its own parameters."""
+    return hasattr(_CONFIG_FIELDS, name) or name in _GENERATE_PARAMETERS
 
 
 def seconds(value: Any, param: str, hint: str = "") -> float | None:

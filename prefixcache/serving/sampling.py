@@ -8,6 +8,7 @@ penalties as a ``LogitsProcessor`` (``OpenAIPenalties``), so both executors comp
 """
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -42,12 +43,14 @@ def openai_params(temperature: float | None, top_p: float | None, top_k: int | N
                   do_sample: bool | None) -> dict[str, Any]:
     """OpenAI-style sampling as ``generate()`` kwargs; temperature 0 (< GREEDY_BELOW) or unset means greedy."""
     if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
-                                    or temperature < 0):
+                                    or not math.isfinite(temperature) or temperature < 0):
         raise InvalidRequestError("temperature must be a number >= 0", param="temperature")
     if top_p is not None and not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
         raise InvalidRequestError("top_p must be in (0, 1]", param="top_p")
-    if top_k is not None and not (isinstance(top_k, int) and top_k >= 0):
+    if top_k is not None and not (isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 0):
         raise InvalidRequestError("top_k must be an integer >= 0", param="top_k")
+    if do_sample is not None and not isinstance(do_sample, bool):
+        raise InvalidRequestError("do_sample must be true or false", param="do_sample")
     if temperature is not None and temperature < GREEDY_BELOW:
         temperature, do_sample = 0.0, False
     sample = do_sample if do_sample is not None else bool(temperature)
@@ -70,6 +73,8 @@ def penalty_params(presence_penalty: float | None, frequency_penalty: float | No
             raise InvalidRequestError(f"{name} must be a number in [-2, 2]", param=name)
         if value:
             out[name] = float(value)
+    if logit_bias is not None and not isinstance(logit_bias, Mapping):
+        raise InvalidRequestError("logit_bias must map token ids to biases", param="logit_bias")
     if logit_bias:
         pairs = []
         for token, bias in logit_bias.items():
