@@ -34,7 +34,8 @@ class Principal:
         if self.admin:
             return requested
         if requested is not None and requested != self.tenant:
-            raise PermissionDeniedError("only the admin key may act on another tenant", param="tenant")
+            hint = "; in local mode (no API keys): restart with --local-admin (PREFIXCACHE_LOCAL_ADMIN=true) to give local callers admin rights" if self.local else ""
+            raise PermissionDeniedError(f"only the admin key may act on another tenant{hint}", param="tenant")
         return self.tenant
 
     def target(self, requested: str | None) -> str:
@@ -82,4 +83,5 @@ class KeyRing:
 
     def require_admin(self, principal: Principal) -> None:
         if not principal.admin:
-            raise PermissionDeniedError("this route needs the admin key")
+            hint = "; in local mode (no API keys): restart with --local-admin (PREFIXCACHE_LOCAL_ADMIN=true) to give local callers admin rights" if principal.local else ""
+            raise PermissionDeniedError(f"this route needs the admin key{hint}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 import types
 import typing
@@ -170,15 +171,25 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"prefixcache serve: invalid settings:\n{exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:  # a port already taken is said before the model loads (tens of seconds), not after
+        with socket.socket(socket.AF_INET6 if ":" in settings.host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind((settings.host, settings.port))
+    except OSError as exc:
+        print(f"prefixcache serve: cannot listen on {settings.host}:{settings.port}: {exc}", file=sys.stderr)
+        return 3
     try:
         cache = build_cache(settings)  # loaded before binding, so a bad --model fails fast with a clear message
     except (ModelLoadError, ConfigError) as exc:
         print(f"prefixcache serve: {exc}", file=sys.stderr)
         return 1
-    mode = f"{len(settings.api_keys)} API keys"
+    keys = len(settings.api_keys)
+    mode = f"multi-tenant mode ({keys} tenant key{'s' * (keys != 1)}" + \
+        (", an admin key)" if settings.admin_key is not None else ")")
     if settings.local_mode:
-        mode = "local single-tenant mode (no API keys" + (", every caller admin)" if settings.local_admin else ")")
-    logging.getLogger("prefixcache.cli").info("serving %s on http://%s:%d/v1 in %s", cache.model_id or "model",
+        mode = "local single-tenant mode (no API keys" + (", every caller admin)" if settings.local_admin else
+                                                          "; --local-admin opens /metrics and all-tenant stats)")
+    logging.getLogger("prefixcache.cli").info("starting %s on http://%s:%d/v1 in %s", cache.model_id or "model",
                                               settings.host, settings.port, mode)
     try:
         uvicorn.run(create_app(settings, cache=cache), host=settings.host, port=settings.port,
@@ -190,7 +201,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _serve_unavailable(args: argparse.Namespace) -> int:
     print("prefixcache serve: the proxy's dependencies are not installed (fastapi, uvicorn, pydantic-settings, "
-          "prometheus-client); reinstall with `pip install prefixcache`.", file=sys.stderr)
+          "prometheus-client); reinstall the checkout with `pip install .`.", file=sys.stderr)
     return 1
 
 

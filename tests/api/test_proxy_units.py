@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hmac
+import socket
 
 import pytest
 import torch
@@ -46,6 +47,12 @@ def test_serve_flags_parse_to_settings_overrides():
         build_parser().parse_args(["serve", "--api-key", "no-tenant"])
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def test_serve_runs_uvicorn_with_flags_over_env(monkeypatch, tiny_model, tokenizer):
     import prefixcache_api
     import uvicorn
@@ -61,10 +68,11 @@ def test_serve_runs_uvicorn_with_flags_over_env(monkeypatch, tiny_model, tokeniz
         app=app, host=host, port=port, options=options))
     monkeypatch.setenv("PREFIXCACHE_PORT", "9100")
     monkeypatch.setenv("PREFIXCACHE_ADMIN_KEY", "from-env")
-    assert main(["serve", "--port", "9200", "--api-key", "sk-x=team-x", "--log-level", "warning",
+    port = free_port()
+    assert main(["serve", "--port", str(port), "--api-key", "sk-x=team-x", "--log-level", "warning",
                  "--limit-concurrency", "300", "--header-timeout-seconds", "3"]) == 0
     settings = seen["settings"]
-    assert (seen["host"], seen["port"]) == ("127.0.0.1", 9200)  # the flag beats the env var
+    assert (seen["host"], seen["port"]) == ("127.0.0.1", port)  # the flag beats the env var
     assert settings.admin_key.get_secret_value() == "from-env" and settings.api_keys == {"sk-x": "team-x"}
     assert seen["app"].state.settings is settings
     # The server's own limits reach uvicorn: connections, keep-alive, and the protocol with the header deadline.
@@ -73,9 +81,17 @@ def test_serve_runs_uvicorn_with_flags_over_env(monkeypatch, tiny_model, tokeniz
     assert options["http"].header_timeout == 3.0
 
 
-def test_serve_reports_a_missing_model_and_bad_settings_without_a_traceback(capsys):
-    assert main(["serve", "--model", "/nonexistent/model/folder"]) == 1
+def test_serve_reports_a_missing_model_and_bad_settings_without_a_traceback(capsys, monkeypatch):
+    assert main(["serve", "--model", "/nonexistent/model/folder", "--port", str(free_port())]) == 1
     assert "does not exist" in capsys.readouterr().err
+    import prefixcache_api
+
+    monkeypatch.setattr(prefixcache_api, "build_cache", lambda settings: pytest.fail("the model loaded"))
+    with socket.socket() as taken:  # a port in use is said before the model loads
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert main(["serve", "--port", str(taken.getsockname()[1])]) == 3
+    assert "cannot listen on 127.0.0.1:" in capsys.readouterr().err
     assert main(["serve", "--port", "70000"]) == 2
     assert "port" in capsys.readouterr().err
 
@@ -133,6 +149,14 @@ def test_principal_scopes():
 def test_local_mode_principal_is_the_default_tenant_with_admin_rights_only_when_asked():
     assert KeyRing(Settings()).authenticate(None) == Principal("default", admin=False, local=True)
     assert KeyRing(Settings(local_admin=True)).authenticate(None) == Principal("default", admin=True, local=True)
+    local = KeyRing(Settings()).authenticate(None)  # its refusals say how to open the admin routes
+    with pytest.raises(PermissionDeniedError, match="--local-admin"):
+        KeyRing(Settings()).require_admin(local)
+    with pytest.raises(PermissionDeniedError, match="--local-admin"):
+        local.scope("other")
+    with pytest.raises(PermissionDeniedError) as keyed:
+        Principal("a", admin=False).scope("b")
+    assert "--local-admin" not in str(keyed.value)
 
 
 # -- sampling -------------------------------------------------------------------------
