@@ -119,14 +119,15 @@ class CacheConfig:
         check_positive("kv_wait_seconds", self.kv_wait_seconds)
         check_positive("sweep_interval_seconds", self.sweep_interval_seconds)
         check_int("breakpoint_min_tokens", self.breakpoint_min_tokens, 1, None)
-        if not isinstance(self.blend, bool):
-            raise ConfigError("blend", self.blend, "True or False")
+        for name in ("cache_generated", "blend", "normalize_whitespace"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, getattr(self, name), "True or False")
         check_share("blend_recompute_share", self.blend_recompute_share)
         if self.unicode_normalization is not None and self.unicode_normalization not in UNICODE_FORMS:
             raise ConfigError("unicode_normalization", self.unicode_normalization, f"None or one of {UNICODE_FORMS}")
         if self.hash_seed is not None:
             check_int("hash_seed", self.hash_seed, 0, 2**64 - 1)
-        if not all(isinstance(s, str) for s in self.namespace_extra):
+        if not isinstance(self.namespace_extra, tuple) or not all(isinstance(s, str) for s in self.namespace_extra):
             raise ConfigError("namespace_extra", self.namespace_extra, "a tuple of strings")
         self._check_tiers()
 

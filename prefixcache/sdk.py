@@ -526,6 +526,8 @@ class PrefixCache:
 
     def report(self, tenant: str | None = None) -> CacheReport:
         """Hit counters and memory figures, for one tenant or (None) all, with the server's figures."""
+        if tenant is not None:
+            tenant = self._tenant(tenant)  # a non-string or empty tenant is an error, not an empty report
         counts = self.dispatcher.counters.counts(tenant)
         server = None
         if tenant is None:  # not a tenant's: all KV memory, the batching engine's state, the tiers
@@ -539,6 +541,8 @@ class PrefixCache:
         """Drop cached prefixes (one tenant's, or all) from the device and, with ``tiers``, from every
         lower tier too, so a flushed prefix never comes back from below. Returns device bytes freed.
         Raises ``TierPurgeError`` if a tier could not be reached (the device and the others are flushed)."""
+        if not isinstance(tiers, bool):
+            raise InvalidRequestError("tiers must be True or False", param="tiers")
         scope = None if tenant is None else self._tenant(tenant)
         freed = self.store.flush(scope)
         if tiers and self.tiers is not None:

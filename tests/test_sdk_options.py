@@ -252,3 +252,19 @@ def test_a_closed_cache_refuses_calls_and_arguments_are_typed(new_cache, chat_ll
             with pytest.raises(CacheClosedError):
                 call()
         cache.close()  # twice: a no-op
+
+
+def test_flags_and_tenants_are_typed(new_cache, chat_llama, tokenizer):
+    from prefixcache.errors import ConfigError, InvalidRequestError
+
+    for name in ("cache_generated", "blend", "normalize_whitespace"):
+        with pytest.raises(ConfigError, match=name):
+            CacheConfig(**{name: "no"})
+    with pytest.raises(ConfigError, match="namespace_extra"):
+        CacheConfig(namespace_extra="abc")
+    cache = new_cache(chat_llama, tokenizer, batching=False, start_sweeper=False)
+    for tenant in (5, ""):
+        with pytest.raises(InvalidRequestError, match="tenant"):
+            cache.stats(tenant)
+    with pytest.raises(InvalidRequestError, match="tiers"):
+        cache.flush(tiers="no")
