@@ -23,7 +23,7 @@ from prefixcache.serving.engine import BatchEngine, BatchResult
 from prefixcache.serving.options import AnswerOptions, batch_params
 from prefixcache.serving.request import CallStats, Request, SamplingParams, finish_reason
 from prefixcache.serving.sampling import OpenAIPenalties, stop_string_check
-from prefixcache.serving.serial import CancelCriteria, SerialEngine
+from prefixcache.serving.serial import SerialEngine, StreamCriteria
 from prefixcache.serving.stats import HitCounters
 from prefixcache.serving.text_stream import Halt, TextStream
 
@@ -142,19 +142,20 @@ class Dispatcher:
         (which also ends the call at a stop string); ``blend``: the prompt's marked chunks, reused
         (``serving/blend.py``)."""
         gen = options.generate_kwargs()
-        gen["streamer"] = stream
         gen.setdefault("pad_token_id", pad_id)
         penalties = options.penalties()
         if penalties:
             processor = OpenAIPenalties(SamplingParams(**penalties), len(prompt))
             gen["logits_processor"] = [*(gen.get("logits_processor") or []), processor]
-        # The text stream (this call's streamer) sees each token before generate() asks its stopping
-        # criteria, so a stop string it finds ends generation at that token, as on the batching
-        # engine; no per-request tables are built for the stop strings (``stop_strings`` would).
+        # The text stream sees each token in a stopping criterion, before that criterion answers, so a stop
+        # string it finds ends generation at that token, as on the batching engine (no per-request tables
+        # for the stop strings, as ``stop_strings`` would build).
         criteria = StoppingCriteriaList(gen.pop("stopping_criteria", None) or [])
-        criteria.append(CancelCriteria(Halt(options.cancel, stream)))
+        criteria.append(StreamCriteria(stream, Halt(options.cancel, stream)))
         gen["stopping_criteria"] = criteria
+        stream.put(torch.tensor(prompt))  # the stream skips the prompt, as with generate()
         out, stats = self.serial(torch.tensor([prompt], device=device), scope, None, gen, blend)
+        stream.end()
         new = out[0, len(prompt):].tolist()
         eos = options.eos_ids(self.serial_engine.effective_config(None, options.extra))
         params = SamplingParams(max_new_tokens=options.max_new_tokens, eos_token_ids=eos)

@@ -34,14 +34,17 @@ log = logging.getLogger(__name__)
 #: Tokens a prewarm computes per forward; it checks for cancellation and its deadline between them.
 PREWARM_CHUNK_TOKENS = 256
 
-class CancelCriteria(StoppingCriteria):
-    """Stops ``generate()`` once ``event.is_set()`` (a client went away, or a stop string was seen)."""
+class StreamCriteria(StoppingCriteria):
+    """Hands each new token to ``stream`` (a ``TextStream``), then stops once ``halt.is_set()`` (a stop string the
+    stream saw, or a cancel). generate() asks its stopping criteria before it feeds a streamer, so a stop string
+    found through a streamer would end generation one token late; here the stream sees the token first."""
 
-    def __init__(self, event: threading.Event):
-        self.event = event
+    def __init__(self, stream: Any, halt: Any):
+        self.stream, self.halt = stream, halt
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
-        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+        self.stream.put(input_ids[0, -1:].cpu())
+        return torch.full((input_ids.shape[0],), self.halt.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
 class _FirstTokenClock(LogitsProcessor):

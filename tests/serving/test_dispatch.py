@@ -229,6 +229,9 @@ def test_every_executor_honours_the_options_it_accepted(tokenizer, chat_llama, w
         stop = long.text[5:8]
         cut = cache.chat(messages, max_new_tokens=48, ignore_eos=True, temperature=0, stop=[stop])
         assert cut.finish_reason == "stop" and cut.text == long.text[: long.text.find(stop)]
+        # It ends at the token whose text completes the stop string, and counts no more.
+        ends = next(j for j in range(1, 49) if stop in tokenizer.decode(long.token_ids[:j], skip_special_tokens=True))
+        assert cut.token_ids == long.token_ids[:ends] and cut.usage.completion_tokens == ends
         seeded = [cache.chat(messages, max_new_tokens=8, temperature=1.0, seed=7, ignore_eos=True).token_ids
                   for _ in range(2)]
         assert seeded[0] == seeded[1]
