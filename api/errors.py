@@ -197,6 +197,10 @@ def validation_detail(exc: RequestValidationError) -> ErrorDetail:
         return ErrorDetail(message="We could not parse the JSON body of your request: "
                            f"{first.get('ctx', {}).get('error', 'invalid JSON')}", type="invalid_request_error",
                            code="invalid_json")
+    if len(errors) > 1:  # a union: the forms whose shape did not fit say less than one that fit but failed deeper
+        deeper = [e for e in errors if e.get("type") not in _SHAPE_ERRORS]
+        if deeper and len(deeper) < len(errors):
+            errors, first = deeper, deeper[0]
     shared = _common_prefix([tuple(e.get("loc", ())) for e in errors])
     union = len(errors) > 1 and len(shared) > 1
     param = _param(shared if union else tuple(first.get("loc", ())), first.get("type"))
@@ -213,6 +217,11 @@ def validation_detail(exc: RequestValidationError) -> ErrorDetail:
         if len(errors) > 1:
             message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
     return ErrorDetail(message=message, type="invalid_request_error", param=param, code="invalid_value")
+
+
+#: Pydantic's errors of a value of the wrong kind altogether (a union form that does not apply to it).
+_SHAPE_ERRORS = frozenset({"string_type", "list_type", "dict_type", "model_type", "model_attributes_type",
+                           "is_instance_of", "union_tag_invalid", "union_tag_not_found"})
 
 
 def _common_prefix(locs: list[tuple]) -> tuple:
@@ -235,9 +244,9 @@ def _param(loc: tuple, kind: str | None) -> str | None:
     for i, part in enumerate(parts):
         if isinstance(part, int):
             out += f"[{part}]"
-        elif (i > 0 and isinstance(parts[i - 1], int) and part in MESSAGE_ROLES) or not str(part).isidentifier() \
-                or part in _TYPE_LABELS:
-            continue
+        elif (i > 0 and isinstance(parts[i - 1], int) and (part in MESSAGE_ROLES or (
+                part in _BLOCK_TAGS and i + 1 < len(parts)))) or not str(part).isidentifier() or part in _TYPE_LABELS:
+            continue  # a role or block-type tag after an index (a field of that name would end the path)
         else:
             out += f".{part}" if out else str(part)
     if kind == "union_tag_invalid":
@@ -246,6 +255,9 @@ def _param(loc: tuple, kind: str | None) -> str | None:
 
 
 _TYPE_LABELS = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+#: Content blocks' ``type`` tags, which pydantic puts in the path of a discriminated block.
+_BLOCK_TAGS = frozenset({"text", "image", "image_url", "input_audio", "file", "document", "tool_use", "tool_result",
+                         "thinking", "redacted_thinking", "refusal"})
 
 
 def install(app: FastAPI, retry_after: int, on_error: Callable[[Request, int], None]) -> None:

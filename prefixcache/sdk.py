@@ -358,8 +358,9 @@ class PrefixCache:
     def run_messages(self, prompt: MessagesPrompt, options: AnswerOptions, scope: Scope) -> GenerationResult:
         """``run`` for an encoded messages request (its marked chunks too), then keep its breakpoints' prefixes."""
         options = dataclasses.replace(options, chunks=prompt.chunks, unplaced=prompt.unplaced)
+        held = self.breakpoints.held(scope, prompt.token_ids)
         result = self.run(list(prompt.token_ids), options, scope)
-        usage = self.breakpoints.settle(scope, prompt.token_ids, prompt.breakpoints, result.usage.cached_tokens)
+        usage = self.breakpoints.settle(scope, prompt.token_ids, prompt.breakpoints, result.usage.cached_tokens, held)
         return dataclasses.replace(result, cache=usage)
 
     def encode_chat_breakpoints(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,

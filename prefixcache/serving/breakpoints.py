@@ -88,14 +88,18 @@ class CacheUsage:
     ephemeral_1h_input_tokens: int
 
 
-def account(prompt_tokens: int, read: int, breakpoints: Sequence[Breakpoint], kept: Sequence[bool]
-            ) -> tuple[CacheUsage, list[tuple[str, str, int]]]:
+def account(prompt_tokens: int, read: int, breakpoints: Sequence[Breakpoint], kept: Sequence[bool],
+            held: int | None = None) -> tuple[CacheUsage, list[tuple[str, str, int]]]:
     """Usage of a prompt of which ``read`` tokens came from the cache, and the events to count.
 
     ``kept[i]``: breakpoint i's prefix is stored for its TTL (False: too short, or not stored).
+    ``held``: leading tokens the store held before the request (None: ``read``). The last prompt token
+    is always recomputed (its logits start the answer), so a breakpoint closing the whole prompt is a
+    read when the store held all of it, its last token counted as input, not as written again.
     Events are ``(ttl, event, amount)`` with ``event`` in ``EVENTS``.
     """
-    covered, previous = read, 0
+    held = read if held is None else max(held, read)
+    covered, previous = max(read, min(held, prompt_tokens)), 0
     created = Counter()
     events: list[tuple[str, str, int]] = []
     for bp, keep in zip(breakpoints, kept):
@@ -103,7 +107,7 @@ def account(prompt_tokens: int, read: int, breakpoints: Sequence[Breakpoint], ke
         previous = max(previous, bp.position)
         if read_here:
             events.append((bp.ttl, "read_tokens", read_here))
-        if read >= bp.position > 0:
+        if bp.position > 0 and (read >= bp.position or (held >= bp.position == prompt_tokens and read == bp.position - 1)):
             events.append((bp.ttl, "reads", 1))
         elif keep:
             new = max(0, bp.position - covered)
@@ -126,23 +130,25 @@ class Breakpoints:
     def predict(self, scope: Scope, tokens: Sequence[int], breakpoints: Sequence[Breakpoint]) -> CacheUsage:
         """The usage a request would report if served now (nothing pinned, touched or counted)."""
         read = self.store.peek(scope, tokens, len(tokens) - 1)
-        return account(len(tokens), read, breakpoints, [bp.position >= self.min_tokens for bp in breakpoints])[0]
+        return account(len(tokens), read, breakpoints, [bp.position >= self.min_tokens for bp in breakpoints],
+                       self.held(scope, tokens))[0]
 
     def held(self, scope: Scope, tokens: Sequence[int]) -> int:
         """Leading tokens of ``tokens`` the store holds now (nothing pinned, touched or counted)."""
         return self.store.peek(scope, tokens, len(tokens))
 
     def settle(self, scope: Scope, tokens: Sequence[int], breakpoints: Sequence[Breakpoint],
-               read: int) -> CacheUsage:
-        """After a request was served (``read`` tokens from the cache): keep each breakpoint's prefix
-        for its TTL, count what was read and written, and return the request's usage."""
+               read: int, held: int | None = None) -> CacheUsage:
+        """After a request was served (``read`` tokens from the cache; ``held``: tokens the store held before
+        it, ``held`` above): keep each breakpoint's prefix for its TTL, count what was read and written, and
+        return the request's usage."""
         kept = []
         for bp in breakpoints:
             long_enough = bp.position >= self.min_tokens
             ok = long_enough and self.store.retain(scope.with_ttl(bp.ttl_seconds),
                                                    tokens[: bp.position]) >= bp.position
             kept.append(ok)
-        usage, events = account(len(tokens), read, breakpoints, kept)
+        usage, events = account(len(tokens), read, breakpoints, kept, held)
         for bp, ok in zip(breakpoints, kept):
             if not ok and read < bp.position:
                 events.append((bp.ttl, "short" if bp.position < self.min_tokens else "dropped", 1))

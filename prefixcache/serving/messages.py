@@ -111,6 +111,10 @@ def _marks(messages: Sequence[Any], system: Any, tools: Sequence[Any]) -> list[t
         if isinstance(content, list):
             for k, block in enumerate(content):
                 visit(block, f"messages[{m}].content[{k}]", ("messages", m, k))
+                inner = block.get("content") if isinstance(block, dict) and block.get("type") == "tool_result" else None
+                for j, part in enumerate(inner if isinstance(inner, list) else []):
+                    # A tool result is rendered as one text: a mark inside it keeps the prefix to its end.
+                    visit(part, f"messages[{m}].content[{k}].content[{j}]", ("messages", m, k))
     return found
 
 
@@ -120,7 +124,7 @@ def _breakpoint(control: Any, where: str) -> Breakpoint:
     at = f"{where}.cache_control" if where != "cache_control" else where
     if not isinstance(control, dict) or control.get("type") != "ephemeral":
         raise InvalidRequestError(f"{at}.type must be 'ephemeral'", param=f"{at}.type")
-    ttl = control.get("ttl") or DEFAULT_TTL
+    ttl = control.get("ttl", DEFAULT_TTL)  # only an absent ttl is the default; a wrong one is refused
     return Breakpoint(where, ttl if isinstance(ttl, str) else repr(ttl))
 
 

@@ -159,6 +159,10 @@ def written(srv, ttl: str) -> tuple[int, int]:
     return counts["writes"], counts["write_tokens"]
 
 
+def reads(srv, ttl: str = "30m") -> int:
+    return srv.cache.stats("alpha")["breakpoints"][ttl]["reads"]
+
+
 def test_implicit_mode_writes_the_conversation_then_reads_it(srv):
     oa = srv.openai(ALPHA)
     srv.cache.flush()
@@ -248,3 +252,20 @@ def test_bad_prompt_cache_values_are_refused(srv):
         r = httpx.post(f"{srv.url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {ALPHA}"})
         assert r.status_code == 400, (bad, r.text)
     assert oa.chat.completions.create(model=MODEL, messages=chat, max_tokens=2).usage.prompt_tokens > 0
+
+
+def test_a_repeated_completion_reads_its_implicit_breakpoint_and_writes_nothing(srv):
+    """The implicit breakpoint of a completion closes the whole prompt; its last token is always recomputed, so
+    an identical repeat reads the breakpoint (counted as a read) and writes nothing."""
+    oa = srv.openai(ALPHA)
+    srv.cache.flush()
+    prompt = "Once upon a time, in a harbour town, " * 6
+    options = {"prompt_cache_options": {"mode": "implicit"}}
+    first = oa.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body=options)
+    n = first.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cache_write_tokens == n
+    before = reads(srv)
+    again = oa.completions.create(model=MODEL, prompt=prompt, max_tokens=2, extra_body=options)
+    d = again.usage.prompt_tokens_details
+    assert (d.cached_tokens, d.cache_write_tokens) == (n - 1, 0)
+    assert reads(srv) == before + 1

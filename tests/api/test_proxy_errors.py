@@ -84,7 +84,7 @@ def test_malformed_json_is_400(http, content, headers):
     (ok_chat(logit_bias={"99999999": 1}), "logit_bias"),
     (ok_chat(stream_options={"include_usage": True}), None),
     (ok_chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
-     "messages[0].content"),
+     "messages[0].content[0]"),  # the part itself: its type should be text
     (ok_chat(messages=[{"role": "tool", "content": "42"}]), "messages[0].tool_call_id"),
     (ok_chat(n=2), "n"),
     (ok_chat(messages=[{"role": "user"}]), "messages[0].content"),
@@ -287,3 +287,15 @@ def test_errors_are_counted_by_route_and_status(server):
     with server.client(ADMIN) as admin:
         text = admin.get("/metrics").text
     assert 'prefixcache_request_errors_total{route="/v1/chat/completions",status="400"}' in text
+
+
+def test_a_bad_value_deep_in_a_block_is_named_at_its_path(http):
+    """A union (content as a string or blocks) that fails inside a block names that field, not the union."""
+    body = ok_chat(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "x", "prompt_cache_breakpoint": {"mode": "explicit", "ttl": "7m"}}]}])
+    r = http.post(CHAT, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages[0].content[0].prompt_cache_breakpoint")
+    messages = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x", "cache_control": {"type": "ephemeral", "ttl": "10m"}}]}]}
+    r = http.post("/v1/messages", json=messages)
+    assert r.status_code == 400 and "messages[0].content[0].cache_control.ttl" in r.json()["error"]["message"]

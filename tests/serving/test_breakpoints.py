@@ -179,3 +179,50 @@ def test_a_breakpoint_below_the_minimum_writes_nothing_and_fails_nothing(chat_ll
     assert cache.store.peek(cache.scope("default"), ids, len(ids)) == 0
     assert cache.stats()["entries"] > 0 and cache.sweep() > 0 and cache.stats()["entries"] == 0
     cache.close()
+
+
+def test_a_breakpoint_closing_the_whole_prompt_is_read_when_the_store_held_it():
+    """The last prompt token is always recomputed: an identical repeat reads the breakpoint, writes nothing."""
+    bp = [Breakpoint("prompt", "5m", 100)]
+    usage, events = account(100, 99, bp, [True], held=100)
+    assert (usage.input_tokens, usage.cache_read_input_tokens, usage.cache_creation_input_tokens) == (1, 99, 0)
+    assert ("5m", "reads", 1) in events and not [e for e in events if e[1] == "writes"]
+    usage, events = account(100, 99, bp, [True], held=99)  # its last token was never stored: written now
+    assert usage.cache_creation_input_tokens == 1 and ("5m", "writes", 1) in events
+
+
+@given(requests(), st.integers(0, 300))
+def test_with_what_the_store_held_the_parts_still_sum_and_nothing_held_is_written(req, extra):
+    n, read, bps, kept = req
+    held = min(n, read + extra)
+    usage, events = account(n, read, bps, kept, held)
+    assert usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens == n
+    assert min(usage.input_tokens, usage.cache_creation_input_tokens) >= 0 and usage.cache_read_input_tokens == read
+    last = max([bp.position for bp, k in zip(bps, kept) if k], default=0)
+    assert usage.cache_creation_input_tokens == max(0, last - max(read, held))
+
+
+def test_a_mark_inside_a_tool_result_keeps_the_prefix_to_the_result_s_end_and_counts(tokenizer):
+    from tests.support.tool_templates import family_tokenizer
+
+    canon = Canonicalizer(family_tokenizer(tokenizer, "hermes"))  # a template that renders the tool call
+
+    def result(inner_mark: bool) -> list[dict]:
+        inner = [marked(CTX, "5m") if inner_mark else {"type": "text", "text": CTX}]
+        return [{"role": "user", "content": "Look it up."},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "lookup", "input": {}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": inner},
+                                             {"type": "text", "text": "Open on Sunday?"}]}]
+
+    (bp,) = encode_messages(canon, result(True)).breakpoints
+    outer = result(False)
+    outer[2]["content"][0]["cache_control"] = {"type": "ephemeral"}
+    (same,) = encode_messages(canon, outer).breakpoints
+    assert (bp.where, bp.ttl) == ("messages[2].content[0].content[0]", "5m") and bp.position == same.position > 0
+    with pytest.raises(InvalidRequestError, match="maximum of 4"):  # it counts among the four
+        encode_messages(canon, result(True), [marked(f"system {i}") for i in range(4)])
+    for ttl in ("", 0, False):  # only an absent ttl is the default
+        bad = result(False)
+        bad[2]["content"][1]["cache_control"] = {"type": "ephemeral", "ttl": ttl}
+        with pytest.raises(InvalidRequestError, match="ttl"):
+            encode_messages(canon, bad)
