@@ -208,3 +208,34 @@ def test_any_sequence_of_blended_calls_answers_alike_on_both_engines(chat_llama,
     finally:
         for cache in caches:
             cache.close()
+
+
+def test_a_blend_the_cache_cannot_hold_whole_is_served_exactly_and_said_so(chat_llama, tokenizer, new_cache):
+    """A tenant quota that keeps only part of a prompt's blended KV: the batching engine would read a blended
+    head and prefill the rest; the call is served from exact KV instead, with the reason, reusing nothing."""
+    from prefixcache.serving.blend import BLEND_UNSTORED
+
+    config = CacheConfig(block_size=16, tenant_quota_bytes=30000, max_bytes=200000)
+    cache = new_cache(chat_llama, tokenizer, config, start_sweeper=False)
+    docs = ["The heron stands in the shallow water at dawn. " * 3, "Granite forms when magma cools. " * 3,
+            "Sourdough is flour and water. " * 3]
+    ask = {"role": "system", "content": "Answer."}
+    cache.chat([ask, {"role": "user", "content": "Q"}], documents=docs, max_new_tokens=1)  # stores the documents
+    moved = [ask, {"role": "user", "content": [*({"type": "text", "text": d, "prefixcache_chunk": True}
+                                                 for d in docs[::-1]), {"type": "text", "text": "Which?"}]}]
+    got = cache.chat(moved, blend=0.0, max_new_tokens=8, ignore_eos=True)
+    assert got.stats.blend_reason == BLEND_UNSTORED and got.stats.chunk_reused_tokens == 0
+    exact = cache.chat(moved, blend=False, max_new_tokens=8, ignore_eos=True)  # the documents prefilled
+    assert list(got.token_ids) == list(exact.token_ids)  # exact KV: no blended head was read
+
+
+def test_marked_parts_are_bounded_and_hold_text(cache):
+    from prefixcache.serving.blend import MAX_CHUNKS
+
+    many = [{"type": "text", "text": f"note {i}.", "prefixcache_chunk": True} for i in range(MAX_CHUNKS + 1)]
+    with pytest.raises(InvalidRequestError, match=f"at most {MAX_CHUNKS}"):
+        cache.chat([SYSTEM, {"role": "user", "content": [*many, {"type": "text", "text": "?"}]}], max_new_tokens=1)
+    empty = [{"type": "text", "text": "  ", "prefixcache_chunk": True}, {"type": "text", "text": "?"}]
+    with pytest.raises(InvalidRequestError, match="holds no text") as caught:
+        cache.chat([SYSTEM, {"role": "user", "content": empty}], max_new_tokens=1)
+    assert caught.value.param == "messages[1].content[0].text"

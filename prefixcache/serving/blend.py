@@ -54,14 +54,25 @@ log = logging.getLogger(__name__)
 CHUNK_PART = "\x00chunk"
 #: Namespace part under which blended prompts' KV is kept, for blending calls of the same share only.
 BLENDED_PART = "\x00blended"
+#: Marked parts a request may hold: each one not stored yet costs a forward of its own under the model lock.
+MAX_CHUNKS = 128
 #: Layer whose KV deviation chooses the tokens to recompute (layer 0's KV has no context to deviate by).
 SELECT_LAYER = 1
 #: ``CallStats.blend_reason`` of a prompt none of whose marked chunks was stored yet (see ``SerialEngine._blend``).
 FIRST_SIGHT = "no marked part of the prompt stored yet: prefilled exactly, the parts stored for later prompts"
 #: ``CallStats.blend_reason`` of a call whose blended KV was evicted before the batching engine read it.
 BLEND_LOST = "the blended KV was evicted before use: the rest of the prompt was prefilled"
+#: ``CallStats.blend_reason`` of a batched call whose blended KV the cache could not hold whole (budget or quota).
+BLEND_UNSTORED = "the blended KV did not fit the cache (budget or tenant quota): the prompt was served from exact KV"
+#: ``CallStats.blend_reason`` of a call whose model check raised (followed by the error): prefilled, checked again later.
+CHECK_FAILED = "the re-rotation check failed, so the prompt was prefilled"
 #: ``CallStats.blend_reason`` of a call whose blend raised (followed by the error): prefilled instead.
 BLEND_FAILED = "the blend failed, so the prompt was prefilled"
+
+
+def unable_reason(unable: str) -> str:
+    """``CallStats.blend_reason`` of a call ``Blender.prepare`` answered ``unable`` for."""
+    return unable if unable.startswith(CHECK_FAILED) else f"model not supported: {unable}"
 
 
 def blended_scope(scope: Scope, share: float) -> Scope:
@@ -104,13 +115,19 @@ class Blender:
         """Why this model cannot blend (None: it can). The first call checks re-rotation on a few tokens and
         switches the model to cascade-capable attention (left alone until a request blends); hold the model."""
         if not self._checked and self.layout is not None:
-            self._checked = True
             try:
                 self.shift = check_rerotation(self.model, self.layout)
                 enable_cascade_attention(self.model)
             except UnsupportedModelError as exc:
+                self._checked = True
                 self.shift, self.unsupported_reason = None, str(exc)
                 log.info("chunk blending off for this model: %s", exc)
+            except Exception as exc:  # noqa: BLE001 - e.g. out of memory: this call prefills, a later one checks again
+                self.shift = None
+                log.warning("the re-rotation check failed (%s): the prompt is prefilled, the check retried later", exc)
+                return f"{CHECK_FAILED}: {type(exc).__name__}: {exc}"
+            else:
+                self._checked = True
         return self.unsupported_reason
 
     def build(self, prompt: Sequence[int], request: BlendRequest, lease: Lease, scope: Scope,
@@ -118,7 +135,8 @@ class Blender:
         """The KV of ``prompt[:-1]`` with ``lease``'s prefix, the chunks placed and blended, in a buffer with room
         for ``room`` tokens (at least the prompt's); None when no chunk lies after the prefix. Holds the model:
         the caller serialises calls (after ``prepare`` returned None)."""
-        assert self.layout is not None and self.shift is not None
+        if self.layout is None or self.shift is None:
+            raise RuntimeError("build() before prepare() found the model able to blend")
         end, cached = len(prompt) - 1, lease.cached_tokens
         spans = [(max(s, cached), min(e, end), s, e) for s, e in request.chunks if min(e, end) > max(s, cached)]
         if not spans:
@@ -225,6 +243,9 @@ def blend_plan(chunks: Sequence[tuple[int, int]] | None, blend: bool | float | N
     lost = f"{unplaced} marked part(s) not rendered verbatim by the chat template" if unplaced else None
     if not chunks:
         return None, lost
+    if len(chunks) > MAX_CHUNKS:  # each is computed alone, one forward each, while the model is held
+        raise InvalidRequestError(f"at most {MAX_CHUNKS} marked parts (documents) in one request; got {len(chunks)}",
+                                  param="chunks")
     spans, end = [], 0
     for span in chunks:
         ok = isinstance(span, (tuple, list)) and len(span) == 2 and all(

@@ -423,7 +423,11 @@ def _canonical_content(where: str, role: str, content: Any, clean: Callable[[str
         if not isinstance(part.get(CHUNK_FIELD, False), bool):
             raise InvalidRequestError(f"{where}.content[{j}].{CHUNK_FIELD} must be true or false",
                                       param=f"{where}.content[{j}].{CHUNK_FIELD}")
-        texts.append(clean(check_text(part["text"], f"{where}.content[{j}].text")))
+        text = clean(check_text(part["text"], f"{where}.content[{j}].text"))
+        if part.get(CHUNK_FIELD) and not text.strip():
+            raise InvalidRequestError(f"{where}.content[{j}] is marked {CHUNK_FIELD} but holds no text",
+                                      param=f"{where}.content[{j}].text")
+        texts.append(text)
     return "\n".join(texts)
 
 

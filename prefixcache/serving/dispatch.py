@@ -125,7 +125,7 @@ class Dispatcher:
                     ahead.chunk_reused_tokens = ahead.chunk_recomputed_tokens = 0
                     ahead.blend_reason = BLEND_LOST
                 stats.cached_tokens, stats.stored_tokens = ahead.cached_tokens, ahead.stored_tokens
-            stats.lookup_seconds = ahead.lookup_seconds  # the blend's time counts in the call's first token
+            stats.lookup_seconds += ahead.lookup_seconds  # the blend's time counts in the call's first token
             if stats.ttft_seconds is not None:
                 stats.ttft_seconds += ahead.lookup_seconds
             stats.total_seconds += ahead.lookup_seconds

@@ -24,7 +24,15 @@ from prefixcache.cache.store import KVStore
 from prefixcache.errors import GenerationTimeoutError, RequestCancelledError, UnsupportedModelError
 from prefixcache.model.hf_cache import Probe, WorkingCache, probe
 from prefixcache.model.threads import WorkerThreads
-from prefixcache.serving.blend import BLEND_FAILED, FIRST_SIGHT, Blender, BlendRequest, blended_scope
+from prefixcache.serving.blend import (
+    BLEND_FAILED,
+    BLEND_UNSTORED,
+    FIRST_SIGHT,
+    Blender,
+    BlendRequest,
+    blended_scope,
+    unable_reason,
+)
 from prefixcache.serving.options import bypass_reason
 from prefixcache.serving.request import CallStats
 from prefixcache.serving.sampling import fresh_seed
@@ -155,7 +163,7 @@ class SerialEngine:
                 stats.cached_tokens = lease.cached_tokens
                 unable = self.blender.prepare()
                 if unable is not None:
-                    stats.blend_reason = f"model not supported: {unable}"
+                    stats.blend_reason = unable_reason(unable)
                     return scope, False, lease.cached_tokens
                 cache, exact, first_sight = self._blend(prompt, blend, leases, scope, n, stats)
                 if first_sight or exact >= n - 1:
@@ -164,7 +172,12 @@ class SerialEngine:
                     stats.stored_tokens = self.store.insert(scope, prompt[:exact], cache.slice).stored_tokens
                 blended = blended_scope(scope, blend.share)  # all the KV there is: the engine computes the rest
                 upto = min(n - 1, cache.length)
-                self.store.insert(blended, prompt[:upto], cache.slice)
+                if self.store.insert(blended, prompt[:upto], cache.slice).stored_tokens < upto:
+                    # The budget or the tenant's quota kept only part of it: the engine would read a blended head
+                    # and prefill the rest. Served from the exact KV instead, and said so.
+                    stats.chunk_reused_tokens = stats.chunk_recomputed_tokens = 0
+                    stats.blend_reason = BLEND_UNSTORED
+                    return scope, False, lease.cached_tokens
                 return blended, False, upto
             finally:
                 for held in leases:
@@ -234,7 +247,7 @@ class SerialEngine:
             stats.lookup_seconds = self._clock() - start
             unable = None if blend is None else self.blender.prepare()
             if unable is not None:
-                stats.blend_reason = f"model not supported: {unable}"
+                stats.blend_reason = unable_reason(unable)
             first_sight = False
             if blend is None or unable:
                 cache, exact = WorkingCache(self.layout, lease.segments, n + max_new), n

@@ -12,7 +12,14 @@ from prefixcache.cache.store import KVStore
 from prefixcache.config import CacheConfig
 from prefixcache.errors import UnsupportedModelError
 from prefixcache.model.blend import kv_deviation, recompute_count, rerotate, select_recompute
-from prefixcache.model.hf_cache import WorkingCache, compute_alone, probe_layout, rerotation_error, rotary_shift
+from prefixcache.model.hf_cache import (
+    WorkingCache,
+    check_rerotation,
+    compute_alone,
+    probe_layout,
+    rerotation_error,
+    rotary_shift,
+)
 from prefixcache.serving.blend import CHUNK_PART, Blender, BlendRequest
 from tests.conftest import FakeClock, build_tiny
 
@@ -195,3 +202,58 @@ def test_any_layout_of_documents_blends_consistently(model, data):
         for lo, hi, s, e in placed:
             alone = rerotate(compute_alone(model, layout, prompt[s:e]).slice(0, e - s), s, shift)
             torch.testing.assert_close(out.buffer[:, :, :, lo:hi], alone[:, :, :, lo - s : hi - s], rtol=0, atol=tol)
+
+
+def _yarn(dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024})
+    return LlamaForCausalLM(config).eval().to(dtype)
+
+
+def test_a_scaled_rotary_embedding_is_moved_by_the_rotation_alone():
+    """YaRN scales cos and sin (attention_scaling): stored keys carry it once, so the shift must not again."""
+    model = _yarn(torch.float32)
+    assert rotary_shift(model) is not None and getattr(model.model.rotary_emb, "attention_scaling", 1.0) > 1.05
+    layout = probe_layout(model)
+    ids = [int(t) for t in torch.randint(2, 300, (16,), generator=torch.Generator().manual_seed(2))]
+    assert rerotation_error(model, layout, rotary_shift(model), ids, 509) < 1e-5
+    assert check_rerotation(model, layout) is not None
+
+
+def test_the_rerotation_check_refuses_a_scale_applied_twice_in_bfloat16(monkeypatch):
+    """The tolerance is a few eps of the dtype: a 14 % error (a scale applied twice) is refused in bfloat16."""
+    import prefixcache.model.hf_cache as hf_cache
+
+    model = _yarn(torch.bfloat16)
+    layout = probe_layout(model)
+    assert check_rerotation(model, layout) is not None  # the true shift passes in bfloat16
+    honest = hf_cache.rotary_shift
+
+    def twice(m):
+        shift = honest(m)
+        return lambda delta: tuple(x * 1.14 for x in shift(delta))
+
+    monkeypatch.setattr(hf_cache, "rotary_shift", twice)
+    with pytest.raises(UnsupportedModelError, match="differ"):
+        check_rerotation(model, layout)
+
+
+def test_a_check_that_fails_for_another_reason_prefills_now_and_checks_again_later(model, clock, monkeypatch):
+    import prefixcache.serving.blend as serving_blend
+
+    store = KVStore(CacheConfig(block_size=8), BlockHasher(0), clock)
+    blender = Blender(model, probe_layout(model), store)
+
+    def out_of_memory(*args):
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(serving_blend, "check_rerotation", out_of_memory)
+    reason = blender.prepare()
+    assert reason.startswith(serving_blend.CHECK_FAILED) and "out of memory" in reason
+    assert serving_blend.unable_reason(reason) == reason  # said as it is, not "model not supported"
+    monkeypatch.undo()
+    assert blender.prepare() is None and blender.shift is not None  # checked again, and it passes
