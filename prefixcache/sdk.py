@@ -132,19 +132,26 @@ class PrefixCache:
         # Every call the batching engine reproduces exactly runs there (continuous batching with
         # cascade attention over shared prefixes); the rest runs on the serial engine (``Dispatcher``).
         self.batcher: BatchEngine | None = None
-        if batching is not False:  # True, a BatchConfig, or a mapping of fields (an empty one too)
-            # A BatchConfig as given; else sized for the device, with a mapping's fields over those defaults.
-            batch_config = batching if isinstance(batching, (BatchConfig, dict)) else None
-            self.batcher = BatchEngine(self.model, self.store, clock, batch_config, self.config.cache_generated,
-                                       support=support, threads=threads)
-        self.dispatcher = Dispatcher(self.serial, self.batcher, self.config.cache_generated)
         self.tiers: TierChain | None = None
         layout = self.serial.layout
-        if layout is not None:
-            self.tiers = build_chain(self.config, KVShape(layout.num_layers, layout.num_kv_heads, layout.head_dim,
-                                                          self.config.block_size, layout.dtype, layout.device),
-                                     wall_clock, idle=threads.release)
-            self.store.attach(self.tiers)
+        try:  # whatever started (the tier writer, the batching loop) stops again if the rest fails
+            if layout is not None:  # first: a tier directory another process holds is refused before any thread
+                self.tiers = build_chain(self.config, KVShape(layout.num_layers, layout.num_kv_heads, layout.head_dim,
+                                                              self.config.block_size, layout.dtype, layout.device),
+                                         wall_clock, idle=threads.release)
+                self.store.attach(self.tiers)
+            if batching is not False:  # True, a BatchConfig, or a mapping of fields (an empty one too)
+                # A BatchConfig as given; else sized for the device, with a mapping's fields over those defaults.
+                batch_config = batching if isinstance(batching, (BatchConfig, dict)) else None
+                self.batcher = BatchEngine(self.model, self.store, clock, batch_config, self.config.cache_generated,
+                                           support=support, threads=threads)
+        except BaseException:
+            if self.batcher is not None:
+                self.batcher.close()
+            if self.tiers is not None:
+                self.tiers.close()
+            raise
+        self.dispatcher = Dispatcher(self.serial, self.batcher, self.config.cache_generated)
         self._model_key = tuple(model_fingerprint(model))
         self._local = threading.local()
         self._closed = threading.Event()

@@ -10,6 +10,7 @@ import stat
 import struct
 import subprocess
 import sys
+import threading
 import tracemalloc
 
 import pytest
@@ -376,3 +377,17 @@ def test_secrets_and_redis_prefixes_are_checked():
         with pytest.raises(ConfigError, match="tier_redis_prefix"):
             CacheConfig(tier_redis_prefix=bad)
     assert CacheConfig(tier_redis_prefix="{team-a}:kv:").tier_redis_prefix == "{team-a}:kv:"
+
+
+def test_a_cache_refused_its_tier_directory_leaves_no_thread_running(tmp_path):
+    """The directory lock refuses a second cache on it; what that cache had started stops again."""
+    model = build_tiny("llama-gqa")
+    tiers = {"tier_disk": str(tmp_path / "kv"), "hash_secret": HASH_SECRET}
+    first = PrefixCache(model, None, CacheConfig(block_size=8, **tiers), start_sweeper=False)
+    try:
+        before = sorted(t.name for t in threading.enumerate())
+        with pytest.raises(TierDirectoryError):
+            PrefixCache(model, None, CacheConfig(block_size=8, **tiers), start_sweeper=False)
+        assert sorted(t.name for t in threading.enumerate()) == before
+    finally:
+        first.close()

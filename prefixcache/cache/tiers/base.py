@@ -66,7 +66,8 @@ class Tier(Protocol):
     stats: TierStats
 
     def contains(self, meta: BlockMeta) -> bool:
-        """Whether a live block is stored under ``meta.key`` (False when the tier cannot be reached)."""
+        """Whether a live block is stored under ``meta.key`` until at least ``meta.expires_at`` (False when the
+        tier cannot be reached): a copy that would expire sooner is written again, with the later expiry."""
 
     def put(self, meta: BlockMeta, kv: torch.Tensor, encoded: Callable[[], bytes]) -> bool:
         """Store one block (``encoded()`` gives its bytes, made once for all tiers). Whether it was stored."""
@@ -96,7 +97,8 @@ class IndexedTier:
 
     def contains(self, meta: BlockMeta) -> bool:
         with self._lock:
-            return meta.key in self._index
+            entry = self._index.get(meta.key)
+        return entry is not None and lasts(entry.expires_at, meta.expires_at)
 
     def load_run(self, metas: Sequence[BlockMeta], codec: BlockCodec) -> list[torch.Tensor]:
         out = []
@@ -155,6 +157,11 @@ class BlockIndex(TLRUCache):
         for key, value in expired:
             self._on_drop(key, value)
         return expired
+
+
+def lasts(stored: float | None, wanted: float | None) -> bool:
+    """Whether a copy expiring at ``stored`` lives at least until ``wanted`` (None: never expires)."""
+    return stored is None or (wanted is not None and stored >= wanted)
 
 
 def _until(key: Any, entry: Any, now: float) -> float:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from prefixcache.cache.tiers import files
-from prefixcache.cache.tiers.base import BlockIndex, IndexedTier, TierStats
+from prefixcache.cache.tiers.base import BlockIndex, IndexedTier, TierStats, TierUnavailable
 from prefixcache.cache.tiers.codec import KEY_BYTES, PREFIX, BlockCodec, BlockMeta, CorruptBlock, read_prefix
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class DiskTier(IndexedTier):
         self.root = Path(directory)
         self.stats = TierStats()
         self._clock, self._monotonic = clock, monotonic
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a purge holds it across the base class's own use of it
         self._full_until = 0.0
         self._blocks = self.root / "blocks"
         self._tmp = self.root / "tmp"
@@ -107,8 +107,8 @@ class DiskTier(IndexedTier):
 
     # -- tier interface ------------------------------------------------------------
     def put(self, meta: BlockMeta, kv: torch.Tensor, encoded: Callable[[], bytes]) -> bool:
-        if self._monotonic() < self._full_until:
-            return False
+        if self._monotonic() < self._full_until:  # counted as a failed write, as any tier backing off
+            raise TierUnavailable("disk tier: the disk is full, writes back off")
         if meta.expires_at is not None and meta.expires_at <= self._clock():
             return False
         blob = encoded()
@@ -122,15 +122,17 @@ class DiskTier(IndexedTier):
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(blob)
-            os.replace(tmp, path)  # atomic: readers see the old file, no file, or the whole new one
+            with self._lock:  # the index and the name change together
+                self._index.expire()  # an expired copy of this block goes (its file unlinked) before, not after
+                self._index.pop(meta.key, None)  # a live copy's file is replaced below: no drop, no unlink
+                os.replace(tmp, path)  # atomic: readers see the old file, no file, or the whole new one
+                self._set(meta.key, _Entry(path, len(blob), meta.expires_at, path.parent.parent.name))
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 self._full_until = self._monotonic() + FULL_BACKOFF_SECONDS
                 log.warning("disk tier: the disk is full; writes stop for %.0f s (reads go on)", FULL_BACKOFF_SECONDS)
             raise
-        with self._lock:
-            self._set(meta.key, _Entry(path, len(blob), meta.expires_at, path.parent.parent.name))
         return True
 
     def _load(self, meta: BlockMeta, entry: _Entry, codec: BlockCodec) -> torch.Tensor | None:
@@ -152,11 +154,12 @@ class DiskTier(IndexedTier):
     def purge(self, tenant: str | None) -> int:
         if tenant is not None and (not tenant or tenant.strip("0123456789abcdef") not in ("", NO_TENANT)):
             raise ValueError("purge takes a tenant tag (BlockKeys.tenant_tag), never a path")
-        n = super().purge(tenant)
-        # Files no index entry names (a write racing the purge) go too, with their directories.
-        targets = [self._blocks / tenant] if tenant is not None else list(self._blocks.iterdir())
-        for target in targets:
-            shutil.rmtree(target, ignore_errors=True)
+        with self._lock:  # no write renames a file in, or indexes one, while the directories go
+            n = super().purge(tenant)
+            # Files no index entry names (a write racing the purge) go too, with their directories.
+            targets = [self._blocks / tenant] if tenant is not None else list(self._blocks.iterdir())
+            for target in targets:
+                shutil.rmtree(target, ignore_errors=True)
         return n
 
     def _purged(self, key: bytes, entry: _Entry) -> None:

@@ -35,7 +35,7 @@ import torch
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from prefixcache.cache.tiers.base import TierStats, TierUnavailable
+from prefixcache.cache.tiers.base import TierStats, TierUnavailable, lasts
 from prefixcache.cache.tiers.codec import BlockCodec, BlockMeta, CorruptBlock
 
 log = logging.getLogger(__name__)
@@ -172,7 +172,11 @@ class RedisTier:
 
     # -- tier interface ------------------------------------------------------------
     def contains(self, meta: BlockMeta) -> bool:
-        return bool(self._call("exists", lambda: self._client.exists(self._payload(member(meta))), 0))
+        now = self._clock()
+        left = self._call("exists", lambda: self._client.pttl(self._payload(member(meta))), -2)  # ms; -1: none
+        if left is None or left == -2:
+            return False
+        return lasts(None if left == -1 else now + left / 1000, meta.expires_at)
 
     def put(self, meta: BlockMeta, kv: torch.Tensor, encoded: Callable[[], bytes]) -> bool:
         now = self._clock()
