@@ -171,13 +171,20 @@ def test_pins_are_written_through_under_write_back(tmp_path, clock):
     chain.close()
 
 
-def test_tier_ttl_is_checked_at_read_and_swept(tmp_path, clock):
+def written_through(tmp_path, clock, ttl: float):
+    """SEQ stored with ``ttl`` and written through to a disk tier on a wall clock the test moves: (wall, store,
+    chain); ``wall[0] += s`` moves it."""
     wall = [1_000_000.0]
     store = make_store(clock, blocks_budget=8)
     chain = disk_chain(tmp_path, policy="write-through", clock=lambda: wall[0])
     store.attach(chain)
-    insert(store, "a", SEQ, ttl=50.0)
+    insert(store, "a", SEQ, ttl=ttl)
     chain.flush_writes(5)
+    return wall, store, chain
+
+
+def test_tier_ttl_is_checked_at_read_and_swept(tmp_path, clock):
+    wall, store, chain = written_through(tmp_path, clock, 50.0)
     evict_all(store)
     chain.flush_writes(5)
     wall[0] += 51  # the blocks' TTL travelled with them: expired on disk too
@@ -193,12 +200,7 @@ def test_tier_ttl_is_checked_at_read_and_swept(tmp_path, clock):
 
 def test_a_block_written_again_after_its_copy_expired_keeps_its_new_file(tmp_path, clock):
     """The expired copy's file is the new copy's name: dropping the old entry must not take the new file."""
-    wall = [1_000_000.0]
-    store = make_store(clock, blocks_budget=8)
-    chain = disk_chain(tmp_path, policy="write-through", clock=lambda: wall[0])
-    store.attach(chain)
-    insert(store, "a", SEQ, ttl=5.0)
-    chain.flush_writes(5)
+    wall, store, chain = written_through(tmp_path, clock, 5.0)
     wall[0] += 10  # expired on disk, not swept
     store.flush()
     insert(store, "a", SEQ, ttl=300.0)  # written through again, to the same names
@@ -215,17 +217,9 @@ def test_a_block_written_again_after_its_copy_expired_keeps_its_new_file(tmp_pat
 
 def test_a_later_expiry_writes_the_block_again(tmp_path, clock):
     """A copy below that would expire sooner than the block now does is replaced (eviction, pins, persist)."""
-    wall = [1_000_000.0]
-    store = make_store(clock, blocks_budget=8)
-    chain = disk_chain(tmp_path, policy="write-through", clock=lambda: wall[0])
-    store.attach(chain)
-    insert(store, "a", SEQ, ttl=10.0)
-    chain.flush_writes(5)
-    insert(store, "a", SEQ, ttl=3600.0)  # the device now keeps it for an hour: the disk copy follows
+    wall, store, chain = written_through(tmp_path, clock, 10.0)
     store.flush()
-    evicted = make_store(clock, blocks_budget=8)
-    evicted.attach(chain)
-    insert(evicted, "a", SEQ, ttl=3600.0)
+    insert(store, "a", SEQ, ttl=3600.0)  # the device keeps it for an hour now: the disk copy follows
     chain.flush_writes(5)
     wall[0] += 60  # past the first copy's expiry
     fresh = make_store(clock, blocks_budget=8)
