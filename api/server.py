@@ -5,6 +5,8 @@
 
 - ``limit_concurrency``: beyond that many connections (or requests in progress) uvicorn answers 503 at once;
 - ``timeout_keep_alive``: an idle keep-alive connection is closed;
+- ``timeout_graceful_shutdown``: at shutdown, connections still open after the longest a request may take
+  (body, queue wait and generation, plus a margin) are closed;
 - ``http``: uvicorn's h11 protocol with two deadlines it lacks (``GuardedH11``). A request's line and
   headers must arrive within ``header_timeout_seconds`` (uvicorn has no such limit: a connection that
   sends nothing, or its headers a byte at a time, is otherwise held forever). And once an answer has gone
@@ -25,11 +27,18 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .settings import Settings
 
+#: Seconds past the longest request (its body, then its queue wait and generation) a shutdown waits for connections.
+SHUTDOWN_MARGIN_SECONDS = 5.0
+
 
 def server_options(settings: Settings) -> dict[str, Any]:
-    """uvicorn's keyword arguments for these settings' connection limits."""
+    """uvicorn's keyword arguments for these settings' connection limits. A shutdown waits for connections as
+    long as a request may take, then closes them (a client that stops reading a stream would otherwise hold
+    the process, and the tiers' persist, until it is killed)."""
     return {"limit_concurrency": settings.limit_concurrency, "timeout_keep_alive": settings.keep_alive_timeout_seconds,
-            "http": guarded_h11(settings.header_timeout_seconds)}
+            "http": guarded_h11(settings.header_timeout_seconds),
+            "timeout_graceful_shutdown": settings.body_timeout_seconds + settings.request_timeout_seconds
+            + SHUTDOWN_MARGIN_SECONDS}
 
 
 def guarded_h11(header_timeout: float) -> type[H11Protocol]:

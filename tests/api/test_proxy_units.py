@@ -79,6 +79,8 @@ def test_serve_runs_uvicorn_with_flags_over_env(monkeypatch, tiny_model, tokeniz
     options = seen["options"]
     assert options["limit_concurrency"] == 300 and options["timeout_keep_alive"] == 5.0
     assert options["http"].header_timeout == 3.0
+    # A shutdown waits as long as a request may take, then closes what a stalled client holds open.
+    assert options["timeout_graceful_shutdown"] == settings.body_timeout_seconds + settings.request_timeout_seconds + 5
 
 
 def test_serve_reports_a_missing_model_and_bad_settings_without_a_traceback(capsys, monkeypatch):

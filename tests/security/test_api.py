@@ -42,8 +42,8 @@ class Served(LiveServer):
 
     def __init__(self, app):
         self.app = app
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=5,
-                                **server_options(app.state.settings))
+        options = {**server_options(app.state.settings), "timeout_graceful_shutdown": 5}  # the test stops it
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", **options)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="prefixcache-test-server", daemon=True)
 
