@@ -503,6 +503,8 @@ class PrefixCache:
         if pin and not privileged and need > self.config.pin_quota_bytes:
             raise PinQuotaExceededError.of(self.store.snapshot_stats(tenant)["pinned_bytes"],
                                            self.config.pin_quota_bytes, need)
+        if pin and not privileged:  # with what the tenant has pinned already: refused before any work or eviction
+            self.store.check_pin(scope, tokens, self.bytes_per_token)
         stats = self.serial.prefill(tokens, scope, pin, privileged, cancel, timeout)
         if pin and stats.stored_tokens < len(tokens):
             # The caller's own figures only: other tenants' usage is not theirs to see.

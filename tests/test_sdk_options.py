@@ -268,3 +268,24 @@ def test_flags_and_tenants_are_typed(new_cache, chat_llama, tokenizer):
             cache.stats(tenant)
     with pytest.raises(InvalidRequestError, match="tiers"):
         cache.flush(tiers="no")
+
+
+def test_a_pin_over_the_tenant_s_pin_quota_is_refused_before_it_evicts_anything(new_cache):
+    """With what the tenant pinned already, the quota is checked before the prefill reserves memory (which
+    may reclaim other tenants' entries): the refusal leaves everything as it was."""
+    from prefixcache.errors import PinQuotaExceededError
+
+    model = build_tiny("llama-gqa")
+    per_token = new_cache(model, None, batching=False, start_sweeper=False).bytes_per_token
+    config = CacheConfig(block_size=8, max_bytes=64 * per_token, tenant_pin_quota_bytes=32 * per_token,
+                         max_kv_bytes_total=70 * per_token, ttl_seconds=None)
+    cache = new_cache(model, None, config, batching=False, start_sweeper=False)
+    cache.warm(list(range(10, 34)), tenant="a", pin=True)  # 24 tokens pinned of a's 32
+    for i in range(5):  # b's entries, unpinned: 56 tokens stored in all, 14 below the KV total
+        cache.warm(list(range(200 + 10 * i, 208 + 10 * i)), tenant="b")
+    before = cache.stats("b")
+    with pytest.raises(PinQuotaExceededError):
+        cache.warm(list(range(200, 216)), tenant="a", pin=True)  # 16 more: over the quota
+    after = cache.stats("b")
+    assert after["bytes"] == before["bytes"] and after["evictions"] == before["evictions"]
+    assert cache.stats("a")["pinned_bytes"] == 24 * per_token

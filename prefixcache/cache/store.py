@@ -284,6 +284,17 @@ class KVStore:
             attach = node
         return attach, pos
 
+    def check_pin(self, scope: Scope, tokens: Sequence[int], per_token: int) -> None:
+        """Raise ``PinQuotaExceededError`` now if a tenant's pin of ``tokens`` in ``scope`` would (as ``insert``
+        decides it) newly pin more than the tenant's pin quota leaves: before any work, nothing stored or
+        evicted. The tokens not stored yet are counted at ``per_token`` bytes each."""
+        with self._lock:
+            path: list[Node] = []
+            root = self.trie.root(scope.namespace, scope.tenant, create=False)
+            pos = 0 if root is None else self._walk(root, tokens, path, self._clock())[1]
+            room = self.config.pin_quota_bytes - self.index.pinned_bytes[scope.tenant]
+            self._check_pin_room(path, (len(tokens) - pos) * per_token, room)
+
     def _check_pin_room(self, existing: list[Node], missing: int, room: int) -> None:
         """Refuse a pin that would newly pin more than ``room`` bytes (the tenant's own figures only)."""
         need = missing + sum(n.nbytes for n in existing if n.pins == 0)
