@@ -164,7 +164,8 @@ class Scheduler:
                     req.private.load(snap[:, :, :, :used])
                 if not req.params.greedy:  # its own generator, seeded or not: never the global RNG others draw from
                     seed = req.params.seed if req.params.seed is not None else self._entropy()
-                    req.generator = torch.Generator(device=self.layout.device).manual_seed(seed)
+                    # On the host, where ``Sampler.next_token`` draws (a CUDA generator is refused there).
+                    req.generator = torch.Generator().manual_seed(seed)
             except Exception as exc:  # noqa: BLE001 - fail this request only; the loop keeps serving
                 self._fail_admission(req, exc)
 

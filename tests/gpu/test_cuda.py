@@ -138,6 +138,38 @@ def test_float32_answers_equal_generate_serially_and_concurrently(arch):
     assert got == want
 
 
+def test_a_sampled_request_batched_with_greedy_ones_is_served_on_cuda():
+    """A sampled request draws on the host from its own generator: beside greedy requests in the same steps it
+    neither fails nor changes their answers, and its seed gives the same draws twice."""
+    import threading
+
+    model = build_tiny("llama-gqa").to("cuda")
+    prompts = [[5 + (i * 7 + j) % 300 for j in range(30 + 2 * i)] for i in range(4)]
+    with PrefixCache(model, start_sweeper=False) as pc:
+        greedy = [pc.generate([p], max_new_tokens=8, do_sample=False)[0, len(p):].tolist() for p in prompts]
+        got: list = [None] * len(prompts)
+        sampled: list = []
+
+        def client(i):
+            p = prompts[i]
+            got[i] = pc.generate([p], max_new_tokens=8, do_sample=False)[0, len(p):].tolist()
+
+        def sampler():
+            p = prompts[0]
+            sampled.append(pc.generate([p], max_new_tokens=8, do_sample=True, temperature=0.8, seed=7)[0].tolist())
+
+        for _ in range(2):
+            threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+            threads.append(threading.Thread(target=sampler))
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert got == greedy
+        assert pc.batching_disabled_reason is None and pc.batcher.failure is None
+    assert len(sampled) == 2 and sampled[0] == sampled[1]
+
+
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
 def test_reduced_precision_layers_measured(dtype, capsys):
     """Print the per-layer errors of the check on CUDA (the fused kernels round in the model's dtype)."""
