@@ -289,3 +289,25 @@ def test_a_pin_over_the_tenant_s_pin_quota_is_refused_before_it_evicts_anything(
     after = cache.stats("b")
     assert after["bytes"] == before["bytes"] and after["evictions"] == before["evictions"]
     assert cache.stats("a")["pinned_bytes"] == 24 * per_token
+
+
+def test_a_tenant_s_pin_idles_out_even_when_reads_ask_for_longer(new_cache):
+    """Reads of a pinned prefix extend its deadline by at most pin_ttl_seconds: a tenant cannot keep a pin alive
+    past that idle time by reading it with a longer (or no) TTL; the operator's pins keep no deadline."""
+    import math
+
+    from tests.conftest import FakeClock
+
+    clock = FakeClock()
+    model = build_tiny("llama-gqa")
+    config = CacheConfig(block_size=8, pin_ttl_seconds=3600, cache_generated=False)  # reads store nothing new
+    cache = new_cache(model, None, config, clock=clock, batching=False, start_sweeper=False)
+    prefix = list(range(10, 42))
+    cache.warm(prefix, tenant="a", pin=True)
+    cache.warm(prefix, tenant="op", pin=True, privileged=True)
+    for tenant in ("a", "op"):
+        cache.generate(torch.tensor([prefix]), max_new_tokens=1, do_sample=False, tenant=tenant, ttl_seconds=math.inf)
+    clock.advance(2 * 3600)
+    cache.sweep()
+    assert cache.stats("a")["pinned_bytes"] == 0  # idle past pin_ttl_seconds: gone
+    assert cache.stats("op")["pinned_bytes"] > 0  # the operator's pin has no deadline

@@ -185,7 +185,7 @@ class KVStore:
             finally:
                 root.refcount -= 1
                 self.trie.drop_root_if_empty(root)
-            self._touch(path, now, scope.ttl_seconds)
+            self._touch(path, now, scope.ttl_seconds, pin_capped=not privileged)
             complete = pos == len(tokens)
             if pin and complete:
                 for node in path:
@@ -354,16 +354,21 @@ class KVStore:
             return freed
 
     # -- bookkeeping ---------------------------------------------------------------
-    def _touch(self, nodes: list[Node], now: float, ttl_seconds: float | None) -> None:
+    def _touch(self, nodes: list[Node], now: float, ttl_seconds: float | None, pin_capped: bool = True) -> None:
         """Refresh access time and deadline. Both only key the heaps, which hold leaves only, so
         only leaves are re-indexed (callers sync any other change to a node themselves)."""
         until = expiry(now, ttl_seconds)
+        # A pinned block's deadline is its pin's: a read (or a tenant's write) extends it by at most
+        # pin_ttl_seconds, so a tenant's pin idles out; the operator's pins, without a deadline, keep theirs
+        # (a deadline is never shortened), and the operator's own writes are not capped.
+        cap = self.config.pin_ttl_seconds if pin_capped else None
+        pinned_until = until if cap is None else min(until, expiry(now, cap))
         sync = self.index.sync
         for node in nodes:  # root-first, so a parent never expires before its child
             node.last_access = now
             # New (or expired but still in use) nodes take the new deadline; live ones keep the later one.
-            expires = node.expires_at
-            node.expires_at = until if expires <= now else (expires if expires > until else until)
+            expires, wanted = node.expires_at, (pinned_until if node.pins else until)
+            node.expires_at = wanted if expires <= now else (expires if expires > wanted else wanted)
             if not node.num_children:
                 sync(node)
 
