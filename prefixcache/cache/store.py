@@ -311,6 +311,11 @@ class KVStore:
             steps = self.trie.match(root, tokens, len(tokens), lambda n: n.alive)
             if sum(s.used for s in steps) != len(tokens) or any(s.node.pins == 0 for s in steps):
                 return 0
+            # A pin of a longer path counts once in its last block here and once in a child: only pins that end
+            # in that block are this path's to undo (a shorter path would strand its continuation's pin).
+            last = steps[-1].node
+            if last.pins - sum(child.pins for child in last.children() if child.alive) < 1:
+                return 0
             for step in steps:
                 step.node.pins -= 1
                 self.reindex(step.node)

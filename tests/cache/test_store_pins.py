@@ -82,3 +82,19 @@ def test_insert_lookup_stats_and_admission_never_walk_the_trie(clock, monkeypatc
     assert store.snapshot_stats()["evictions"]["ttl"] > 0 and store.snapshot_stats()["evictions"]["quota"] > 0
     monkeypatch.undo()
     store.check_integrity()
+
+
+def test_unpinning_a_shorter_path_than_was_pinned_is_refused(clock):
+    """A pin of 10 tokens also counts in the blocks of its first 6: undoing a pin of 6 tokens there would strand
+    the pin on its last block, which no unpin could then reach."""
+    store = make_store(clock, blocks_budget=100)
+    tokens = list(range(10))
+    insert(store, "a", tokens, pin=True)
+    pinned = store.snapshot_stats("a")["pinned_bytes"]
+    assert store.unpin(scope("a"), tokens[:6]) == 0 and store.snapshot_stats("a")["pinned_bytes"] == pinned
+    assert store.unpin(scope("a"), tokens) == 10 and store.snapshot_stats("a")["pinned_bytes"] == 0
+    insert(store, "a", tokens[:8], pin=True)  # a pin that ends at a block boundary, under a longer one
+    insert(store, "a", tokens, pin=True)
+    assert store.unpin(scope("a"), tokens[:8]) == 8 and store.unpin(scope("a"), tokens) == 10
+    assert store.snapshot_stats("a")["pinned_bytes"] == 0
+    store.check_integrity()
