@@ -37,7 +37,7 @@ from prefixcache.serving.diagnostics import MissReason, PromptRecords, fingerpri
 from prefixcache.serving.dispatch import Dispatcher
 from prefixcache.serving.engine import BatchConfig, BatchEngine
 from prefixcache.serving.messages import MessagesPrompt, encode_messages, to_chat
-from prefixcache.serving.options import AnswerOptions, check_seed, seconds
+from prefixcache.serving.options import AnswerOptions, check_cancel, check_seed, seconds
 from prefixcache.serving.request import CallStats
 from prefixcache.serving.serial import SerialEngine
 from prefixcache.serving.stats import CacheReport, ServerFigures
@@ -165,6 +165,11 @@ class PrefixCache:
     @property
     def model_id(self) -> str:
         return self._model_key[0]
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model embeds: ``[0, vocab_size)``."""
+        return self.model.get_input_embeddings().num_embeddings
 
     @property
     def max_context(self) -> int:
@@ -425,7 +430,7 @@ class PrefixCache:
         False = prefill them this time, a number in [0, 1] = the share recomputed (default
         ``config.blend_recompute_share``); ``unplaced``: marked parts the encoding could not locate."""
         scope = self.scope(tenant, cache_salt, ttl_seconds)
-        vocab = self.model.get_input_embeddings().num_embeddings
+        vocab = self.vocab_size
         if isinstance(prompt, (str, bytes)) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
             raise InvalidRequestError(f"prompt must be a list of token ids in [0, {vocab})", param="prompt")
@@ -440,9 +445,8 @@ class PrefixCache:
         if not prompt:
             raise InvalidRequestError("the prompt encodes to zero tokens", param="prompt")
         # Checked here, not where a batched step would fail on it (every request of that step with it).
-        vocab = self.model.get_input_embeddings().num_embeddings
-        if any(token >= vocab for token, _ in options.logit_bias):
-            raise InvalidRequestError(f"logit_bias keys must be token ids below {vocab}", param="logit_bias")
+        if any(token >= self.vocab_size for token, _ in options.logit_bias):
+            raise InvalidRequestError(f"logit_bias keys must be token ids below {self.vocab_size}", param="logit_bias")
         plan, why_not = blend_plan(options.chunks, options.blend, len(prompt), self.config, options.unplaced)
         if len(prompt) + options.max_new_tokens > self.max_context:
             raise ContextLengthExceededError(
@@ -492,8 +496,7 @@ class PrefixCache:
         for name, flag in (("pin", pin), ("privileged", privileged)):
             if not isinstance(flag, bool):
                 raise InvalidRequestError(f"{name} must be True or False", param=name)
-        if cancel is not None and not callable(getattr(cancel, "is_set", None)):
-            raise InvalidRequestError("cancel must be a threading.Event (or have is_set())", param="cancel")
+        check_cancel(cancel)
         tokens = self.encode_prefix(prefix, tools)
         tenant = self._tenant(tenant)
         ttl = self._pin_ttl(ttl_seconds, privileged) if pin else self._ttl(ttl_seconds)
@@ -631,7 +634,7 @@ class PrefixCache:
         if ids.dim() != 2 or ids.shape[1] == 0 or ids.dtype not in (torch.long, torch.int, torch.int32, torch.int64):
             raise InvalidRequestError(f"input_ids must be a non-empty [batch, seq] integer tensor, got shape "
                                       f"{tuple(ids.shape)} dtype {ids.dtype}", param="input_ids")
-        vocab = self.model.get_input_embeddings().num_embeddings
+        vocab = self.vocab_size
         if int(ids.min()) < 0 or int(ids.max()) >= vocab:
             raise InvalidRequestError(f"token ids must be in [0, {vocab})", param="input_ids")
         return ids.to(device=next(self.model.parameters()).device, dtype=torch.long)

@@ -178,7 +178,7 @@ class KVStore:
             tenant = scope.tenant
             root = self.trie.root(scope.namespace, tenant, create=True)
             root.refcount += 1  # the root outlives the insert even if nothing is stored
-            pin_room = None if not pin or privileged else self.config.pin_quota_bytes - self.index.pinned_bytes[tenant]
+            pin_room = None if not pin or privileged else self._pin_room(tenant)
             path: list[Node] = []
             try:
                 added, pos = self._grow(root, tokens, slice_kv, tenant, path, now, pin_room)
@@ -292,8 +292,11 @@ class KVStore:
             path: list[Node] = []
             root = self.trie.root(scope.namespace, scope.tenant, create=False)
             pos = 0 if root is None else self._walk(root, tokens, path, self._clock())[1]
-            room = self.config.pin_quota_bytes - self.index.pinned_bytes[scope.tenant]
-            self._check_pin_room(path, (len(tokens) - pos) * per_token, room)
+            self._check_pin_room(path, (len(tokens) - pos) * per_token, self._pin_room(scope.tenant))
+
+    def _pin_room(self, tenant: str) -> int:
+        """Bytes a tenant's pins may still newly pin under its pin quota."""
+        return self.config.pin_quota_bytes - self.index.pinned_bytes[tenant]
 
     def _check_pin_room(self, existing: list[Node], missing: int, room: int) -> None:
         """Refuse a pin that would newly pin more than ``room`` bytes (the tenant's own figures only)."""

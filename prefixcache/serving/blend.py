@@ -70,11 +70,6 @@ CHECK_FAILED = "the re-rotation check failed, so the prompt was prefilled"
 BLEND_FAILED = "the blend failed, so the prompt was prefilled"
 
 
-def unable_reason(unable: str) -> str:
-    """``CallStats.blend_reason`` of a call ``Blender.prepare`` answered ``unable`` for."""
-    return unable if unable.startswith(CHECK_FAILED) else f"model not supported: {unable}"
-
-
 def blended_scope(scope: Scope, share: float) -> Scope:
     """Where blended prompts of ``scope`` at recompute ``share`` are kept: never read as exact KV."""
     return scope.within(BLENDED_PART).within(f"{share:.6g}")
@@ -112,8 +107,10 @@ class Blender:
         self.unsupported_reason: str | None = "model not supported" if layout is None else None
 
     def prepare(self) -> str | None:
-        """Why this model cannot blend (None: it can). The first call checks re-rotation on a few tokens and
-        switches the model to cascade-capable attention (left alone until a request blends); hold the model."""
+        """Why this call cannot blend, as its ``blend_reason`` (None: it can): the model is not supported, or the
+        check failed for another reason just now (checked again next time). The first call checks re-rotation on
+        a few tokens and switches the model to cascade-capable attention (left alone until a request blends);
+        hold the model."""
         if not self._checked and self.layout is not None:
             try:
                 self.shift = check_rerotation(self.model, self.layout)
@@ -128,7 +125,7 @@ class Blender:
                 return f"{CHECK_FAILED}: {type(exc).__name__}: {exc}"
             else:
                 self._checked = True
-        return self.unsupported_reason
+        return None if self.unsupported_reason is None else f"model not supported: {self.unsupported_reason}"
 
     def build(self, prompt: Sequence[int], request: BlendRequest, lease: Lease, scope: Scope,
               room: int = 0) -> BlendOutcome | None:

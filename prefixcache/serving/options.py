@@ -215,8 +215,7 @@ class AnswerOptions:
             raise InvalidRequestError("ignore_eos must be true or false", param="ignore_eos")
         if on_text is not None and not callable(on_text):
             raise InvalidRequestError("on_text must be a function of the text delta", param="on_text")
-        if cancel is not None and not callable(getattr(cancel, "is_set", None)):
-            raise InvalidRequestError("cancel must be a threading.Event (or have is_set())", param="cancel")
+        check_cancel(cancel)
         for name in extra:  # anything else goes to generate(): a name it does not know would fail only there
             if not generate_option(name):
                 hint = " (max_new_tokens is the answer's length here)" if name == "max_tokens" else ""
@@ -273,6 +272,12 @@ def check_seed(seed: Any) -> None:
     """A sampling seed is an integer torch can take (what the proxy's schema allows too)."""
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64):
         raise InvalidRequestError("seed must be an integer in [-2**63, 2**64)", param="seed")
+
+
+def check_cancel(cancel: Any) -> None:
+    """A cancel signal is a ``threading.Event`` or anything with ``is_set()`` (None: none)."""
+    if cancel is not None and not callable(getattr(cancel, "is_set", None)):
+        raise InvalidRequestError("cancel must be a threading.Event (or have is_set())", param="cancel")
 
 
 def generate_option(name: str) -> bool:

@@ -31,7 +31,6 @@ from prefixcache.serving.blend import (
     Blender,
     BlendRequest,
     blended_scope,
-    unable_reason,
 )
 from prefixcache.serving.options import bypass_reason
 from prefixcache.serving.request import CallStats
@@ -163,7 +162,7 @@ class SerialEngine:
                 stats.cached_tokens = lease.cached_tokens
                 unable = self.blender.prepare()
                 if unable is not None:
-                    stats.blend_reason = unable_reason(unable)
+                    stats.blend_reason = unable
                     return scope, False, lease.cached_tokens
                 cache, exact, first_sight = self._blend(prompt, blend, leases, scope, n, stats)
                 if first_sight or exact >= n - 1:
@@ -247,7 +246,7 @@ class SerialEngine:
             stats.lookup_seconds = self._clock() - start
             unable = None if blend is None else self.blender.prepare()
             if unable is not None:
-                stats.blend_reason = unable_reason(unable)
+                stats.blend_reason = unable
             first_sight = False
             if blend is None or unable:
                 cache, exact = WorkingCache(self.layout, lease.segments, n + max_new), n

@@ -93,13 +93,19 @@ def live(app) -> Iterator[LiveServer]:
         server.stop()
 
 
-def counter_sum(server, name: str) -> float:
-    """The sum of a series' samples on the server's ``/metrics`` (read with the admin key)."""
+def metric_samples(server) -> dict[tuple[str, tuple], float]:
+    """Every sample on the server's ``/metrics`` (read with the admin key): ``(name, sorted labels) -> value``."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with server.client(ADMIN) as admin:
         text = admin.get("/metrics").text
-    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples if s.name == name)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def counter_sum(server, name: str) -> float:
+    """The sum of a series' samples over all its labels."""
+    return sum(value for (sample, _), value in metric_samples(server).items() if sample == name)
 
 
 def leased_refs(cache: PrefixCache) -> int:

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import pytest
 from prefixcache_api import create_app
-from prometheus_client.parser import text_string_to_metric_families
-from proxy_support import ADMIN, ALPHA, BETA, MODEL, live, make_cache, settings
+from proxy_support import ALPHA, BETA, MODEL, live, make_cache, metric_samples, settings
 
 SYSTEM = "Policy: refunds within 30 days, exchanges within 60, no questions asked. " * 8
 NEW = 4
@@ -17,13 +16,6 @@ def fresh(tiny_model, tokenizer):
     with live(create_app(settings(), cache=cache)) as srv:
         yield srv
     cache.close()
-
-
-def values(srv) -> dict[tuple[str, tuple], float]:
-    with srv.client(ADMIN) as admin:
-        text = admin.get("/metrics").text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def value(samples, name: str, **labels: str) -> float:
@@ -49,7 +41,7 @@ def test_metric_values_follow_a_known_sequence(fresh):
         bad = beta.post("/v1/chat/completions", json={"model": MODEL, "messages": []})
         assert bad.status_code == 400
         pinned = beta.post("/v1/cache/prewarm", json={"prompt": "a pinned preamble " * 10, "pin": True}).json()
-    m = values(fresh)
+    m = metric_samples(fresh)
     n = "prefixcache_requests_total"
     assert a1["prompt_tokens_details"]["cached_tokens"] == 0 and b1["prompt_tokens_details"]["cached_tokens"] == 0
     assert a2["prompt_tokens_details"]["cached_tokens"] > 100  # the shared system prompt
@@ -91,7 +83,7 @@ def test_metric_values_follow_a_known_sequence(fresh):
     alpha_entries = fresh.cache.stats("alpha")["entries"]
     with fresh.client(ALPHA) as alpha:
         assert alpha.delete("/v1/cache").json()["freed_bytes"] == alpha_bytes
-    m = values(fresh)
+    m = metric_samples(fresh)
     assert value(m, "prefixcache_evictions_total", reason="flush") == alpha_entries > 0
     assert value(m, "prefixcache_reclaimed_bytes_total", reason="flush") == alpha_bytes
     assert value(m, "prefixcache_cache_bytes") == beta_bytes
@@ -111,7 +103,7 @@ def test_lru_evictions_are_counted_with_their_bytes(tiny_model, tokenizer):
             before = cache.stats("alpha")
             assert before["bytes"] == (first["prompt_tokens"] + NEW - 1) * per_token
             ask(beta, "two")
-        m = values(srv)
+        m = metric_samples(srv)
         after = cache.stats()
         assert after["bytes"] <= per_token * 200 and cache.stats("alpha")["bytes"] < before["bytes"]
         assert value(m, "prefixcache_evictions_total", reason="lru") == after["evictions"]["lru"] > 0

@@ -254,6 +254,6 @@ def test_a_check_that_fails_for_another_reason_prefills_now_and_checks_again_lat
     monkeypatch.setattr(serving_blend, "check_rerotation", out_of_memory)
     reason = blender.prepare()
     assert reason.startswith(serving_blend.CHECK_FAILED) and "out of memory" in reason
-    assert serving_blend.unable_reason(reason) == reason  # said as it is, not "model not supported"
+    assert "model not supported" not in reason  # said as it is: the model may well be supported
     monkeypatch.undo()
     assert blender.prepare() is None and blender.shift is not None  # checked again, and it passes
