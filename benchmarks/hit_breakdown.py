@@ -5,7 +5,7 @@ Run: ``python benchmarks/hit_breakdown.py [--tokens 8192] [--new 128] [--shape l
 on a CPU, float32). Phases, in milliseconds, median of the runs: ``submit`` (the call up to the request
 queued), ``queued`` (until the loop plans it), ``plan`` (admission and step plan), ``build`` (the step's
 tensors), ``forward`` (the packed forward, device drained), ``sample`` (logits to token), ``return``
-(from the token to the call's return).
+(from the token to the call's return). ``--series`` also prints each run's figures, in order.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--shape", default="llama-1b")
     parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--series", action="store_true", help="also print every run's first token and forward")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -112,6 +113,10 @@ def main() -> None:
     for name, values in phases.items():
         print(f"{name:12s} {statistics.median(values) * 1e3:8.2f} ms")
     print(f"{'bare forward':12s} {statistics.median(bare) * 1e3:8.2f} ms")
+    if args.series:
+        for name, values in (("first token", phases["first token"]), ("forward", phases["forward"]),
+                             ("bare forward", bare)):
+            print(f"{name:12s} " + " ".join(f"{v * 1e3:.1f}" for v in values))
 
 
 if __name__ == "__main__":
