@@ -369,6 +369,9 @@ class BatchEngine:
             req.private.length += n
         # Plain greedy rows: one argmax over the step's logits (first maximum, as ``torch.argmax``).
         best = logits.argmax(dim=-1).tolist() if any(r.sampler is None and not r.prefilling for r, _ in plan) else None
+        # Rows with a sampler: their float32 scores to the host in one copy (one synchronisation on a device).
+        sampled = [k for k, req in enumerate(r for r, _ in plan if not r.prefilling) if req.sampler is not None]
+        scores = iter(logits[sampled].float().cpu()) if sampled else iter(())
         k = 0
         for req, _ in plan:
             if req.prefilling:
@@ -378,7 +381,7 @@ class BatchEngine:
             if req.sampler is None:
                 token = best[k]
             else:
-                token = req.sampler.next_token(logits[k], req.prompt + req.output, req.generator)
+                token = req.sampler.next_token(next(scores), req.prompt, req.output, req.generator)
             k += 1
             if not req.output:
                 self._publish_for_followers(req)

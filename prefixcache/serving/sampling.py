@@ -116,7 +116,14 @@ def has_openai_penalties(params: SamplingParams) -> bool:
 
 
 class Sampler:
-    """The logits processors of one request, built once; ``next_token`` picks its next token."""
+    """The logits processors of one request, built once; ``next_token`` picks its next token.
+
+    A seeded request draws as ``generate()`` does (``torch.multinomial``: one exponential variate per
+    vocabulary entry), so a seed gives ``generate()``'s tokens. An unseeded one draws from the same
+    distribution by inverting its cumulative sum with one uniform variate (``draw_inverse``): about a
+    twentieth of the host time for a vocabulary of tens of thousands, which a batched step pays per
+    sampled row.
+    """
 
     def __init__(self, params: SamplingParams, prompt_len: int):
         processors = LogitsProcessorList()
@@ -133,26 +140,81 @@ class Sampler:
             if params.top_k:
                 processors.append(TopKLogitsWarper(int(params.top_k)))
             if params.top_p is not None and params.top_p < 1.0:
-                processors.append(TopPLogitsWarper(float(params.top_p)))
+                top_p = TopPLogitsWarper(float(params.top_p))
+                # Unseeded after top-k: the same nucleus, sorting only the top-k's tokens.
+                processors.append(top_p if params.seed is not None or not params.top_k else FiniteTopP(top_p))
         self.processors, self.greedy = processors, params.greedy
+        self.as_generate = params.seed is not None  # draw exactly as generate() would for this seed
+        # The processors' input_ids: prompt and output so far, grown in place (not rebuilt every step).
+        self._ids = torch.empty((1, 0), dtype=torch.long)
+        self._filled = 0
 
     @property
     def argmax_only(self) -> bool:
         """Greedy with nothing that changes the logits: the token is the row's first argmax."""
         return self.greedy and not self.processors
 
-    def next_token(self, logits: torch.Tensor, context: Sequence[int], generator: torch.Generator | None) -> int:
-        """logits: [V] of one request; context: its prompt and output so far. Greedy = first argmax."""
-        # [1, V], as generate() scores in float32. On the host: the processors' own tensors (EOS ids)
-        # and the request's generator live there, and the token is read there anyway.
-        scores = logits.float().cpu().unsqueeze(0)
+    def next_token(self, scores: torch.Tensor, prompt: Sequence[int], output: Sequence[int],
+                   generator: torch.Generator | None) -> int:
+        """scores: [V] float32 on the host (as generate() scores) of one request; prompt and output so far
+        (the output only ever grows). Greedy = first argmax."""
+        scores = scores.unsqueeze(0)
         if self.processors:
-            scores = self.processors(torch.tensor([list(context)]), scores)
+            scores = self.processors(self._context(prompt, output), scores)
         if self.greedy:
             return int(torch.argmax(scores[0]))
         assert generator is not None, "a sampled request draws from its own generator, never the global RNG"
-        probs = torch.softmax(scores, dim=-1)
-        return int(torch.multinomial(probs[0], 1, generator=generator))
+        probs = torch.softmax(scores, dim=-1)[0]
+        if self.as_generate:
+            return int(torch.multinomial(probs, 1, generator=generator))
+        return draw_inverse(probs, float(torch.rand((), dtype=torch.float64, generator=generator)))
+
+    def _context(self, prompt: Sequence[int], output: Sequence[int]) -> torch.Tensor:
+        """[1, len(prompt) + len(output)] token ids: the tokens not yet copied are appended."""
+        total = len(prompt) + len(output)
+        if total > self._ids.shape[1]:
+            grown = torch.empty((1, max(total, 2 * self._ids.shape[1], 64)), dtype=torch.long)
+            grown[:, : self._filled] = self._ids[:, : self._filled]
+            self._ids = grown
+        if self._filled < len(prompt):
+            self._ids[0, self._filled : len(prompt)] = torch.as_tensor(list(prompt[self._filled :]), dtype=torch.long)
+            self._filled = len(prompt)
+        if self._filled < total:
+            self._ids[0, self._filled : total] = torch.as_tensor(list(output[self._filled - len(prompt) :]),
+                                                               dtype=torch.long)
+            self._filled = total
+        return self._ids[:, :total]
+
+
+class FiniteTopP(LogitsProcessor):
+    """``TopPLogitsWarper`` applied to a row's finite scores only: after top-k, the nucleus of a handful of
+    tokens without sorting the whole vocabulary (the others' probability is zero either way, so the
+    nucleus is the same up to the order of equal scores, which the warper's sort does not fix either).
+    scores: [1, V]."""
+
+    def __init__(self, warper: TopPLogitsWarper):
+        self.warper = warper
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        kept = torch.isfinite(scores[0]).nonzero()[:, 0]
+        if kept.numel() == scores.shape[1]:
+            return self.warper(input_ids, scores)
+        out = scores.clone()
+        out[:, kept] = self.warper(input_ids, scores[:, kept])
+        return out
+
+
+def draw_inverse(probs: torch.Tensor, u: float) -> int:
+    """The token whose cumulative-probability interval holds ``u`` (in [0, 1)) of the total: a draw from
+    ``probs`` ([V], non-negative, not all zero), never a token of probability zero."""
+    cdf = probs.to(torch.float64).cumsum(0)
+    total = float(cdf[-1])
+    if not (math.isfinite(total) and total > 0):
+        raise RuntimeError("probability tensor contains either inf, nan or element < 0, or sums to zero")
+    token = int(torch.searchsorted(cdf, torch.tensor([u * total], dtype=torch.float64), right=True))
+    if token >= probs.numel() or probs[token] <= 0:  # u * total rounded up to the total: the last likely token
+        token = int(torch.nonzero(probs > 0)[-1])
+    return token
 
 
 def stop_string_check(stops: Sequence[str], tokenizer: Any) -> Callable[[list[int]], bool]:

@@ -65,11 +65,12 @@ def test_a_seeded_request_draws_the_same_alone_and_among_concurrent_sampled_requ
     assert len(results) == 4 and results[0] == alone
 
 
-def test_a_serial_seeded_call_draws_what_a_seeded_generate_draws():
+@pytest.mark.parametrize("batching", [False, True], ids=["serial", "batched"])
+def test_a_seeded_call_draws_what_a_seeded_generate_draws(batching):
     model = build_tiny("llama-gqa")
     ref = copy.deepcopy(model)
     with PrefixCache(model, None, CacheConfig(block_size=8, ttl_seconds=None), start_sweeper=False,
-                     batching=False) as cache:
+                     batching=batching) as cache:
         got = _new(cache, seed=3)
     torch.manual_seed(3)
     want = ref.generate(torch.tensor([PROMPT]), **SAMPLED)[0, len(PROMPT):].tolist()
@@ -81,14 +82,16 @@ def test_an_unseeded_request_is_seeded_from_the_engines_entropy_on_both_engines(
     model = build_tiny("llama-gqa")
     clock = FakeClock()
     store = KVStore(CacheConfig(block_size=8), BlockHasher(1), clock)
-    batcher = BatchEngine(model, store, clock, BatchConfig(), entropy=lambda: 7)
-    try:
-        params = dict(max_new_tokens=8, temperature=1.5)
-        unseeded = batcher.generate(PROMPT, SCOPE, SamplingParams(**params), timeout=30).tokens
-        assert unseeded == batcher.generate(PROMPT, SCOPE, SamplingParams(**params, seed=7), timeout=30).tokens
-        assert unseeded != batcher.generate(PROMPT, SCOPE, SamplingParams(**params, seed=8), timeout=30).tokens
-    finally:
-        batcher.close()
+    params = SamplingParams(max_new_tokens=8, temperature=1.5)
+
+    def batched(entropy: int) -> list[int]:
+        batcher = BatchEngine(model, KVStore(CacheConfig(block_size=8), BlockHasher(1), clock), clock, BatchConfig(),
+                              entropy=lambda: entropy)
+        try:  # drawn by inverting the distribution (``draw_inverse``), not as a seeded generate() draws
+            return batcher.generate(PROMPT, SCOPE, params, timeout=30).tokens
+        finally:
+            batcher.close()
+    assert batched(7) == batched(7) != batched(8)
     serial = SerialEngine(model, store, clock, entropy=lambda: 7)
     ids = torch.tensor([PROMPT])
 

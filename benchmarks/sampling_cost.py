@@ -1,0 +1,94 @@
+"""What sampling costs the batching engine: concurrent callers answered greedily against the same callers
+sampling, with and without a seed (a seeded draw is ``generate()``'s ``torch.multinomial``, an unseeded one
+inverts the distribution), and the host time of one sampled row's token.
+
+Run: ``python -m benchmarks.sampling_cost [--callers 16] [--new 48] [--rounds 2]`` (embedded default model,
+float32, CPU; ~2 min a round). Each round runs every way in turn on a fresh cache: ``callers`` threads call
+``answer()`` at once on a stored 1,024-token system prompt with 32-token questions of their own, ``new``
+tokens each (the end-of-sequence token ignored, so every way generates the same number of tokens). Ways:
+greedy; sampled at temperature 0.8 (``generate()``'s default top-k of 50 applies), unseeded and seeded;
+sampled at temperature 0.8 and top-p 0.95, unseeded.
+
+Then, per sampled way, the host time of ``Sampler.next_token`` for one row of the model's vocabulary after
+a 1,056-token context (median of 200).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from prefixcache import CacheConfig, PrefixCache
+from prefixcache.bench.gpu import _concurrently
+from prefixcache.loading import load_default_model
+from prefixcache.serving.request import SamplingParams
+from prefixcache.serving.sampling import Sampler
+
+SYSTEM, QUESTION = 1024, 32
+WAYS: dict[str, dict] = {
+    "greedy": {},
+    "sampled, unseeded": {"do_sample": True, "temperature": 0.8},
+    "sampled, seeded": {"do_sample": True, "temperature": 0.8, "seed": 0},
+    "sampled top-p 0.95, unseeded": {"do_sample": True, "temperature": 0.8, "top_p": 0.95},
+}
+
+
+def callers(model, tokenizer, n: int, new: int, options: dict) -> tuple[float, list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    system = torch.randint(100, 40_000, (SYSTEM,), generator=gen).tolist()
+    questions = [torch.randint(100, 40_000, (QUESTION,), generator=gen).tolist() for _ in range(n)]
+    with PrefixCache(model, tokenizer, CacheConfig(ttl_seconds=None), start_sweeper=False) as cache:
+        cache.warm(system)
+
+        def call(i: int) -> int:
+            extra = {**options, "seed": options["seed"] + i} if "seed" in options else options
+            return len(cache.answer(system + questions[i], max_new_tokens=new, ignore_eos=True, **extra).token_ids)
+
+        lengths, wall = _concurrently(call, n)
+        return wall, lengths
+
+
+def row_cost(vocab: int, options: dict) -> float:
+    params = SamplingParams(max_new_tokens=64, temperature=options["temperature"], top_p=options.get("top_p"),
+                            top_k=50, seed=options.get("seed"))
+    prompt = list(range(SYSTEM + QUESTION))
+    sampler, gen = Sampler(params, len(prompt)), torch.Generator().manual_seed(0)
+    scores = torch.randn(vocab, generator=gen)
+    output: list[int] = []
+    times = []
+    for _ in range(210):
+        t0 = time.perf_counter()
+        output.append(sampler.next_token(scores, prompt, output, gen))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[10:])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--callers", type=int, default=16)
+    parser.add_argument("--new", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args(argv)
+    model, tokenizer = load_default_model(dtype=torch.float32)
+    callers(model, tokenizer, 2, 4, {})  # warm-up: the first cache's start-up and the model's first steps
+    print(f"| round | way | {args.callers} callers' wall (s) | tokens/s | vs greedy |")
+    print("|---|---|---|---|---|")
+    for r in range(args.rounds):
+        greedy = None
+        for way, options in WAYS.items():
+            wall, lengths = callers(model, tokenizer, args.callers, args.new, options)
+            if any(n != args.new for n in lengths):
+                raise SystemExit(f"{way}: a caller got {min(lengths)} tokens, not {args.new}")
+            rate = args.callers * args.new / wall
+            greedy = greedy or rate
+            print(f"| {r + 1} | {way} | {wall:.2f} | {rate:.1f} | {rate / greedy:.2f}x |", flush=True)
+    print("\n| way | host time of one sampled row's token (ms, median of 200) |\n|---|---|")
+    for way, options in WAYS.items():
+        if options:
+            print(f"| {way} | {row_cost(model.config.vocab_size, options) * 1e3:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

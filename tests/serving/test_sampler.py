@@ -1,0 +1,99 @@
+"""The batching engine's sampler: an unseeded draw inverts the distribution (``draw_inverse``), a seeded
+one draws as ``generate()`` does, and the processors read the request's ids grown in place."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+from prefixcache.serving.request import SamplingParams
+from prefixcache.serving.sampling import FiniteTopP, Sampler, draw_inverse
+
+
+def test_inverse_draws_follow_the_distribution_and_never_a_zero_probability_token():
+    probs = torch.tensor([0.0, 0.5, 0.2, 0.0, 0.25, 0.05, 0.0])
+    gen = torch.Generator().manual_seed(0)
+    n = 40_000
+    counts = torch.zeros(7)
+    for _ in range(n):
+        counts[draw_inverse(probs, float(torch.rand((), dtype=torch.float64, generator=gen)))] += 1
+    assert counts[probs == 0].sum() == 0
+    for p, c in zip(probs.tolist(), counts.tolist(), strict=True):
+        if p:  # within 4.5 standard deviations of the expected count (the seed fixes the draws)
+            assert abs(c - n * p) <= 4.5 * math.sqrt(n * p * (1 - p)), (p, c)
+
+
+def test_inverse_draws_at_the_ends_of_the_unit_interval_pick_likely_tokens():
+    probs = torch.tensor([0.0, 0.0, 0.3, 0.7, 0.0, 0.0])
+    assert draw_inverse(probs, 0.0) == 2
+    assert draw_inverse(probs, 1.0 - 2.0 ** -53) == 3
+    assert draw_inverse(probs, 0.3 - 1e-12) == 2 and draw_inverse(probs, 0.3 + 1e-7) == 3
+    assert draw_inverse(torch.tensor([1e-30, 0.0]), 0.999999) == 0  # unnormalised: the total is what counts
+
+
+@pytest.mark.parametrize("bad", [[0.0, 0.0], [float("nan"), 1.0], [float("inf"), 1.0]])
+def test_a_distribution_that_is_not_one_is_refused(bad):
+    with pytest.raises(RuntimeError, match="probability"):
+        draw_inverse(torch.tensor(bad), 0.5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), k=st.integers(1, 20), temperature=st.floats(0.2, 3.0))
+def test_an_unseeded_sampled_token_is_among_the_top_k(seed, k, temperature):
+    logits = torch.randn(64, generator=torch.Generator().manual_seed(seed))
+    sampler = Sampler(SamplingParams(temperature=temperature, top_k=k), prompt_len=3)
+    token = sampler.next_token(logits, [1, 2, 3], [], torch.Generator().manual_seed(seed))
+    assert token in set(torch.topk(logits, k).indices.tolist())
+
+
+def test_a_seeded_sampler_draws_what_multinomial_draws_with_the_same_generator():
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(1))
+    sampler = Sampler(SamplingParams(temperature=0.7, top_k=10, seed=5), prompt_len=2)
+    ours, theirs = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    for _ in range(20):
+        want = int(torch.multinomial(torch.softmax(sampler.processors(torch.tensor([[1, 2]]), logits[None])[0], -1),
+                                     1, generator=theirs))
+        assert sampler.next_token(logits, [1, 2], [], ours) == want
+
+
+@settings(max_examples=40, deadline=None)
+@given(prompt=st.lists(st.integers(0, 99), min_size=1, max_size=80),
+       steps=st.lists(st.lists(st.integers(0, 99), min_size=1, max_size=3), max_size=40))
+def test_the_processors_read_prompt_and_output_as_one_list_would(prompt, steps):
+    seen: list[list[int]] = []
+
+    def record(input_ids, scores):
+        seen.append(input_ids[0].tolist())
+        return scores
+    sampler = Sampler(SamplingParams(temperature=1.0), prompt_len=len(prompt))
+    sampler.processors.append(record)
+    output: list[int] = []
+    gen = torch.Generator().manual_seed(0)
+    for new in steps:
+        output.extend(new)  # several tokens at once: the sampler appends whatever it has not seen
+        sampler.next_token(torch.zeros(100), prompt, output, gen)
+        assert seen[-1] == prompt + output
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**31), k=st.integers(1, 60), top_p=st.floats(0.05, 0.99), vocab=st.integers(61, 400))
+def test_the_nucleus_of_the_top_k_is_the_warpers_own(seed, k, top_p, vocab):
+    scores = torch.randn(1, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+    after_k = TopKLogitsWarper(k)(None, scores)
+    ids = torch.tensor([[1, 2]])
+    want = TopPLogitsWarper(top_p)(ids, after_k)
+    got = FiniteTopP(TopPLogitsWarper(top_p))(ids, after_k)
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want))
+    assert torch.equal(got[torch.isfinite(got)], want[torch.isfinite(want)])
+
+
+def test_an_unseeded_sampler_sorts_only_the_top_k_and_a_seeded_one_is_generates():
+    unseeded = Sampler(SamplingParams(temperature=0.8, top_k=50, top_p=0.9), prompt_len=1)
+    seeded = Sampler(SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=1), prompt_len=1)
+    no_top_k = Sampler(SamplingParams(temperature=0.8, top_p=0.9), prompt_len=1)
+    assert isinstance(unseeded.processors[-1], FiniteTopP)
+    assert type(seeded.processors[-1]) is TopPLogitsWarper and type(no_top_k.processors[-1]) is TopPLogitsWarper
