@@ -235,7 +235,9 @@ class PrefixCache:
         A batch (padded or not) is served row by row: each row's padding is removed using
         ``attention_mask``, the rows run concurrently on the batching engine (one after another
         with a streamer, or on the serial engine), and are put back together padded as
-        ``generate()`` pads them. ``return_dict_in_generate`` needs batch size 1.
+        ``generate()`` pads them. ``return_dict_in_generate`` needs batch size 1. A right-padded
+        row (its mask ends in zeros) raises ``InvalidRequestError``: ``generate()`` would continue
+        it from a pad token, so no answer is both its and right; pad on the left.
         """
         self._check_open()
         ids = self._as_ids(kwargs.pop("inputs", input_ids))
@@ -245,12 +247,15 @@ class PrefixCache:
             raise InvalidRequestError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
                                       f"{tuple(ids.shape)}", param="attention_mask")
         check_seed(kwargs.get("seed"))
-        if attention_mask is None:  # as generate() infers it: the pad id masked, where it is no EOS id
+        inferred = attention_mask is None
+        if inferred:  # as generate() infers it: the pad id masked, where it is no EOS id
             attention_mask = self._inferred_mask(ids, generation_config, kwargs)
         rows = [ids[i] if attention_mask is None else ids[i][attention_mask[i].to(torch.bool)]
                 for i in range(ids.shape[0])]
         if any(len(r) == 0 for r in rows):
             raise InvalidRequestError("a prompt row has no tokens (attention_mask is all zeros)", param="input_ids")
+        if attention_mask is not None:
+            _check_left_padded(attention_mask, inferred)
         whole = len(rows) == 1 and len(rows[0]) == ids.shape[1]
         if not whole and (kwargs.get("return_dict_in_generate")
                           or getattr(generation_config, "return_dict_in_generate", False)):
@@ -726,3 +731,16 @@ def _list_ids(value: Any) -> torch.Tensor:
         except TypeError:
             pass  # not integers (floats, strings, tensors): torch decides, as before
     return torch.tensor(value, dtype=torch.long)
+
+
+def _check_left_padded(attention_mask: torch.Tensor, inferred: bool) -> None:
+    """Refuse right padding (a row whose ``attention_mask`` ends in zeros, ``[batch, seq]``): ``generate()``
+    continues every row after its last column, so it would read such a row's first new token off a pad, and
+    serving the row by its mask would answer otherwise than ``generate()`` does. Raises ``InvalidRequestError``."""
+    right = torch.nonzero(attention_mask[:, -1] == 0).flatten().tolist()
+    if right:
+        how = " (inferred from the pad id, as generate() infers it; pass attention_mask to count it)" if inferred else ""
+        raise InvalidRequestError(
+            f"input row(s) {right} are right-padded: the attention_mask{how} ends in zeros. generate() continues each "
+            "row after its last column, so a decoder-only model needs the batch padded on the left "
+            "(tokenizer.padding_side = 'left')", param="attention_mask")

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefixcache import CacheConfig, InvalidRequestError, PrefixCache
-from prefixcache.serving.blend import BLEND_FAILED, BLEND_LOST, FIRST_SIGHT
+from prefixcache.serving.blend import BLEND_FAILED, BLEND_LOST, FIRST_SIGHT, blended_scope, with_documents
 from tests.conftest import untouched
 
 SYSTEM = {"role": "system", "content": "Answer from the documents."}
@@ -115,6 +115,47 @@ def test_a_blend_evicted_before_the_batching_engine_reads_it_is_prefilled_and_sa
     want = cache.chat([SYSTEM, QUESTION], documents=DOCS[::-1][1:], blend=False, max_new_tokens=8, ignore_eos=True)
     assert got.stats.blend_reason == BLEND_LOST and got.stats.chunk_reused_tokens == 0
     assert list(got.token_ids) == list(want.token_ids)  # computed from nothing: a full prefill's answer
+
+
+def test_a_blend_evicted_but_its_head_counts_what_the_engine_read(chat_llama, tokenizer, new_cache, monkeypatch):
+    """Between the blend and the batching engine's lookup, the blended KV loses its tail (an eviction, forced
+    here by holding its head while the store frees everything else): the engine reads the head and prefills
+    the rest, and the counts (per call and in the metrics) are those of the head it read."""
+    cache, serial = (new_cache(chat_llama, tokenizer, CacheConfig(block_size=16), start_sweeper=False, batching=b)
+                     for b in (True, False))
+    documents = DOCS[::-1][1:]  # both stored by the first sight, now in another order
+    messages = with_documents([SYSTEM, QUESTION], documents)
+    ids = list(cache.canonicalizer.encode_chat(messages).token_ids)
+    (_, end_first), (start_last, end_last) = cache.canonicalizer.encode_chat(messages).chunks
+    head = (start_last + end_last) // 2 // 16 * 16  # whole blocks, into the last document
+    assert end_first < head < end_last < len(ids) - 1
+    for c in (cache, serial):
+        c.chat([SYSTEM, QUESTION], documents=DOCS[:2], max_new_tokens=2)
+    want = serial.chat([SYSTEM, QUESTION], documents=documents, max_new_tokens=8, ignore_eos=True).stats
+    ahead = cache.serial.blend_ahead
+
+    def then_evicted_but_the_head(prompt, blend, scope, stats):
+        out = ahead(prompt, blend, scope, stats)
+        held = cache.store.acquire(blended_scope(scope, blend.share), prompt, head)
+        assert held.cached_tokens == head
+        cache.store.reclaim(0)  # every block nobody reads
+        cache.store.release(held)
+        return out
+
+    monkeypatch.setattr(cache.serial, "blend_ahead", then_evicted_but_the_head)
+    before = cache.stats()
+    got = cache.chat([SYSTEM, QUESTION], documents=documents, max_new_tokens=8, ignore_eos=True).stats
+    assert got.executor == "batched" and got.blend_reason == BLEND_LOST
+    assert 0 < want.cached_tokens == got.cached_tokens < end_first  # the exact part, all of it read
+    # Of the chunk tokens the blend handled, those of the last document past the head were prefilled instead.
+    assert got.chunk_reused_tokens + got.chunk_recomputed_tokens == (
+        want.chunk_reused_tokens + want.chunk_recomputed_tokens - (end_last - head))
+    assert 0 < got.chunk_reused_tokens < want.chunk_reused_tokens
+    assert 0 < got.chunk_recomputed_tokens <= want.chunk_recomputed_tokens
+    after = cache.stats()
+    for field in ("chunk_reused_tokens", "chunk_recomputed_tokens", "cached_tokens"):
+        assert after[field] - before[field] == getattr(got, field), field
+    cache.check_integrity()
 
 
 @pytest.mark.parametrize("batching", [True, False], ids=["batching", "serial"])

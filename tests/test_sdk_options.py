@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from prefixcache import CacheConfig, PrefixCache
+from prefixcache import CacheConfig, InvalidRequestError, PrefixCache
 from prefixcache.cache.handles import EvictedSnapshot
 from prefixcache.cache.scope import Scope
 from tests.conftest import build_tiny, untouched
@@ -167,6 +167,28 @@ def test_a_pad_id_in_the_prompt_is_masked_as_generate_masks_it(new_cache, batchi
     assert not torch.equal(masked, kept)  # the two readings differ: the test tells them apart
     same = ref.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=1)  # pad id = EOS id: nothing masked
     assert torch.equal(cache.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=1), same)
+
+
+@pytest.mark.parametrize("batching", [False, True])
+def test_a_right_padded_batch_is_refused_and_a_left_padded_one_answers_as_generate(new_cache, batching):
+    """generate() continues every row after its last column: a right-padded row's first new token would come off
+    a pad, so no answer is both generate()'s and right. Such a call is refused (an explicit mask or one inferred
+    from the pad id), nothing stored; padded on the left, the same rows answer as generate() answers them."""
+    model = build_tiny("llama-gqa")
+    ref = untouched(model)
+    a, b = [62, 17, 43, 5, 59, 23, 8], [31, 44, 9]
+    gap = [0] * (len(a) - len(b))  # 0 is the pad id
+    right, left = torch.tensor([a, b + gap]), torch.tensor([a, gap + b])
+    cache = new_cache(model, None, CacheConfig(block_size=4), batching=batching, start_sweeper=False)
+    for mask in ((right != 0).long(), None):
+        with pytest.raises(InvalidRequestError, match=r"row\(s\) \[1\] are right-padded") as err:
+            cache.generate(right, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        assert err.value.param == "attention_mask"
+    assert cache.stats()["bytes"] == 0 and cache.stats()["queries"] == 0
+    want = ref.generate(left, attention_mask=(left != 0).long(), max_new_tokens=4, do_sample=False)
+    assert torch.equal(cache.generate(left, attention_mask=(left != 0).long(), max_new_tokens=4, do_sample=False), want)
+    wrong = ref.generate(right, attention_mask=(right != 0).long(), max_new_tokens=4, do_sample=False)
+    assert wrong[1, -4:].tolist() != want[1, -4:].tolist()  # generate() itself answers the two paddings otherwise
 
 
 @pytest.mark.parametrize("batching", [False, True])

@@ -6,9 +6,11 @@ differ. ``cache_control`` breakpoints are the library's (``PrefixCache.encode_me
 ``serving/breakpoints.py``); errors take Anthropic's shape (``anthropic/errors.py``).
 The model's tool calls (parsed in its chat template's syntax, ``tool_calls.py``) become
 ``tool_use`` blocks, with ``stop_reason`` "tool_use". A stream sends ``message_start`` (with
-the usage known before generation), then each block: ``content_block_start`` (the first
-followed by ``ping``), text deltas or a call's ``input_json_delta``, ``content_block_stop``;
-then ``message_delta`` (stop reason, output tokens and the final input figures),
+the usage known before generation: the tokens it reads, no cache write, since a breakpoint is
+kept only once the answer is stored and memory pressure may drop it), then each block:
+``content_block_start`` (the first followed by ``ping``), text deltas or a call's
+``input_json_delta``, ``content_block_stop``; then ``message_delta`` (stop reason, output
+tokens and the settled input figures, cumulative as Anthropic's, ``cache_creation`` too),
 ``message_stop``, or an ``error`` event if the generation fails once the stream has begun.
 """
 from __future__ import annotations
@@ -171,8 +173,7 @@ async def _events(stream: GenerationStream, meta: Meta, stops: list[str], tools:
         yield event({"index": blocks - 1}, "content_block_stop")
     result = stream.result
     reason, sequence = ("tool_use", None) if calls else stop_reason(result, stops, srv)
-    final = usage(result.cache, result.usage.completion_tokens, srv, result.stats).model_dump(
-        exclude={"cache_creation"})
+    final = usage(result.cache, result.usage.completion_tokens, srv, result.stats).model_dump()
     yield event({"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": final}, "message_delta")
     yield event({}, "message_stop")
 

@@ -61,7 +61,7 @@ SELECT_LAYER = 1
 #: ``CallStats.blend_reason`` of a prompt none of whose marked chunks was stored yet (see ``SerialEngine._blend``).
 FIRST_SIGHT = "no marked part of the prompt stored yet: prefilled exactly, the parts stored for later prompts"
 #: ``CallStats.blend_reason`` of a call whose blended KV was evicted before the batching engine read it.
-BLEND_LOST = "the blended KV was evicted before use: the rest of the prompt was prefilled"
+BLEND_LOST = "the blended KV was evicted (whole or in part) before use: the rest of the prompt was prefilled"
 #: ``CallStats.blend_reason`` of a batched call whose blended KV the cache could not hold whole (budget or quota).
 BLEND_UNSTORED = "the blended KV did not fit the cache (budget or tenant quota): the prompt was served from exact KV"
 #: ``CallStats.blend_reason`` of a call whose model check raised (followed by the error): prefilled, checked again later.
@@ -93,6 +93,27 @@ class BlendOutcome:
     recomputed: int  # chunk tokens recomputed in context
     stored: int  # chunk tokens computed alone and stored by this request (chunks not found)
     exact: int  # leading tokens whose KV equals a full prefill's
+    reused_at: torch.Tensor  # long [reused]: the positions of those reused tokens, sorted
+    recomputed_at: torch.Tensor  # long [recomputed]: the positions of those recomputed, sorted
+
+
+@dataclass(frozen=True, slots=True)
+class BlendTally:
+    """Where a blended prompt's chunk tokens came from, to count what a reader of its leading tokens used:
+    ``[earlier_from, earlier_to)`` reused from a prompt blended before (``blended_scope``), then ``outcome``'s
+    reused and recomputed positions (None: no chunk after that prefix)."""
+
+    earlier_from: int
+    earlier_to: int
+    outcome: BlendOutcome | None
+
+    def within(self, upto: int) -> tuple[int, int]:
+        """Chunk tokens (reused, recomputed) among the first ``upto`` tokens of the blended KV."""
+        reused = max(0, min(upto, self.earlier_to) - self.earlier_from)
+        if self.outcome is None:
+            return reused, 0
+        return (reused + int((self.outcome.reused_at < upto).sum()),
+                int((self.outcome.recomputed_at < upto).sum()))
 
 
 class Blender:
@@ -161,8 +182,7 @@ class Blender:
                 blend_forward(self.model, ids, BlendCache(buffer, rows.to(layout.device)))
         approximate = torch.nonzero(reused_mask & ~compute).flatten()
         exact = int(approximate[0]) if approximate.numel() else end
-        reused = int(reused_mask.sum())
-        return BlendOutcome(buffer, reused - int(selected.numel()), int(selected.numel()), stored, exact)
+        return BlendOutcome(buffer, int(approximate.numel()), int(selected.numel()), stored, exact, approximate, selected)
 
     def stored(self, prompt: Sequence[int], request: BlendRequest, cached: int, scope: Scope) -> int:
         """Tokens of the chunks ending after ``cached`` already stored under ``scope`` (a look: nothing pinned)."""

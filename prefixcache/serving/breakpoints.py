@@ -128,10 +128,11 @@ class Breakpoints:
         self._counts: dict[str, Counter[tuple[str, str]]] = {}
 
     def predict(self, scope: Scope, tokens: Sequence[int], breakpoints: Sequence[Breakpoint]) -> CacheUsage:
-        """The usage a request would report if served now (nothing pinned, touched or counted)."""
+        """The usage a request reports before it is served (nothing pinned, touched or counted): the tokens it
+        would read now, and no cache write. A breakpoint is written only once the answer is stored, and memory
+        pressure may drop it then (``settle``), so the tokens it would write count as input until settled."""
         read = self.store.peek(scope, tokens, len(tokens) - 1)
-        return account(len(tokens), read, breakpoints, [bp.position >= self.min_tokens for bp in breakpoints],
-                       self.held(scope, tokens))[0]
+        return account(len(tokens), read, breakpoints, [False] * len(breakpoints), self.held(scope, tokens))[0]
 
     def held(self, scope: Scope, tokens: Sequence[int]) -> int:
         """Leading tokens of ``tokens`` the store holds now (nothing pinned, touched or counted)."""

@@ -114,15 +114,18 @@ class Dispatcher:
         the prompt's blended scope (``SerialEngine.blend_ahead``), the batching engine answers from there in
         its shared steps. Stats as the serial engine reports a blended call (cached = exact tokens reused)."""
         ahead = CallStats()
-        served_in, first_sight, stored = self.serial_engine.blend_ahead(prompt, blend, scope, ahead)
+        served_in, first_sight, stored, tally = self.serial_engine.blend_ahead(prompt, blend, scope, ahead)
 
         def adjust(stats: CallStats) -> None:
             if first_sight:  # its answer is out: now its documents, for later calls
                 ahead.chunk_stored_tokens = self.serial_engine.store_documents(prompt, blend, ahead.cached_tokens,
                                                                                scope)
             if served_in is not scope:  # the engine's hit was the blended KV: the exact part is what was cached
-                if stats.cached_tokens < stored:  # evicted before the engine read it: prefilled there instead
-                    ahead.chunk_reused_tokens = ahead.chunk_recomputed_tokens = 0
+                if stats.cached_tokens < stored:  # partly evicted before the engine read it: the rest prefilled
+                    assert tally is not None  # the blended scope serves a call only once something was blended
+                    read = stats.cached_tokens  # the head the engine read: what of the blend the answer used
+                    ahead.chunk_reused_tokens, ahead.chunk_recomputed_tokens = tally.within(read)
+                    ahead.cached_tokens = min(ahead.cached_tokens, read)
                     ahead.blend_reason = BLEND_LOST
                 stats.cached_tokens, stats.stored_tokens = ahead.cached_tokens, ahead.stored_tokens
             stats.lookup_seconds += ahead.lookup_seconds  # the blend's time counts in the call's first token

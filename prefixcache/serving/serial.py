@@ -30,6 +30,7 @@ from prefixcache.serving.blend import (
     FIRST_SIGHT,
     Blender,
     BlendRequest,
+    BlendTally,
     blended_scope,
 )
 from prefixcache.serving.options import bypass_reason
@@ -143,11 +144,12 @@ class SerialEngine:
         return out, stats
 
     def blend_ahead(self, prompt: list[int], blend: BlendRequest, scope: Scope,
-                    stats: CallStats) -> tuple[Scope, bool, int]:
+                    stats: CallStats) -> tuple[Scope, bool, int, BlendTally | None]:
         """For a blending call the batching engine serves: blend the prompt's KV now and store it where that
         engine finds it. Returns the scope to serve the call in, whether it is a first sight (its documents
-        are then stored afterwards: ``store_documents``) and how many leading tokens the engine should find
-        stored there; ``stats`` gets what was done here.
+        are then stored afterwards: ``store_documents``), how many leading tokens the engine should find
+        stored there and, when that is the blended scope, where its chunk tokens came from (to count what
+        the engine read of it, should part of it be evicted first); ``stats`` gets what was done here.
 
         The blended KV of ``prompt[:-1]`` goes to the prompt's blended scope (``blended_scope``: read only
         by blending calls at the same share, never as exact KV) and the call is served there; its exact
@@ -163,10 +165,10 @@ class SerialEngine:
                 unable = self.blender.prepare()
                 if unable is not None:
                     stats.blend_reason = unable
-                    return scope, False, lease.cached_tokens
-                cache, exact, first_sight = self._blend(prompt, blend, leases, scope, n, stats)
+                    return scope, False, lease.cached_tokens, None
+                cache, exact, first_sight, tally = self._blend(prompt, blend, leases, scope, n, stats)
                 if first_sight or exact >= n - 1:
-                    return scope, first_sight, lease.cached_tokens
+                    return scope, first_sight, lease.cached_tokens, None
                 if exact > lease.cached_tokens:
                     stats.stored_tokens = self.store.insert(scope, prompt[:exact], cache.slice).stored_tokens
                 blended = blended_scope(scope, blend.share)  # all the KV there is: the engine computes the rest
@@ -176,8 +178,8 @@ class SerialEngine:
                     # and prefill the rest. Served from the exact KV instead, and said so.
                     stats.chunk_reused_tokens = stats.chunk_recomputed_tokens = 0
                     stats.blend_reason = BLEND_UNSTORED
-                    return scope, False, lease.cached_tokens
-                return blended, False, upto
+                    return scope, False, lease.cached_tokens, None
+                return blended, False, upto, tally
             finally:
                 for held in leases:
                     self.store.release(held)
@@ -251,7 +253,7 @@ class SerialEngine:
             if blend is None or unable:
                 cache, exact = WorkingCache(self.layout, lease.segments, n + max_new), n
             else:
-                cache, exact, first_sight = self._blend(prompt, blend, leases, scope, n + max_new, stats)
+                cache, exact, first_sight, _ = self._blend(prompt, blend, leases, scope, n + max_new, stats)
             mask = torch.ones_like(input_ids)
             out = self.model.generate(input_ids, attention_mask=mask, past_key_values=cache,
                                       generation_config=generation_config, **kwargs)
@@ -280,9 +282,10 @@ class SerialEngine:
             return 0
 
     def _blend(self, prompt: list[int], blend: BlendRequest, leases: list[Lease], scope: Scope, capacity: int,
-               stats: CallStats) -> tuple[WorkingCache, int, bool]:
-        """A blending call's working cache, how many leading tokens of it are exact, and whether it is a first
-        sight (prefilled: the caller stores its documents afterwards). Its prefix is the longer of the exact
+               stats: CallStats) -> tuple[WorkingCache, int, bool, BlendTally | None]:
+        """A blending call's working cache, how many leading tokens of it are exact, whether it is a first
+        sight (prefilled: the caller stores its documents afterwards) and where its chunk tokens came from
+        (None: nothing blended). Its prefix is the longer of the exact
         match (``leases[0]``) and the prompt blended before at the same share (a lease added to ``leases``);
         the chunks after it are placed and blended (``Blender.build``).
 
@@ -296,21 +299,21 @@ class SerialEngine:
         if prefix is exact_lease and self.blender.stored(prompt, blend, exact_lease.cached_tokens, scope) == 0 and any(
                 e > exact_lease.cached_tokens for _, e in blend.chunks):
             stats.blend_reason = FIRST_SIGHT
-            return WorkingCache(self.layout, exact_lease.segments, capacity), n, True
+            return WorkingCache(self.layout, exact_lease.segments, capacity), n, True, None
         try:
             built = self.blender.build(prompt, blend, prefix, scope, room=capacity)
         except Exception as exc:  # noqa: BLE001 - a cache problem: prefill instead, never a wrong answer
             log.warning("blending a prompt failed, prefilling it instead: %s", exc)
             stats.blend_reason = f"{BLEND_FAILED}: {exc}"
-            return WorkingCache(self.layout, exact_lease.segments, capacity), n, False
-        reused_prefix = prefix.cached_tokens - exact_lease.cached_tokens if prefix is earlier else 0
-        stats.chunk_reused_tokens = reused_prefix + (0 if built is None else built.reused)
+            return WorkingCache(self.layout, exact_lease.segments, capacity), n, False, None
+        tally = BlendTally(exact_lease.cached_tokens, prefix.cached_tokens if prefix is earlier else 0, built)
+        stats.chunk_reused_tokens, stats.chunk_recomputed_tokens = tally.within(n)
         if built is None:
             exact = exact_lease.cached_tokens if prefix is earlier else n
-            return WorkingCache(self.layout, prefix.segments, capacity), exact, False
-        stats.chunk_recomputed_tokens, stats.chunk_stored_tokens = built.recomputed, built.stored
+            return WorkingCache(self.layout, prefix.segments, capacity), exact, False, tally
+        stats.chunk_stored_tokens = built.stored
         exact = exact_lease.cached_tokens if prefix is earlier else built.exact
-        return WorkingCache.adopt(self.layout, built.buffer, n - 1), exact, False
+        return WorkingCache.adopt(self.layout, built.buffer, n - 1), exact, False, tally
 
     def effective_config(self, generation_config: GenerationConfig | None, kwargs: dict[str, Any]) -> GenerationConfig:
         """What ``generate()`` will use: the model's default (or the caller's) config updated by ``kwargs``."""

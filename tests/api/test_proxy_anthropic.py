@@ -88,6 +88,45 @@ def test_stream_sends_text_and_a_final_message_equal_to_create(srv, alpha):
     assert parts(final.usage) == parts(plain.usage)
 
 
+def _streamed(client, body: dict) -> tuple:
+    """A stream's ``message_start`` usage, ``message_delta`` usage and the SDK's final message usage."""
+    with client.messages.stream(**body) as stream:
+        events = list(stream)
+        final = stream.get_final_message().usage
+    start = next(e for e in events if e.type == "message_start").message.usage
+    return start, next(e for e in events if e.type == "message_delta").usage, final
+
+
+def _figures(u) -> tuple:
+    return u.input_tokens, u.cache_read_input_tokens, u.cache_creation_input_tokens
+
+
+def test_a_stream_claims_no_cache_write_before_it_is_stored(srv, alpha, tiny_model, tokenizer, new_proxy_cache):
+    """message_start is sent before the answer is stored: it claims no write (a breakpoint is kept only then,
+    and memory pressure may drop it); message_delta carries the settled figures, equal to an unstreamed call's."""
+    body = dict(model=MODEL, max_tokens=3, system=[{**system()[0], "text": "Second-hand atlases and maps. " * 6}],
+                messages=user("Maps?"))
+    start, delta, final = _streamed(alpha, body)
+    assert start.cache_creation_input_tokens == 0 and start.cache_creation.ephemeral_5m_input_tokens == 0
+    assert final.cache_creation_input_tokens > 16 and parts(start) == parts(final)
+    assert delta.model_extra["cache_creation"]["ephemeral_5m_input_tokens"] == final.cache_creation_input_tokens
+    srv.cache.flush()
+    assert _figures(alpha.messages.create(**body).usage) == _figures(final)
+
+    # A store of 16 tokens: the breakpoint's prefix (more than 50) is dropped when the call settles.
+    small = new_proxy_cache(tiny_model, tokenizer, breakpoint_min_tokens=16, block_size=8, max_bytes=8 << 10)
+    with live(create_app(settings(), cache=small)) as tight:
+        client = anthropic_client(tight.url, ALPHA)
+        start, delta, final = _streamed(client, body)
+        assert start.cache_creation_input_tokens == 0 and start.cache_creation.ephemeral_5m_input_tokens == 0
+        assert final.cache_creation_input_tokens == 0 and final.cache_creation.ephemeral_5m_input_tokens == 0
+        assert delta.model_extra["cache_creation"] == {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0}
+        small.flush()
+        plain = client.messages.create(**body).usage
+        assert _figures(plain) == _figures(final) and plain.cache_creation == final.cache_creation
+        assert small.breakpoints.stats()["5m"]["dropped"] == 2
+
+
 def test_stream_events_come_in_anthropics_order(srv, alpha):
     body = {"model": MODEL, "max_tokens": 4, "system": system(), "messages": user("Hello"), "stream": True}
     with httpx.Client(base_url=srv.url, headers={"x-api-key": ALPHA, "anthropic-version": "2023-06-01"}) as http:
