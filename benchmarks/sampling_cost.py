@@ -3,8 +3,9 @@ sampling, with and without a seed (a seeded draw is ``generate()``'s ``torch.mul
 inverts the distribution), and the host time of one sampled row's token.
 
 Run: ``python -m benchmarks.sampling_cost [--callers 16] [--new 48] [--rounds 2]`` (embedded default model,
-float32, CPU; ~2 min a round). Each round runs every way in turn on a fresh cache: ``callers`` threads call
-``answer()`` at once on a stored 1,024-token system prompt with 32-token questions of their own, ``new``
+float32, CPU; ~2 min a round). ``--shape llama-1b`` takes a random-weight model of that shape instead
+(``prefixcache.bench.gpu``; bfloat16 on CUDA where there is one); ``--no-rows`` skips the per-row table. Each round runs every way in turn on a fresh cache: ``callers`` threads call
+``answer()`` (``generate()`` for a random model, which has no end-of-sequence token) at once on a stored 1,024-token system prompt with 32-token questions of their own, ``new``
 tokens each (the end-of-sequence token ignored, so every way generates the same number of tokens). Ways:
 greedy; sampled at temperature 0.8 (``generate()``'s default top-k of 50 applies), unseeded and seeded;
 sampled at temperature 0.8 and top-p 0.95, unseeded.
@@ -21,7 +22,7 @@ import time
 import torch
 
 from prefixcache import CacheConfig, PrefixCache
-from prefixcache.bench.gpu import _concurrently
+from prefixcache.bench.gpu import GpuSpec, _concurrently, build_model
 from prefixcache.loading import load_default_model
 from prefixcache.serving.request import SamplingParams
 from prefixcache.serving.sampling import Sampler
@@ -36,15 +37,19 @@ WAYS: dict[str, dict] = {
 
 
 def callers(model, tokenizer, n: int, new: int, options: dict) -> tuple[float, list[int]]:
-    gen = torch.Generator().manual_seed(0)
-    system = torch.randint(100, 40_000, (SYSTEM,), generator=gen).tolist()
-    questions = [torch.randint(100, 40_000, (QUESTION,), generator=gen).tolist() for _ in range(n)]
+    gen, high = torch.Generator().manual_seed(0), min(40_000, model.config.vocab_size)
+    system = torch.randint(3, high, (SYSTEM,), generator=gen).tolist()
+    questions = [torch.randint(3, high, (QUESTION,), generator=gen).tolist() for _ in range(n)]
     with PrefixCache(model, tokenizer, CacheConfig(ttl_seconds=None), start_sweeper=False) as cache:
         cache.warm(system)
 
         def call(i: int) -> int:
             extra = {**options, "seed": options["seed"] + i} if "seed" in options else options
-            return len(cache.answer(system + questions[i], max_new_tokens=new, ignore_eos=True, **extra).token_ids)
+            prompt = system + questions[i]
+            if tokenizer is not None:
+                return len(cache.answer(prompt, max_new_tokens=new, ignore_eos=True, **extra).token_ids)
+            out = cache.generate(torch.tensor([prompt]), max_new_tokens=new, **extra)  # a random model: no EOS
+            return out.shape[1] - len(prompt)
 
         lengths, wall = _concurrently(call, n)
         return wall, lengths
@@ -70,8 +75,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--callers", type=int, default=16)
     parser.add_argument("--new", type=int, default=48)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--shape", default=None, help="a random-weight model of this shape (bench.gpu.SHAPES)")
+    parser.add_argument("--no-rows", action="store_true")
     args = parser.parse_args(argv)
-    model, tokenizer = load_default_model(dtype=torch.float32)
+    if args.shape is None:
+        model, tokenizer = load_default_model(dtype=torch.float32)
+    else:
+        cuda = torch.cuda.is_available()
+        model, tokenizer = build_model(GpuSpec(shape=args.shape), torch.bfloat16 if cuda else torch.float32,
+                                       torch.device("cuda" if cuda else "cpu")), None
+    print(f"model: {args.shape or 'default'}, {next(model.parameters()).device}, {torch.__version__}")
     callers(model, tokenizer, 2, 4, {})  # warm-up: the first cache's start-up and the model's first steps
     print(f"| round | way | {args.callers} callers' wall (s) | tokens/s | vs greedy |")
     print("|---|---|---|---|---|")
@@ -84,6 +97,8 @@ def main(argv: list[str] | None = None) -> None:
             rate = args.callers * args.new / wall
             greedy = greedy or rate
             print(f"| {r + 1} | {way} | {wall:.2f} | {rate:.1f} | {rate / greedy:.2f}x |", flush=True)
+    if args.no_rows:
+        return
     print("\n| way | host time of one sampled row's token (ms, median of 200) |\n|---|---|")
     for way, options in WAYS.items():
         if options:
