@@ -221,7 +221,7 @@ class Settings(BaseSettings):
     max_tool_schema_depth: int = Field(16, ge=1, description="Deepest nesting of a tool's parameters schema.")
     max_stop_chars: int = Field(256, ge=1, description="Longest stop string, in characters (at most 4 of them).")
     max_logit_bias: int = Field(300, ge=0, description="Most logit_bias entries in one request.")
-    max_prewarm_tokens: int | None = Field(None, ge=1, description="Longest prefix a prewarm may fill, in tokens "
+    max_prewarm_tokens: int | None = Field(_cache_default("max_prewarm_tokens"), ge=1, description="Longest prefix a prewarm may fill, in tokens "
                                            "(400 above). Unset: the model's context length.")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")
 
@@ -321,6 +321,7 @@ class Settings(BaseSettings):
                            tenant_quota_bytes=self.tenant_quota(), block_size=self.block_size,
                            tenant_pin_quota_bytes=self.pin_quota(), pin_ttl_seconds=self.pin_ttl_seconds,
                            max_kv_bytes_total=self.max_kv_bytes_total, kv_wait_seconds=self.kv_wait_seconds,
+                           max_prewarm_tokens=self.max_prewarm_tokens,
                            breakpoint_min_tokens=self.breakpoint_min_tokens, blend=self.blend,
                            blend_recompute_share=self.blend_recompute_share,
                            tier_host_bytes=self.tier_host_bytes, tier_disk=self.tier_disk,

@@ -49,6 +49,9 @@ class CacheConfig:
     #: give way (unpinned, unread ones are evicted) before a request is made to wait or refused.
     #: None = ``max_bytes`` + the larger of half of it and ``MIN_REQUEST_KV_BYTES`` (256 MiB).
     max_kv_bytes_total: int | None = None
+    #: Longest prefix, in tokens, ``warm`` (and the proxy's prewarm) may fill; a longer one is refused
+    #: (``ContextLengthExceededError``) before any work. None = the model's context length.
+    max_prewarm_tokens: int | None = None
     #: Longest a request waits for KV memory before it is refused (``KVMemoryError``, HTTP 503).
     kv_wait_seconds: float = 5.0
     #: How often the background sweeper frees expired prefixes (seconds).
@@ -116,6 +119,8 @@ class CacheConfig:
             check_positive("pin_ttl_seconds", self.pin_ttl_seconds)
         if self.max_kv_bytes_total is not None:
             check_int("max_kv_bytes_total", self.max_kv_bytes_total, 0, None)
+        if self.max_prewarm_tokens is not None:
+            check_int("max_prewarm_tokens", self.max_prewarm_tokens, 1, None)
         check_positive("kv_wait_seconds", self.kv_wait_seconds)
         check_positive("sweep_interval_seconds", self.sweep_interval_seconds)
         check_int("breakpoint_min_tokens", self.breakpoint_min_tokens, 1, None)

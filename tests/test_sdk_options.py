@@ -311,3 +311,26 @@ def test_a_tenant_s_pin_idles_out_even_when_reads_ask_for_longer(new_cache):
     cache.sweep()
     assert cache.stats("a")["pinned_bytes"] == 0  # idle past pin_ttl_seconds: gone
     assert cache.stats("op")["pinned_bytes"] > 0  # the operator's pin has no deadline
+
+
+def test_warm_over_max_prewarm_tokens_is_refused_before_any_work(new_cache):
+    """``warm`` has the proxy's prewarm cap (``CacheConfig.max_prewarm_tokens``; unset: the model's context):
+    a longer prefix raises before anything is prefilled, reserved or stored."""
+    from prefixcache.errors import ContextLengthExceededError
+
+    model = build_tiny("llama-gqa")
+    cache = new_cache(model, None, CacheConfig(block_size=8, max_prewarm_tokens=24), batching=False,
+                      start_sweeper=False)
+    for pin in (False, True):
+        with pytest.raises(ContextLengthExceededError, match="at most 24") as caught:
+            cache.warm(list(range(10, 35)), pin=pin)
+        assert caught.value.param == "prefix"
+    stats = cache.stats()
+    assert stats["bytes"] == stats["entries"] == 0 and stats["kv_bytes"]["prewarm"] == 0
+    assert cache.warm(list(range(10, 34))).stored_tokens == 24  # at the cap: stored
+    context = model.config.max_position_embeddings
+    unset = new_cache(model, None, CacheConfig(block_size=8), batching=False, start_sweeper=False)
+    assert unset.max_prewarm_tokens == context
+    with pytest.raises(ContextLengthExceededError):
+        unset.warm([10 + i % 300 for i in range(context + 1)])
+    assert unset.stats()["entries"] == 0
