@@ -13,7 +13,9 @@ if TYPE_CHECKING:
 
 
 def room(store: KVStore) -> int:
-    """Bytes the snapshots may take now: the budget, less room for what running requests reserve."""
+    """Bytes the snapshots may take now: the budget, less room for what running requests reserve.
+
+    Read without the ledger's lock, a plan: the store checks each block it adds again under it."""
     return min(store.config.max_bytes, store.ledger.total - store.ledger.reserved)
 
 

@@ -3,7 +3,9 @@
 A snapshot (``node.kv``) is published once, when its node is added, and never written
 again: readers copy from it, writers create new nodes. All methods take the store's
 lock, so lookups, inserts and evictions from many threads are serialised; model work
-happens outside it.
+happens outside it. Lock order: the store's lock, then the KV ledger's (``ledger``), never
+the reverse: a block is added under both, so no reservation lands between the check of
+``bytes + ledger.reserved`` against the ledger's total and the bytes it admits.
 
 Work under the lock does not grow with what is stored: evictable leaves (by last access)
 and TTL candidates (by deadline) live in keyed heaps, and the figures ``snapshot_stats``
@@ -227,6 +229,7 @@ class KVStore:
         added: list[Node] = []
         walked = attach
         one_pass, limit = self.config.tenant_quota_bytes is None, None  # no quota: ``make_room_for_tail``
+        ledger = self.ledger  # its lock is taken under the store's (``ledger``: the lock order)
         self._ref(walked, +1)
         try:
             while pos < n:
@@ -241,9 +244,12 @@ class KVStore:
                 for old in self.trie.superseded(attach, chunk) if attach.num_children else ():
                     if evictable(old):
                         self.free(old, None)
-                node = self.trie.add_child(attach, chunk)
-                node.kv, node.nbytes = self._kv.view(run, pos - first, pos - first + len(chunk)), nbytes
-                self._account(node, +1)
+                with ledger.lock:  # a reservation may have landed since the room was planned
+                    if not ledger.fits_stored(nbytes):
+                        break
+                    node = self.trie.add_child(attach, chunk)
+                    node.kv, node.nbytes = self._kv.view(run, pos - first, pos - first + len(chunk)), nbytes
+                    self._account(node, +1)
                 if attach is walked:  # it has a child now: no longer a leaf, and safe without the hold
                     walked = None
                     self._ref(attach, -1)
