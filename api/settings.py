@@ -106,8 +106,9 @@ class Settings(BaseSettings):
                                          "(the admin key's are exempt): each key's pin quota is at most this divided "
                                          "by the number of keys. Unset: half of max_bytes.")
     pin_ttl_seconds: float | None = Field(
-        _cache_default("pin_ttl_seconds"), gt=0, description="Idle seconds after which a tenant key's pin expires "
-        "when it asked for no TTL or a longer one; the admin key may pin without a TTL. Unset/null: no limit.")
+        _cache_default("pin_ttl_seconds"), gt=0, description="Idle seconds after which a tenant key's pin lapses, "
+        "whatever TTL the prefix has (it stays as an ordinary entry under that TTL); the admin key's pins have no "
+        "such deadline. Unset/null: no limit.")
     block_size: int = Field(_cache_default("block_size"), ge=1, le=4096, description="Tokens per hash block.")
     max_kv_bytes_total: int | None = Field(
         _cache_default("max_kv_bytes_total"), ge=0, description="All KV memory together: stored snapshots plus the "

@@ -41,8 +41,9 @@ class CacheConfig:
     #: Bytes of pinned prefixes a tenant may hold (pins by the operator, ``privileged``, are exempt).
     #: None = ``max_bytes // PIN_QUOTA_DIVISOR`` (1/8 of the budget); set ``max_bytes`` to lift it.
     tenant_pin_quota_bytes: int | None = None
-    #: Idle seconds after which a tenant's pin expires when it asked for no TTL or a longer one;
-    #: pins by the operator may have none. None = tenants' pins may last forever too.
+    #: Idle seconds (since the pin or its last read) after which a tenant's pin lapses, whatever the prefix's
+    #: TTL: the prefix is then an ordinary entry under that TTL. The operator's pins have no such deadline.
+    #: A tenant's pin asked with no TTL or a longer one is also stored with this TTL. None = no deadline.
     pin_ttl_seconds: float | None = 3600.0
     #: All KV memory together: stored snapshots plus what running requests compute into (the batching
     #: engine's private pools, the serial engine's working caches, prewarm buffers). Stored snapshots

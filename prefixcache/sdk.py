@@ -490,8 +490,8 @@ class PrefixCache:
         Messages are encoded without the generation prompt, so any later conversation
         that starts with them hits. ``pin=True`` keeps the prefix until ``unpin``,
         ``flush`` or its TTL. A tenant's pin counts against ``config.pin_quota_bytes``
-        (over it: ``PinQuotaExceededError``, nothing stored or evicted) and is idle-limited
-        to ``config.pin_ttl_seconds`` whatever ``ttl_seconds`` asks. ``privileged`` (the
+        (over it: ``PinQuotaExceededError``, nothing stored or evicted) and lapses after
+        ``config.pin_ttl_seconds`` without a read whatever TTL the prefix has (it stays, unpinned). ``privileged`` (the
         operator, as the proxy's admin key) lifts both: no quota, and no TTL unless given.
         A pin that cannot fit the budget or quota raises ``CapacityError``; one larger than the
         pin quota is refused before any work. The prefill stops between chunks once ``cancel``
