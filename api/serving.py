@@ -177,7 +177,8 @@ class Serving:
         cache = self.cache
         ids = cache.encode_prefix(prefix, tools)
         param = "prompt" if isinstance(prefix, str) else "messages"
-        limit = min(self.settings.max_prewarm_tokens or cache.max_context, cache.max_context)
+        # The settings' cap and the cache's own (a cache passed to ``create_app`` has a configuration of its own).
+        limit = min(self.settings.max_prewarm_tokens or cache.max_context, cache.max_prewarm_tokens)
         if len(ids) > limit:
             raise ContextLengthExceededError(f"the prefix is {len(ids)} tokens; a prewarm fills at most {limit} "
                                              f"(the model's context is {cache.max_context})", param=param)

@@ -106,8 +106,9 @@ class Settings(BaseSettings):
                                          "(the admin key's are exempt): each key's pin quota is at most this divided "
                                          "by the number of keys. Unset: half of max_bytes.")
     pin_ttl_seconds: float | None = Field(
-        _cache_default("pin_ttl_seconds"), gt=0, description="Idle seconds after which a tenant key's pin expires "
-        "when it asked for no TTL or a longer one; the admin key may pin without a TTL. Unset/null: no limit.")
+        _cache_default("pin_ttl_seconds"), gt=0, description="Idle seconds after which a tenant key's pin lapses, "
+        "whatever TTL the prefix has (it stays as an ordinary entry under that TTL); the admin key's pins have no "
+        "such deadline. Unset/null: no limit.")
     block_size: int = Field(_cache_default("block_size"), ge=1, le=4096, description="Tokens per hash block.")
     max_kv_bytes_total: int | None = Field(
         _cache_default("max_kv_bytes_total"), ge=0, description="All KV memory together: stored snapshots plus the "
@@ -221,7 +222,7 @@ class Settings(BaseSettings):
     max_tool_schema_depth: int = Field(16, ge=1, description="Deepest nesting of a tool's parameters schema.")
     max_stop_chars: int = Field(256, ge=1, description="Longest stop string, in characters (at most 4 of them).")
     max_logit_bias: int = Field(300, ge=0, description="Most logit_bias entries in one request.")
-    max_prewarm_tokens: int | None = Field(None, ge=1, description="Longest prefix a prewarm may fill, in tokens "
+    max_prewarm_tokens: int | None = Field(_cache_default("max_prewarm_tokens"), ge=1, description="Longest prefix a prewarm may fill, in tokens "
                                            "(400 above). Unset: the model's context length.")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="Log level.")
 
@@ -321,6 +322,7 @@ class Settings(BaseSettings):
                            tenant_quota_bytes=self.tenant_quota(), block_size=self.block_size,
                            tenant_pin_quota_bytes=self.pin_quota(), pin_ttl_seconds=self.pin_ttl_seconds,
                            max_kv_bytes_total=self.max_kv_bytes_total, kv_wait_seconds=self.kv_wait_seconds,
+                           max_prewarm_tokens=self.max_prewarm_tokens,
                            breakpoint_min_tokens=self.breakpoint_min_tokens, blend=self.blend,
                            blend_recompute_share=self.blend_recompute_share,
                            tier_host_bytes=self.tier_host_bytes, tier_disk=self.tier_disk,

@@ -41,14 +41,18 @@ class CacheConfig:
     #: Bytes of pinned prefixes a tenant may hold (pins by the operator, ``privileged``, are exempt).
     #: None = ``max_bytes // PIN_QUOTA_DIVISOR`` (1/8 of the budget); set ``max_bytes`` to lift it.
     tenant_pin_quota_bytes: int | None = None
-    #: Idle seconds after which a tenant's pin expires when it asked for no TTL or a longer one;
-    #: pins by the operator may have none. None = tenants' pins may last forever too.
+    #: Idle seconds (since the pin or its last read) after which a tenant's pin lapses, whatever the prefix's
+    #: TTL: the prefix is then an ordinary entry under that TTL. The operator's pins have no such deadline.
+    #: A tenant's pin asked with no TTL or a longer one is also stored with this TTL. None = no deadline.
     pin_ttl_seconds: float | None = 3600.0
     #: All KV memory together: stored snapshots plus what running requests compute into (the batching
     #: engine's private pools, the serial engine's working caches, prewarm buffers). Stored snapshots
     #: give way (unpinned, unread ones are evicted) before a request is made to wait or refused.
     #: None = ``max_bytes`` + the larger of half of it and ``MIN_REQUEST_KV_BYTES`` (256 MiB).
     max_kv_bytes_total: int | None = None
+    #: Longest prefix, in tokens, ``warm`` (and the proxy's prewarm) may fill; a longer one is refused
+    #: (``ContextLengthExceededError``) before any work. None = the model's context length.
+    max_prewarm_tokens: int | None = None
     #: Longest a request waits for KV memory before it is refused (``KVMemoryError``, HTTP 503).
     kv_wait_seconds: float = 5.0
     #: How often the background sweeper frees expired prefixes (seconds).
@@ -116,6 +120,8 @@ class CacheConfig:
             check_positive("pin_ttl_seconds", self.pin_ttl_seconds)
         if self.max_kv_bytes_total is not None:
             check_int("max_kv_bytes_total", self.max_kv_bytes_total, 0, None)
+        if self.max_prewarm_tokens is not None:
+            check_int("max_prewarm_tokens", self.max_prewarm_tokens, 1, None)
         check_positive("kv_wait_seconds", self.kv_wait_seconds)
         check_positive("sweep_interval_seconds", self.sweep_interval_seconds)
         check_int("breakpoint_min_tokens", self.breakpoint_min_tokens, 1, None)

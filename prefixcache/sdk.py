@@ -172,6 +172,12 @@ class PrefixCache:
         return self.model.get_input_embeddings().num_embeddings
 
     @property
+    def max_prewarm_tokens(self) -> int:
+        """Longest prefix ``warm`` fills: ``config.max_prewarm_tokens``, at most the model's context."""
+        limit = self.config.max_prewarm_tokens
+        return self.max_context if limit is None else min(limit, self.max_context)
+
+    @property
     def max_context(self) -> int:
         cfg = self.model.config.get_text_config(decoder=True)
         for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
@@ -489,13 +495,14 @@ class PrefixCache:
         Messages are encoded without the generation prompt, so any later conversation
         that starts with them hits. ``pin=True`` keeps the prefix until ``unpin``,
         ``flush`` or its TTL. A tenant's pin counts against ``config.pin_quota_bytes``
-        (over it: ``PinQuotaExceededError``, nothing stored or evicted) and is idle-limited
-        to ``config.pin_ttl_seconds`` whatever ``ttl_seconds`` asks. ``privileged`` (the
+        (over it: ``PinQuotaExceededError``, nothing stored or evicted) and lapses after
+        ``config.pin_ttl_seconds`` without a read whatever TTL the prefix has (it stays, unpinned). ``privileged`` (the
         operator, as the proxy's admin key) lifts both: no quota, and no TTL unless given.
         A pin that cannot fit the budget or quota raises ``CapacityError``; one larger than the
         pin quota is refused before any work. The prefill stops between chunks once ``cancel``
         is set (``RequestCancelledError``) or after ``timeout_seconds`` (``GenerationTimeoutError``);
-        then nothing is stored. With ``cache_salt`` only calls with the same salt read the prefix.
+        then nothing is stored. A prefix over ``max_prewarm_tokens`` (``config.max_prewarm_tokens``, at
+        most the model's context) raises ``ContextLengthExceededError`` before any work. With ``cache_salt`` only calls with the same salt read the prefix.
         """
         self._check_open()
         for name, flag in (("pin", pin), ("privileged", privileged)):
@@ -503,6 +510,10 @@ class PrefixCache:
                 raise InvalidRequestError(f"{name} must be True or False", param=name)
         check_cancel(cancel)
         tokens = self.encode_prefix(prefix, tools)
+        limit = self.max_prewarm_tokens
+        if len(tokens) > limit:
+            raise ContextLengthExceededError(f"the prefix is {len(tokens)} tokens; warm fills at most {limit} "
+                                             f"(the model's context is {self.max_context})", param="prefix")
         tenant = self._tenant(tenant)
         ttl = self._pin_ttl(ttl_seconds, privileged) if pin else self._ttl(ttl_seconds)
         scope = self._scope(tenant, cache_salt, ttl)

@@ -314,8 +314,8 @@ def test_a_pin_over_the_tenant_s_pin_quota_is_refused_before_it_evicts_anything(
 
 
 def test_a_tenant_s_pin_idles_out_even_when_reads_ask_for_longer(new_cache):
-    """Reads of a pinned prefix extend its deadline by at most pin_ttl_seconds: a tenant cannot keep a pin alive
-    past that idle time by reading it with a longer (or no) TTL; the operator's pins keep no deadline."""
+    """Reads of a pinned prefix renew its pin by pin_ttl_seconds: a tenant cannot keep a pin alive past that
+    idle time by reading it with a longer (or no) TTL; the operator's pins keep no deadline."""
     import math
 
     from tests.conftest import FakeClock
@@ -333,3 +333,48 @@ def test_a_tenant_s_pin_idles_out_even_when_reads_ask_for_longer(new_cache):
     cache.sweep()
     assert cache.stats("a")["pinned_bytes"] == 0  # idle past pin_ttl_seconds: gone
     assert cache.stats("op")["pinned_bytes"] > 0  # the operator's pin has no deadline
+
+
+def test_a_pin_of_a_prefix_warmed_with_a_huge_ttl_still_lapses_after_pin_ttl_seconds(new_cache):
+    """The pin has a deadline of its own: the block's earlier, longer TTL does not lengthen it. Once it
+    lapses the prefix is an ordinary entry (still a hit, under its TTL) and no longer counts as pinned."""
+    from tests.conftest import FakeClock
+
+    clock = FakeClock()
+    model = build_tiny("llama-gqa")
+    config = CacheConfig(block_size=8, pin_ttl_seconds=3600, cache_generated=False)
+    cache = new_cache(model, None, config, clock=clock, batching=False, start_sweeper=False)
+    prefix = list(range(10, 42))
+    cache.warm(prefix, tenant="a", ttl_seconds=1e9)
+    cache.warm(prefix, tenant="a", pin=True)
+    pinned = cache.stats("a")["pinned_bytes"]
+    assert pinned > 0
+    clock.advance(3601)
+    cache.sweep()
+    assert cache.stats("a")["pinned_bytes"] == 0 and not cache.unpin(prefix, tenant="a")
+    assert cache.stats("a")["bytes"] == pinned  # an ordinary entry now, under its own TTL
+    cache.generate(torch.tensor([prefix]), max_new_tokens=1, do_sample=False, tenant="a")
+    assert cache.last_call.cached_tokens == len(prefix) - 1
+
+
+def test_warm_over_max_prewarm_tokens_is_refused_before_any_work(new_cache):
+    """``warm`` has the proxy's prewarm cap (``CacheConfig.max_prewarm_tokens``; unset: the model's context):
+    a longer prefix raises before anything is prefilled, reserved or stored."""
+    from prefixcache.errors import ContextLengthExceededError
+
+    model = build_tiny("llama-gqa")
+    cache = new_cache(model, None, CacheConfig(block_size=8, max_prewarm_tokens=24), batching=False,
+                      start_sweeper=False)
+    for pin in (False, True):
+        with pytest.raises(ContextLengthExceededError, match="at most 24") as caught:
+            cache.warm(list(range(10, 35)), pin=pin)
+        assert caught.value.param == "prefix"
+    stats = cache.stats()
+    assert stats["bytes"] == stats["entries"] == 0 and stats["kv_bytes"]["prewarm"] == 0
+    assert cache.warm(list(range(10, 34))).stored_tokens == 24  # at the cap: stored
+    context = model.config.max_position_embeddings
+    unset = new_cache(model, None, CacheConfig(block_size=8), batching=False, start_sweeper=False)
+    assert unset.max_prewarm_tokens == context
+    with pytest.raises(ContextLengthExceededError):
+        unset.warm([10 + i % 300 for i in range(context + 1)])
+    assert unset.stats()["entries"] == 0

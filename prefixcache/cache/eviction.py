@@ -13,7 +13,9 @@ if TYPE_CHECKING:
 
 
 def room(store: KVStore) -> int:
-    """Bytes the snapshots may take now: the budget, less room for what running requests reserve."""
+    """Bytes the snapshots may take now: the budget, less room for what running requests reserve.
+
+    Read without the ledger's lock, a plan: the store checks each block it adds again under it."""
     return min(store.config.max_bytes, store.ledger.total - store.ledger.reserved)
 
 
@@ -64,8 +66,19 @@ def evict_to(store: KVStore, limit: int) -> bool:
     return True
 
 
+def lapse_pins(store: KVStore, now: float) -> None:
+    """Drop the pins whose deadline has passed: those blocks are ordinary entries again (their own TTL,
+    evictable). A child's pin never outlasts its parent's (both are renewed together, root-first)."""
+    heap = store.index.pin_expiry
+    while (top := heap.peek()) is not None and top[1] <= now:
+        top[0].pins = 0
+        store.reindex(top[0])
+
+
 def expire(store: KVStore, now: float) -> int:
-    """Free expired blocks nobody reads, deepest first (a freed leaf's expired parent follows); bytes freed."""
+    """Drop lapsed pins, then free expired blocks nobody reads, deepest first (a freed leaf's expired parent
+    follows); bytes freed."""
+    lapse_pins(store, now)
     freed, heap = 0, store.index.expiry
     while (top := heap.peek()) is not None and top[1] <= now:
         freed += top[0].nbytes

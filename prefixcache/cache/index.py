@@ -16,11 +16,12 @@ from collections.abc import Callable
 from typing import Any
 
 from prefixcache.cache.keyed_heap import KeyedHeap
-from prefixcache.cache.policy import REASONS, evictable, ttl_freeable
+from prefixcache.cache.policy import REASONS, evictable, pin_lapses, ttl_freeable
 from prefixcache.cache.trie import Node
 
-#: ``Node.indexed`` bits: in the LRU heaps, in the expiry heap, counted as pinned, counted as leased.
-LRU, EXPIRY, PINNED, LEASED = 1, 2, 4, 8
+#: ``Node.indexed`` bits: in the LRU heaps, in the expiry heap, counted as pinned, counted as leased, in the
+#: pin deadline heap.
+LRU, EXPIRY, PINNED, LEASED, PIN_DUE = 1, 2, 4, 8, 16
 _INF = math.inf
 
 
@@ -33,6 +34,8 @@ class StoreIndex:
         self.lru_by_tenant: dict[str, KeyedHeap[Node]] = {}
         # Exactly the nodes ``ttl_freeable`` holds for that have a finite deadline, keyed by it.
         self.expiry: KeyedHeap[Node] = KeyedHeap()
+        # Exactly the nodes ``pin_lapses`` holds for (leaves or not), keyed by their pin's deadline.
+        self.pin_expiry: KeyedHeap[Node] = KeyedHeap()
         # Running totals per tenant.
         self.entries: Counter[str] = Counter()
         self.tokens: Counter[str] = Counter()
@@ -74,6 +77,8 @@ class StoreIndex:
         if node.alive:
             pins, refs = node.pins, node.refcount
             state = (PINNED if pins else 0) | (LEASED if refs else 0)
+            if pins and node.pin_until < _INF:  # ``pin_lapses``
+                state |= PIN_DUE
             if not refs and not node.num_children:  # a leaf nobody reads: ``ttl_freeable``
                 if not pins:  # ``evictable``
                     state |= LRU
@@ -99,6 +104,10 @@ class StoreIndex:
             self.expiry.set(node, node.expires_at)
         elif old & EXPIRY:
             self.expiry.discard(node)
+        if state & PIN_DUE:
+            self.pin_expiry.set(node, node.pin_until)
+        elif old & PIN_DUE:
+            self.pin_expiry.discard(node)
         if (old ^ state) & (PINNED | LEASED):
             self._totals(node, old, state)
         node.indexed = state
@@ -122,8 +131,11 @@ class StoreIndex:
         assert {t: dict(h.items()) for t, h in self.lru_by_tenant.items()} == by_tenant, "tenant LRU index drift"
         expiring = {n: n.expires_at for n in nodes if ttl_freeable(n) and math.isfinite(n.expires_at)}
         assert dict(self.expiry.items()) == expiring, "expiry index differs from the TTL candidates"
+        lapsing = {n: n.pin_until for n in nodes if pin_lapses(n)}
+        assert dict(self.pin_expiry.items()) == lapsing, "pin deadline index differs from the pins with a deadline"
         for node in nodes:
             assert bool(node.indexed & LRU) == (node in lru) and bool(node.indexed & EXPIRY) == (node in expiring)
+            assert bool(node.indexed & PIN_DUE) == (node in lapsing)
         for bits, counter, member, weight in (
                 (PINNED, self.pinned_bytes, lambda n: n.pins > 0, lambda n: n.nbytes),
                 (LEASED, self.leased_entries, lambda n: n.refcount > 0, lambda n: 1),

@@ -5,6 +5,7 @@ Both functions read the store through its public attributes; ``KVStore.audit`` a
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -27,10 +28,12 @@ def check_store(store: KVStore) -> None:
     Bytes held equal the bytes of live snapshot tensors (overall and per tenant);
     refcounts and pins are never negative; every node is reachable from its root
     and indexed under its parent; partial blocks are leaves; a parent never
-    expires before its child; the budget holds. The eviction and expiry indexes
+    expires, or loses a pin, before its child; a pin's deadline is within
+    ``pin_ttl_seconds`` of now or (the operator's) none; the budget holds. The eviction and expiry indexes
     and the running totals equal a brute-force recomputation over every node.
     """
     bs, total, per_tenant = store.config.block_size, 0, Counter()
+    now, pin_ttl = store.now(), store.config.pin_ttl_seconds
     nodes = list(store.trie.iter_nodes())
     for root in store.trie.roots():
         assert root.alive and root.refcount >= 0 and root.namespace is not None
@@ -47,6 +50,10 @@ def check_store(store: KVStore) -> None:
         assert 0 < len(node.tokens) <= bs and node.tenant == parent.tenant
         assert node.num_children == sum(1 for _ in node.children())
         assert parent.is_root or parent.expires_at >= node.expires_at or parent.doomed
+        # A pin covers its path from the root, and lapses there no sooner than below (renewed root-first); a
+        # tenant's lapses within pin_ttl_seconds of now, the operator's never.
+        assert not node.pins or parent.is_root or (parent.pins >= node.pins and parent.pin_until >= node.pin_until)
+        assert not node.pins or node.pin_until == math.inf or node.pin_until <= now + (pin_ttl or math.inf)
         assert node.nbytes == store.payloads.nbytes(node.kv)
         assert store.payloads.tokens(node.kv) == len(node.tokens)
         total += node.nbytes

@@ -8,6 +8,12 @@ the store keeps that bound when it inserts (its room shrinks by what is reserved
 reservation that does not fit first makes the store evict what may go (unpinned snapshots
 nobody reads), then waits, at most ``wait_seconds``, for others to give memory back, then is
 refused with ``KVMemoryError``. No torch here: bytes only.
+
+Locks: the store's lock, then the ledger's, never the other way round. Each side checks
+``stored + reserved`` and acts under the ledger's lock: a reservation in ``_change``, the
+store when it adds a block (``KVStore._grow``, holding its own lock already). The store's
+bytes grow nowhere else, so the ledger reads them without the store's lock (they may only
+shrink meanwhile), and it lets go of its own lock before it asks the store to ``reclaim``.
 """
 from __future__ import annotations
 
@@ -36,7 +42,8 @@ class KVLedger:
         self.wait_seconds = wait_seconds
         self._clock = clock
         self._held = dict.fromkeys(KINDS, 0)
-        #: Sum of every kind's reservation; the store reads it without the lock (one int read).
+        #: Sum of every kind's reservation. Read without the lock it is a plan only (it may have grown
+        #: since); what it admits is checked again under ``lock``.
         self.reserved = 0
         self._cv = threading.Condition()
         self._store: Reclaimable | None = None
@@ -44,6 +51,16 @@ class KVLedger:
     def attach(self, store: Reclaimable) -> None:
         """The store whose snapshots count against the total and give way to reservations."""
         self._store = store
+
+    @property
+    def lock(self) -> threading.Condition:
+        """Held while ``stored + reserved`` is checked and grown (after the store's lock, never before it)."""
+        return self._cv
+
+    def fits_stored(self, nbytes: int) -> bool:
+        """Whether the store may add ``nbytes`` within the total beside what is reserved; the caller holds
+        ``lock`` until it has added them."""
+        return self.stored + self.reserved + nbytes <= self.total
 
     @property
     def stored(self) -> int:

@@ -23,6 +23,12 @@ def expiry(now: float, ttl_seconds: float | None) -> float:
     return math.inf if ttl_seconds is None else now + ttl_seconds
 
 
+def pin_lapses(node: Node) -> bool:
+    """A pinned node whose pin has a deadline (a tenant's): once it passes the pin lapses and the node is an
+    ordinary entry again, under its own TTL (``expires_at``), evictable."""
+    return node.alive and node.pins > 0 and node.pin_until < math.inf
+
+
 def is_expired(node: Node, now: float) -> bool:
     return node.expires_at <= now
 
@@ -33,6 +39,6 @@ def evictable(node: Node) -> bool:
 
 
 def ttl_freeable(node: Node) -> bool:
-    """A leaf nobody reads: freed once its deadline passes, pinned or not (a pin's TTL ends it)."""
+    """A leaf nobody reads: freed once its deadline passes, pinned or not (the prefix's TTL ends a pin too)."""
     return node.alive and not node.is_root and node.num_children == 0 and node.refcount == 0
 

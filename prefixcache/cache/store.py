@@ -3,12 +3,14 @@
 A snapshot (``node.kv``) is published once, when its node is added, and never written
 again: readers copy from it, writers create new nodes. All methods take the store's
 lock, so lookups, inserts and evictions from many threads are serialised; model work
-happens outside it.
+happens outside it. Lock order: the store's lock, then the KV ledger's (``ledger``), never
+the reverse: a block is added under both, so no reservation lands between the check of
+``bytes + ledger.reserved`` against the ledger's total and the bytes it admits.
 
 Work under the lock does not grow with what is stored: evictable leaves (by last access)
 and TTL candidates (by deadline) live in keyed heaps, and the figures ``snapshot_stats``
 reports are running totals. ``index.sync(node)`` keeps both up to date and is called after
-every change to a node's refcount, pins or children, and to a leaf's access time or deadline.
+every change to a node's refcount, pins, pin deadline or children, and to a leaf's access time or deadline.
 The budget, quotas and TTL are enforced by ``eviction``, through the store's public methods
 (``now``, ``free``, ``reindex``); ``integrity`` audits it through them too, under its lock.
 """
@@ -20,7 +22,15 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from prefixcache.cache.eviction import evict_to, expire, flush_all, make_room, make_room_for_tail, room
+from prefixcache.cache.eviction import (
+    evict_to,
+    expire,
+    flush_all,
+    lapse_pins,
+    make_room,
+    make_room_for_tail,
+    room,
+)
 from prefixcache.cache.handles import (
     EvictedSnapshot,
     EvictHook,
@@ -163,7 +173,8 @@ class KVStore:
 
         Blocks are added root-first, so what is stored is always a prefix of
         ``tokens``; under budget or quota pressure the tail is dropped, never an error.
-        With ``pin``, the whole stored path is pinned (``unpin`` undoes it). Unless
+        With ``pin``, the whole stored path is pinned (``unpin`` undoes it) until the pin's own deadline,
+        ``config.pin_ttl_seconds`` from now (renewed by reads; none if ``privileged``). Unless
         ``privileged``, a pin whose newly pinned bytes would take the tenant's pinned
         bytes over ``config.pin_quota_bytes`` raises ``PinQuotaExceededError`` before
         anything is stored or evicted. With lower tiers attached, new blocks (write-through
@@ -178,6 +189,7 @@ class KVStore:
             tenant = scope.tenant
             root = self.trie.root(scope.namespace, tenant, create=True)
             root.refcount += 1  # the root outlives the insert even if nothing is stored
+            lapse_pins(self, now)  # a lapsed pin counts against no quota
             pin_room = None if not pin or privileged else self._pin_room(tenant)
             path: list[Node] = []
             try:
@@ -185,10 +197,14 @@ class KVStore:
             finally:
                 root.refcount -= 1
                 self.trie.drop_root_if_empty(root)
-            self._touch(path, now, scope.ttl_seconds, pin_capped=not privileged)
+            self._touch(path, now, scope.ttl_seconds)
             complete = pos == len(tokens)
             if pin and complete:
+                # The pin's own deadline, whatever the blocks' TTL: a tenant's lapses after pin_ttl_seconds
+                # unless a read renews it; the operator's has none.
+                pin_until = expiry(now, None if privileged else self.config.pin_ttl_seconds)
                 for node in path:
+                    node.pin_until = pin_until if not node.pins else max(node.pin_until, pin_until)
                     node.pins += 1
                     self.reindex(node)
             if self.lower is not None and not _restoring and (pin or self.lower.write_through):
@@ -227,6 +243,7 @@ class KVStore:
         added: list[Node] = []
         walked = attach
         one_pass, limit = self.config.tenant_quota_bytes is None, None  # no quota: ``make_room_for_tail``
+        ledger = self.ledger  # its lock is taken under the store's (``ledger``: the lock order)
         self._ref(walked, +1)
         try:
             while pos < n:
@@ -241,9 +258,12 @@ class KVStore:
                 for old in self.trie.superseded(attach, chunk) if attach.num_children else ():
                     if evictable(old):
                         self.free(old, None)
-                node = self.trie.add_child(attach, chunk)
-                node.kv, node.nbytes = self._kv.view(run, pos - first, pos - first + len(chunk)), nbytes
-                self._account(node, +1)
+                with ledger.lock:  # a reservation may have landed since the room was planned
+                    if not ledger.fits_stored(nbytes):
+                        break
+                    node = self.trie.add_child(attach, chunk)
+                    node.kv, node.nbytes = self._kv.view(run, pos - first, pos - first + len(chunk)), nbytes
+                    self._account(node, +1)
                 if attach is walked:  # it has a child now: no longer a leaf, and safe without the hold
                     walked = None
                     self._ref(attach, -1)
@@ -289,9 +309,11 @@ class KVStore:
         decides it) newly pin more than the tenant's pin quota leaves: before any work, nothing stored or
         evicted. The tokens not stored yet are counted at ``per_token`` bytes each."""
         with self._lock:
+            now = self._clock()
+            lapse_pins(self, now)
             path: list[Node] = []
             root = self.trie.root(scope.namespace, scope.tenant, create=False)
-            pos = 0 if root is None else self._walk(root, tokens, path, self._clock())[1]
+            pos = 0 if root is None else self._walk(root, tokens, path, now)[1]
             self._check_pin_room(path, (len(tokens) - pos) * per_token, self._pin_room(scope.tenant))
 
     def _pin_room(self, tenant: str) -> int:
@@ -306,8 +328,10 @@ class KVStore:
             raise PinQuotaExceededError.of(quota - room, quota, need)
 
     def unpin(self, scope: Scope, tokens: Sequence[int]) -> int:
-        """Undo one ``pin`` of exactly this token path in ``scope``. Returns the tokens unpinned."""
+        """Undo one ``pin`` of exactly this token path in ``scope``. Returns the tokens unpinned (0 if it was not
+        pinned, or its pin lapsed)."""
         with self._lock:
+            lapse_pins(self, self._clock())
             root = self.trie.root(scope.namespace, scope.tenant, create=False)
             if root is None:
                 return 0
@@ -339,6 +363,7 @@ class KVStore:
     def can_admit(self, need: int, tenant: str) -> bool:
         """Whether ``need`` more bytes could be stored for ``tenant`` now, evicting only what may go."""
         with self._lock:
+            lapse_pins(self, self._clock())
             cfg = self.config
             # Pinned and leased nodes are closed upwards (a pin or lease covers the path from the
             # root), so everything else can go, leaves first: only protected bytes stay.
@@ -362,22 +387,23 @@ class KVStore:
             return freed
 
     # -- bookkeeping ---------------------------------------------------------------
-    def _touch(self, nodes: list[Node], now: float, ttl_seconds: float | None, pin_capped: bool = True) -> None:
-        """Refresh access time and deadline. Both only key the heaps, which hold leaves only, so
-        only leaves are re-indexed (callers sync any other change to a node themselves)."""
+    def _touch(self, nodes: list[Node], now: float, ttl_seconds: float | None) -> None:
+        """Refresh access time, deadline and pin deadline. Access time and deadline only key the heaps
+        of leaves, so only leaves are re-indexed for them (callers sync any other change themselves)."""
         until = expiry(now, ttl_seconds)
-        # A pinned block's deadline is its pin's: a read (or a tenant's write) extends it by at most
-        # pin_ttl_seconds, so a tenant's pin idles out; the operator's pins, without a deadline, keep theirs
-        # (a deadline is never shortened), and the operator's own writes are not capped.
-        cap = self.config.pin_ttl_seconds if pin_capped else None
-        pinned_until = until if cap is None else min(until, expiry(now, cap))
+        # A pin's deadline is its own, apart from the block's: an access renews it to pin_ttl_seconds from
+        # now whatever TTL it asks, so a tenant's pin idles out; the operator's pins, without one, keep none.
+        pin_until = expiry(now, self.config.pin_ttl_seconds)
         sync = self.index.sync
-        for node in nodes:  # root-first, so a parent never expires before its child
+        for node in nodes:  # root-first, so a parent never expires (or loses its pin) before its child
             node.last_access = now
             # New (or expired but still in use) nodes take the new deadline; live ones keep the later one.
-            expires, wanted = node.expires_at, (pinned_until if node.pins else until)
-            node.expires_at = wanted if expires <= now else (expires if expires > wanted else wanted)
-            if not node.num_children:
+            expires = node.expires_at
+            node.expires_at = until if expires <= now else (expires if expires > until else until)
+            if node.pins and node.pin_until < pin_until:
+                node.pin_until = pin_until
+                sync(node)  # the pin deadline heap holds inner nodes too
+            elif not node.num_children:
                 sync(node)
 
     def _ref(self, node: Node, delta: int) -> None:
@@ -438,6 +464,7 @@ class KVStore:
     def snapshot_stats(self, tenant: str | None = None) -> dict[str, Any]:
         """Memory figures for one tenant's entries, or (None) the whole store: running totals, O(tenants)."""
         with self._lock:
+            lapse_pins(self, self._clock())  # lapsed pins are not reported as pinned
             return {
                 "bytes": self.bytes if tenant is None else self.tenant_bytes[tenant],
                 "budget_bytes": self.config.max_bytes,

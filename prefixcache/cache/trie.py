@@ -36,6 +36,7 @@ class Node:
     num_children: int = 0
     refcount: int = 0
     pins: int = 0
+    pin_until: float = math.inf  # while pinned: when the pins lapse (a tenant's pin has a deadline of its own)
     last_access: float = 0.0
     expires_at: float = -math.inf  # set when the store publishes the node
     alive: bool = True

@@ -39,12 +39,13 @@ def lease_values(lease) -> list[float]:
 
 
 def make_store(clock, *, blocks_budget: int = 1000, block_size: int = 4, quota_blocks: int | None = None,
-               hash_fn=None, pin_quota_blocks: int | None = None) -> KVStore:
+               hash_fn=None, pin_quota_blocks: int | None = None, pin_ttl: float | None = 3600.0) -> KVStore:
     """A store of ``blocks_budget`` blocks; pins are limited only by the budget unless ``pin_quota_blocks``."""
     block = block_size * BYTES_PER_TOKEN
     cfg = CacheConfig(max_bytes=blocks_budget * block, block_size=block_size,
                       tenant_quota_bytes=None if quota_blocks is None else quota_blocks * block,
-                      tenant_pin_quota_bytes=(blocks_budget if pin_quota_blocks is None else pin_quota_blocks) * block)
+                      tenant_pin_quota_bytes=(blocks_budget if pin_quota_blocks is None else pin_quota_blocks) * block,
+                      pin_ttl_seconds=pin_ttl)
     hasher = BlockHasher(1234) if hash_fn is None else BlockHasher(1234, hash_fn)
     return KVStore(cfg, hasher, clock)
 

@@ -80,6 +80,46 @@ def test_a_waiting_reservation_gets_the_room_another_gives_back_or_stops_when_ca
     assert store.ledger.held() == {"stored": 0, "private": 0, "serial": 0, "prewarm": 0}
 
 
+def test_a_reservation_landing_mid_eviction_never_takes_the_total_over(clock):
+    """The store plans an insert's room from what is reserved, then evicts, then adds: a reservation that fits
+    while the store evicts (here: from another thread, let in by the store's offload hook between two victims)
+    must not let the insert's block take stored + reserved over the total."""
+    half = BLOCK // 2
+    reserved_meanwhile, done, errors = threading.Event(), threading.Event(), []
+    victims: list[str] = []
+
+    def reserve_now() -> None:
+        reserved_meanwhile.wait()
+        try:
+            store.ledger.reserve("serial", 3 * half)  # fits: stored is 3.5 blocks of the 5 now
+        except BaseException as exc:  # reported to the test below
+            errors.append(exc)
+        finally:
+            done.set()
+
+    def on_evict(snapshot) -> None:
+        victims.append(snapshot.reason)
+        if len(victims) == 2:  # between the insert's room check and its new block
+            reserved_meanwhile.set()
+            assert done.wait(10), "the reservation did not finish"
+
+    cfg = CacheConfig(max_bytes=4 * BLOCK, block_size=B, max_kv_bytes_total=5 * BLOCK,
+                      tenant_pin_quota_bytes=4 * BLOCK)
+    store = KVStore(cfg, BlockHasher(1), clock, on_evict=on_evict)
+    for tag in range(1, 9):  # 8 half blocks: the budget, full
+        insert(store, "b", seq(tag, B // 2))
+    thread = threading.Thread(target=reserve_now, name="prefixcache-test-reserve")
+    thread.start()
+    try:
+        insert(store, "a", seq(20, B))  # one block: two half blocks make room for it
+    finally:
+        reserved_meanwhile.set()
+        thread.join()
+    assert not errors and victims == ["lru", "lru"] and store.ledger.reserved == 3 * half
+    assert store.bytes + store.ledger.reserved <= store.ledger.total
+    store.check_integrity()
+
+
 class _FakeStore:
     """``bytes`` of snapshots, of which ``pinned`` can never be reclaimed."""
 

@@ -1,10 +1,15 @@
 """Pins are a privilege with a budget; store work does not grow with what is stored."""
 from __future__ import annotations
 
+import math
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefixcache.errors import CapacityError, PinQuotaExceededError
 from tests.cache.store_helpers import BYTES_PER_TOKEN, insert, lookup, make_store, scope
+from tests.conftest import FakeClock
 
 B = 4
 BLOCK = B * BYTES_PER_TOKEN
@@ -98,3 +103,60 @@ def test_unpinning_a_shorter_path_than_was_pinned_is_refused(clock):
     assert store.unpin(scope("a"), tokens[:8]) == 8 and store.unpin(scope("a"), tokens) == 10
     assert store.snapshot_stats("a")["pinned_bytes"] == 0
     store.check_integrity()
+
+
+def test_a_pin_lapses_after_pin_ttl_seconds_whatever_ttl_the_block_had(clock):
+    """A prefix stored with a huge TTL, then pinned by its tenant: the pin has a deadline of its own
+    (pin_ttl_seconds, 3600 here, from the pin or its last read), so it lapses; the block then stays an
+    ordinary entry under its own TTL, which least recently used eviction may take. The operator's pin has none."""
+    store = make_store(clock, blocks_budget=4, block_size=B)
+    tokens, other = seq(1, 2 * B), seq(2, 2 * B)
+    insert(store, "a", tokens, ttl=1e9)
+    insert(store, "a", tokens, ttl=3600, pin=True)
+    insert(store, "b", other, ttl=1e9, pin=True, privileged=True)
+    clock.advance(3000)
+    store.release(lookup(store, "a", tokens, ttl=60))  # a read renews the pin: 3600 s from now
+    clock.advance(3599)
+    assert store.snapshot_stats("a")["pinned_bytes"] == 2 * BLOCK
+    clock.advance(1)
+    assert store.snapshot_stats("a")["pinned_bytes"] == 0 and store.unpin(scope("a"), tokens) == 0
+    assert store.peek(scope("a"), tokens, len(tokens)) == 2 * B  # still stored, under its own TTL
+    store.check_integrity()
+    insert(store, "c", seq(3, 2 * B))  # the budget is full: the lapsed blocks go, the operator's pin stays
+    assert store.snapshot_stats("a")["bytes"] == 0 and store.snapshot_stats()["evictions"]["lru"] == 2
+    assert store.snapshot_stats("b")["pinned_bytes"] == 2 * BLOCK
+    store.check_integrity()
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps=st.lists(st.one_of(
+    st.tuples(st.just("store"), st.sampled_from([None, 10.0, 60.0, 200.0, 1e9]), st.booleans(), st.booleans()),
+    st.tuples(st.just("read"), st.sampled_from([None, 10.0, 60.0, 200.0, 1e9])),
+    st.tuples(st.just("wait"), st.sampled_from([1.0, 50.0, 99.0, 100.0, 150.0, 1000.0]))), max_size=14))
+def test_a_tenant_s_pin_never_outlives_pin_ttl_seconds_from_its_last_use(steps):
+    """The pin deadline rule against a model: a block's TTL is its own (pins aside, a deadline is never
+    shortened); a tenant's pin lapses pin_ttl_seconds (100 here) after the pin or the last access of the
+    prefix, whatever TTLs were asked; only the operator's pins have no deadline."""
+    clock = FakeClock()
+    store = make_store(clock, blocks_budget=100, block_size=B, pin_ttl=100.0)
+    tokens = seq(1, 2 * B)
+    deadline, used, operator = -math.inf, -math.inf, False
+    for step in steps:
+        now, alive = clock(), deadline > clock()
+        if step[0] == "store":
+            _, ttl, pin, privileged = step
+            insert(store, "a", tokens, ttl=ttl, pin=pin, privileged=privileged)
+            until = math.inf if ttl is None else now + ttl
+            deadline, used = (max(deadline, until) if alive else until), now
+            operator = (operator and alive) or (pin and privileged)
+        elif step[0] == "read":
+            store.release(lookup(store, "a", tokens, ttl=step[1]))
+            if alive:
+                deadline, used = max(deadline, math.inf if step[1] is None else now + step[1]), now
+        else:
+            clock.advance(step[1])
+        alive = deadline > clock()
+        assert store.peek(scope("a"), tokens, len(tokens)) == (len(tokens) if alive else 0)
+        if store.snapshot_stats("a")["pinned_bytes"]:
+            assert operator or clock() < used + 100.0, "a tenant's pin outlived pin_ttl_seconds"
+        store.check_integrity()

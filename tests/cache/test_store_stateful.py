@@ -1,6 +1,8 @@
 """Random interleavings of every store operation; invariants checked after each step."""
 from __future__ import annotations
 
+import math
+
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -22,6 +24,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.store = make_store(self.clock, blocks_budget=12, block_size=3, quota_blocks=7, pin_quota_blocks=2)
         self.leases: list[tuple[list[int], object, int]] = []  # tokens, lease, limit
         self.pins: list[tuple[str, list[int]]] = []
+        self.operator_pins: set[tuple[str, tuple[int, ...]]] = set()  # kept through unpins: a superset
 
     @rule(tenant=TENANTS, tokens=SEQS, ttl=TTLS, pin=st.booleans(), privileged=st.booleans())
     def insert(self, tenant, tokens, ttl, pin, privileged):
@@ -40,12 +43,14 @@ class StoreMachine(RuleBasedStateMachine):
                 self.store.config.pin_quota_bytes, mine)
         if pin and result.complete:
             self.pins.append((tenant, tokens))
+            if privileged:
+                self.operator_pins.add((tenant, tuple(tokens)))
 
-    @rule(tenant=TENANTS, tokens=SEQS, hold=st.booleans(), cut=st.integers(0, 3))
-    def lookup(self, tenant, tokens, hold, cut):
+    @rule(tenant=TENANTS, tokens=SEQS, hold=st.booleans(), cut=st.integers(0, 3), ttl=TTLS)
+    def lookup(self, tenant, tokens, hold, cut, ttl):
         deadlines = {id(n): n.expires_at for n in self.store.trie.iter_nodes()}
         limit = max(len(tokens) - cut, 0)  # the engine asks for len - 1; 0 happens for 1-token prompts
-        lease = self.store.acquire(scope(tenant), tokens, limit)
+        lease = self.store.acquire(scope(tenant, ttl), tokens, limit)
         assert lease.cached_tokens <= limit
         # Whatever matched is exactly the KV of these tokens (never a colliding neighbour's).
         assert lease_values(lease) == [kv_value(tokens, i) for i in range(lease.cached_tokens)]
@@ -74,7 +79,7 @@ class StoreMachine(RuleBasedStateMachine):
         tenant, tokens = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
         self.store.unpin(scope(tenant), tokens)
 
-    @rule(seconds=st.sampled_from([0.5, 4.0, 10.0, 100.0, 1000.0]))
+    @rule(seconds=st.sampled_from([0.5, 4.0, 10.0, 100.0, 1000.0, 4000.0]))  # pin_ttl_seconds: 3600
     def clock_jump(self, seconds):
         self.clock.advance(seconds)
 
@@ -89,6 +94,20 @@ class StoreMachine(RuleBasedStateMachine):
             self.pins.clear()
         else:
             self.pins = [(t, s) for t, s in self.pins if t != tenant]
+        self.operator_pins = {(t, s) for t, s in self.operator_pins if tenant not in (None, t)}
+
+    @invariant()
+    def only_the_operator_pins_without_a_deadline(self):
+        """A pin lapses pin_ttl_seconds after it was made or last read (``check_integrity``), unless the operator
+        pinned that block: whatever TTL the block was stored or read with."""
+        for node in self.store.trie.iter_nodes():
+            if node.pins and node.pin_until == math.inf:
+                path, up = [], node
+                while up.parent is not None:
+                    path[:0], up = up.tokens, up.parent
+                # A pin of a path ending inside a block pins that whole block.
+                assert any(t == node.tenant and len(s) > node.start and list(s[: node.end]) == path[: len(s)]
+                           for t, s in self.operator_pins), "a tenant's pin without a deadline"
 
     @invariant()
     def integrity(self):
