@@ -11,7 +11,8 @@ greedy; sampled at temperature 0.8 (``generate()``'s default top-k of 50 applies
 sampled at temperature 0.8 and top-p 0.95, unseeded.
 
 Then, per sampled way, the host time of ``Sampler.next_token`` for one row of the model's vocabulary after
-a 1,056-token context (median of 200).
+a 1,056-token context (median of 200), and a step's ``callers`` unseeded rows one by one against
+``draw_rows`` on all of them at once.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from prefixcache import CacheConfig, PrefixCache
 from prefixcache.bench.gpu import GpuSpec, _concurrently, build_model
 from prefixcache.loading import load_default_model
 from prefixcache.serving.request import SamplingParams
-from prefixcache.serving.sampling import Sampler
+from prefixcache.serving.sampling import Sampler, draw_rows
 
 SYSTEM, QUESTION = 1024, 32
 WAYS: dict[str, dict] = {
@@ -70,6 +71,26 @@ def row_cost(vocab: int, options: dict) -> float:
     return statistics.median(times[10:])
 
 
+def step_cost(vocab: int, rows: int, options: dict, device: torch.device) -> tuple[float, float]:
+    """A step's ``rows`` unseeded sampled rows: each through ``Sampler.next_token`` after a copy to the host,
+    against ``draw_rows`` on all of them where the logits are (medians of 30, device drained)."""
+    params = SamplingParams(max_new_tokens=64, temperature=options["temperature"], top_p=options.get("top_p"),
+                            top_k=50)
+    samplers = [Sampler(params, 1) for _ in range(rows)]
+    gens = [torch.Generator().manual_seed(i) for i in range(rows)]
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)).to(device)
+    alone, together = [], []
+    for _ in range(30):
+        t0 = time.perf_counter()
+        for k, (sampler, gen) in enumerate(zip(samplers, gens, strict=True)):
+            sampler.next_token(logits[k].float().cpu(), [0], [], gen)
+        alone.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        draw_rows(logits.float(), [s.warp for s in samplers], [Sampler.uniform(g) for g in gens])
+        together.append(time.perf_counter() - t0)
+    return statistics.median(alone), statistics.median(together)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--callers", type=int, default=16)
@@ -99,6 +120,13 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {r + 1} | {way} | {wall:.2f} | {rate:.1f} | {rate / greedy:.2f}x |", flush=True)
     if args.no_rows:
         return
+    device = next(model.parameters()).device
+    print(f"\n| way | one step's {args.callers} unseeded sampled rows, one by one on the host (ms) | "
+          "drawn together where the logits are (ms) |\n|---|---|---|")
+    for way, options in WAYS.items():
+        if options and "seed" not in options:
+            alone, together = step_cost(model.config.vocab_size, args.callers, options, device)
+            print(f"| {way} | {alone * 1e3:.2f} | {together * 1e3:.2f} |")
     print("\n| way | host time of one sampled row's token (ms, median of 200) |\n|---|---|")
     for way, options in WAYS.items():
         if options:

@@ -43,7 +43,7 @@ from prefixcache.model.step_graphs import Capture, device_capture
 from prefixcache.model.threads import WorkerThreads
 from prefixcache.serving.model_runner import ModelRunner
 from prefixcache.serving.request import CallStats, Request, SamplingParams, Status, finish_reason
-from prefixcache.serving.sampling import Sampler, fresh_seed
+from prefixcache.serving.sampling import Sampler, draw_rows, fresh_seed
 from prefixcache.serving.scheduler import Scheduler, release_private
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,10 @@ class BatchConfig:
     step_graphs: bool = True
     #: Captured step shapes kept (the most recently used): each holds one step's activations.
     captured_steps: int = 8
+    #: Draw a step's unseeded sampled rows that only warp their logits (temperature, top-k, top-p)
+    #: together, where the logits are (a few kernels for all rows instead of a copy to the host and a
+    #: dozen host operations each). None: on an accelerator, not on a CPU.
+    draw_together: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "token_budget", "prefill_chunk", "private_chunk",
@@ -105,6 +109,8 @@ class BatchConfig:
         check_positive("max_wait_seconds", self.max_wait_seconds)
         if not isinstance(self.step_graphs, bool):
             raise ConfigError("step_graphs", self.step_graphs, "true or false")
+        if self.draw_together is not None and not isinstance(self.draw_together, bool):
+            raise ConfigError("draw_together", self.draw_together, "true, false or unset")
 
     @classmethod
     def for_device(cls, layout: KVLayout, **overrides: object) -> BatchConfig:
@@ -369,9 +375,19 @@ class BatchEngine:
             req.private.length += n
         # Plain greedy rows: one argmax over the step's logits (first maximum, as ``torch.argmax``).
         best = logits.argmax(dim=-1).tolist() if any(r.sampler is None and not r.prefilling for r, _ in plan) else None
-        # Rows with a sampler: their float32 scores to the host in one copy (one synchronisation on a device).
-        sampled = [k for k, req in enumerate(r for r, _ in plan if not r.prefilling) if req.sampler is not None]
-        scores = iter(logits[sampled].float().cpu()) if sampled else iter(())
+        # Sampled rows: unseeded ones that only warp their logits drawn together where the logits are
+        # (``draw_rows``; ``BatchConfig.draw_together``), the others' float32 scores to the host in one copy
+        # (one synchronisation on a device), where each row's sampler draws.
+        rows = [r for r, _ in plan if not r.prefilling]
+        together = self.config.draw_together
+        together = logits.device.type != "cpu" if together is None else together
+        warped = [k for k, r in enumerate(rows) if together and r.sampler is not None and r.sampler.warp is not None]
+        taken = set(warped)
+        hosted = [k for k, r in enumerate(rows) if r.sampler is not None and k not in taken]
+        drawn = dict(zip(warped, draw_rows(logits[warped].float(), [rows[k].sampler.warp for k in warped],
+                                           [rows[k].sampler.uniform(rows[k].generator) for k in warped]),
+                         strict=True)) if warped else {}
+        scores = iter(logits[hosted].float().cpu()) if hosted else iter(())
         k = 0
         for req, _ in plan:
             if req.prefilling:
@@ -380,6 +396,8 @@ class BatchEngine:
                 continue
             if req.sampler is None:
                 token = best[k]
+            elif k in drawn:
+                token = drawn[k]
             else:
                 token = req.sampler.next_token(next(scores), req.prompt, req.output, req.generator)
             k += 1

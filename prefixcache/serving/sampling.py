@@ -145,6 +145,14 @@ class Sampler:
                 processors.append(top_p if params.seed is not None or not params.top_k else FiniteTopP(top_p))
         self.processors, self.greedy = processors, params.greedy
         self.as_generate = params.seed is not None  # draw exactly as generate() would for this seed
+        #: (temperature, top-k or 0, top-p) of an unseeded request that reads nothing but its logits: drawn
+        #: together with the step's other such rows, on the logits' device (``draw_rows``); else None.
+        self.warp: tuple[float, int, float] | None = None
+        if not params.greedy and params.seed is None and all(
+                isinstance(p, (TemperatureLogitsWarper, TopKLogitsWarper, FiniteTopP, TopPLogitsWarper))
+                for p in processors):
+            top_p = float(params.top_p) if params.top_p is not None and params.top_p < 1.0 else 1.0
+            self.warp = (float(params.temperature), int(params.top_k or 0), top_p)
         # The processors' input_ids: prompt and output so far, grown in place (not rebuilt every step).
         self._ids = torch.empty((1, 0), dtype=torch.long)
         self._filled = 0
@@ -167,7 +175,12 @@ class Sampler:
         probs = torch.softmax(scores, dim=-1)[0]
         if self.as_generate:
             return int(torch.multinomial(probs, 1, generator=generator))
-        return draw_inverse(probs, float(torch.rand((), dtype=torch.float64, generator=generator)))
+        return draw_inverse(probs, self.uniform(generator))
+
+    @staticmethod
+    def uniform(generator: torch.Generator) -> float:
+        """The uniform variate in [0, 1) an unseeded draw inverts, from the request's own generator."""
+        return float(torch.rand((), dtype=torch.float64, generator=generator))
 
     def _context(self, prompt: Sequence[int], output: Sequence[int]) -> torch.Tensor:
         """[1, len(prompt) + len(output)] token ids: the tokens not yet copied are appended."""
@@ -202,6 +215,62 @@ class FiniteTopP(LogitsProcessor):
         out = scores.clone()
         out[:, kept] = self.warper(input_ids, scores[:, kept])
         return out
+
+
+def draw_rows(scores: torch.Tensor, warps: Sequence[tuple[float, int, float]], uniforms: Sequence[float]) -> list[int]:
+    """One token for each row of ``scores`` ([S, V] float32, on any device), all rows at once: the row's
+    logits warped as ``Sampler`` warps them (temperature, then top-k, then top-p, as transformers' warpers
+    define them: a top-k keeps the scores tied with its k-th) and drawn by inverting the cumulative sum of
+    what is left, in descending order of score, at the row's uniform variate. Rows with a top-k work on the
+    few tokens it keeps, the others on the whole vocabulary. One copy to the host (two with a top-k)."""
+    device = scores.device
+    temperature = torch.tensor([w[0] for w in warps], dtype=scores.dtype, device=device)
+    scores = scores / temperature[:, None]
+    top_p = torch.tensor([w[2] for w in warps], dtype=scores.dtype, device=device)
+    u = torch.tensor(list(uniforms), dtype=torch.float64, device=device)
+    out = torch.empty(len(warps), dtype=torch.long, device=device)
+    limited = [i for i, w in enumerate(warps) if w[1] > 0]
+    whole = [i for i, w in enumerate(warps) if w[1] <= 0]
+    if limited:
+        rows = torch.tensor(limited, device=device)
+        sub = scores[rows]
+        k = torch.tensor([min(warps[i][1], sub.shape[1]) for i in limited], device=device)
+        values, index = torch.topk(sub, int(k.max()), dim=1)
+        kth = values.gather(1, (k - 1)[:, None])
+        keep = int((sub >= kth).sum(dim=1).max())  # more than k where scores tie with the k-th
+        if keep > values.shape[1]:
+            values, index = torch.topk(sub, keep, dim=1)
+        out[rows] = _draw_sorted(values.masked_fill(values < kth, float("-inf")), index, top_p[rows], u[rows])
+    if whole:
+        rows = torch.tensor(whole, device=device)
+        sub = scores[rows]
+        if any(warps[i][2] < 1.0 for i in whole):
+            values, index = torch.sort(sub, dim=1, descending=True)
+        else:  # no nucleus: the vocabulary's own order will do
+            values, index = sub, torch.arange(sub.shape[1], device=device).expand_as(sub)
+        out[rows] = _draw_sorted(values, index, top_p[rows], u[rows])
+    tokens = out.tolist()
+    if -1 in tokens:
+        raise RuntimeError("probability tensor contains either inf, nan or element < 0, or sums to zero")
+    return tokens
+
+
+def _draw_sorted(values: torch.Tensor, index: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """values: [R, m] scores in descending order (-inf: gone) of tokens ``index``; top_p, u: [R]. The token
+    each row draws, or -1 where its scores are no distribution."""
+    probs = values.softmax(dim=1)
+    if bool((top_p < 1.0).any()):  # TopPLogitsWarper: from the least likely up, mass within 1 - top_p goes
+        gone = probs.flip(1).cumsum(dim=1).flip(1) <= (1.0 - top_p)[:, None]
+        gone[:, 0] = False  # the likeliest token always stays
+        probs = values.masked_fill(gone, float("-inf")).softmax(dim=1)
+    cdf = probs.to(torch.float64).cumsum(dim=1)
+    total = cdf[:, -1:].contiguous()
+    last = values.shape[1] - 1
+    at = torch.searchsorted(cdf, u[:, None] * total, right=True).clamp(max=last)
+    # u * total rounded up to the total: the last token with any probability instead
+    at = torch.where(probs.gather(1, at) > 0, at, torch.searchsorted(cdf, total).clamp(max=last))
+    token = index.gather(1, at)[:, 0]
+    return torch.where(torch.isfinite(total[:, 0]) & (total[:, 0] > 0), token, -1)
 
 
 def draw_inverse(probs: torch.Tensor, u: float) -> int:

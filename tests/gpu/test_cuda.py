@@ -170,6 +170,46 @@ def test_a_sampled_request_batched_with_greedy_ones_is_served_on_cuda():
     assert len(sampled) == 2 and sampled[0] == sampled[1]
 
 
+def test_unseeded_sampled_rows_are_drawn_together_on_cuda_from_their_distribution():
+    """``draw_rows`` on CUDA logits (the engine's default there): at evenly spaced uniforms a row gives each
+    token its probability under transformers' warpers; and unseeded requests served beside seeded and
+    greedy ones leave those as the host path leaves them."""
+    import threading
+
+    from prefixcache.serving.sampling import Sampler, draw_rows
+
+    n, vocab = 4000, 300
+    row = torch.randn(vocab, generator=torch.Generator().manual_seed(0)) * 4
+    for warp in ((0.8, 40, 0.9), (1.0, 0, 0.5), (1.7, 5, 1.0)):
+        t, k, p = warp
+        sampler = Sampler(SamplingParams(temperature=t, top_k=k or None, top_p=None if p == 1.0 else p), 1)
+        want = torch.softmax(sampler.processors(torch.tensor([[0]]), row[None].clone())[0], -1).double()
+        got = draw_rows(row.cuda().expand(n, vocab), [warp] * n, [(i + 0.5) / n for i in range(n)])
+        counts = torch.bincount(torch.tensor(got), minlength=vocab).double() / n
+        assert torch.all(counts[want == 0] == 0) and torch.allclose(counts, want, atol=1.5 / n + 1e-5)
+    model = build_tiny("llama-gqa").to("cuda")
+    prompts = [[5 + (i * 7 + j) % 300 for j in range(30 + 2 * i)] for i in range(4)]
+    options = ({"do_sample": True, "temperature": 1.2}, {"do_sample": True, "temperature": 1.2, "seed": 3},
+               {"do_sample": False}, {"do_sample": True, "temperature": 0.9, "top_p": 0.8})
+
+    def served(together: bool) -> list:
+        with PrefixCache(model, start_sweeper=False, batching=BatchConfig(draw_together=together)) as pc:
+            out: list = [None] * 4
+
+            def client(i):
+                out[i] = pc.generate([prompts[i]], max_new_tokens=8, **options[i])[0, len(prompts[i]):].tolist()
+            threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            assert pc.batcher.failure is None
+            return out
+    together, apart = served(True), served(False)
+    assert together[1:3] == apart[1:3]
+    assert all(len(a) == 8 and all(0 <= t < model.config.vocab_size for t in a) for a in together)
+
+
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
 def test_reduced_precision_layers_measured(dtype, capsys):
     """Print the per-layer errors of the check on CUDA (the fused kernels round in the model's dtype)."""

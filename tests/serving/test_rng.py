@@ -99,3 +99,28 @@ def test_an_unseeded_request_is_seeded_from_the_engines_entropy_on_both_engines(
         out, _ = serial.generate(ids, SCOPE, None, dict(SAMPLED, **extra), True)
         return out[0, len(PROMPT):].tolist()
     assert draw() == draw(seed=7) != draw(seed=8)
+
+
+def test_rows_drawn_together_leave_the_seeded_and_greedy_rows_of_their_step_as_they_are():
+    """``BatchConfig.draw_together`` (on by default on accelerators): unseeded rows drawn at once with
+    ``draw_rows``, seeded and greedy rows of the same steps as the host draws them."""
+    model = build_tiny("llama-gqa")
+    clock = FakeClock()
+    plain = SamplingParams(max_new_tokens=8, temperature=1.5, top_k=5, top_p=0.9)
+    seeded = SamplingParams(max_new_tokens=8, temperature=1.5, top_k=5, top_p=0.9, seed=3)
+    greedy = SamplingParams(max_new_tokens=8)
+
+    def served(together: bool, entropy: int) -> list[list[int]]:
+        batcher = BatchEngine(model, KVStore(CacheConfig(block_size=8), BlockHasher(1), clock), clock,
+                              BatchConfig(draw_together=together), entropy=lambda: entropy)
+        try:
+            reqs = [batcher.submit(PROMPT[:n], SCOPE, p) for n, p in ((30, plain), (28, seeded), (26, greedy), (24, plain))]
+            return [batcher.wait(r, 30).tokens for r in reqs]
+        finally:
+            batcher.close()
+    together, again, other, apart = served(True, 7), served(True, 7), served(True, 8), served(False, 7)
+    assert together == again and together[0] != other[0]
+    assert together[1:3] == apart[1:3] == other[1:3]  # the seeded and the greedy rows
+    # The host draws in vocabulary order, ``draw_rows`` in order of score: the same uniforms, other tokens.
+    assert (together[0], together[3]) != (apart[0], apart[3])
+    assert all(0 <= t < model.config.vocab_size for t in together[0] + together[3])

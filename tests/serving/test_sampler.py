@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from transformers import TopKLogitsWarper, TopPLogitsWarper
 
 from prefixcache.serving.request import SamplingParams
-from prefixcache.serving.sampling import FiniteTopP, Sampler, draw_inverse
+from prefixcache.serving.sampling import FiniteTopP, Sampler, draw_inverse, draw_rows
 
 
 def test_inverse_draws_follow_the_distribution_and_never_a_zero_probability_token():
@@ -97,3 +97,47 @@ def test_an_unseeded_sampler_sorts_only_the_top_k_and_a_seeded_one_is_generates(
     no_top_k = Sampler(SamplingParams(temperature=0.8, top_p=0.9), prompt_len=1)
     assert isinstance(unseeded.processors[-1], FiniteTopP)
     assert type(seeded.processors[-1]) is TopPLogitsWarper and type(no_top_k.processors[-1]) is TopPLogitsWarper
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31), warp=st.tuples(st.sampled_from([0.5, 0.8, 1.0, 1.7]),
+                                                  st.sampled_from([0, 1, 5, 40, 500]),
+                                                  st.sampled_from([1.0, 0.9, 0.5, 0.05])),
+       others=st.lists(st.tuples(st.sampled_from([0.7, 1.0]), st.sampled_from([0, 3]), st.sampled_from([1.0, 0.8])),
+                       max_size=3))
+def test_rows_drawn_together_follow_each_samplers_distribution(seed, warp, others):
+    """Drawn at n evenly spaced uniforms, a row gives each token n times its probability under the row's own
+    warpers (transformers'), to within the rounding of the grid: the distribution itself, whatever rows
+    share the step."""
+    vocab, n = 300, 4000
+    gen = torch.Generator().manual_seed(seed)
+    row = torch.randn(vocab, generator=gen) * 4
+    t, k, p = warp
+    sampler = Sampler(SamplingParams(temperature=t, top_k=k or None, top_p=None if p == 1.0 else p), prompt_len=1)
+    assert sampler.warp == warp
+    want = torch.softmax(sampler.processors(torch.tensor([[0]]), row[None].clone())[0], -1)
+    rows = torch.cat([row.expand(n, vocab), torch.randn(len(others), vocab, generator=gen)])
+    grid = [(i + 0.5) / n for i in range(n)]
+    got = draw_rows(rows, [warp] * n + others, grid + [0.5] * len(others))[:n]
+    counts = torch.bincount(torch.tensor(got), minlength=vocab).double() / n
+    assert torch.all(counts[want == 0] == 0)
+    assert torch.allclose(counts, want.double(), atol=1.5 / n + 1e-6), (counts - want).abs().max()
+
+
+def test_rows_drawn_together_keep_the_tokens_tied_with_the_k_th():
+    scores = torch.tensor([[5.0, 3.0, 3.0, 3.0, 1.0]])
+    kept = {draw_rows(scores, [(1.0, 2, 1.0)], [u])[0] for u in (0.0, 0.5, 0.8, 0.9, 0.95, 0.999)}
+    assert kept <= {0, 1, 2, 3} and kept & {1, 2, 3}  # as TopKLogitsWarper: scores below the 2nd largest go
+
+
+def test_a_row_that_cannot_be_drawn_is_refused_with_the_others():
+    with pytest.raises(RuntimeError, match="probability"):
+        draw_rows(torch.tensor([[0.0, 1.0], [float("nan"), 1.0]]), [(1.0, 0, 1.0)] * 2, [0.5, 0.5])
+
+
+def test_only_unseeded_rows_that_read_nothing_but_their_logits_are_drawn_together():
+    assert Sampler(SamplingParams(temperature=0.8, top_k=50, top_p=0.9), prompt_len=1).warp == (0.8, 50, 0.9)
+    for params in (SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.8, repetition_penalty=1.2),
+                   SamplingParams(temperature=0.8, frequency_penalty=0.5), SamplingParams(),
+                   SamplingParams(temperature=0.8, min_new_tokens=3, eos_token_ids=frozenset({2}))):
+        assert Sampler(params, prompt_len=1).warp is None
