@@ -5,8 +5,8 @@ At most ``workers + max_queue`` requests are admitted (more get 429), at most
 (``Admission``). A worker encodes the prompt and runs ``PrefixCache.chat``/``complete``.
 Text deltas cross into the event loop with ``call_soon_threadsafe``. Every job owns a
 ``threading.Event``: a client disconnect, a timeout or shutdown sets it, generation
-stops at the next token (a job still queued never starts), and the SDK then releases
-the job's pins.
+stops at the next token (a job still queued leaves the queue at once and never starts),
+and the SDK then releases the job's pins.
 """
 from __future__ import annotations
 

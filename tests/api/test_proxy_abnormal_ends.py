@@ -1,4 +1,4 @@
-"""Requests that end abnormally (a client gone mid-stream, half of a burst leaving, a
+"""Requests that end abnormally (a client gone mid-stream or while queued, half of a burst leaving, a
 cancelled SDK call in a shared step): what they held is given back, the metrics count each once, and
 the requests beside them get the answers they get alone."""
 from __future__ import annotations
@@ -7,6 +7,7 @@ import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 from prefixcache_api import create_app
 from proxy_support import (
@@ -14,6 +15,7 @@ from proxy_support import (
     ALPHA,
     MODEL,
     anthropic_client,
+    auth,
     leased_refs,
     live,
     make_cache,
@@ -160,6 +162,42 @@ def test_half_of_a_burst_on_one_prefix_leaves_and_the_rest_answer_as_alone(fresh
     wait_until(lambda: sum(counted()) >= len(bodies), timeout=10)
     served, closed = counted()
     assert served >= 4 and served + closed == len(bodies)
+
+
+def test_a_client_gone_while_queued_gives_its_place_back_at_once(tiny_model, tokenizer):
+    """One worker, busy: a queued request whose client leaves frees its queue place and its key's place
+    while the worker is still busy, and is never run."""
+    cache = make_cache(tiny_model, tokenizer)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 1500,
+            "logit_bias": {str(WORD): 100}}
+    with live(create_app(settings(workers=1), cache=cache)) as srv, hold_until_cancelled(cache):
+        started = threading.Event()
+
+        def hold_the_worker() -> None:
+            with srv.client(ALPHA) as client, client.stream("POST", CHAT, json={**body, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if "harbour" in line:
+                        started.set()
+
+        holder = threading.Thread(target=hold_the_worker)
+        holder.start()
+        try:
+            assert started.wait(10)  # mid-answer, held until cancelled
+            queries = cache.stats("alpha")["queries"]
+            with pytest.raises(httpx.ReadTimeout):  # queued behind the held request: no answer comes
+                httpx.post(f"{srv.url}{CHAT}", json=body, headers=auth(ALPHA), timeout=httpx.Timeout(30, read=0.5))
+            # The worker is still held, yet the queue and the key hold only the running request.
+            wait_until(lambda: srv.serving.queue() == (1, 0) and srv.serving.admission.in_flight("alpha") == 1,
+                       timeout=10)
+            samples = metric_samples(srv)
+            assert samples[("prefixcache_queue_depth", ())] == 0 and samples[("prefixcache_requests_running", ())] == 1
+        finally:
+            for req in list(cache.batcher.scheduler.running):  # let the held request go: it ends cancelled
+                req.abandoned.set()
+            holder.join(30)
+        assert_idle_and_exact(srv)
+        assert cache.stats("alpha")["queries"] == queries + 1  # the queued request never ran
+    cache.close()
 
 
 def test_cancelled_sdk_calls_in_a_shared_step_leave_the_others_answers_unchanged(tiny_model, tokenizer):
