@@ -227,3 +227,44 @@ def test_cancelled_sdk_calls_in_a_shared_step_leave_the_others_answers_unchanged
         assert cache.audit()["refcounts"] == 0
         assert cache.store.ledger.held() == {"stored": cache.store.bytes, "private": 0, "serial": 0, "prewarm": 0}
         cache.check_integrity()
+
+
+def test_a_leader_cancelled_mid_prefill_leaves_its_followers_answers_unchanged(tiny_model, tokenizer):
+    """Two calls wait for a running call's prefill of their shared prefix (followers); that call is cancelled
+    in the middle of it. The followers answer token for token as they do alone, and nothing stays held."""
+    prompts = [SYSTEM * 3 + f"Question {i}: when is high tide?" for i in range(3)]
+    options = {"max_new_tokens": 12, "ignore_eos": True}
+    with PrefixCache(tiny_model, tokenizer, CacheConfig(max_bytes=64 << 20),
+                     batching={"token_budget": 16, "prefill_chunk": 16}) as cache:  # a prefill of many steps
+        alone = []
+        for prompt in prompts[1:]:
+            cache.flush()
+            alone.append(cache.complete(prompt, **options).token_ids)
+        cache.flush()
+        scheduler, runner, cancel = cache.batcher.scheduler, cache.batcher.runner, threading.Event()
+        run, cut = runner.run, {}
+
+        def step(plan):
+            """The leader's first prefill step waits for both followers to queue; the next one (admission has
+            held them for the leader's prefill since) is cancelled."""
+            if "queued" not in cut:
+                cut["queued"] = wait_until(lambda: len(scheduler.waiting) == 2, timeout=30) >= 0
+            elif not cancel.is_set():
+                cut.update(held=len(scheduler.waiting), prefilling=all(req.prefilling for req, _ in plan))
+                cancel.set()
+            return run(plan)
+
+        runner.run = step
+        try:
+            with ThreadPoolExecutor(3) as pool:
+                leader = pool.submit(cache.complete, prompts[0], cancel=cancel, **options)
+                wait_until(lambda: bool(scheduler.running) or leader.done(), timeout=10)
+                followers = [pool.submit(cache.complete, prompt, **options) for prompt in prompts[1:]]
+                assert [f.result(30).token_ids for f in followers] == alone
+                assert leader.result(30).finish_reason == "cancelled"
+        finally:
+            del runner.run
+        assert cut == {"queued": True, "held": 2, "prefilling": True}  # cancelled mid-prefill, followers held
+        assert cache.audit()["refcounts"] == 0
+        assert cache.store.ledger.held() == {"stored": cache.store.bytes, "private": 0, "serial": 0, "prewarm": 0}
+        cache.check_integrity()
