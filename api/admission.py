@@ -50,6 +50,19 @@ def started_pool(workers: int, prefix: str) -> ThreadPoolExecutor:
     return pool
 
 
+class _JobCancel(threading.Event):
+    """A job's cancel event: setting it also calls ``withdraw`` (which takes the job out of the queue if no
+    worker has taken it yet)."""
+
+    def __init__(self, withdraw: Callable[[], None]):
+        super().__init__()
+        self._withdraw = withdraw
+
+    def set(self) -> None:
+        super().set()
+        self._withdraw()
+
+
 class Place:
     """A request's place, reserved before its body is read: one of the queue's (``queued``), or one of the
     key's calls beside it. ``release`` gives it back unless a job took it (idempotent)."""
@@ -169,14 +182,15 @@ class Admission:
                place: Place | None = None) -> tuple[Future[T], threading.Event]:
         """Admit ``work(cancel)`` into ``tenant``'s queue (``exempt``: not counted against the tenant's
         places), in ``place`` if it holds one of ``tenant``'s (reserved before the body was read: then not
-        checked again). Returns its future and its cancel event: set while it waits, the job never runs
-        (``Skipped``); set while it runs, the work is expected to stop. Raises 503 closing, 429 full."""
+        checked again). Returns its future and its cancel event: set while it waits, the job leaves the queue
+        at once, its place given back, and never runs (``Skipped``); set while it runs, the work is expected
+        to stop. Raises 503 closing, 429 full."""
         exempt = exempt or tenant in self._exempt
         if place is not None and place.queued and place.tenant == tenant:
             exempt = place.exempt  # how its place was counted
         else:
             place = None
-        cancel, result, enqueued = threading.Event(), Future(), self._clock()
+        result, enqueued = Future(), self._clock()
 
         def job() -> None:
             """Run by a worker when this job's turn comes (or at shutdown, to refuse it); counted running."""
@@ -199,6 +213,21 @@ class Admission:
                     if not exempt:
                         _decrement(self._per_tenant, tenant)
 
+        def withdraw() -> None:
+            """``cancel`` was set: a job still queued leaves now and gives its place back (its worker's turn
+            then finds the next job, or none), so a client gone while queued holds no place meanwhile."""
+            with self._lock:
+                if not self._waiting.remove(tenant, job):
+                    return  # a worker took it (the work sees ``cancel``), or shutdown did
+                self._admitted -= 1
+                self._active.discard(cancel)
+                if not exempt:
+                    _decrement(self._per_tenant, tenant)
+            if result.set_running_or_notify_cancel():
+                result.set_exception(UnavailableError("the server is shutting down", code="shutting_down")
+                                     if self.closing else Skipped())
+
+        cancel = _JobCancel(withdraw)
         with self._lock:
             reserved = place is not None and place.held
             if reserved:

@@ -154,6 +154,16 @@ class FairQueue(Generic[T]):
         self._served[tenant] = self._pops
         return tenant, item
 
+    def remove(self, tenant: str, item: T) -> bool:
+        """Take ``item`` out of ``tenant``'s queue (its turn is kept); whether it was there."""
+        queue = self._queues.get(tenant)
+        if queue is None or item not in queue:
+            return False
+        queue.remove(item)
+        if not queue:
+            del self._queues[tenant]
+        return True
+
     def drain(self) -> Iterator[tuple[str, T]]:
         """Pop everything, in turn order."""
         while self._queues:

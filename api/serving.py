@@ -5,8 +5,8 @@ At most ``workers + max_queue`` requests are admitted (more get 429), at most
 (``Admission``). A worker encodes the prompt and runs ``PrefixCache.chat``/``complete``.
 Text deltas cross into the event loop with ``call_soon_threadsafe``. Every job owns a
 ``threading.Event``: a client disconnect, a timeout or shutdown sets it, generation
-stops at the next token (a job still queued never starts), and the SDK then releases
-the job's pins.
+stops at the next token (a job still queued leaves the queue at once and never starts),
+and the SDK then releases the job's pins.
 """
 from __future__ import annotations
 
@@ -147,7 +147,7 @@ class Serving:
         fut, cancel = self._submit(lambda c: self._execute(job, c, emit), job.tenant, place=place)
         fut.add_done_callback(lambda f: events.put_nowait(("done", f)))
         stream = GenerationStream(events, cancel, loop.time() + self.settings.request_timeout_seconds,
-                            lambda: self.metrics.duration.labels(job.endpoint).observe(self._clock() - start))
+                            lambda: self.metrics.duration.labels(job.endpoint).observe(self._clock() - start), fut)
         try:
             await _unless_disconnected(stream.wait_started(), disconnected)
         except BaseException:
@@ -313,8 +313,9 @@ class GenerationStream:
     started, then text deltas, then ``result``."""
 
     def __init__(self, events: asyncio.Queue[tuple[str, Any]], cancel: threading.Event, deadline: float,
-                 on_close: Callable[[], None]):
+                 on_close: Callable[[], None], job: asyncio.Future[GenerationResult]):
         self._events, self._cancel, self._deadline, self._on_close = events, cancel, deadline, on_close
+        self._job = job
         self._closed = False
         self.prompt_tokens = 0
         self.predicted: CacheUsage | None = None
@@ -345,6 +346,15 @@ class GenerationStream:
         if not self._closed:
             self._closed = True
             self._on_close()
+
+    def when_cut_short(self, action: Callable[[], None]) -> None:
+        """Run ``action`` once the generation has ended, if it did not end as an answer (cancelled, never
+        started, or failed): ``_execute`` counts the rest as served, so either counts a generation, never both."""
+        def ended(job: asyncio.Future[GenerationResult]) -> None:
+            if job.cancelled() or job.exception() is not None or job.result().finish_reason == "cancelled":
+                action()
+
+        self._job.add_done_callback(ended)
 
     async def _next(self) -> tuple[str, Any]:
         remaining = self._deadline - asyncio.get_running_loop().time()

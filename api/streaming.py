@@ -21,7 +21,7 @@ from prefixcache import GenerationResult
 from prefixcache.serving.tool_calls import Piece, Text, ToolUse
 
 from .anthropic.errors import anthropic_error, is_anthropic
-from .errors import map_exception
+from .errors import ClientClosedError, map_exception
 from .serving import GenerationStream, Serving
 
 log = logging.getLogger(__name__)
@@ -45,11 +45,18 @@ def sse(events: AsyncIterator[str]) -> StreamingResponse:
 
 async def tail(events: AsyncIterator[str], stream: GenerationStream, route: str, srv: Serving) -> AsyncIterator[str]:
     """``events``, then: a failure becomes the stream's last event (in ``route``'s error shape, counted in
-    metrics), and the generation is stopped when the stream ends (done, failed, or the client gone)."""
+    metrics), and the generation is stopped when the stream ends (done, failed, or the client gone).
+
+    A client gone before the stream ended (Starlette cancels the response, or the abandoned stream is
+    closed) is counted as a 499, as one that leaves a request that does not stream, once the generation
+    stops, unless it still ended as an answer (counted as served then)."""
+    ended = False
     try:
         async for item in events:
             yield item
+        ended = True
     except Exception as exc:  # after the headers: the error becomes the stream's last event
+        ended = True
         mapped = map_exception(exc)
         if mapped.status >= 500 and mapped.detail.code == "internal_error":
             log.error("error while streaming", exc_info=exc)
@@ -59,6 +66,8 @@ async def tail(events: AsyncIterator[str], stream: GenerationStream, route: str,
         else:
             yield event({"error": mapped.detail.model_dump()})
     finally:
+        if not ended:
+            stream.when_cut_short(lambda: srv.metrics.error(route, ClientClosedError.status))
         stream.close()
 
 

@@ -65,17 +65,19 @@ class Scheduler:
 
     # -- admission ---------------------------------------------------------------
     def admit(self) -> None:
-        """Move waiting requests into the batch, cache-aware, within the batch and memory budgets."""
+        """Move waiting requests into the batch, cache-aware, within the batch and memory budgets.
+
+        Cancelled ones leave first, whatever their turn: one behind a full batch or a head waiting for
+        memory would otherwise keep its caller waiting and its prefix pinned until its turn came."""
+        for req in [r for r in self.waiting if r.cancelled]:
+            self.waiting.remove(req)
+            self._finish(req, "cancelled", None)
         cfg = self.config
         reserved = sum(r.private_need for r in self.running)
         joining: list[Request] = []  # running from now on (others' admission sees them); KV given below
         for req in admission_order(self.waiting, self._clock(), cfg.max_wait_seconds, self.running):
             if len(self.running) >= cfg.max_batch:
                 break
-            if req.cancelled:
-                self.waiting.remove(req)
-                self._finish(req, "cancelled", None)
-                continue
             try:
                 # Re-match first: a request sent before its prefix was stored must not wait for
                 # prefills of tokens already stored since (a burst on a new system prompt would

@@ -222,3 +222,28 @@ def test_a_job_cancelled_while_queued_never_runs_and_shutdown_refuses_the_rest()
     finally:
         gate.opened.set()
         admission.close()
+
+
+def test_a_job_cancelled_while_queued_gives_its_places_back_at_once():
+    """Its client gone, a queued job holds neither a queue place nor one of its key's while the workers are
+    busy: another request of the key fits again, and the job is refused (``Skipped``) without a worker."""
+    gate = Gate()
+    admission = Admission(1, capacity=3, tenant_capacity=2, exempt=(), on_start=lambda s: None)
+    try:
+        admission.submit(gate.work("a"), "t")
+        assert wait_for(lambda: gate.started == ["a"])
+        skipped, cancel = admission.submit(gate.work("b"), "t")
+        with pytest.raises(TenantBusyError):
+            admission.check("t")
+        cancel.set()
+        assert skipped.done() and isinstance(skipped.exception(), Skipped)
+        assert admission.counts() == (1, 0) and admission.in_flight("t") == 1
+        after, _ = admission.submit(gate.work("c"), "t")  # the key's place is free again
+        gate.opened.set()
+        assert after.result(10) == "c"
+        admission.close()
+        admission.shutdown()
+        assert gate.started == ["a", "c"] and admission.counts() == (0, 0) and admission.in_flight("t") == 0
+    finally:
+        gate.opened.set()
+        admission.close()

@@ -185,6 +185,33 @@ def test_cancel_callback_error_and_sampling():
         engine.close()
 
 
+def test_a_request_cancelled_while_it_waits_leaves_at_the_next_step_even_behind_a_full_batch():
+    """One request fills the batch (``max_batch=1``); the one waiting behind it is cancelled at the running
+    one's first token: it leaves at the next step, its lease released, not when the batch has room."""
+    model, ref = build_tiny("qwen2"), build_tiny("qwen2")
+    engine = make_engine(model, max_batch=1)
+    try:
+        running_prompt, waiting_prompt = list(range(20, 60)), list(range(100, 130))
+        cancel, done_at_each_token, waiting = threading.Event(), [], []
+
+        def on_token(_t):  # the loop's thread, once per step of the running request
+            if cancel.is_set():
+                done_at_each_token.append(waiting[0].done.is_set())
+            cancel.set()
+
+        with engine._cv:  # both queued before the loop plans a step: the first one submitted runs first
+            running = engine.submit(running_prompt, SCOPE, SamplingParams(max_new_tokens=12), on_token=on_token)
+            waiting.append(engine.submit(waiting_prompt, SCOPE, SamplingParams(max_new_tokens=12), cancel=cancel))
+        left = engine.wait(waiting[0], timeout=30)
+        assert left.finish_reason == "cancelled" and left.tokens == []
+        assert engine.wait(running, timeout=30).tokens == expected(ref, running_prompt, 12)  # unaffected
+        assert done_at_each_token[0], done_at_each_token  # gone by the running request's next token
+        check_released(engine)
+        assert engine.store.ledger.held()["private"] == 0
+    finally:
+        engine.close()
+
+
 def _req(cached_arrival, group=0):
     r = Request([1] * 50, SCOPE, SamplingParams(), cached_arrival[1])
     r.lease = type("L", (), {"cached_tokens": cached_arrival[0], "steps": []})()
