@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import socket
 import sys
 import types
@@ -132,6 +133,7 @@ def _url_list(text: str) -> list[str]:
 def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser(
         "serve", help="run the OpenAI-compatible proxy (default model: the embedded SmolLM2-135M-Instruct)",
+        usage="%(prog)s [-h] [--FLAG VALUE ...]",  # the flags' list would bury an error message under 70 lines
         description="Run the OpenAI-compatible proxy. Every flag can also be set as an env var (shown in brackets).")
     try:
         from prefixcache_api.settings import ENV_PREFIX, NONE_WORDS, Settings
@@ -141,7 +143,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     for name, field in Settings.model_fields.items():
         flag = "--" + name.replace("_", "-")
         env = f"[{ENV_PREFIX}{name.upper()}]"
-        help_text = f"{field.description} {env}"
+        help_text = f"{field.description}{_default_text(name, field.get_default(call_default_factory=True))} {env}".replace("%", "%%")
         if name == "api_keys":
             serve.add_argument("--api-key", dest=name, action="append", metavar="KEY=TENANT", type=_key_pair,
                                default=argparse.SUPPRESS, help=f"{help_text} (repeatable)")
@@ -156,19 +158,33 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve.set_defaults(handler=_serve)
 
 
+def _default_text(name: str, default: Any) -> str:
+    """`` (default: ...)`` for a flag's help; nothing for an unset one, whose help says what unset means."""
+    if default is None or default == {}:
+        return ""
+    if isinstance(default, bool):
+        return f" (default: {str(default).lower()})"
+    if name.endswith("bytes") and isinstance(default, int) and default >= 1024:
+        from prefixcache.planner.units import format_size
+
+        return f" (default: {default} = {format_size(default)})"
+    return f" (default: {default})"
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
     from prefixcache_api import Settings, build_cache, create_app
     from prefixcache_api.server import server_options
     from pydantic import ValidationError
+    from pydantic_settings import SettingsError
 
     overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
     if "api_keys" in overrides:
         overrides["api_keys"] = dict(overrides["api_keys"])
     try:
         settings = Settings(**overrides)
-    except ValidationError as exc:
-        print(f"prefixcache serve: invalid settings:\n{exc}", file=sys.stderr)
+    except (ValidationError, SettingsError) as exc:
+        print(f"prefixcache serve: invalid settings:\n{_settings_error(exc)}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:  # a port already taken is said before the model loads (tens of seconds), not after
@@ -197,6 +213,28 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         cache.close()
     return 0
+
+
+def _settings_error(exc: Exception) -> str:
+    """One line per problem, naming the setting as its flag and env var (no pydantic boilerplate, no traceback)."""
+    from prefixcache_api.settings import ENV_PREFIX
+    from pydantic import ValidationError
+
+    def where(name: str) -> str:
+        flag = "--api-key" if name == "api_keys" else "--" + name.replace("_", "-")
+        return f"{name} ({flag}, {ENV_PREFIX}{name.upper()})"
+
+    if not isinstance(exc, ValidationError):  # an env var of a JSON-valued setting that does not parse
+        field = re.search(r'field "(\w+)"', str(exc))
+        name = where(field.group(1)) if field else "a setting"
+        return f"  {name}: not valid JSON ({exc.__cause__ or exc}); it takes a JSON object, " \
+               f"e.g. {ENV_PREFIX}API_KEYS='{{\"sk-...\": \"team-a\"}}'"
+    lines = []
+    for error in exc.errors():
+        loc = [str(part) for part in error.get("loc", ())]
+        message = error.get("msg", "").removeprefix("Value error, ")
+        lines.append(f"  {where(loc[0])}: {message}" if loc else f"  {message}")
+    return "\n".join(lines)
 
 
 def _serve_unavailable(args: argparse.Namespace) -> int:
