@@ -9,6 +9,7 @@ line overrides the env var.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import re
 import socket
@@ -192,7 +193,12 @@ def _serve(args: argparse.Namespace) -> int:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
             probe.bind((settings.host, settings.port))
     except OSError as exc:
-        print(f"prefixcache serve: cannot listen on {settings.host}:{settings.port}: {exc}", file=sys.stderr)
+        hint = {errno.EADDRINUSE: "; another server holds it: stop it, or choose another port (--port, "
+                                  "PREFIXCACHE_PORT)",
+                errno.EACCES: "; ports below 1024 need root: choose another (--port, PREFIXCACHE_PORT)",
+                errno.EADDRNOTAVAIL: "; no interface of this machine has that address (--host, PREFIXCACHE_HOST)"}
+        print(f"prefixcache serve: cannot listen on {settings.host}:{settings.port}: {exc}{hint.get(exc.errno, '')}",
+              file=sys.stderr)
         return 3
     try:
         cache = build_cache(settings)  # loaded before binding, so a bad --model fails fast with a clear message

@@ -108,7 +108,10 @@ def test_serve_reports_a_missing_model_and_bad_settings_without_a_traceback(caps
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         assert main(["serve", "--port", str(taken.getsockname()[1])]) == 3
-    assert "cannot listen on 127.0.0.1:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "cannot listen on 127.0.0.1:" in err and "another server holds it" in err and "--port" in err
+    assert main(["serve", "--host", "192.0.2.1", "--api-key", "sk-" + "a" * 16 + "=a"]) == 3  # not this machine's
+    assert "no interface of this machine has that address (--host" in capsys.readouterr().err
     assert main(["serve", "--port", "70000"]) == 2
     err = capsys.readouterr().err
     assert "port (--port, PREFIXCACHE_PORT): Input should be less than or equal to 65535" in err
