@@ -77,7 +77,7 @@ def _add_admin(commands: argparse._SubParsersAction) -> None:
                        help="every replica's own base URL (not the router's)")
     admin.add_argument("--admin-key", default=None, help="the replicas' admin key [PREFIXCACHE_ADMIN_KEY]")
     admin.add_argument("--tenant", default=None, help="act on this tenant only (default: every tenant)")
-    admin.add_argument("--timeout", type=float, default=300.0, help="seconds per replica call")
+    admin.add_argument("--timeout", type=float, default=300.0, help="seconds per replica call (default: %(default)g)")
     actions = admin.add_subparsers(dest="action", metavar="ACTION", required=True)
     actions.add_parser("stats", help="hit counters and bytes: per replica and summed")
     actions.add_parser("flush", help="drop cached prefixes on every replica")
