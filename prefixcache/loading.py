@@ -117,7 +117,12 @@ def load_model(
     # A missing local path would otherwise be tried as a hub id: a confusing message,
     # and tens of seconds of network retries on an offline machine.
     looks_local = os.path.isabs(path) or name_or_path.startswith((".", "~"))
-    if (looks_local or os.path.exists(path)) and not os.path.isdir(path):
+    if os.path.isfile(path):
+        gguf = (" For a .gguf file: load it with transformers (from_pretrained(folder, gguf_file=name)) and pass the "
+                "model to PrefixCache.") if path.endswith(".gguf") else ""
+        raise ModelLoadError(f"Model path {name_or_path!r} is a file: give its folder (config.json, the weights and "
+                             f"the tokenizer) or a hub id.{gguf}")
+    if looks_local and not os.path.isdir(path):
         raise ModelLoadError(f"Model folder {name_or_path!r} does not exist (or is not a folder).")
     model, tokenizer = _from_pretrained(path, torch_dtype, revision, trust_remote_code)
     commit = getattr(model.config, "_commit_hash", None) or revision or ""

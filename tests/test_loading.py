@@ -260,9 +260,12 @@ def test_missing_path_raises_model_load_error(path):
         load_model(path)
 
 
-def test_file_instead_of_folder_raises_model_load_error(tiny_llama):
-    with pytest.raises(ModelLoadError):
+def test_file_instead_of_folder_raises_model_load_error(tiny_llama, tmp_path):
+    with pytest.raises(ModelLoadError, match="is a file: give its folder"):  # not "does not exist": it does
         load_model(str(tiny_llama / "config.json"))
+    (tmp_path / "model.Q4_1.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ModelLoadError, match=r"is a file: .* For a \.gguf file: load it with transformers"):
+        load_model(str(tmp_path / "model.Q4_1.gguf"))
 
 
 def test_not_a_causal_lm_raises_model_load_error(tmp_path):
