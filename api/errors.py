@@ -264,8 +264,11 @@ _BLOCK_TAGS = frozenset({"text", "image", "image_url", "input_audio", "file", "d
 
 def route_hint(request: Request) -> str:
     """For a path that is a route once ``/v1`` is added or taken off, the route and the client setting
-    that likely caused it: the ``openai`` client's base URL ends in ``/v1``, the ``anthropic`` client's does not."""
+    that likely caused it: the ``openai`` client's base URL ends in ``/v1``, the ``anthropic`` client's does not.
+    For the schema's pages (a 404 only while they are off), the flag that serves them."""
     path = request.url.path
+    if path in ("/docs", "/redoc", "/openapi.json"):
+        return ": the schema and its pages are served only with --docs (PREFIXCACHE_DOCS=true)"
     for near in ("/v1" + path, path.removeprefix("/v1")):
         scope = {**request.scope, "path": near, "raw_path": near.encode()}
         if near != path and any(route.matches(scope)[0] is not Match.NONE for route in request.app.router.routes):

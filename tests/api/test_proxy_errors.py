@@ -176,6 +176,8 @@ def test_a_route_missing_or_doubling_v1_is_a_404_naming_the_route(http, path, ro
     err = assert_error(http.post(path, json=ok_chat()), 404, code="not_found")
     assert f"did you mean {route}?" in err["message"] and "base_url" in err["message"]
     assert "did you mean" not in http.get("/v1/nothing-here").json()["error"]["message"]
+    for page in ("/docs", "/openapi.json"):  # off unless --docs
+        assert "served only with --docs" in assert_error(http.get(page), 404, code="not_found")["message"]
 
 
 def test_body_over_the_limit_is_413(http):
