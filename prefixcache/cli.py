@@ -142,11 +142,11 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         serve.set_defaults(handler=_serve_unavailable)
         return
     for name, field in Settings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        env = f"[{ENV_PREFIX}{name.upper()}]"
-        help_text = f"{field.description}{_default_text(name, field.get_default(call_default_factory=True))} {env}".replace("%", "%%")
+        flag = _serve_flag(name)
+        default = _default_text(name, field.get_default(call_default_factory=True))
+        help_text = f"{field.description}{default} [{ENV_PREFIX}{name.upper()}]".replace("%", "%%")
         if name == "api_keys":
-            serve.add_argument("--api-key", dest=name, action="append", metavar="KEY=TENANT", type=_key_pair,
+            serve.add_argument(flag, dest=name, action="append", metavar="KEY=TENANT", type=_key_pair,
                                default=argparse.SUPPRESS, help=f"{help_text} (repeatable)")
             continue
         kind, choices, optional = _flag_type(field.annotation)
@@ -157,6 +157,11 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
             serve.add_argument(flag, dest=name, type=_nullable(kind, NONE_WORDS) if optional else kind, choices=choices,
                                default=argparse.SUPPRESS, help=help_text + (" ('none' to unset)" if optional else ""))
     serve.set_defaults(handler=_serve)
+
+
+def _serve_flag(name: str) -> str:
+    """The ``prefixcache serve`` flag of a ``Settings`` field (``api_keys`` is given one key at a time)."""
+    return "--api-key" if name == "api_keys" else "--" + name.replace("_", "-")
 
 
 def _default_text(name: str, default: Any) -> str:
@@ -227,14 +232,12 @@ def _settings_error(exc: Exception) -> str:
     from pydantic import ValidationError
 
     def where(name: str) -> str:
-        flag = "--api-key" if name == "api_keys" else "--" + name.replace("_", "-")
-        return f"{name} ({flag}, {ENV_PREFIX}{name.upper()})"
+        return f"{name} ({_serve_flag(name)}, {ENV_PREFIX}{name.upper()})"
 
     if not isinstance(exc, ValidationError):  # an env var of a JSON-valued setting that does not parse
-        field = re.search(r'field "(\w+)"', str(exc))
-        name = where(field.group(1)) if field else "a setting"
-        return f"  {name}: not valid JSON ({exc.__cause__ or exc}); it takes a JSON object, " \
-               f"e.g. {ENV_PREFIX}API_KEYS='{{\"sk-...\": \"team-a\"}}'"
+        field = (re.findall(r'field "(\w+)"', str(exc)) or [""])[0]
+        example = f"; e.g. {ENV_PREFIX}API_KEYS='{{\"sk-...\": \"team-a\"}}'" if field == "api_keys" else ""
+        return f"  {where(field) if field else 'a setting'}: not valid JSON ({exc.__cause__ or exc}){example}"
     lines = []
     for error in exc.errors():
         loc = [str(part) for part in error.get("loc", ())]
