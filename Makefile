@@ -11,6 +11,9 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 .PHONY: install system-deps serve test bench clean
 
 $(STAMP): pyproject.toml Makefile
+	@# An older Python fails later, at torch, with a resolver error that does not say why.
+	@$(PYTHON) -c 'import sys; v = sys.version_info[:2]; sys.exit(v < (3, 10) and "prefixcache needs Python \
+	3.10 or newer and $(PYTHON) is %d.%d: name another, e.g. make serve PYTHON=python3.11" % v)'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, from its own index: PyPI's Linux torch is the multi-GB CUDA build.

@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from prefixcache.errors import (
     CacheClosedError,
@@ -194,8 +195,9 @@ def validation_detail(exc: RequestValidationError) -> ErrorDetail:
     errors = exc.errors() or [{"type": "value_error", "loc": (), "msg": "invalid request"}]
     first = errors[0]
     if first.get("type") == "json_invalid":
+        at = next((f" at character {p} of the body" for p in first.get("loc", ())[1:] if isinstance(p, int)), "")
         return ErrorDetail(message="We could not parse the JSON body of your request: "
-                           f"{first.get('ctx', {}).get('error', 'invalid JSON')}", type="invalid_request_error",
+                           f"{first.get('ctx', {}).get('error', 'invalid JSON')}{at}", type="invalid_request_error",
                            code="invalid_json")
     if len(errors) > 1:  # a union: the forms whose shape did not fit say less than one that fit but failed deeper
         deeper = [e for e in errors if e.get("type") not in _SHAPE_ERRORS]
@@ -260,6 +262,21 @@ _BLOCK_TAGS = frozenset({"text", "image", "image_url", "input_audio", "file", "d
                          "thinking", "redacted_thinking", "refusal"})
 
 
+def route_hint(request: Request) -> str:
+    """For a path that is a route once ``/v1`` is added or taken off, the route and the client setting
+    that likely caused it: the ``openai`` client's base URL ends in ``/v1``, the ``anthropic`` client's does not.
+    For the schema's pages (a 404 only while they are off), the flag that serves them."""
+    path = request.url.path
+    if path in ("/docs", "/redoc", "/openapi.json"):
+        return ": the schema and its pages are served only with --docs (PREFIXCACHE_DOCS=true)"
+    for near in ("/v1" + path, path.removeprefix("/v1")):
+        scope = {**request.scope, "path": near, "raw_path": near.encode()}
+        if near != path and any(route.matches(scope)[0] is not Match.NONE for route in request.app.router.routes):
+            return (f": no route {path}; did you mean {near}? The openai client's base_url ends in /v1 "
+                    "(http://HOST:PORT/v1); the anthropic client's does not (http://HOST:PORT).")
+    return ""
+
+
 def install(app: FastAPI, retry_after: int, on_error: Callable[[Request, int], None]) -> None:
     """Register the handlers; ``on_error(request, status)`` is told of every error response."""
 
@@ -274,7 +291,8 @@ def install(app: FastAPI, retry_after: int, on_error: Callable[[Request, int], N
         status = exc.status_code
         kind = "invalid_request_error" if status < 500 else "server_error"
         code = {404: "not_found", 405: "method_not_allowed"}.get(status)
-        response = respond(request, Mapped(status, ErrorDetail(message=str(exc.detail), type=kind, code=code)))
+        message = str(exc.detail) + (route_hint(request) if status == 404 else "")
+        response = respond(request, Mapped(status, ErrorDetail(message=message, type=kind, code=code)))
         for name, value in (exc.headers or {}).items():
             response.headers[name] = value
         return response

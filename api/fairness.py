@@ -75,7 +75,7 @@ class RateLimiter:
 
 
 class InvalidBudget:
-    """How many refused requests (400, 404, 413) a tenant key may cause: a ``RateLimiter`` that only they
+    """How many refused requests (400, 404, 408, 413) a tenant key may cause: a ``RateLimiter`` that only they
     draw from. While a key's budget is empty its requests wait for a token (``hold``), then go on
     holding it (``take``): a valid one gives it back, a refused one has spent it (``settle``).
 

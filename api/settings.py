@@ -185,7 +185,7 @@ class Settings(BaseSettings):
                                             "Unset: no rate limit.")
     tenant_rate_burst: int = Field(20, ge=1, description="Requests a tenant key may send at once above "
                                    "tenant_rate_limit (the bucket's size).")
-    tenant_invalid_rate: float | None = Field(1.0, gt=0, description="Refused requests (400, 404, 413) a "
+    tenant_invalid_rate: float | None = Field(1.0, gt=0, description="Refused requests (400, 404, 408, 413) a "
                                               "second one tenant key may cause over time (a token bucket holding "
                                               "tenant_invalid_burst). Past it, each request of the key waits for "
                                               "the next token before its body is read (up to "

@@ -11,9 +11,10 @@ Nothing here is prefixcache-specific: any app using the openai client works unch
 from __future__ import annotations
 
 import os
+import sys
 import time
 
-from openai import OpenAI
+from openai import APIConnectionError, OpenAI
 
 SYSTEM = (
     "You are the support assistant of Harbour Freight, a shipping company. Answer in one short "
@@ -52,4 +53,8 @@ def main(base_url: str | None = None, api_key: str | None = None) -> list[int]:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except APIConnectionError as exc:  # the usual first stumble: no server running yet
+        sys.exit(f"no server answers at {exc.request.url.scheme}://{exc.request.url.netloc.decode()}: start one with "
+                 "`prefixcache serve` in another terminal (or set PREFIXCACHE_BASE_URL to where it listens)")

@@ -9,7 +9,9 @@ line overrides the env var.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import re
 import socket
 import sys
 import types
@@ -75,7 +77,7 @@ def _add_admin(commands: argparse._SubParsersAction) -> None:
                        help="every replica's own base URL (not the router's)")
     admin.add_argument("--admin-key", default=None, help="the replicas' admin key [PREFIXCACHE_ADMIN_KEY]")
     admin.add_argument("--tenant", default=None, help="act on this tenant only (default: every tenant)")
-    admin.add_argument("--timeout", type=float, default=300.0, help="seconds per replica call")
+    admin.add_argument("--timeout", type=float, default=300.0, help="seconds per replica call (default: %(default)g)")
     actions = admin.add_subparsers(dest="action", metavar="ACTION", required=True)
     actions.add_parser("stats", help="hit counters and bytes: per replica and summed")
     actions.add_parser("flush", help="drop cached prefixes on every replica")
@@ -132,6 +134,7 @@ def _url_list(text: str) -> list[str]:
 def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser(
         "serve", help="run the OpenAI-compatible proxy (default model: the embedded SmolLM2-135M-Instruct)",
+        usage="%(prog)s [-h] [--FLAG VALUE ...]",  # the flags' list would bury an error message under 70 lines
         description="Run the OpenAI-compatible proxy. Every flag can also be set as an env var (shown in brackets).")
     try:
         from prefixcache_api.settings import ENV_PREFIX, NONE_WORDS, Settings
@@ -139,11 +142,11 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         serve.set_defaults(handler=_serve_unavailable)
         return
     for name, field in Settings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        env = f"[{ENV_PREFIX}{name.upper()}]"
-        help_text = f"{field.description} {env}"
+        flag = _serve_flag(name)
+        default = _default_text(name, field.get_default(call_default_factory=True))
+        help_text = f"{field.description}{default} [{ENV_PREFIX}{name.upper()}]".replace("%", "%%")
         if name == "api_keys":
-            serve.add_argument("--api-key", dest=name, action="append", metavar="KEY=TENANT", type=_key_pair,
+            serve.add_argument(flag, dest=name, action="append", metavar="KEY=TENANT", type=_key_pair,
                                default=argparse.SUPPRESS, help=f"{help_text} (repeatable)")
             continue
         kind, choices, optional = _flag_type(field.annotation)
@@ -156,19 +159,38 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve.set_defaults(handler=_serve)
 
 
+def _serve_flag(name: str) -> str:
+    """The ``prefixcache serve`` flag of a ``Settings`` field (``api_keys`` is given one key at a time)."""
+    return "--api-key" if name == "api_keys" else "--" + name.replace("_", "-")
+
+
+def _default_text(name: str, default: Any) -> str:
+    """`` (default: ...)`` for a flag's help; nothing for an unset one, whose help says what unset means."""
+    if default is None or default == {}:
+        return ""
+    if isinstance(default, bool):
+        return f" (default: {str(default).lower()})"
+    if name.endswith("bytes") and isinstance(default, int) and default >= 1024:
+        from prefixcache.planner.units import format_size
+
+        return f" (default: {default} = {format_size(default)})"
+    return f" (default: {default})"
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
     from prefixcache_api import Settings, build_cache, create_app
     from prefixcache_api.server import server_options
     from pydantic import ValidationError
+    from pydantic_settings import SettingsError
 
     overrides: dict[str, Any] = {k: v for k, v in vars(args).items() if k in Settings.model_fields}
     if "api_keys" in overrides:
         overrides["api_keys"] = dict(overrides["api_keys"])
     try:
         settings = Settings(**overrides)
-    except ValidationError as exc:
-        print(f"prefixcache serve: invalid settings:\n{exc}", file=sys.stderr)
+    except (ValidationError, SettingsError) as exc:
+        print(f"prefixcache serve: invalid settings:\n{_settings_error(exc)}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:  # a port already taken is said before the model loads (tens of seconds), not after
@@ -176,7 +198,12 @@ def _serve(args: argparse.Namespace) -> int:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
             probe.bind((settings.host, settings.port))
     except OSError as exc:
-        print(f"prefixcache serve: cannot listen on {settings.host}:{settings.port}: {exc}", file=sys.stderr)
+        hint = {errno.EADDRINUSE: "; another server holds it: stop it, or choose another port (--port, "
+                                  "PREFIXCACHE_PORT)",
+                errno.EACCES: "; ports below 1024 need root: choose another (--port, PREFIXCACHE_PORT)",
+                errno.EADDRNOTAVAIL: "; no interface of this machine has that address (--host, PREFIXCACHE_HOST)"}
+        print(f"prefixcache serve: cannot listen on {settings.host}:{settings.port}: {exc}{hint.get(exc.errno, '')}",
+              file=sys.stderr)
         return 3
     try:
         cache = build_cache(settings)  # loaded before binding, so a bad --model fails fast with a clear message
@@ -197,6 +224,26 @@ def _serve(args: argparse.Namespace) -> int:
     finally:
         cache.close()
     return 0
+
+
+def _settings_error(exc: Exception) -> str:
+    """One line per problem, naming the setting as its flag and env var (no pydantic boilerplate, no traceback)."""
+    from prefixcache_api.settings import ENV_PREFIX
+    from pydantic import ValidationError
+
+    def where(name: str) -> str:
+        return f"{name} ({_serve_flag(name)}, {ENV_PREFIX}{name.upper()})"
+
+    if not isinstance(exc, ValidationError):  # an env var of a JSON-valued setting that does not parse
+        field = (re.findall(r'field "(\w+)"', str(exc)) or [""])[0]
+        example = f"; e.g. {ENV_PREFIX}API_KEYS='{{\"sk-...\": \"team-a\"}}'" if field == "api_keys" else ""
+        return f"  {where(field) if field else 'a setting'}: not valid JSON ({exc.__cause__ or exc}){example}"
+    lines = []
+    for error in exc.errors():
+        loc = [str(part) for part in error.get("loc", ())]
+        message = error.get("msg", "").removeprefix("Value error, ")
+        lines.append(f"  {where(loc[0])}: {message}" if loc else f"  {message}")
+    return "\n".join(lines)
 
 
 def _serve_unavailable(args: argparse.Namespace) -> int:

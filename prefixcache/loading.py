@@ -43,6 +43,26 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype | str:
     raise ConfigError("dtype", dtype, f"a floating torch.dtype or one of {sorted(DTYPES) + ['auto']}")
 
 
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device`` this machine has; raise ``ConfigError`` otherwise, before any
+    weights load (torch would raise an assertion from deep inside ``model.to()``)."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError("device", device, "a torch device such as 'cpu', 'cuda' or 'cuda:1'") from None
+    if resolved.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            build = "a CPU-only build" if torch.version.cuda is None else "no GPU or driver found"
+            raise ConfigError("device", device, f"'cpu' here: torch {torch.__version__} has no CUDA device "
+                              f"({build}; the CUDA build: make install TORCH=... TORCH_INDEX=..., see the Makefile)")
+        if resolved.index is not None and resolved.index >= count:
+            raise ConfigError("device", device, f"'cuda:0' to 'cuda:{count - 1}' ({count} CUDA device(s) here)")
+    if resolved.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("device", device, "'cpu' here: this torch has no MPS device")
+    return resolved
+
+
 def default_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
     """``$PREFIXCACHE_HOME``, else ``$XDG_CACHE_HOME/prefixcache``, else ``~/.cache/prefixcache``."""
     env = os.environ if environ is None else environ
@@ -74,7 +94,7 @@ def load_default_model(
     (~20 s); later calls load that copy (~2 s). A new wheel version has a new fingerprint
     and converts again; an incomplete copy is discarded and reconverted.
     """
-    torch_dtype = resolve_dtype(dtype)
+    torch_dtype, device = resolve_dtype(dtype), resolve_device(device)
     gguf = find_default_gguf()
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     fingerprint = _file_fingerprint(gguf)
@@ -109,15 +129,20 @@ def load_model(
 ) -> tuple[torch.nn.Module, object]:
     """Load any causal LM by hub id or local path; return ``(model, tokenizer)`` in eval mode.
 
-    Raises ``ConfigError`` for a bad ``dtype`` and ``ModelLoadError`` (chaining the
+    Raises ``ConfigError`` for a bad ``dtype`` or a ``device`` this machine lacks and ``ModelLoadError`` (chaining the
     original exception) when the model cannot be found or is not a causal LM.
     """
-    torch_dtype = resolve_dtype(dtype)
+    torch_dtype, device = resolve_dtype(dtype), resolve_device(device)
     path = os.path.expanduser(name_or_path)
     # A missing local path would otherwise be tried as a hub id: a confusing message,
     # and tens of seconds of network retries on an offline machine.
     looks_local = os.path.isabs(path) or name_or_path.startswith((".", "~"))
-    if (looks_local or os.path.exists(path)) and not os.path.isdir(path):
+    if os.path.isfile(path):
+        gguf = (" For a .gguf file: load it with transformers (from_pretrained(folder, gguf_file=name)) and pass the "
+                "model to PrefixCache.") if path.endswith(".gguf") else ""
+        raise ModelLoadError(f"Model path {name_or_path!r} is a file: give its folder (config.json, the weights and "
+                             f"the tokenizer) or a hub id.{gguf}")
+    if looks_local and not os.path.isdir(path):
         raise ModelLoadError(f"Model folder {name_or_path!r} does not exist (or is not a folder).")
     model, tokenizer = _from_pretrained(path, torch_dtype, revision, trust_remote_code)
     commit = getattr(model.config, "_commit_hash", None) or revision or ""

@@ -312,7 +312,7 @@ class PrefixCache:
         """
         reading = openai_tool_use(self.tool_family, tools, tool_choice, parallel_tool_calls)
         shown = None if tool_choice == "none" else tools
-        messages = with_documents(list(messages), documents)
+        messages = with_documents(_message_list(messages), documents)
         prompt = self._canon().encode_chat(messages, tools=shown)
         ids = list(prompt.token_ids)
         miss = None
@@ -393,7 +393,7 @@ class PrefixCache:
         (``prompt_cache_breakpoint`` on parts, ``mode`` and ``ttl`` of ``prompt_cache_options``;
         ``serving/prompt_cache.py``); answer it with ``answer_messages``. ``continue_final``: the answer continues
         the last message, an assistant turn of text."""
-        return prompt_cache.encode_chat(self._canon(), list(messages), tools, mode, ttl, continue_final)
+        return prompt_cache.encode_chat(self._canon(), _message_list(messages), tools, mode, ttl, continue_final)
 
     def diagnose(self, chat: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None,
                  token_ids: Sequence[int], *, tenant: str | None = None, cache_salt: str | None = None,
@@ -411,10 +411,10 @@ class PrefixCache:
                            *, continue_final: bool = False) -> CanonicalPrompt:
         """A chat request's canonical ids with its marked chunks' spans (pass them to ``answer`` as ``chunks``);
         ``continue_final``: the answer continues the last message, an assistant turn of text."""
-        return self._canon().encode_chat(list(messages), tools=tools, continue_final_message=continue_final)
+        return self._canon().encode_chat(_message_list(messages), tools=tools, continue_final_message=continue_final)
 
     def encode_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
-        return list(self._canon().encode_chat(list(messages), tools=tools).token_ids)
+        return list(self._canon().encode_chat(_message_list(messages), tools=tools).token_ids)
 
     def encode_text(self, prompt: str) -> list[int]:
         return list(self._canon().encode_text(prompt).token_ids)
@@ -719,6 +719,19 @@ def _with_calls(result: GenerationResult, reading: ToolUse | None) -> Generation
     if not calls:
         return dataclasses.replace(result, text=text_of(pieces))
     return dataclasses.replace(result, text=text_of(pieces), tool_calls=calls, finish_reason="tool_calls")
+
+
+def _message_list(messages: Any) -> list[Any]:
+    """Chat messages as a list; a string or one bare message is refused as such (``list()`` would make
+    them characters or keys, and the error would be about those)."""
+    if isinstance(messages, str):
+        raise InvalidRequestError("messages must be a list of message objects such as {'role': 'user', "
+                                  "'content': '...'}, got a string (complete() continues a text prompt)",
+                                  param="messages")
+    if isinstance(messages, dict):
+        raise InvalidRequestError("messages must be a list of message objects, got one message: put it in a list",
+                                  param="messages")
+    return list(messages)
 
 
 def _salt(cache_salt: Any) -> str:

@@ -40,3 +40,9 @@ def test_the_command_line_needs_replica_urls_and_an_action():
         FanOut([], "key")
     with FanOut(["http://a:8000/"], "key") as fan:
         assert fan.replicas == ["http://a:8000"]
+
+
+def test_the_admin_help_shows_the_timeout_default(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["admin", "--help"])
+    assert "seconds per replica call (default: 300)" in " ".join(capsys.readouterr().out.split())

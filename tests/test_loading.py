@@ -11,6 +11,7 @@ import importlib.machinery
 import importlib.util
 import logging
 import os
+import re
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -260,9 +261,24 @@ def test_missing_path_raises_model_load_error(path):
         load_model(path)
 
 
-def test_file_instead_of_folder_raises_model_load_error(tiny_llama):
-    with pytest.raises(ModelLoadError):
+def test_file_instead_of_folder_raises_model_load_error(tiny_llama, tmp_path):
+    with pytest.raises(ModelLoadError, match="is a file: give its folder"):  # not "does not exist": it does
         load_model(str(tiny_llama / "config.json"))
+    (tmp_path / "model.Q4_1.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ModelLoadError, match=r"is a file: .* For a \.gguf file: load it with transformers"):
+        load_model(str(tmp_path / "model.Q4_1.gguf"))
+
+
+def test_a_device_this_machine_lacks_is_a_config_error_before_any_loading(tmp_path):
+    # Checked first: the folder does not exist, yet the device is what is reported (nothing was loaded).
+    with pytest.raises(ConfigError, match="device='gpu' is invalid: allowed a torch device such as"):
+        load_model(str(tmp_path / "missing"), device="gpu")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    missing, said = (f"cuda:{count}", f"'cuda:0' to 'cuda:{count - 1}'") if count else ("cuda", "has no CUDA device")
+    with pytest.raises(ConfigError, match=re.escape(said)):  # was torch's "Torch not compiled with CUDA enabled"
+        load_model(str(tmp_path / "missing"), device=missing)
+    with pytest.raises(ConfigError, match="device="):
+        load_default_model(device=missing, cache_dir=tmp_path)
 
 
 def test_not_a_causal_lm_raises_model_load_error(tmp_path):

@@ -3,6 +3,7 @@ namespace_extra, cache_generated, default and absent TTLs."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -218,6 +219,16 @@ def test_a_bad_option_fails_its_own_call_before_any_work(new_cache, chat_llama, 
         with pytest.raises(InvalidRequestError) as caught:
             cache.chat(ask, max_new_tokens=2, **options)
         assert caught.value.param == param, (param, caught.value)
+    # Names from OpenAI's API, and typos, say what this API calls them.
+    for option, hint in (("max_tokens", "max_new_tokens is"), ("stream", "on_text="),
+                         ("max_new_token", "did you mean max_new_tokens?"), ("temprature", "did you mean temperature?")):
+        with pytest.raises(InvalidRequestError, match=f"unknown option '{option}' \\(.*{re.escape(hint)}"):
+            cache.chat(ask, **{option: 2})
+    # A string or a bare message is named as such, not as characters or keys of it.
+    for messages, said in (("Hi", "got a string"), (ask[0], "got one message")):
+        for call in (lambda m: cache.chat(m, max_new_tokens=2), cache.encode_chat, cache.encode_chat_prompt):
+            with pytest.raises(InvalidRequestError, match=f"messages must be a list .*{said}"):
+                call(messages)
     for prompt in ([vocab], [-1], "text", [1.5]):
         with pytest.raises(InvalidRequestError) as caught:
             cache.answer(prompt, max_new_tokens=2)

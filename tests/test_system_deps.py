@@ -7,6 +7,7 @@ import re
 import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,3 +93,18 @@ def test_serving_needs_no_system_package():
     assert "prefixcache serve" in plan.stdout
     test_plan = subprocess.run(["make", "-n", "-B", "test"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert "scripts/system-deps.sh" in test_plan.stdout
+
+
+def test_set_up_with_an_old_python_says_so_before_creating_anything(tmp_path):
+    """`make serve` with a Python under 3.10 stops with one line naming the version, not at torch's resolver."""
+    old = tmp_path / "python3"
+    old.write_text(f"#!{sys.executable}\nimport sys\nsys.version_info = (3, 9, 18, 'final', 0)\n"
+                   "if sys.argv[1:2] != ['-c']:\n    sys.exit('called with ' + ' '.join(sys.argv[1:]))\n"
+                   "exec(sys.argv[2])\n")
+    old.chmod(0o755)
+    venv = tmp_path / "venv"
+    run = subprocess.run(["make", "install", f"PYTHON={old}", f"VENV={venv}"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode != 0
+    assert f"prefixcache needs Python 3.10 or newer and {old} is 3.9" in run.stderr, run.stderr
+    assert not venv.exists()

@@ -12,6 +12,7 @@ call the batching engine cannot serve turns it into ``generate()`` keyword argum
 """
 from __future__ import annotations
 
+import difflib
 import inspect
 import math
 import threading
@@ -218,8 +219,7 @@ class AnswerOptions:
         check_cancel(cancel)
         for name in extra:  # anything else goes to generate(): a name it does not know would fail only there
             if not generate_option(name):
-                hint = " (max_new_tokens is the answer's length here)" if name == "max_tokens" else ""
-                raise InvalidRequestError(f"unknown option {name!r}{hint}", param=name)
+                raise InvalidRequestError(f"unknown option {name!r}{_option_hint(name)}", param=name)
         sampling = openai_params(temperature, top_p, top_k, do_sample)
         if sampling["do_sample"] and sampling["top_k"] is None:
             sampling["top_k"] = 0  # OpenAI semantics: no top-k unless asked (generate() would default to 50)
@@ -278,6 +278,22 @@ def check_cancel(cancel: Any) -> None:
     """A cancel signal is a ``threading.Event`` or anything with ``is_set()`` (None: none)."""
     if cancel is not None and not callable(getattr(cancel, "is_set", None)):
         raise InvalidRequestError("cancel must be a threading.Event (or have is_set())", param="cancel")
+
+
+#: Names callers of OpenAI's and Anthropic's APIs reach for, and what this API calls them.
+_RENAMED = {"max_tokens": "max_new_tokens is the answer's length here",
+            "stream": "on_text=callback receives the text as it is generated"}
+#: The options of ``chat``/``complete``/``answer`` besides ``parse``'s own: a close one is suggested for a typo.
+_CALL_OPTIONS = ("tenant", "ttl_seconds", "cache_salt")
+
+
+def _option_hint(name: str) -> str:
+    """`` (...)`` for an unknown option: its name here, or the known option it nearly spells."""
+    if name in _RENAMED:
+        return f" ({_RENAMED[name]})"
+    known = [*inspect.signature(AnswerOptions.parse).parameters, *_CALL_OPTIONS]
+    near = difflib.get_close_matches(name, [k for k in known if k not in ("cls", "extra")], n=1, cutoff=0.8)
+    return f" (did you mean {near[0]}?)" if near else ""
 
 
 def generate_option(name: str) -> bool:

@@ -56,13 +56,14 @@ def http(server):
         yield client
 
 
-@pytest.mark.parametrize("content,headers", [
-    (b"{not json", {"content-type": "application/json"}),
-    (b'{"model": "tiny-llama", "messages": [', {"content-type": "application/json"}),
+@pytest.mark.parametrize("content,headers,at", [
+    (b"{not json", {"content-type": "application/json"}, 1),
+    (b'{"model": "tiny-llama", "messages": [', {"content-type": "application/json"}, 37),
 ])
-def test_malformed_json_is_400(http, content, headers):
-    assert_error(http.post(CHAT, content=content, headers=headers), 400, code="invalid_json",
-                 kind="invalid_request_error")
+def test_malformed_json_is_400(http, content, headers, at):
+    err = assert_error(http.post(CHAT, content=content, headers=headers), 400, code="invalid_json",
+                       kind="invalid_request_error")
+    assert err["message"].endswith(f" at character {at} of the body")  # where to look in a hand-written body
 
 
 @pytest.mark.parametrize("body,param", [
@@ -164,6 +165,19 @@ def test_unknown_model_and_route_are_404(http):
     assert_error(http.get("/v1/models/gpt-4o"), 404, code="model_not_found")
     assert_error(http.get("/v1/nothing-here"), 404, code="not_found")
     assert_error(http.get(CHAT), 405, code="method_not_allowed")
+
+
+@pytest.mark.parametrize("path,route", [
+    ("/chat/completions", CHAT),  # the openai client with base_url="http://HOST:PORT"
+    ("/models", "/v1/models"),
+    ("/v1/v1/messages", "/v1/messages"),  # the anthropic client with base_url="http://HOST:PORT/v1"
+])
+def test_a_route_missing_or_doubling_v1_is_a_404_naming_the_route(http, path, route):
+    err = assert_error(http.post(path, json=ok_chat()), 404, code="not_found")
+    assert f"did you mean {route}?" in err["message"] and "base_url" in err["message"]
+    assert "did you mean" not in http.get("/v1/nothing-here").json()["error"]["message"]
+    for page in ("/docs", "/openapi.json"):  # off unless --docs
+        assert "served only with --docs" in assert_error(http.get(page), 404, code="not_found")["message"]
 
 
 def test_body_over_the_limit_is_413(http):

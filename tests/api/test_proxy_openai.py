@@ -225,3 +225,21 @@ def test_the_example_client_shows_cached_tokens_on_the_second_call(server):
     (_, first), (second_prompt, second) = calls
     assert first == 0 and 100 < second < second_prompt
     assert 100 < streamed[0][1] < streamed[0][0]
+
+
+def test_the_example_client_without_a_server_says_to_start_one():
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = Path(__file__).resolve().parents[2] / "examples" / "openai_client.py"
+    env = {**os.environ, "PREFIXCACHE_BASE_URL": f"http://127.0.0.1:{port}/v1"}
+    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (f"no server answers at http://127.0.0.1:{port}: start one with `prefixcache serve` "
+                                   "in another terminal (or set PREFIXCACHE_BASE_URL to where it listens)")

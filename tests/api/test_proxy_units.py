@@ -36,6 +36,21 @@ def test_serve_help_lists_every_setting_with_its_env_var(capsys):
         assert flag in out and f"PREFIXCACHE_{name.upper()}" in out
 
 
+def test_serve_help_shows_each_default_and_a_short_usage(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.startswith("usage: prefixcache serve [-h] [--FLAG VALUE ...] ")
+    for shown in ("Bind port. (default: 8000) [PREFIXCACHE_PORT]", "(default: 2147483648 = 2 GiB) [PREFIXCACHE_MAX_BYTES]",
+                  "(default: false) [PREFIXCACHE_LOCAL_ADMIN]", "(default: 300.0) [PREFIXCACHE_TTL_SECONDS]"):
+        assert shown in out
+    assert "(default: None)" not in out and "Undefined" not in out  # unset ones say what unset means
+    with pytest.raises(SystemExit):
+        main(["serve", "--model"])
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 2 and "--model: expected one argument" in err  # not under 70 lines of usage
+
+
 def test_serve_flags_parse_to_settings_overrides():
     args = build_parser().parse_args(["serve", "--model", "org/model", "--port", "9001", "--api-key", "k1=t1",
                                       "--api-key", "k2=t2", "--ttl-seconds", "none", "--metrics-public",
@@ -93,9 +108,18 @@ def test_serve_reports_a_missing_model_and_bad_settings_without_a_traceback(caps
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         assert main(["serve", "--port", str(taken.getsockname()[1])]) == 3
-    assert "cannot listen on 127.0.0.1:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "cannot listen on 127.0.0.1:" in err and "another server holds it" in err and "--port" in err
+    assert main(["serve", "--host", "192.0.2.1", "--api-key", "sk-" + "a" * 16 + "=a"]) == 3  # not this machine's
+    assert "no interface of this machine has that address (--host" in capsys.readouterr().err
     assert main(["serve", "--port", "70000"]) == 2
-    assert "port" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "port (--port, PREFIXCACHE_PORT): Input should be less than or equal to 65535" in err
+    assert "errors.pydantic.dev" not in err and "[type=" not in err
+    monkeypatch.setenv("PREFIXCACHE_API_KEYS", "sk-a")  # not JSON: was a traceback
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert "api_keys (--api-key, PREFIXCACHE_API_KEYS): not valid JSON" in err and "Traceback" not in err
 
 
 # -- settings and keys ----------------------------------------------------------------
