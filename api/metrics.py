@@ -114,7 +114,9 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(REQUESTS, "Generations served, by cache outcome.", ["endpoint", "tenant", "outcome"],
+        self.requests = Counter(REQUESTS, "Generations served, by cache outcome: hit (the whole prompt but at most "
+                                "its last token came from the cache), partial (some of it did), miss (none did) or "
+                                "bypass (the cache was not used).", ["endpoint", "tenant", "outcome"],
                                 registry=r)
         self.executor = Counter(EXECUTOR, "Generations served, by engine: batched (shared steps) or serial.",
                                 ["executor"], registry=r)

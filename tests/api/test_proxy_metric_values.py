@@ -150,3 +150,22 @@ def test_hit_ratio_counts_a_generation_cut_short_as_cache_stats_do_and_says_so(f
     # What the exposition says the ratio counts is what it counts.
     (ratio,) = [f for f in text_string_to_metric_families(text) if f.name == "prefixcache_hit_ratio"]
     assert "cut short included" in ratio.documentation and "/v1/cache/stats" in ratio.documentation
+
+
+def test_outcomes_are_counted_as_the_help_defines_them(fresh):
+    """A cold prompt is a miss, its exact repeat a hit (all of it but the last token read from the cache),
+    another question after the same system prompt a partial hit; the counter's help says which is which."""
+    with fresh.client(ALPHA) as alpha:
+        cold, repeat = ask(alpha, "What is the refund window?"), ask(alpha, "What is the refund window?")
+        other = ask(alpha, "What is the exchange window?")
+    assert cold["prompt_tokens_details"]["cached_tokens"] == 0
+    assert repeat["prompt_tokens_details"]["cached_tokens"] == repeat["prompt_tokens"] - 1
+    assert 0 < other["prompt_tokens_details"]["cached_tokens"] < other["prompt_tokens"] - 1
+    m = metric_samples(fresh)
+    for outcome in ("miss", "hit", "partial"):
+        assert value(m, "prefixcache_requests_total", endpoint="chat", tenant="alpha", outcome=outcome) == 1
+    with fresh.client(ADMIN) as admin:
+        families = {f.name: f for f in text_string_to_metric_families(admin.get("/metrics").text)}
+    help_text = families["prefixcache_requests"].documentation
+    assert "hit (the whole prompt but at most its last token came from the cache)" in help_text
+    assert "partial (some of it did)" in help_text and "miss (none did)" in help_text
