@@ -34,7 +34,7 @@ TPOT = "prefixcache_time_per_output_token_seconds"  # histogram
 LOOKUP = "prefixcache_lookup_seconds"  # histogram
 QUEUE_WAIT = "prefixcache_queue_wait_seconds"  # histogram
 DURATION = "prefixcache_request_duration_seconds"  # histogram{endpoint}
-HIT_RATIO = "prefixcache_hit_ratio"  # gauge{basis}: requests | tokens, since start
+HIT_RATIO = "prefixcache_hit_ratio"  # gauge{basis}: requests | tokens, since start, cut-short generations included
 CACHE_BYTES = "prefixcache_cache_bytes"  # gauge
 BUDGET_BYTES = "prefixcache_cache_budget_bytes"  # gauge
 PINNED_BYTES = "prefixcache_cache_pinned_bytes"  # gauge
@@ -114,7 +114,9 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter(REQUESTS, "Generations served, by cache outcome.", ["endpoint", "tenant", "outcome"],
+        self.requests = Counter(REQUESTS, "Generations served, by cache outcome: hit (the whole prompt but at most "
+                                "its last token came from the cache), partial (some of it did), miss (none did) or "
+                                "bypass (the cache was not used).", ["endpoint", "tenant", "outcome"],
                                 registry=r)
         self.executor = Counter(EXECUTOR, "Generations served, by engine: batched (shared steps) or serial.",
                                 ["executor"], registry=r)
@@ -202,8 +204,10 @@ class _EngineCollector:
             return
         r, running, waiting = state
         server = r.server
-        ratio = GaugeMetricFamily(HIT_RATIO, "Share of requests (partly) served from cache, and of prompt "
-                                  "tokens, since start.", labels=["basis"])
+        ratio = GaugeMetricFamily(HIT_RATIO, "Share of generations (partly) served from cache, and of their "
+                                  "prompt tokens, since start: every generation the engine ran, those cut short "
+                                  "included (as /v1/cache/stats' hit_rate and token_hit_rate), where "
+                                  f"{REQUESTS}_total holds answers delivered.", labels=["basis"])
         ratio.add_metric(["requests"], r.counts.hit_rate)
         ratio.add_metric(["tokens"], r.counts.token_hit_rate)
         yield ratio

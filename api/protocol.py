@@ -435,6 +435,10 @@ class TierInfo(BaseModel):
 class CacheStats(BaseModel):
     """Hit counters of one tenant (or all, for admin) and memory figures.
 
+    The hit counters count every generation the engine ran, those cut short (a timeout, a
+    client gone, shutdown) included, as /metrics' ``prefixcache_hit_ratio`` does; its request
+    counters hold answers delivered.
+
     Entries, pinned bytes and evictions are the caller's own; other tenants' bytes and the
     queue are shown to admin only: for a tenant they would reveal other tenants' traffic.
     """

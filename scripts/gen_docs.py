@@ -246,11 +246,25 @@ def metrics_page() -> str:
         "",
         *rows,
         "",
-        "Label values: `outcome` is `hit`, `partial`, `miss` or `bypass`; `reason` is `lru`, `ttl`, "
-        "`quota` or `flush`; `basis` is `requests` or `tokens`. Counters recorded as requests finish "
-        "also expose `_created` series (those read from the engine at scrape time do not). Request counters "
-        "hold answers delivered: a generation cut short (a timeout, a client gone, shutdown) is counted in "
-        "`prefixcache_request_errors_total` only. The dashboard in `deploy/grafana/` queries these names (a test checks each one exists).",
+        "Label values: `outcome` is `hit`, `partial`, `miss` or `bypass` (as `prefixcache_requests_total` "
+        "says), of `prefixcache_blend_requests_total` `blended` or `prefilled`; `reason` of the eviction "
+        "counters is `lru`, `ttl`, `quota` or `flush`, of `prefixcache_cache_miss_reasons_total` a "
+        "`cache_miss_reason.type`; `basis` is `requests` or `tokens`. Counters and histograms recorded as "
+        "requests finish also expose `_created` series (those read from the engine at scrape time do not). "
+        "`tenant` is a tenant the configuration names (an `api_keys` value, `admin_tenant`, or `default` in "
+        "local mode) or one an admin prewarm names, never a value from a request, so the series stay as many "
+        "as the tenants; label values are escaped as the text format requires.",
+        "",
+        "Request counters hold answers delivered: a generation cut short (a timeout, a client gone, shutdown) "
+        "is counted in `prefixcache_request_errors_total` only (`prefixcache_request_duration_seconds` and "
+        "`prefixcache_queue_wait_seconds` time it too). `prefixcache_hit_ratio` is the engine's own count, "
+        "the one `/v1/cache/stats` reports as `hit_rate` and `token_hit_rate`: every generation it ran, those "
+        "cut short included. So it differs from a ratio of the request counters, such as "
+        "`sum(rate(prefixcache_requests_total{outcome=~\"hit|partial\"}[5m])) / "
+        "sum(rate(prefixcache_requests_total[5m]))`, by the generations cut short (and that one covers a "
+        "window, not the time since start).",
+        "",
+        "The dashboard in `deploy/grafana/` queries these names (a test checks each one exists).",
         "",
     ]
     return "\n".join(out)

@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import pytest
 from prefixcache_api import create_app
-from proxy_support import ALPHA, BETA, MODEL, live, make_cache, metric_samples, settings
+from prometheus_client.parser import text_string_to_metric_families
+from proxy_support import ADMIN, ALPHA, BETA, MODEL, live, make_cache, metric_samples, settings, wait_until
+
+from tests.step_hooks import hold_until_cancelled
 
 SYSTEM = "Policy: refunds within 30 days, exchanges within 60, no questions asked. " * 8
 NEW = 4
+WORD = 28899  # " harbour": one whole word, so the first token is a text delta at once
 
 
 @pytest.fixture
@@ -110,3 +114,58 @@ def test_lru_evictions_are_counted_with_their_bytes(tiny_model, tokenizer):
         freed = before["bytes"] - cache.stats("alpha")["bytes"]
         assert value(m, "prefixcache_reclaimed_bytes_total", reason="lru") == freed
     cache.close()
+
+
+def test_hit_ratio_counts_a_generation_cut_short_as_cache_stats_do_and_says_so(fresh):
+    """A miss delivered, a 400, then a stream on the same system prompt the client leaves mid-answer: the
+    request counters hold the one answer; the hit ratio and /v1/cache/stats count both generations."""
+    with fresh.client(ALPHA) as alpha:
+        cold = ask(alpha, "What is the refund window?")
+        assert alpha.post("/v1/chat/completions", json={"model": MODEL, "messages": []}).status_code == 400
+    with hold_until_cancelled(fresh.cache):  # still answering when the client leaves
+        stream = fresh.openai(ALPHA).chat.completions.create(
+            model=MODEL, max_tokens=1500, stream=True, logit_bias={str(WORD): 100},
+            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Tell a long story."}])
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                break
+        stream.close()
+        wait_until(lambda: value(metric_samples(fresh), "prefixcache_request_errors_total",
+                                 route="/v1/chat/completions", status="499") == 1, timeout=10)
+    with fresh.client(ADMIN) as admin:
+        stats = admin.get("/v1/cache/stats", params={"tenant": "alpha"}).json()
+        text = admin.get("/metrics").text
+    m = metric_samples(fresh)
+    served = {k: v for k, v in m.items() if k[0] == "prefixcache_requests_total"}
+    assert served == {("prefixcache_requests_total", (("endpoint", "chat"), ("outcome", "miss"),
+                                                      ("tenant", "alpha"))): 1}
+    assert value(m, "prefixcache_prompt_tokens_total", tenant="alpha") == cold["prompt_tokens"]
+    # The engine counted the cut-short generation too: a partial hit on the system prompt.
+    assert (stats["queries"], stats["misses"], stats["hits"] + stats["partial_hits"]) == (2, 1, 1)
+    assert stats["prompt_tokens"] > cold["prompt_tokens"] and stats["cached_tokens"] > 100
+    assert value(m, "prefixcache_hit_ratio", basis="requests") == stats["hit_rate"] == 0.5
+    assert value(m, "prefixcache_hit_ratio", basis="tokens") == pytest.approx(stats["token_hit_rate"])
+    assert value(m, "prefixcache_time_to_first_token_seconds_count") == 1  # the answer delivered
+    assert value(m, "prefixcache_request_duration_seconds_count", endpoint="chat") == 2  # both timed
+    # What the exposition says the ratio counts is what it counts.
+    (ratio,) = [f for f in text_string_to_metric_families(text) if f.name == "prefixcache_hit_ratio"]
+    assert "cut short included" in ratio.documentation and "/v1/cache/stats" in ratio.documentation
+
+
+def test_outcomes_are_counted_as_the_help_defines_them(fresh):
+    """A cold prompt is a miss, its exact repeat a hit (all of it but the last token read from the cache),
+    another question after the same system prompt a partial hit; the counter's help says which is which."""
+    with fresh.client(ALPHA) as alpha:
+        cold, repeat = ask(alpha, "What is the refund window?"), ask(alpha, "What is the refund window?")
+        other = ask(alpha, "What is the exchange window?")
+    assert cold["prompt_tokens_details"]["cached_tokens"] == 0
+    assert repeat["prompt_tokens_details"]["cached_tokens"] == repeat["prompt_tokens"] - 1
+    assert 0 < other["prompt_tokens_details"]["cached_tokens"] < other["prompt_tokens"] - 1
+    m = metric_samples(fresh)
+    for outcome in ("miss", "hit", "partial"):
+        assert value(m, "prefixcache_requests_total", endpoint="chat", tenant="alpha", outcome=outcome) == 1
+    with fresh.client(ADMIN) as admin:
+        families = {f.name: f for f in text_string_to_metric_families(admin.get("/metrics").text)}
+    help_text = families["prefixcache_requests"].documentation
+    assert "hit (the whole prompt but at most its last token came from the cache)" in help_text
+    assert "partial (some of it did)" in help_text and "miss (none did)" in help_text
