@@ -141,3 +141,41 @@ def test_only_unseeded_rows_that_read_nothing_but_their_logits_are_drawn_togethe
                    SamplingParams(temperature=0.8, frequency_penalty=0.5), SamplingParams(),
                    SamplingParams(temperature=0.8, min_new_tokens=3, eos_token_ids=frozenset({2}))):
         assert Sampler(params, prompt_len=1).warp is None
+
+
+def test_rows_drawn_together_keep_the_nucleus_the_warper_keeps_at_its_rounded_threshold():
+    """TopPLogitsWarper drops the tail whose mass is at most 1 - top_p rounded to float32 (0.1 for 0.9),
+    not 1 minus top_p rounded (0.10000002): a tail of 0.1000000164 stays."""
+    scores = torch.tensor([[2.1972243785858154, 0.0]])
+    assert torch.isfinite(TopPLogitsWarper(0.9)(None, scores.clone())).all()  # transformers keeps both
+    assert draw_rows(scores, [(1.0, 0, 0.9)], [0.95]) == [1]
+    assert draw_rows(scores, [(1.0, 2, 0.9)], [0.95]) == [1]
+
+
+_SCORE = st.sampled_from([-3.0, -1.0, 0.0, 0.0, 0.5, 2.0, 2.0, float("-inf")])
+
+
+@settings(max_examples=60, deadline=None)
+@given(row=st.lists(_SCORE, min_size=1, max_size=24).filter(lambda r: any(math.isfinite(x) for x in r)),
+       warp=st.tuples(st.sampled_from([0.3, 1.0, 2.0]), st.sampled_from([0, 1, 2, 5, 24, 25, 10_000]),
+                      st.sampled_from([1.0, 0.999999, 0.6, 0.3, 1e-8])),
+       others=st.lists(st.tuples(st.sampled_from([0.7, 1.0]), st.sampled_from([0, 1, 30]),
+                                 st.sampled_from([1.0, 0.5, 1e-8])), max_size=2))
+def test_rows_drawn_together_match_the_warpers_with_ties_masked_tokens_and_extreme_options(row, warp, others):
+    """Scores with many ties (as half-precision logits have) and tokens the model masked already, top-k
+    beyond the vocabulary or of 1, top-p tiny or almost 1, beside rows of other kinds: each group of tied
+    scores gets the warpers' mass (which of the tied tokens a nucleus keeps is the sort's choice, in the
+    warper as here), and no token below the warpers' last kept score is ever drawn."""
+    n, vocab = 2000, len(row)
+    scores = torch.tensor(row)
+    t, k, p = warp
+    sampler = Sampler(SamplingParams(temperature=t, top_k=k or None, top_p=None if p == 1.0 else p), prompt_len=1)
+    assert sampler.warp == warp
+    want = torch.softmax(sampler.processors(torch.tensor([[0]]), scores[None].clone())[0], -1).double()
+    rows = torch.cat([scores.expand(n, vocab), torch.randn(len(others), vocab, generator=torch.Generator())])
+    got = torch.tensor(draw_rows(rows, [warp] * n + others, [(i + 0.5) / n for i in range(n)] + [0.5] * len(others)))
+    counts = torch.bincount(got[:n], minlength=vocab).double() / n
+    assert scores[got[:n]].min() >= scores[want > 0].min()
+    for value in scores.unique():
+        tied = scores == value
+        assert abs(counts[tied].sum() - want[tied].sum()) <= 1.5 / n + 1e-6, (float(value), counts, want)
