@@ -124,3 +124,30 @@ def test_rows_drawn_together_leave_the_seeded_and_greedy_rows_of_their_step_as_t
     # The host draws in vocabulary order, ``draw_rows`` in order of score: the same uniforms, other tokens.
     assert (together[0], together[3]) != (apart[0], apart[3])
     assert all(0 <= t < model.config.vocab_size for t in together[0] + together[3])
+
+
+def test_each_row_of_a_mixed_step_gets_its_own_token_while_other_prompts_prefill():
+    """Greedy rows, rows drawn together, rows drawn on the host and seeded rows in the same steps, with
+    prompts still prefilling beside them (small chunks): a top-k of 1 draws its own row's argmax wherever it
+    is drawn, so each request gets what it gets alone; a row read from another's logits would not."""
+    model = build_tiny("llama-gqa")
+    clock = FakeClock()
+    one = dict(max_new_tokens=6, temperature=1.5, top_k=1)
+    jobs = [(PROMPT[:30], SamplingParams(max_new_tokens=6)),
+            (PROMPT[3:27] + [77], SamplingParams(**one)),  # drawn together
+            (list(range(50, 98)), SamplingParams(**one, top_p=0.5)),  # prefills while the others decode
+            (PROMPT[5:25], SamplingParams(**one, repetition_penalty=1.3)),  # on the host
+            (PROMPT[:17] + [90], SamplingParams(max_new_tokens=6, temperature=1.5, seed=4)),
+            (PROMPT[8:30], SamplingParams(**one, top_p=0.9))]
+
+    def served(batch: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
+        batcher = BatchEngine(model, KVStore(CacheConfig(block_size=8), BlockHasher(1), clock), clock,
+                              BatchConfig(draw_together=True, token_budget=16, prefill_chunk=8), entropy=lambda: 7)
+        try:
+            reqs = [batcher.submit(prompt, SCOPE, p) for prompt, p in batch]
+            return [batcher.wait(r, 30).tokens for r in reqs]
+        finally:
+            batcher.close()
+    alone = [served([job])[0] for job in jobs]
+    assert served(jobs) == alone
+    assert alone[3] == served([(jobs[3][0], SamplingParams(max_new_tokens=6, repetition_penalty=1.3))])[0]
