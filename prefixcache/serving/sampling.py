@@ -259,11 +259,12 @@ def draw_rows(scores: torch.Tensor, warps: Sequence[tuple[float, int, float]], u
 def _draw_sorted(values: torch.Tensor, index: torch.Tensor, drop: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """values: [R, m] scores in descending order (-inf: gone) of tokens ``index``; drop (1 - top_p), u: [R].
     The token each row draws, or -1 where its scores are no distribution."""
-    probs = values.softmax(dim=1)
     if bool((drop > 0).any()):  # TopPLogitsWarper: from the least likely up, mass within 1 - top_p goes
-        gone = probs.flip(1).cumsum(dim=1).flip(1) <= drop[:, None]
+        # Its softmax and sums in its ascending order: rounded as its are, the nucleus ends where it ends.
+        gone = values.flip(1).softmax(dim=1).cumsum(dim=1).flip(1) <= drop[:, None]
         gone[:, 0] = False  # the likeliest token always stays
-        probs = values.masked_fill(gone, float("-inf")).softmax(dim=1)
+        values = values.masked_fill(gone, float("-inf"))
+    probs = values.softmax(dim=1)
     cdf = probs.to(torch.float64).cumsum(dim=1)
     total = cdf[:, -1:].contiguous()
     last = values.shape[1] - 1

@@ -179,3 +179,16 @@ def test_rows_drawn_together_match_the_warpers_with_ties_masked_tokens_and_extre
     for value in scores.unique():
         tied = scores == value
         assert abs(counts[tied].sum() - want[tied].sum()) <= 1.5 / n + 1e-6, (float(value), counts, want)
+
+
+def test_rows_drawn_together_end_the_nucleus_where_the_warper_ends_it_in_a_large_vocabulary():
+    """A nucleus of thousands of tokens ends where TopPLogitsWarper's float32 sums end it (its softmax and
+    cumulative sum in ascending order of score): the least likely token kept is the warper's, at the top of
+    the unit interval, in every row."""
+    vocab = 32_000
+    scores = torch.cat([torch.randn(1, vocab, generator=torch.Generator().manual_seed(seed)) * 2 for seed in range(160)])
+    for top_p in (0.8, 0.9):
+        kept = TopPLogitsWarper(top_p)(None, scores.clone())
+        least = torch.where(torch.isfinite(kept), scores, float("inf")).min(dim=1).values
+        got = torch.tensor(draw_rows(scores, [(1.0, 0, top_p)] * len(scores), [1.0 - 2.0 ** -53] * len(scores)))
+        assert torch.equal(scores.gather(1, got[:, None])[:, 0], least)
