@@ -11,6 +11,7 @@ import torch
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.cache.hashing import BlockHasher
 from prefixcache.cache.store import KVStore
+from prefixcache.errors import EngineFaultError
 from prefixcache.serving.engine import BatchConfig, BatchEngine
 from prefixcache.serving.request import SamplingParams
 from prefixcache.serving.serial import SerialEngine
@@ -151,3 +152,27 @@ def test_each_row_of_a_mixed_step_gets_its_own_token_while_other_prompts_prefill
     alone = [served([job])[0] for job in jobs]
     assert served(jobs) == alone
     assert alone[3] == served([(jobs[3][0], SamplingParams(max_new_tokens=6, repetition_penalty=1.3))])[0]
+
+
+@pytest.mark.parametrize("together", [True, False], ids=["together", "host"])
+def test_logits_that_are_no_distribution_fail_the_step_drawn_together_or_not(together):
+    """A NaN logit (here from a broken weight) fails the step's sampled requests with an EngineFaultError,
+    never a token read off garbage; the engine serves the next request."""
+    model = build_tiny("llama-gqa")
+    clock = FakeClock()
+    batcher = BatchEngine(model, KVStore(CacheConfig(block_size=8), BlockHasher(1), clock), clock,
+                          BatchConfig(draw_together=together), entropy=lambda: 7)
+    weight = model.lm_head.weight
+    saved = weight[5].clone()
+    try:
+        for params in (SamplingParams(max_new_tokens=3, temperature=1.0),
+                       SamplingParams(max_new_tokens=3, temperature=0.8, top_k=5, top_p=0.9)):
+            with torch.no_grad():
+                weight[5] = float("nan")
+            with pytest.raises(EngineFaultError, match="probability"):
+                batcher.generate(PROMPT, SCOPE, params, timeout=30)
+            with torch.no_grad():
+                weight[5] = saved
+            assert len(batcher.generate(PROMPT, SCOPE, params, timeout=30).tokens) == 3
+    finally:
+        batcher.close()
