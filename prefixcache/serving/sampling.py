@@ -221,8 +221,9 @@ def draw_rows(scores: torch.Tensor, warps: Sequence[tuple[float, int, float]], u
     """One token for each row of ``scores`` ([S, V] float32, on any device), all rows at once: the row's
     logits warped as ``Sampler`` warps them (temperature, then top-k, then top-p, as transformers' warpers
     define them: a top-k keeps the scores tied with its k-th) and drawn by inverting the cumulative sum of
-    what is left, in descending order of score, at the row's uniform variate. Rows with a top-k work on the
-    few tokens it keeps, the others on the whole vocabulary. One copy to the host (two with a top-k)."""
+    what is left, in descending order of score (in vocabulary order where no row of the call without a top-k
+    has a top-p), at the row's uniform variate. Rows with a top-k work on the few tokens it keeps, the others
+    on the whole vocabulary. One copy to the host (two with a top-k)."""
     device = scores.device
     temperature = torch.tensor([w[0] for w in warps], dtype=scores.dtype, device=device)
     scores = scores / temperature[:, None]
