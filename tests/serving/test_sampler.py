@@ -61,9 +61,11 @@ def test_a_seeded_sampler_draws_what_multinomial_draws_with_the_same_generator()
 
 
 @settings(max_examples=40, deadline=None)
-@given(prompt=st.lists(st.integers(0, 99), min_size=1, max_size=80),
-       steps=st.lists(st.lists(st.integers(0, 99), min_size=1, max_size=3), max_size=40))
+@given(prompt=st.lists(st.integers(0, 99), min_size=1, max_size=80) | st.integers(60, 300).map(lambda n: [7] * n),
+       steps=st.lists(st.lists(st.integers(0, 99), max_size=3) | st.integers(60, 300).map(lambda n: [n % 100] * n),
+                      max_size=40))
 def test_the_processors_read_prompt_and_output_as_one_list_would(prompt, steps):
+    """Output grows by none, one or a few tokens a step, or by more than the ids held so far (past the buffer)."""
     seen: list[list[int]] = []
 
     def record(input_ids, scores):
@@ -74,7 +76,7 @@ def test_the_processors_read_prompt_and_output_as_one_list_would(prompt, steps):
     output: list[int] = []
     gen = torch.Generator().manual_seed(0)
     for new in steps:
-        output.extend(new)  # several tokens at once: the sampler appends whatever it has not seen
+        output.extend(new)  # the sampler appends whatever it has not seen
         sampler.next_token(torch.zeros(100), prompt, output, gen)
         assert seen[-1] == prompt + output
 
