@@ -261,7 +261,7 @@ def _draw_sorted(values: torch.Tensor, index: torch.Tensor, drop: torch.Tensor, 
     """values: [R, m] scores in descending order (-inf: gone) of tokens ``index``; drop (1 - top_p), u: [R].
     The token each row draws, or -1 where its scores are no distribution."""
     if bool((drop > 0).any()):  # TopPLogitsWarper: from the least likely up, mass within 1 - top_p goes
-        # Its softmax and sums in its ascending order: rounded as its are, the nucleus ends where it ends.
+        # Softmax and sums in the warper's ascending order round as its do: the nucleus ends where it ends.
         gone = values.flip(1).softmax(dim=1).cumsum(dim=1).flip(1) <= drop[:, None]
         gone[:, 0] = False  # the likeliest token always stays
         values = values.masked_fill(gone, float("-inf"))
