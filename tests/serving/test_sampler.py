@@ -178,9 +178,9 @@ def test_rows_drawn_together_match_the_warpers_with_ties_masked_tokens_and_extre
     got = torch.tensor(draw_rows(rows, [warp] * n + others, [(i + 0.5) / n for i in range(n)] + [0.5] * len(others)))
     counts = torch.bincount(got[:n], minlength=vocab).double() / n
     assert scores[got[:n]].min() >= scores[want > 0].min()
-    for value in scores.unique():
+    for value in scores.unique():  # each token's share of the grid is its probability to within 1 / n
         tied = scores == value
-        assert abs(counts[tied].sum() - want[tied].sum()) <= 1.5 / n + 1e-6, (float(value), counts, want)
+        assert abs(counts[tied].sum() - want[tied].sum()) <= (int(tied.sum()) + 0.5) / n, (float(value), counts, want)
 
 
 def test_rows_drawn_together_end_the_nucleus_where_the_warper_ends_it_in_a_large_vocabulary():
