@@ -221,12 +221,14 @@ def draw_rows(scores: torch.Tensor, warps: Sequence[tuple[float, int, float]], u
     """One token for each row of ``scores`` ([S, V] float32, on any device), all rows at once: the row's
     logits warped as ``Sampler`` warps them (temperature, then top-k, then top-p, as transformers' warpers
     define them: a top-k keeps the scores tied with its k-th) and drawn by inverting the cumulative sum of
-    what is left, in descending order of score, at the row's uniform variate. Rows with a top-k work on the
-    few tokens it keeps, the others on the whole vocabulary. One copy to the host (two with a top-k)."""
+    what is left, in descending order of score (in vocabulary order where no row of the call without a top-k
+    has a top-p), at the row's uniform variate. Rows with a top-k work on the few tokens it keeps, the others
+    on the whole vocabulary. One copy to the host (two with a top-k)."""
     device = scores.device
     temperature = torch.tensor([w[0] for w in warps], dtype=scores.dtype, device=device)
     scores = scores / temperature[:, None]
-    top_p = torch.tensor([w[2] for w in warps], dtype=scores.dtype, device=device)
+    # 1 - top_p in double, then rounded, as TopPLogitsWarper compares with it (not 1 minus a rounded top_p)
+    drop = torch.tensor([1.0 - w[2] for w in warps], dtype=scores.dtype, device=device)
     u = torch.tensor(list(uniforms), dtype=torch.float64, device=device)
     out = torch.empty(len(warps), dtype=torch.long, device=device)
     limited = [i for i, w in enumerate(warps) if w[1] > 0]
@@ -240,7 +242,7 @@ def draw_rows(scores: torch.Tensor, warps: Sequence[tuple[float, int, float]], u
         keep = int((sub >= kth).sum(dim=1).max())  # more than k where scores tie with the k-th
         if keep > values.shape[1]:
             values, index = torch.topk(sub, keep, dim=1)
-        out[rows] = _draw_sorted(values.masked_fill(values < kth, float("-inf")), index, top_p[rows], u[rows])
+        out[rows] = _draw_sorted(values.masked_fill(values < kth, float("-inf")), index, drop[rows], u[rows])
     if whole:
         rows = torch.tensor(whole, device=device)
         sub = scores[rows]
@@ -248,21 +250,22 @@ def draw_rows(scores: torch.Tensor, warps: Sequence[tuple[float, int, float]], u
             values, index = torch.sort(sub, dim=1, descending=True)
         else:  # no nucleus: the vocabulary's own order will do
             values, index = sub, torch.arange(sub.shape[1], device=device).expand_as(sub)
-        out[rows] = _draw_sorted(values, index, top_p[rows], u[rows])
+        out[rows] = _draw_sorted(values, index, drop[rows], u[rows])
     tokens = out.tolist()
     if -1 in tokens:
         raise RuntimeError("probability tensor contains either inf, nan or element < 0, or sums to zero")
     return tokens
 
 
-def _draw_sorted(values: torch.Tensor, index: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """values: [R, m] scores in descending order (-inf: gone) of tokens ``index``; top_p, u: [R]. The token
-    each row draws, or -1 where its scores are no distribution."""
-    probs = values.softmax(dim=1)
-    if bool((top_p < 1.0).any()):  # TopPLogitsWarper: from the least likely up, mass within 1 - top_p goes
-        gone = probs.flip(1).cumsum(dim=1).flip(1) <= (1.0 - top_p)[:, None]
+def _draw_sorted(values: torch.Tensor, index: torch.Tensor, drop: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """values: [R, m] scores in descending order (-inf: gone) of tokens ``index``; drop (1 - top_p), u: [R].
+    The token each row draws, or -1 where its scores are no distribution."""
+    if bool((drop > 0).any()):  # TopPLogitsWarper: from the least likely up, mass within 1 - top_p goes
+        # Softmax and sums in the warper's ascending order round as its do: the nucleus ends where it ends.
+        gone = values.flip(1).softmax(dim=1).cumsum(dim=1).flip(1) <= drop[:, None]
         gone[:, 0] = False  # the likeliest token always stays
-        probs = values.masked_fill(gone, float("-inf")).softmax(dim=1)
+        values = values.masked_fill(gone, float("-inf"))
+    probs = values.softmax(dim=1)
     cdf = probs.to(torch.float64).cumsum(dim=1)
     total = cdf[:, -1:].contiguous()
     last = values.shape[1] - 1

@@ -11,6 +11,7 @@ import torch
 from prefixcache import CacheConfig, PrefixCache
 from prefixcache.cache.hashing import BlockHasher
 from prefixcache.cache.store import KVStore
+from prefixcache.errors import EngineFaultError
 from prefixcache.serving.engine import BatchConfig, BatchEngine
 from prefixcache.serving.request import SamplingParams
 from prefixcache.serving.serial import SerialEngine
@@ -124,3 +125,54 @@ def test_rows_drawn_together_leave_the_seeded_and_greedy_rows_of_their_step_as_t
     # The host draws in vocabulary order, ``draw_rows`` in order of score: the same uniforms, other tokens.
     assert (together[0], together[3]) != (apart[0], apart[3])
     assert all(0 <= t < model.config.vocab_size for t in together[0] + together[3])
+
+
+def test_each_row_of_a_mixed_step_gets_its_own_token_while_other_prompts_prefill():
+    """Greedy rows, rows drawn together, rows drawn on the host and seeded rows in the same steps, with
+    prompts still prefilling beside them (small chunks): a top-k of 1 draws its own row's argmax wherever it
+    is drawn, so each request gets what it gets alone; a row read from another's logits would not."""
+    model = build_tiny("llama-gqa")
+    clock = FakeClock()
+    one = dict(max_new_tokens=6, temperature=1.5, top_k=1)
+    jobs = [(PROMPT[:30], SamplingParams(max_new_tokens=6)),
+            (PROMPT[3:27] + [77], SamplingParams(**one)),  # drawn together
+            (list(range(50, 98)), SamplingParams(**one, top_p=0.5)),  # prefills while the others decode
+            (PROMPT[5:25], SamplingParams(**one, repetition_penalty=1.3)),  # on the host
+            (PROMPT[:17] + [90], SamplingParams(max_new_tokens=6, temperature=1.5, seed=4)),
+            (PROMPT[8:30], SamplingParams(**one, top_p=0.9))]
+
+    def served(batch: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
+        batcher = BatchEngine(model, KVStore(CacheConfig(block_size=8), BlockHasher(1), clock), clock,
+                              BatchConfig(draw_together=True, token_budget=16, prefill_chunk=8), entropy=lambda: 7)
+        try:
+            reqs = [batcher.submit(prompt, SCOPE, p) for prompt, p in batch]
+            return [batcher.wait(r, 30).tokens for r in reqs]
+        finally:
+            batcher.close()
+    alone = [served([job])[0] for job in jobs]
+    assert served(jobs) == alone
+    assert alone[3] == served([(jobs[3][0], SamplingParams(max_new_tokens=6, repetition_penalty=1.3))])[0]
+
+
+@pytest.mark.parametrize("together", [True, False], ids=["together", "host"])
+def test_logits_that_are_no_distribution_fail_the_step_drawn_together_or_not(together):
+    """A NaN logit (here from a broken weight) fails the step's sampled requests with an EngineFaultError,
+    never a token read off garbage; the engine serves the next request."""
+    model = build_tiny("llama-gqa")
+    clock = FakeClock()
+    batcher = BatchEngine(model, KVStore(CacheConfig(block_size=8), BlockHasher(1), clock), clock,
+                          BatchConfig(draw_together=together), entropy=lambda: 7)
+    weight = model.lm_head.weight
+    saved = weight[5].clone()
+    try:
+        for params in (SamplingParams(max_new_tokens=3, temperature=1.0),
+                       SamplingParams(max_new_tokens=3, temperature=0.8, top_k=5, top_p=0.9)):
+            with torch.no_grad():
+                weight[5] = float("nan")
+            with pytest.raises(EngineFaultError, match="probability"):
+                batcher.generate(PROMPT, SCOPE, params, timeout=30)
+            with torch.no_grad():
+                weight[5] = saved
+            assert len(batcher.generate(PROMPT, SCOPE, params, timeout=30).tokens) == 3
+    finally:
+        batcher.close()

@@ -61,9 +61,11 @@ def test_a_seeded_sampler_draws_what_multinomial_draws_with_the_same_generator()
 
 
 @settings(max_examples=40, deadline=None)
-@given(prompt=st.lists(st.integers(0, 99), min_size=1, max_size=80),
-       steps=st.lists(st.lists(st.integers(0, 99), min_size=1, max_size=3), max_size=40))
+@given(prompt=st.lists(st.integers(0, 99), min_size=1, max_size=80) | st.integers(60, 300).map(lambda n: [7] * n),
+       steps=st.lists(st.lists(st.integers(0, 99), max_size=3) | st.integers(60, 300).map(lambda n: [n % 100] * n),
+                      max_size=40))
 def test_the_processors_read_prompt_and_output_as_one_list_would(prompt, steps):
+    """Output grows by none, one or a few tokens a step, or by more than the ids held so far (past the buffer)."""
     seen: list[list[int]] = []
 
     def record(input_ids, scores):
@@ -74,7 +76,7 @@ def test_the_processors_read_prompt_and_output_as_one_list_would(prompt, steps):
     output: list[int] = []
     gen = torch.Generator().manual_seed(0)
     for new in steps:
-        output.extend(new)  # several tokens at once: the sampler appends whatever it has not seen
+        output.extend(new)  # the sampler appends whatever it has not seen
         sampler.next_token(torch.zeros(100), prompt, output, gen)
         assert seen[-1] == prompt + output
 
@@ -141,3 +143,54 @@ def test_only_unseeded_rows_that_read_nothing_but_their_logits_are_drawn_togethe
                    SamplingParams(temperature=0.8, frequency_penalty=0.5), SamplingParams(),
                    SamplingParams(temperature=0.8, min_new_tokens=3, eos_token_ids=frozenset({2}))):
         assert Sampler(params, prompt_len=1).warp is None
+
+
+def test_rows_drawn_together_keep_the_nucleus_the_warper_keeps_at_its_rounded_threshold():
+    """TopPLogitsWarper drops the tail whose mass is at most 1 - top_p rounded to float32 (0.1 for 0.9),
+    not 1 minus top_p rounded (0.10000002): a tail of 0.1000000164 stays."""
+    scores = torch.tensor([[2.1972243785858154, 0.0]])
+    assert torch.isfinite(TopPLogitsWarper(0.9)(None, scores.clone())).all()  # transformers keeps both
+    assert draw_rows(scores, [(1.0, 0, 0.9)], [0.95]) == [1]
+    assert draw_rows(scores, [(1.0, 2, 0.9)], [0.95]) == [1]
+
+
+_SCORE = st.sampled_from([-3.0, -1.0, 0.0, 0.0, 0.5, 2.0, 2.0, float("-inf")])
+
+
+@settings(max_examples=60, deadline=None)
+@given(row=st.lists(_SCORE, min_size=1, max_size=24).filter(lambda r: any(math.isfinite(x) for x in r)),
+       warp=st.tuples(st.sampled_from([0.3, 1.0, 2.0]), st.sampled_from([0, 1, 2, 5, 24, 25, 10_000]),
+                      st.sampled_from([1.0, 0.999999, 0.6, 0.3, 1e-8])),
+       others=st.lists(st.tuples(st.sampled_from([0.7, 1.0]), st.sampled_from([0, 1, 30]),
+                                 st.sampled_from([1.0, 0.5, 1e-8])), max_size=2))
+def test_rows_drawn_together_match_the_warpers_with_ties_masked_tokens_and_extreme_options(row, warp, others):
+    """Scores with many ties (as half-precision logits have) and tokens the model masked already, top-k
+    beyond the vocabulary or of 1, top-p tiny or almost 1, beside rows of other kinds: each group of tied
+    scores gets the warpers' mass (which of the tied tokens a nucleus keeps is the sort's choice, in the
+    warper as here), and no token below the warpers' last kept score is ever drawn."""
+    n, vocab = 2000, len(row)
+    scores = torch.tensor(row)
+    t, k, p = warp
+    sampler = Sampler(SamplingParams(temperature=t, top_k=k or None, top_p=None if p == 1.0 else p), prompt_len=1)
+    assert sampler.warp == warp
+    want = torch.softmax(sampler.processors(torch.tensor([[0]]), scores[None].clone())[0], -1).double()
+    rows = torch.cat([scores.expand(n, vocab), torch.randn(len(others), vocab, generator=torch.Generator())])
+    got = torch.tensor(draw_rows(rows, [warp] * n + others, [(i + 0.5) / n for i in range(n)] + [0.5] * len(others)))
+    counts = torch.bincount(got[:n], minlength=vocab).double() / n
+    assert scores[got[:n]].min() >= scores[want > 0].min()
+    for value in scores.unique():  # each token's share of the grid is its probability to within 1 / n
+        tied = scores == value
+        assert abs(counts[tied].sum() - want[tied].sum()) <= (int(tied.sum()) + 0.5) / n, (float(value), counts, want)
+
+
+def test_rows_drawn_together_end_the_nucleus_where_the_warper_ends_it_in_a_large_vocabulary():
+    """A nucleus of thousands of tokens ends where TopPLogitsWarper's float32 sums end it (its softmax and
+    cumulative sum in ascending order of score): the least likely token kept is the warper's, at the top of
+    the unit interval, in every row."""
+    vocab = 32_000
+    scores = torch.cat([torch.randn(1, vocab, generator=torch.Generator().manual_seed(seed)) * 2 for seed in range(160)])
+    for top_p in (0.8, 0.9):
+        kept = TopPLogitsWarper(top_p)(None, scores.clone())
+        least = torch.where(torch.isfinite(kept), scores, float("inf")).min(dim=1).values
+        got = torch.tensor(draw_rows(scores, [(1.0, 0, top_p)] * len(scores), [1.0 - 2.0 ** -53] * len(scores)))
+        assert torch.equal(scores.gather(1, got[:, None])[:, 0], least)
