@@ -236,31 +236,36 @@ def draw_rows(scores: torch.Tensor, warps: Sequence[tuple[float, int, float]], u
     if limited:
         rows = torch.tensor(limited, device=device)
         sub = scores[rows]
-        k = torch.tensor([min(warps[i][1], sub.shape[1]) for i in limited], device=device)
-        values, index = torch.topk(sub, int(k.max()), dim=1)
+        ks = [min(warps[i][1], sub.shape[1]) for i in limited]
+        k = torch.tensor(ks, device=device)
+        values, index = torch.topk(sub, max(ks), dim=1)
         kth = values.gather(1, (k - 1)[:, None])
         keep = int((sub >= kth).sum(dim=1).max())  # more than k where scores tie with the k-th
         if keep > values.shape[1]:
             values, index = torch.topk(sub, keep, dim=1)
-        out[rows] = _draw_sorted(values.masked_fill(values < kth, float("-inf")), index, drop[rows], u[rows])
+        out[rows] = _draw_sorted(values.masked_fill(values < kth, float("-inf")), index, drop[rows], u[rows],
+                                 any(warps[i][2] < 1.0 for i in limited))
     if whole:
         rows = torch.tensor(whole, device=device)
         sub = scores[rows]
-        if any(warps[i][2] < 1.0 for i in whole):
+        nucleus = any(warps[i][2] < 1.0 for i in whole)
+        if nucleus:
             values, index = torch.sort(sub, dim=1, descending=True)
         else:  # no nucleus: the vocabulary's own order will do
             values, index = sub, torch.arange(sub.shape[1], device=device).expand_as(sub)
-        out[rows] = _draw_sorted(values, index, drop[rows], u[rows])
+        out[rows] = _draw_sorted(values, index, drop[rows], u[rows], nucleus)
     tokens = out.tolist()
     if -1 in tokens:
         raise RuntimeError("probability tensor contains either inf, nan or element < 0, or sums to zero")
     return tokens
 
 
-def _draw_sorted(values: torch.Tensor, index: torch.Tensor, drop: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """values: [R, m] scores in descending order (-inf: gone) of tokens ``index``; drop (1 - top_p), u: [R].
-    The token each row draws, or -1 where its scores are no distribution."""
-    if bool((drop > 0).any()):  # TopPLogitsWarper: from the least likely up, mass within 1 - top_p goes
+def _draw_sorted(values: torch.Tensor, index: torch.Tensor, drop: torch.Tensor, u: torch.Tensor,
+                 nucleus: bool) -> torch.Tensor:
+    """values: [R, m] scores in descending order (-inf: gone) of tokens ``index``; drop (1 - top_p), u: [R];
+    ``nucleus``: whether any row has a top-p. The token each row draws, or -1 where its scores are no
+    distribution."""
+    if nucleus:  # TopPLogitsWarper: from the least likely up, mass within 1 - top_p goes
         # Softmax and sums in the warper's ascending order round as its do: the nucleus ends where it ends.
         gone = values.flip(1).softmax(dim=1).cumsum(dim=1).flip(1) <= drop[:, None]
         gone[:, 0] = False  # the likeliest token always stays
