@@ -45,6 +45,16 @@ def test_snapshots_are_stored_only_within_the_total_less_what_requests_reserve(c
     store.check_integrity()
 
 
+def test_an_insert_beside_a_reservation_evicts_older_snapshots_to_fit(clock):
+    store = store_with_total(clock, total_blocks=10)
+    insert(store, "a", seq(1, 6 * B))
+    clock.advance(1)
+    with store.ledger.reserve("serial", 4 * BLOCK):  # the total is full: 6 stored + 4 reserved
+        assert insert(store, "b", seq(2, 3 * B)).complete  # a's least recently used blocks give way
+        assert store.bytes == 6 * BLOCK and store.evictions["lru"] == 3
+    store.check_integrity()
+
+
 def test_a_reservation_evicts_unpinned_unread_snapshots_before_it_waits(clock):
     store = store_with_total(clock, total_blocks=10)
     insert(store, "a", seq(1, 16), pin=True)  # 4 pinned blocks
