@@ -76,6 +76,20 @@ def test_in_use_prefix_is_never_freed(clock):
     store.check_integrity()
 
 
+def test_a_lease_released_twice_is_released_once(clock):
+    store = make_store(clock)
+    tokens = seq(1, 2 * B)
+    insert(store, "a", tokens)
+    first, second = lookup(store, "a", tokens), lookup(store, "a", tokens)
+    store.release(first)
+    store.release(first)  # e.g. an error path releasing again: a no-op
+    assert [n.refcount for n in store.trie.iter_nodes()] == [1, 1]  # the other reader still holds them
+    store.check_integrity()
+    store.release(second)
+    assert store.bytes == 2 * BLOCK
+    store.check_integrity()
+
+
 def test_ttl_is_checked_at_lookup_and_swept(clock):
     store = make_store(clock)
     tokens = seq(1, 3 * B)
@@ -254,6 +268,38 @@ def test_a_flush_drops_the_pins_of_blocks_still_read(clock):
     store.release(lease)
     assert store.bytes == 0
     store.check_integrity()
+
+
+def test_a_partial_block_replaced_by_its_longer_copy_is_no_eviction(clock):
+    seen = []
+    store = make_store(clock)
+    store._on_evict = seen.append
+    insert(store, "a", seq(1, B + 1))
+    insert(store, "a", seq(1, B + 2))  # the one-token block is superseded, its tokens live on
+    assert seen == [] and sum(store.evictions.values()) == 0
+    assert [len(n.tokens) for n in store.trie.iter_nodes()] == [B, 2]
+    store.check_integrity()
+
+
+def test_every_trie_read_and_write_happens_under_the_store_s_lock(clock, monkeypatch):
+    """The trie is not thread-safe: each store operation reaches it only while holding the store's lock."""
+    store = make_store(clock)
+    calls: list[tuple[str, bool]] = []
+    for name in ("root", "match", "covering", "add_child", "remove_leaf", "drop_root_if_empty"):
+        def guarded(*args, _real=getattr(store.trie, name), _name=name, **kwargs):
+            calls.append((_name, store._lock._is_owned()))
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(store.trie, name, guarded)
+    tokens = seq(1, 2 * B)
+    insert(store, "a", tokens, pin=True)
+    store.release(lookup(store, "a", tokens))
+    store.peek(scope("a"), tokens, len(tokens))
+    store.retain(scope("a"), tokens)
+    store.unpin(scope("a"), tokens)
+    insert(store, "a", seq(2, B + 1))
+    store.flush()
+    assert {name for name, _ in calls} >= {"root", "match", "covering", "add_child", "remove_leaf"}
+    assert [name for name, owned in calls if not owned] == []
 
 
 def test_copy_on_write_extension_of_a_partial_block(clock):
