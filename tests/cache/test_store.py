@@ -106,6 +106,17 @@ def test_ttl_is_checked_at_lookup_and_swept(clock):
     store.check_integrity()
 
 
+def test_a_prefix_that_expired_while_read_is_freed_on_release(clock):
+    store = make_store(clock)
+    tokens = seq(1, 2 * B)
+    insert(store, "a", tokens, ttl=5)
+    lease = lookup(store, "a", tokens, ttl=5)
+    clock.advance(10)
+    store.release(lease)  # no sweep needed: the last reader frees it
+    assert store.bytes == 0 and store.evictions["ttl"] == 2
+    store.check_integrity()
+
+
 def test_a_block_is_expired_from_its_deadline_on(clock):
     store = make_store(clock)
     insert(store, "a", seq(1, B), ttl=10)
