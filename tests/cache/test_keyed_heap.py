@@ -1,7 +1,7 @@
 """KeyedHeap against a plain dict: the smallest key (ties: first set) after any sequence of operations."""
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from prefixcache.cache.keyed_heap import KeyedHeap
@@ -12,6 +12,8 @@ OPS = st.lists(st.tuples(st.sampled_from(["set", "discard", "pop"]), st.integers
 
 @settings(max_examples=300, deadline=None)
 @given(OPS)
+@example([("set", 0, 1), ("set", 1, 1), ("set", 0, 1), ("pop", 0, 0)])  # an unchanged key keeps its place
+@example([("set", 0, 1), ("set", 0, 2), ("set", 0, 1), ("set", 1, 1), ("pop", 0, 0), ("set", 0, 1), ("pop", 0, 0)])
 def test_matches_a_dict_model(ops):
     heap: KeyedHeap[int] = KeyedHeap()
     model: dict[int, tuple[float, int]] = {}  # item -> (key, when it got that key)
@@ -40,3 +42,14 @@ def test_rekeying_many_times_keeps_the_heap_small():
     for i in range(10_000):
         heap.set("a", float(i))
     assert len(heap._heap) <= 35 and heap.peek() == ("a", 9999.0)
+
+
+def test_after_a_rebuild_the_smallest_key_still_comes_first():
+    heap: KeyedHeap[int] = KeyedHeap()
+    for item in range(10):
+        heap.set(item, 100.0 - item)  # the live items, largest key first
+    for rekey in range(43):  # stale entries of item 0 pile up until the heap is rebuilt from the live items
+        heap.set(0, 101.0 + rekey)
+    assert len(heap._heap) == 10  # just rebuilt
+    assert [heap.pop()[0] for _ in range(10)] == [9, 8, 7, 6, 5, 4, 3, 2, 1, 0]
+    assert heap.pop() is None

@@ -5,7 +5,7 @@ import threading
 import time
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from prefixcache.cache.hashing import BlockHasher
@@ -13,7 +13,7 @@ from prefixcache.cache.ledger import KINDS, KVLedger
 from prefixcache.cache.store import KVStore
 from prefixcache.config import CacheConfig
 from prefixcache.errors import KVMemoryError, RequestCancelledError
-from tests.cache.store_helpers import BYTES_PER_TOKEN, insert, lookup
+from tests.cache.store_helpers import BYTES_PER_TOKEN, insert, lookup, scope
 
 B = 4
 BLOCK = B * BYTES_PER_TOKEN
@@ -45,6 +45,16 @@ def test_snapshots_are_stored_only_within_the_total_less_what_requests_reserve(c
     store.check_integrity()
 
 
+def test_an_insert_beside_a_reservation_evicts_older_snapshots_to_fit(clock):
+    store = store_with_total(clock, total_blocks=10)
+    insert(store, "a", seq(1, 6 * B))
+    clock.advance(1)
+    with store.ledger.reserve("serial", 4 * BLOCK):  # the total is full: 6 stored + 4 reserved
+        assert insert(store, "b", seq(2, 3 * B)).complete  # a's least recently used blocks give way
+        assert store.bytes == 6 * BLOCK and store.evictions["lru"] == 3
+    store.check_integrity()
+
+
 def test_a_reservation_evicts_unpinned_unread_snapshots_before_it_waits(clock):
     store = store_with_total(clock, total_blocks=10)
     insert(store, "a", seq(1, 16), pin=True)  # 4 pinned blocks
@@ -59,12 +69,35 @@ def test_a_reservation_evicts_unpinned_unread_snapshots_before_it_waits(clock):
     store.check_integrity()
 
 
+def test_a_reservation_frees_expired_snapshots_before_live_ones_less_recently_used(clock):
+    store = store_with_total(clock, total_blocks=4)
+    insert(store, "a", seq(1, 2 * B), ttl=300)
+    clock.advance(1)
+    insert(store, "a", seq(2, 2 * B), ttl=5)
+    clock.advance(10)  # the second prefix expired; the first is older but live
+    with store.ledger.reserve("serial", 2 * BLOCK):
+        assert store.evictions["ttl"] == 2 and store.evictions["lru"] == 0
+        assert store.peek(scope("a"), seq(1, 2 * B), 2 * B) == 2 * B
+    store.check_integrity()
+
+
 def test_a_reservation_larger_than_the_total_is_refused_at_once(clock):
     store = store_with_total(clock, total_blocks=10, wait=30)
     start = time.monotonic()
     with pytest.raises(KVMemoryError):
         store.ledger.reserve("prewarm", 11 * BLOCK)
     assert time.monotonic() - start < 1
+
+
+def test_a_reservation_released_twice_gives_its_bytes_back_once(clock):
+    store = store_with_total(clock, total_blocks=10)
+    first, second = store.ledger.reserve("serial", 2 * BLOCK), store.ledger.reserve("serial", 3 * BLOCK)
+    first.release()
+    with first:  # leaving the block releases it again: a no-op
+        first.release()
+    assert store.ledger.held()["serial"] == 3 * BLOCK  # the other reservation's bytes stay reserved
+    second.release()
+    assert store.ledger.reserved == 0
 
 
 def test_a_waiting_reservation_gets_the_room_another_gives_back_or_stops_when_cancelled(clock):
@@ -134,6 +167,8 @@ class _FakeStore:
 @settings(max_examples=200, deadline=None)
 @given(total=st.integers(0, 100), stored=st.integers(0, 60), pinned=st.integers(0, 60),
        ops=st.lists(st.tuples(st.sampled_from(KINDS), st.integers(0, 120), st.booleans()), max_size=12))
+@example(total=40, stored=20, pinned=0, ops=[("serial", 40, True)])  # all of the total: every snapshot goes
+@example(total=10, stored=20, pinned=20, ops=[("serial", 0, False)])  # over the total already: no growth fits
 def test_the_total_holds_after_every_reservation_that_succeeds(total, stored, pinned, ops):
     store = _FakeStore(max(stored, pinned), pinned)
     ledger = KVLedger(total, 0.0)

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.cache.store_helpers import BYTES_PER_TOKEN, insert, kv_value, lease_values, lookup, make_store, scope
+from tests.conftest import FakeClock
 
 B = 4  # block size used here
 BLOCK = B * BYTES_PER_TOKEN
@@ -75,6 +76,20 @@ def test_in_use_prefix_is_never_freed(clock):
     store.check_integrity()
 
 
+def test_a_lease_released_twice_is_released_once(clock):
+    store = make_store(clock)
+    tokens = seq(1, 2 * B)
+    insert(store, "a", tokens)
+    first, second = lookup(store, "a", tokens), lookup(store, "a", tokens)
+    store.release(first)
+    store.release(first)  # e.g. an error path releasing again: a no-op
+    assert [n.refcount for n in store.trie.iter_nodes()] == [1, 1]  # the other reader still holds them
+    store.check_integrity()
+    store.release(second)
+    assert store.bytes == 2 * BLOCK
+    store.check_integrity()
+
+
 def test_ttl_is_checked_at_lookup_and_swept(clock):
     store = make_store(clock)
     tokens = seq(1, 3 * B)
@@ -88,6 +103,37 @@ def test_ttl_is_checked_at_lookup_and_swept(clock):
     assert cached(store, "a", tokens, ttl=10) == 0  # lazily expired before any sweep
     assert store.sweep() == 3 * BLOCK and store.bytes == 0
     assert store.evictions["ttl"] == 3
+    store.check_integrity()
+
+
+def test_a_prefix_that_expired_while_read_is_freed_on_release(clock):
+    store = make_store(clock)
+    tokens = seq(1, 2 * B)
+    insert(store, "a", tokens, ttl=5)
+    lease = lookup(store, "a", tokens, ttl=5)
+    clock.advance(10)
+    store.release(lease)  # no sweep needed: the last reader frees it
+    assert store.bytes == 0 and store.evictions["ttl"] == 2
+    store.check_integrity()
+
+
+def test_a_block_is_expired_from_its_deadline_on(clock):
+    store = make_store(clock)
+    insert(store, "a", seq(1, B), ttl=10)
+    clock.advance(10)  # exactly the deadline: no longer matched, and swept
+    assert store.peek(scope("a"), seq(1, B), B) == 0
+    assert store.sweep() == BLOCK and store.bytes == 0
+
+
+def test_expired_blocks_make_room_before_live_ones_less_recently_used(clock):
+    store = make_store(clock, blocks_budget=2)
+    insert(store, "a", seq(1, B), ttl=300)
+    clock.advance(1)
+    insert(store, "a", seq(2, B), ttl=5)
+    clock.advance(10)  # the second expired; the first is older but live
+    assert insert(store, "a", seq(3, B)).complete
+    assert cached(store, "a", seq(1, B)) == B
+    assert store.evictions["ttl"] == 1 and store.evictions["lru"] == 0
     store.check_integrity()
 
 
@@ -151,6 +197,27 @@ def test_global_budget_may_evict_other_tenants_only_when_forced(clock):
     assert cached(store, "b", seq(1, B)) == 0 and store.evictions["lru"] == 1
 
 
+def test_per_tenant_figures_count_that_tenant_only(clock):
+    store = make_store(clock, blocks_budget=3)
+    insert(store, "a", seq(1, 2 * B))
+    clock.advance(1)
+    insert(store, "b", seq(2, B + 1))  # its second block (one token) evicts a's leaf
+    store.flush("b")
+    a, b, both = store.snapshot_stats("a"), store.snapshot_stats("b"), store.snapshot_stats()
+    assert (a["entries"], a["cached_tokens_held"], b["entries"], b["cached_tokens_held"]) == (1, B, 0, 0)
+    assert a["evictions"] == {"lru": 1, "ttl": 0, "quota": 0, "flush": 0}
+    assert b["evictions"] == {"lru": 0, "ttl": 0, "quota": 0, "flush": 2}
+    assert a["reclaimed_bytes"] == {"lru": BLOCK, "ttl": 0, "quota": 0, "flush": 0}
+    assert b["reclaimed_bytes"] == {"lru": 0, "ttl": 0, "quota": 0, "flush": BLOCK + BYTES_PER_TOKEN}
+    assert both["reclaimed_bytes"] == {"lru": BLOCK, "ttl": 0, "quota": 0, "flush": BLOCK + BYTES_PER_TOKEN}
+    assert (both["entries"], both["cached_tokens_held"]) == (1, B)
+
+
+def test_a_block_that_fills_the_budget_exactly_is_stored(clock):
+    store = make_store(clock, blocks_budget=1)
+    assert insert(store, "a", seq(1, B)).complete and store.bytes == BLOCK
+
+
 def test_budget_smaller_than_one_snapshot(clock):
     store = make_store(clock, blocks_budget=0)
     result = insert(store, "a", seq(1, 3 * B))
@@ -172,6 +239,78 @@ def test_flush_frees_everything_and_in_use_on_release(clock):
     store.flush()
     assert store.bytes == 0
     store.check_integrity()
+
+
+def test_a_prefix_stored_again_while_its_flushed_copy_is_read_is_served(clock):
+    store = make_store(clock)
+    tokens = seq(1, 2 * B)
+    insert(store, "a", tokens)
+    lease = lookup(store, "a", tokens)  # a reader holds the blocks across the flush
+    store.flush("a")
+    longer = tokens + seq(2, B)
+    assert insert(store, "a", longer).complete  # stored beside the flushed copy, never below it
+    assert cached(store, "a", longer) == len(longer)
+    store.release(lease)
+    assert store.evictions["flush"] == 2 and not any(n.doomed for n in store.trie.iter_nodes())
+    assert store.bytes == 3 * BLOCK
+    store.check_integrity()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=7), min_size=1, max_size=6))
+def test_no_unread_partial_block_is_kept_beside_a_longer_copy_of_itself(seqs):
+    """Copy-on-write replaces a shorter partial sibling nobody reads, however short the extension."""
+    store = make_store(FakeClock(), block_size=3)
+    for tokens in seqs:
+        insert(store, "a", tokens)
+    for parent in [*store.trie.roots(), *store.trie.iter_nodes()]:
+        kids = [c.tokens for c in parent.children()]
+        assert not any(len(a) < len(b) and b[: len(a)] == a for a in kids for b in kids), kids
+    store.check_integrity()
+
+
+def test_a_flush_drops_the_pins_of_blocks_still_read(clock):
+    store = make_store(clock)
+    tokens = seq(1, 2 * B)
+    insert(store, "a", tokens, pin=True)
+    lease = lookup(store, "a", tokens)
+    store.flush("a")
+    assert store.snapshot_stats("a")["pinned_bytes"] == 0  # flushed: they count against no pin quota
+    store.release(lease)
+    assert store.bytes == 0
+    store.check_integrity()
+
+
+def test_a_partial_block_replaced_by_its_longer_copy_is_no_eviction(clock):
+    seen = []
+    store = make_store(clock)
+    store._on_evict = seen.append
+    insert(store, "a", seq(1, B + 1))
+    insert(store, "a", seq(1, B + 2))  # the one-token block is superseded, its tokens live on
+    assert seen == [] and sum(store.evictions.values()) == 0
+    assert [len(n.tokens) for n in store.trie.iter_nodes()] == [B, 2]
+    store.check_integrity()
+
+
+def test_every_trie_read_and_write_happens_under_the_store_s_lock(clock, monkeypatch):
+    """The trie is not thread-safe: each store operation reaches it only while holding the store's lock."""
+    store = make_store(clock)
+    calls: list[tuple[str, bool]] = []
+    for name in ("root", "match", "covering", "add_child", "remove_leaf", "drop_root_if_empty"):
+        def guarded(*args, _real=getattr(store.trie, name), _name=name, **kwargs):
+            calls.append((_name, store._lock._is_owned()))
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(store.trie, name, guarded)
+    tokens = seq(1, 2 * B)
+    insert(store, "a", tokens, pin=True)
+    store.release(lookup(store, "a", tokens))
+    store.peek(scope("a"), tokens, len(tokens))
+    store.retain(scope("a"), tokens)
+    store.unpin(scope("a"), tokens)
+    insert(store, "a", seq(2, B + 1))
+    store.flush()
+    assert {name for name, _ in calls} >= {"root", "match", "covering", "add_child", "remove_leaf"}
+    assert [name for name, owned in calls if not owned] == []
 
 
 def test_copy_on_write_extension_of_a_partial_block(clock):

@@ -128,6 +128,34 @@ def test_a_pin_lapses_after_pin_ttl_seconds_whatever_ttl_the_block_had(clock):
     store.check_integrity()
 
 
+def test_a_tenant_s_pin_of_an_operator_pinned_path_leaves_the_operator_s_pin_without_a_deadline(clock):
+    store = make_store(clock, blocks_budget=2, block_size=B, pin_ttl=100)
+    tokens = seq(1, 2 * B)
+    insert(store, "a", tokens, ttl=None, pin=True, privileged=True)
+    insert(store, "a", tokens, ttl=None, pin=True)
+    clock.advance(1000)
+    assert store.snapshot_stats("a")["pinned_bytes"] == 2 * B * BYTES_PER_TOKEN
+    assert not insert(store, "b", seq(2, B)).complete  # no room: the pinned path never gives way
+    store.check_integrity()
+
+
+def test_a_lapsed_pin_counts_against_no_pin_quota(clock):
+    store = make_store(clock, blocks_budget=10, block_size=B, pin_quota_blocks=2, pin_ttl=100)
+    insert(store, "a", seq(1, 2 * B), pin=True)
+    clock.advance(100)  # that pin lapses: the quota is free again
+    assert insert(store, "a", seq(2, 2 * B), pin=True).complete
+    assert store.snapshot_stats("a")["pinned_bytes"] == 2 * B * BYTES_PER_TOKEN
+    store.check_integrity()
+
+
+def test_admission_counts_no_lapsed_pin(clock):
+    store = make_store(clock, blocks_budget=2, block_size=B, pin_ttl=100)
+    insert(store, "a", seq(1, 2 * B), ttl=1e9, pin=True)
+    assert not store.can_admit(B * BYTES_PER_TOKEN, "a")  # both blocks pinned: nothing can give way
+    clock.advance(100)  # the pin lapses (its own deadline), the blocks may now be evicted
+    assert store.can_admit(2 * B * BYTES_PER_TOKEN, "a")
+
+
 @settings(max_examples=200, deadline=None)
 @given(steps=st.lists(st.one_of(
     st.tuples(st.just("store"), st.sampled_from([None, 10.0, 60.0, 200.0, 1e9]), st.booleans(), st.booleans()),

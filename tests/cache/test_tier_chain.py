@@ -140,6 +140,22 @@ def test_write_through_writes_at_once_and_expired_blocks_are_not_written(tmp_pat
     chain.close()
 
 
+def test_write_back_takes_blocks_evicted_for_a_quota_never_expired_ones(tmp_path, clock):
+    store = make_store(clock, blocks_budget=100, quota_blocks=1)
+    chain = disk_chain(tmp_path)  # write-back: only what is evicted goes down
+    store.attach(chain)
+    insert(store, "a", SEQ[:4], ttl=5)
+    clock.advance(10)
+    store.sweep()  # expired: gone for good
+    insert(store, "a", SEQ[4:8])
+    clock.advance(1)
+    insert(store, "a", SEQ[8:12])  # over a's quota: SEQ[4:8] is evicted, and kept below
+    chain.flush_writes(5)
+    assert store.evictions["ttl"] == 1 and store.evictions["quota"] == 1
+    assert block_files(tmp_path) == prefix_files(tmp_path, NS["a"], SEQ[4:8])
+    chain.close()
+
+
 def test_the_writer_thread_calls_idle_each_time_before_it_waits(tmp_path, clock):
     """(The cache passes ``WorkerThreads.release``: the writer's CPU workers go back while it waits.)"""
     calls: list[str] = []

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from prefixcache.config import CacheConfig
 from prefixcache.errors import ConfigError, InvalidRequestError
-from prefixcache.serving.canonicalize import Canonicalizer, template_fingerprint
+from prefixcache.serving import canonicalize
+from prefixcache.serving.canonicalize import CHUNK_FIELD, Canonicalizer, template_fingerprint
 
 CONCAT = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 # Plain-text roles and a generation prompt ending in a space that BPE would merge with
@@ -20,6 +21,9 @@ PLAIN = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor 
 TOOLS = ("{% if tools %}{{ tools | tojson }}\n{% endif %}{% for m in messages %}{{ m['role'] }}: "
          "{{ m['content'] }}{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}\n{% endfor %}")
 LAST_SPECIAL = "{% for m in messages %}{% if loop.last %}[last]{% endif %}{{ m['content'] }}|{% endfor %}"
+# Monotone message by message, but a conversation of three or more messages ends with a marker.
+LONG_MARK = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}"
+             "{% if messages | length > 2 %}[long]{% endif %}")
 NEEDS_TWO = ("{% if messages | length < 2 %}{{ raise_exception('need two messages') }}{% endif %}"
              "{% for m in messages %}{{ m['content'] }}{% endfor %}")
 SLOW = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -161,6 +165,16 @@ def test_non_monotone_template_falls_back_to_one_span_and_flags_drift(tok):
     assert Canonicalizer(special).encode_chat(messages) == out
 
 
+def test_frames_matched_in_place_are_checked_against_the_previous_turn(tok):
+    """Every message is matched by its role's frame, but the previous turn alone renders differently."""
+    marked = with_template(tok, LONG_MARK)
+    messages = [msg("user", "a"), msg("assistant", "b"), msg("user", "c"), msg("assistant", "d")]
+    out = Canonicalizer(marked).encode_chat(messages)
+    previous = Canonicalizer(marked).encode_chat(messages[:-1], add_generation_prompt=False)
+    assert out.token_ids[:len(previous.token_ids)] != previous.token_ids  # so drift must say so
+    assert out.drift
+
+
 def test_partial_render_failure_is_drift_but_full_failure_is_invalid(tok):
     canon = Canonicalizer(with_template(tok, NEEDS_TWO))
     out = canon.encode_chat([msg("user", "Hello wor"), msg("user", "ld")])
@@ -248,6 +262,31 @@ def test_text_parts_join_with_newline(tok):
     canon = Canonicalizer(tok)
     parts = [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]
     assert canon.encode_chat([msg("user", parts)]) == canon.encode_chat([msg("user", "one\ntwo")])
+
+
+def test_tool_definitions_key_order_invariant_inside_lists(tok):
+    canon = Canonicalizer(with_template(tok, TOOLS))
+
+    def tool(flip):
+        options = [{"type": "string", "enum": ["C", "F"]}, {"type": "integer", "minimum": 0}]
+        options = [dict(reversed(o.items())) for o in options] if flip else options
+        return {"type": "function", "function": {"name": "convert", "parameters": {
+            "type": "object", "properties": {"unit": {"anyOf": options}}}}}
+
+    assert list(tool(True)["function"]["parameters"]["properties"]["unit"]["anyOf"][0]) == ["enum", "type"]
+    assert canon.encode_chat([msg("user", "x")], tools=[tool(True)]) == \
+        canon.encode_chat([msg("user", "x")], tools=[tool(False)])
+
+
+def test_a_marked_part_is_placed_in_its_own_message_not_an_earlier_copy(tok):
+    plain = with_template(tok, PLAIN)
+    canon = Canonicalizer(plain)
+    text = "the shared manual text"
+    out = canon.encode_chat([msg("user", text), msg("user", [{"type": "text", "text": text, CHUNK_FIELD: True}])])
+    assert out.unplaced == 0 and len(out.chunks) == 1
+    start, end = out.chunks[0]
+    assert out.boundaries[0] <= start < end <= out.boundaries[1]
+    assert out.token_ids[start:end] == tuple(plain(text, add_special_tokens=False)["input_ids"])
 
 
 def test_tools_on_template_without_tools_is_refused(tok):
@@ -347,6 +386,12 @@ def test_fingerprint_stable_and_sensitive(tok):
         Canonicalizer(with_template(tok, tok.chat_template, add_bos_token=True)).fingerprint,
     }
     assert base not in others and len(others) == 6
+
+
+def test_fingerprint_covers_the_version_of_the_canonical_form(tok, monkeypatch):
+    base = template_fingerprint(tok)
+    monkeypatch.setattr(canonicalize, "CANON_VERSION", canonicalize.CANON_VERSION + "-next")
+    assert template_fingerprint(tok) != base
 
 
 def test_from_config_uses_config_options(tok):
