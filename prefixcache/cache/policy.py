@@ -29,10 +29,6 @@ def pin_lapses(node: Node) -> bool:
     return node.alive and node.pins > 0 and node.pin_until < math.inf
 
 
-def is_expired(node: Node, now: float) -> bool:
-    return node.expires_at <= now
-
-
 def evictable(node: Node) -> bool:
     """A leaf nobody reads and nobody pinned."""
     return node.alive and not node.is_root and node.num_children == 0 and node.refcount == 0 and node.pins == 0

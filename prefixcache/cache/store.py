@@ -486,4 +486,4 @@ class KVStore:
 
 
 def _usable(node: Node, now: float) -> bool:
-    return node.alive and not node.doomed and node.expires_at > now  # not ``is_expired``, inlined: every walked block asks
+    return node.alive and not node.doomed and node.expires_at > now  # expired from its deadline on
