@@ -141,8 +141,8 @@ class Sampler:
                 processors.append(TopKLogitsWarper(int(params.top_k)))
             if params.top_p is not None and params.top_p < 1.0:
                 top_p = TopPLogitsWarper(float(params.top_p))
-                # Unseeded after top-k: the same nucleus, sorting only the top-k's tokens.
-                processors.append(top_p if params.seed is not None or not params.top_k else FiniteTopP(top_p))
+                # Unseeded: the same nucleus without sorting the whole vocabulary (seeded: generate()'s own).
+                processors.append(top_p if params.seed is not None else FiniteTopP(top_p))
         self.processors, self.greedy = processors, params.greedy
         self.as_generate = params.seed is not None  # draw exactly as generate() would for this seed
         #: (temperature, top-k or 0, top-p) of an unseeded request that reads nothing but its logits: drawn
@@ -200,21 +200,37 @@ class Sampler:
 
 
 class FiniteTopP(LogitsProcessor):
-    """``TopPLogitsWarper`` applied to a row's finite scores only: after top-k, the nucleus of a handful of
-    tokens without sorting the whole vocabulary (the others' probability is zero either way, so the
+    """``TopPLogitsWarper`` for an unseeded row ([1, V]) without sorting the whole vocabulary. After a top-k,
+    the warper applied to the row's finite scores only (the others' probability is zero either way, so the
     nucleus is the same up to the order of equal scores, which the warper's sort does not fix either).
-    scores: [1, V]."""
+    Without one, the likeliest tokens are taken 64, 256, ... at a time until their probability reaches
+    ``top_p`` (the nucleus lies within them: every token after them follows at least that much mass) and a
+    token is kept while the mass of the tokens before it is under ``top_p``, the warper's rule, summed in
+    double instead of in its float32 order (so a token at the nucleus' edge may go the other way when the
+    sums differ in the last bit); past a quarter of the vocabulary, the warper itself."""
 
     def __init__(self, warper: TopPLogitsWarper):
         self.warper = warper
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         kept = torch.isfinite(scores[0]).nonzero()[:, 0]
-        if kept.numel() == scores.shape[1]:
-            return self.warper(input_ids, scores)
-        out = scores.clone()
-        out[:, kept] = self.warper(input_ids, scores[:, kept])
-        return out
+        vocab = scores.shape[1]
+        if kept.numel() < vocab:
+            out = scores.clone()
+            out[:, kept] = self.warper(input_ids, scores[:, kept])
+            return out
+        top_p, probs, m = float(self.warper.top_p), torch.softmax(scores[0], dim=-1), 64
+        while m < vocab // 4:
+            mass, index = torch.topk(probs, m)
+            mass = mass.to(torch.float64)
+            if float(mass.sum()) > top_p:
+                before = torch.cumsum(mass, 0) - mass  # the mass of the likelier tokens
+                keep = index[before < top_p]
+                out = torch.full_like(scores, self.warper.filter_value)
+                out[0, keep] = scores[0, keep]
+                return out
+            m *= 4
+        return self.warper(input_ids, scores)
 
 
 def draw_rows(scores: torch.Tensor, warps: Sequence[tuple[float, int, float]], uniforms: Sequence[float]) -> list[int]:

@@ -97,8 +97,8 @@ def test_an_unseeded_sampler_sorts_only_the_top_k_and_a_seeded_one_is_generates(
     unseeded = Sampler(SamplingParams(temperature=0.8, top_k=50, top_p=0.9), prompt_len=1)
     seeded = Sampler(SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=1), prompt_len=1)
     no_top_k = Sampler(SamplingParams(temperature=0.8, top_p=0.9), prompt_len=1)
-    assert isinstance(unseeded.processors[-1], FiniteTopP)
-    assert type(seeded.processors[-1]) is TopPLogitsWarper and type(no_top_k.processors[-1]) is TopPLogitsWarper
+    assert isinstance(unseeded.processors[-1], FiniteTopP) and isinstance(no_top_k.processors[-1], FiniteTopP)
+    assert type(seeded.processors[-1]) is TopPLogitsWarper
 
 
 @settings(max_examples=40, deadline=None)
@@ -194,3 +194,21 @@ def test_rows_drawn_together_end_the_nucleus_where_the_warper_ends_it_in_a_large
         least = torch.where(torch.isfinite(kept), scores, float("inf")).min(dim=1).values
         got = torch.tensor(draw_rows(scores, [(1.0, 0, top_p)] * len(scores), [1.0 - 2.0 ** -53] * len(scores)))
         assert torch.equal(scores.gather(1, got[:, None])[:, 0], least)
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**31), top_p=st.floats(0.05, 0.999), vocab=st.integers(300, 5000),
+       scale=st.sampled_from([0.5, 2.0, 6.0]))
+def test_the_nucleus_of_a_whole_vocabulary_is_the_warpers_rule(seed, top_p, vocab, scale):
+    """Without a top-k: the likeliest tokens whose preceding mass is under top_p, as TopPLogitsWarper keeps
+    them, up to a token whose preceding mass is within rounding of top_p (summed in another order)."""
+    scores = torch.randn(1, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+    got = torch.isfinite(FiniteTopP(TopPLogitsWarper(top_p))(torch.tensor([[1]]), scores))[0]
+    want = torch.isfinite(TopPLogitsWarper(top_p)(torch.tensor([[1]]), scores))[0]
+    probs = torch.softmax(scores[0].double(), -1)
+    order = torch.argsort(probs, descending=True)
+    before = torch.zeros_like(probs)
+    before[order] = torch.cumsum(probs[order], 0) - probs[order]
+    differ = (got != want).nonzero()[:, 0]
+    assert all(abs(float(before[t]) - top_p) < 1e-5 for t in differ.tolist()), differ
+    assert got.sum() >= 1
