@@ -7,8 +7,8 @@ float32, CPU; ~2 min a round). ``--shape llama-1b`` takes a random-weight model 
 (``prefixcache.bench.gpu``; bfloat16 on CUDA where there is one); ``--no-rows`` skips the per-row table. Each round runs every way in turn on a fresh cache: ``callers`` threads call
 ``answer()`` (``generate()`` for a random model, which has no end-of-sequence token) at once on a stored 1,024-token system prompt with 32-token questions of their own, ``new``
 tokens each (the end-of-sequence token ignored, so every way generates the same number of tokens). Ways:
-greedy; sampled at temperature 0.8 (``generate()``'s default top-k of 50 applies), unseeded and seeded;
-sampled at temperature 0.8 and top-p 0.95, unseeded.
+greedy; sampled at temperature 0.8, unseeded and seeded; sampled at temperature 0.8 and top-p 0.95,
+unseeded. ``answer()`` takes OpenAI's options (no top-k), ``generate()`` transformers' (top-k 50 by default).
 
 Then, per sampled way, the host time of ``Sampler.next_token`` for one row of the model's vocabulary after
 a 1,056-token context (median of 200), and a step's ``callers`` unseeded rows one by one against
