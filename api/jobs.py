@@ -7,7 +7,7 @@ the chat template; the model's calls parsed in its template's syntax, ``tool_cal
 parallel_tool_calls; prompt_cache_options and prompt_cache_breakpoint (``serving/prompt_cache.py``),
 prompt_cache_retention, and the diagnostics extension.
 Refused with a 400 naming the parameter, here: logprobs, suffix, response_format
-other than text, max_tokens over the server's limit, SGLang's extensions (which
+other than text, strict function schemas, an assistant message's function_call or audio, max_tokens over the server's limit, SGLang's extensions (which
 sglang-router adds to every chat body) with a value other than what this server does
 (``no_stop_trim``, ``skip_special_tokens``, ``return_hidden_states``); by the schema (``protocol``):
 n > 1, best_of > 1, token-id or multi-prompt completions, non-text content parts.
@@ -91,10 +91,11 @@ def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_
     if req.max_tokens is not None and req.max_completion_tokens is not None \
             and req.max_tokens != req.max_completion_tokens:
         raise InvalidRequestError("max_tokens and max_completion_tokens differ; send one", param="max_tokens")
+    _renderable(req)
     tools = None
     if req.tools and req.tool_choice != "none":  # "none": the model must not call tools, so it does not see them
         tools = [t.model_dump(exclude_none=True) for t in req.tools]
-    messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    messages = [m.model_dump(exclude_none=True, exclude={"function_call", "audio"}) for m in req.messages]
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     choice = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
     asked = req.model_dump(include={"tools", "tool_choice"}, exclude_none=True)
@@ -108,6 +109,22 @@ def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_
                breakpoints=req.prompt_cache_options is not None or any(
                    isinstance(m.content, list) and any(p.prompt_cache_breakpoint for p in m.content)
                    for m in req.messages), **_cache_options(req), ttl_seconds=_retention_ttl(req))
+
+
+def _renderable(req: ChatCompletionRequest) -> None:
+    """Refuse what would otherwise be dropped from the prompt or the answer without a word: strict function
+    schemas (the arguments are not constrained to them) and an earlier assistant turn's deprecated
+    ``function_call`` or ``audio`` (the conversation would lose it)."""
+    for i, tool in enumerate(req.tools or []):
+        if tool.function.strict:
+            raise InvalidRequestError("strict function schemas are not supported: this server does not constrain "
+                                      "a call's arguments to its schema (send strict false or leave it out)",
+                                      param=f"tools[{i}].function.strict")
+    for i, message in enumerate(req.messages):
+        for name, instead in (("function_call", "send it as tool_calls"), ("audio", "send its transcript as content")):
+            if getattr(message, name, None) is not None:
+                raise InvalidRequestError(f"an assistant message's {name} is not supported ({instead})",
+                                          param=f"messages[{i}].{name}")
 
 
 def completion_job(req: CompletionRequest, tenant: str, settings: Settings, vocab_size: int) -> Job:

@@ -81,6 +81,9 @@ class AssistantMessage(_Message):
     role: Literal["assistant"]
     content: Text | list[ContentPart] | None = None  # null beside tool_calls
     tool_calls: list[JSONObject] | None = None
+    # Earlier turns this server cannot render: declared so they are refused (``jobs``), not dropped.
+    function_call: SkipJsonSchema[JSONObject | None] = None
+    audio: SkipJsonSchema[JSONObject | None] = None
 
 
 class ToolMessage(_Message):
@@ -98,7 +101,7 @@ class FunctionDefinition(BaseModel):
     name: Text = Field(min_length=1, max_length=64)
     description: Text | None = None
     parameters: JSONObject | None = None
-    strict: bool | None = None
+    strict: bool | None = Field(None, description="Only false: arguments are not constrained to the schema.")
 
 
 class Tool(BaseModel):

@@ -158,6 +158,21 @@ def test_unsupported_openai_parameters_are_refused_not_ignored(server):
         assert err.value.body["param"] == param, kwargs
 
 
+def test_an_earlier_turn_the_prompt_would_lose_is_refused(server):
+    """An earlier assistant turn's deprecated function_call or its audio is a 400 naming it, never dropped from
+    the prompt (strict tool schemas: test_proxy_tool_calls)."""
+    client = server.openai(ALPHA)
+    asked, answer, again = ({"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+                            {"role": "user", "content": "x"})
+    for extra, param in (({"function_call": {"name": "f", "arguments": "{}"}}, "messages[1].function_call"),
+                         ({"audio": {"id": "audio_1"}}, "messages[1].audio")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=[asked, {**answer, **extra}, again], max_tokens=2)
+        assert err.value.body["param"] == param
+    ok = client.chat.completions.create(model=MODEL, messages=[asked, answer, again], max_tokens=2)
+    assert ok.choices[0].message.content is not None
+
+
 def test_tools_the_template_cannot_render_are_refused(server):
     """SmolLM2's template has no tools section: the tools are refused, never dropped in silence."""
     parameters = {"type": "object", "properties": {"id": {"type": "string"}}}

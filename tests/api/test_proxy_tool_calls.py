@@ -141,6 +141,19 @@ def test_required_and_named_calls_the_model_makes_are_served(family_server):
     assert r.stop_reason == "tool_use"
 
 
+def test_a_strict_schema_is_refused_since_the_arguments_are_not_held_to_it(family_server):
+    """strict true promises arguments that match the schema; nothing here constrains them, so it is a 400 naming
+    the field, while strict false is served."""
+    _, _, srv = family_server
+    client = openai_client(srv)
+    strict = [{**WEATHER, "function": {**WEATHER["function"], "strict": True}}, CLOCK]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=strict)
+    assert err.value.body["param"] == "tools[0].function.strict"
+    loose = [{**WEATHER, "function": {**WEATHER["function"], "strict": False}}, CLOCK]
+    assert client.chat.completions.create(model=MODEL, messages=ASK, tools=loose).choices[0].finish_reason
+
+
 def test_a_required_or_named_call_the_model_does_not_make_is_an_error(family_server, caplog):
     family, _, srv = family_server
     with srv.client(ADMIN) as admin:
