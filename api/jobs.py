@@ -7,7 +7,8 @@ the chat template; the model's calls parsed in its template's syntax, ``tool_cal
 parallel_tool_calls; prompt_cache_options and prompt_cache_breakpoint (``serving/prompt_cache.py``),
 prompt_cache_retention, and the diagnostics extension.
 Refused with a 400 naming the parameter, here: logprobs, suffix, response_format
-other than text, strict function schemas, an assistant message's function_call or audio, max_tokens over the server's limit, SGLang's extensions (which
+other than text, strict function schemas, an earlier assistant message's function_call, audio
+or refusal text, max_tokens over the server's limit, SGLang's extensions (which
 sglang-router adds to every chat body) with a value other than what this server does
 (``no_stop_trim``, ``skip_special_tokens``, ``return_hidden_states``); by the schema (``protocol``):
 n > 1, best_of > 1, token-id or multi-prompt completions, non-text content parts.
@@ -95,7 +96,7 @@ def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_
     tools = None
     if req.tools and req.tool_choice != "none":  # "none": the model must not call tools, so it does not see them
         tools = [t.model_dump(exclude_none=True) for t in req.tools]
-    messages = [m.model_dump(exclude_none=True, exclude={"function_call", "audio"}) for m in req.messages]
+    messages = [m.model_dump(exclude_none=True, exclude={"function_call", "audio", "refusal"}) for m in req.messages]
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     choice = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
     asked = req.model_dump(include={"tools", "tool_choice"}, exclude_none=True)
@@ -114,14 +115,15 @@ def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_
 def _renderable(req: ChatCompletionRequest) -> None:
     """Refuse what would otherwise be dropped from the prompt or the answer without a word: strict function
     schemas (the arguments are not constrained to them) and an earlier assistant turn's deprecated
-    ``function_call`` or ``audio`` (the conversation would lose it)."""
+    ``function_call``, ``audio`` or ``refusal`` text (the conversation would lose it)."""
     for i, tool in enumerate(req.tools or []):
         if tool.function.strict:
             raise InvalidRequestError("strict function schemas are not supported: this server does not constrain "
                                       "a call's arguments to its schema (send strict false or leave it out)",
                                       param=f"tools[{i}].function.strict")
     for i, message in enumerate(req.messages):
-        for name, instead in (("function_call", "send it as tool_calls"), ("audio", "send its transcript as content")):
+        for name, instead in (("function_call", "send it as tool_calls"), ("audio", "send its transcript as content"),
+                              ("refusal", "send its text as content")):
             if getattr(message, name, None) is not None:
                 raise InvalidRequestError(f"an assistant message's {name} is not supported ({instead})",
                                           param=f"messages[{i}].{name}")

@@ -5,7 +5,9 @@ and a sampling option we silently dropped would change answers without a word. E
 OpenAI sampling parameter is declared; the ones the proxy cannot honour are refused
 with a 400, by the schema itself where it can say so (``n`` is at most 1) and
 otherwise in ``jobs.py``. Chat messages ignore extra keys (clients echo back
-``refusal``, ``annotations``…), and the canonicalizer drops them anyway.
+``annotations``…), and the canonicalizer drops them anyway; an assistant message's
+``function_call``, ``audio`` and ``refusal`` are declared, so ``jobs.py`` refuses them
+rather than drop part of the conversation (a null ``refusal``, as echoed, is fine).
 """
 from __future__ import annotations
 
@@ -84,6 +86,7 @@ class AssistantMessage(_Message):
     # Earlier turns this server cannot render: declared so they are refused (``jobs``), not dropped.
     function_call: SkipJsonSchema[JSONObject | None] = None
     audio: SkipJsonSchema[JSONObject | None] = None
+    refusal: SkipJsonSchema[Text | None] = None  # null as echoed back from this server's answers
 
 
 class ToolMessage(_Message):

@@ -159,17 +159,19 @@ def test_unsupported_openai_parameters_are_refused_not_ignored(server):
 
 
 def test_an_earlier_turn_the_prompt_would_lose_is_refused(server):
-    """An earlier assistant turn's deprecated function_call or its audio is a 400 naming it, never dropped from
-    the prompt (strict tool schemas: test_proxy_tool_calls)."""
+    """An earlier assistant turn's deprecated function_call, its audio or its refusal text is a 400 naming it,
+    never dropped from the prompt (strict tool schemas: test_proxy_tool_calls)."""
     client = server.openai(ALPHA)
     asked, answer, again = ({"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
                             {"role": "user", "content": "x"})
     for extra, param in (({"function_call": {"name": "f", "arguments": "{}"}}, "messages[1].function_call"),
-                         ({"audio": {"id": "audio_1"}}, "messages[1].audio")):
+                         ({"audio": {"id": "audio_1"}}, "messages[1].audio"),
+                         ({"refusal": "I cannot help with that."}, "messages[1].refusal")):
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model=MODEL, messages=[asked, {**answer, **extra}, again], max_tokens=2)
         assert err.value.body["param"] == param
-    ok = client.chat.completions.create(model=MODEL, messages=[asked, answer, again], max_tokens=2)
+    echoed = {**answer, "content": "hello", "refusal": None}  # as a client sends back this server's answer
+    ok = client.chat.completions.create(model=MODEL, messages=[asked, echoed, again], max_tokens=2)
     assert ok.choices[0].message.content is not None
 
 
