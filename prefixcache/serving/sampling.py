@@ -180,6 +180,8 @@ class Sampler:
     @staticmethod
     def uniform(generator: torch.Generator) -> float:
         """The uniform variate in [0, 1) an unseeded draw inverts, from the request's own generator."""
+        if generator is None:  # torch would draw from the process's global RNG, which other callers seed
+            raise ValueError("a sampled request draws from its own generator, never the global RNG")
         return float(torch.rand((), dtype=torch.float64, generator=generator))
 
     def _context(self, prompt: Sequence[int], output: Sequence[int]) -> torch.Tensor:

@@ -212,3 +212,12 @@ def test_the_nucleus_of_a_whole_vocabulary_is_the_warpers_rule(seed, top_p, voca
     differ = (got != want).nonzero()[:, 0]
     assert all(abs(float(before[t]) - top_p) < 1e-5 for t in differ.tolist()), differ
     assert got.sum() >= 1
+
+
+def test_a_uniform_variate_never_comes_from_the_global_rng():
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    with pytest.raises(ValueError, match="own generator"):
+        Sampler.uniform(None)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert 0.0 <= Sampler.uniform(torch.Generator().manual_seed(1)) < 1.0
