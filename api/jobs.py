@@ -96,7 +96,7 @@ def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_
     tools = None
     if req.tools and req.tool_choice != "none":  # "none": the model must not call tools, so it does not see them
         tools = [t.model_dump(exclude_none=True) for t in req.tools]
-    messages = [m.model_dump(exclude_none=True, exclude={"function_call", "audio", "refusal"}) for m in req.messages]
+    messages = [m.model_dump(exclude_none=True) for m in req.messages]  # ``_renderable``: the refused fields are None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     choice = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
     asked = req.model_dump(include={"tools", "tool_choice"}, exclude_none=True)

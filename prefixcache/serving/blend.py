@@ -89,12 +89,18 @@ class BlendOutcome:
     written (room: at least n - 1, as the caller asked)."""
 
     buffer: torch.Tensor
-    reused: int  # chunk tokens whose stored KV was used as is (re-rotated)
-    recomputed: int  # chunk tokens recomputed in context
     stored: int  # chunk tokens computed alone and stored by this request (chunks not found)
     exact: int  # leading tokens whose KV equals a full prefill's
-    reused_at: torch.Tensor  # long [reused]: the positions of those reused tokens, sorted
-    recomputed_at: torch.Tensor  # long [recomputed]: the positions of those recomputed, sorted
+    reused_at: torch.Tensor  # long: the positions of chunk tokens whose stored KV was used as is (re-rotated), sorted
+    recomputed_at: torch.Tensor  # long: the positions of chunk tokens recomputed in context, sorted
+
+    @property
+    def reused(self) -> int:
+        return int(self.reused_at.numel())
+
+    @property
+    def recomputed(self) -> int:
+        return int(self.recomputed_at.numel())
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,7 +188,7 @@ class Blender:
                 blend_forward(self.model, ids, BlendCache(buffer, rows.to(layout.device)))
         approximate = torch.nonzero(reused_mask & ~compute).flatten()
         exact = int(approximate[0]) if approximate.numel() else end
-        return BlendOutcome(buffer, int(approximate.numel()), int(selected.numel()), stored, exact, approximate, selected)
+        return BlendOutcome(buffer, stored, exact, approximate, selected)
 
     def stored(self, prompt: Sequence[int], request: BlendRequest, cached: int, scope: Scope) -> int:
         """Tokens of the chunks ending after ``cached`` already stored under ``scope`` (a look: nothing pinned)."""

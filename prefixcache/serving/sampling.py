@@ -121,7 +121,7 @@ class Sampler:
     A seeded request draws as ``generate()`` does (``torch.multinomial``: one exponential variate per
     vocabulary entry), so a seed gives ``generate()``'s tokens. An unseeded one draws from the same
     distribution by inverting its cumulative sum with one uniform variate (``draw_inverse``): about a
-    twentieth of the host time for a vocabulary of tens of thousands, which a batched step pays per
+    tenth of the host time for a vocabulary of tens of thousands, which a batched step pays per
     sampled row.
     """
 
@@ -274,7 +274,7 @@ def draw_rows(scores: torch.Tensor, warps: Sequence[tuple[float, int, float]], u
         out[rows] = _draw_sorted(values, index, drop[rows], u[rows], nucleus)
     tokens = out.tolist()
     if -1 in tokens:
-        raise RuntimeError("probability tensor contains either inf, nan or element < 0, or sums to zero")
+        raise RuntimeError(NOT_A_DISTRIBUTION)
     return tokens
 
 
@@ -288,27 +288,33 @@ def _draw_sorted(values: torch.Tensor, index: torch.Tensor, drop: torch.Tensor, 
         gone = values.flip(1).softmax(dim=1).cumsum(dim=1).flip(1) <= drop[:, None]
         gone[:, 0] = False  # the likeliest token always stays
         values = values.masked_fill(gone, float("-inf"))
-    probs = values.softmax(dim=1)
+    at = _invert(values.softmax(dim=1), u)
+    return torch.where(at >= 0, index.gather(1, at.clamp(min=0)[:, None])[:, 0], -1)
+
+
+#: What a draw from scores that are no distribution raises (as ``torch.multinomial`` says it).
+NOT_A_DISTRIBUTION = "probability tensor contains either inf, nan or element < 0, or sums to zero"
+
+
+def _invert(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs: [R, m] non-negative; u: [R] in [0, 1). Per row, the position whose cumulative-probability interval
+    holds ``u`` of the row's total, never one of probability zero; -1 where the row sums to no finite positive
+    total."""
     cdf = probs.to(torch.float64).cumsum(dim=1)
     total = cdf[:, -1:].contiguous()
-    last = values.shape[1] - 1
+    last = probs.shape[1] - 1
     at = torch.searchsorted(cdf, u[:, None] * total, right=True).clamp(max=last)
-    # u * total rounded up to the total: the last token with any probability instead
-    at = torch.where(probs.gather(1, at) > 0, at, torch.searchsorted(cdf, total).clamp(max=last))
-    token = index.gather(1, at)[:, 0]
-    return torch.where(torch.isfinite(total[:, 0]) & (total[:, 0] > 0), token, -1)
+    # u * total rounded up to the total: the last position with any probability instead
+    at = torch.where(probs.gather(1, at) > 0, at, torch.searchsorted(cdf, total).clamp(max=last))[:, 0]
+    return torch.where(torch.isfinite(total[:, 0]) & (total[:, 0] > 0), at, -1)
 
 
 def draw_inverse(probs: torch.Tensor, u: float) -> int:
     """The token whose cumulative-probability interval holds ``u`` (in [0, 1)) of the total: a draw from
     ``probs`` ([V], non-negative, not all zero), never a token of probability zero."""
-    cdf = probs.to(torch.float64).cumsum(0)
-    total = float(cdf[-1])
-    if not (math.isfinite(total) and total > 0):
-        raise RuntimeError("probability tensor contains either inf, nan or element < 0, or sums to zero")
-    token = int(torch.searchsorted(cdf, torch.tensor([u * total], dtype=torch.float64), right=True))
-    if token >= probs.numel() or probs[token] <= 0:  # u * total rounded up to the total: the last likely token
-        token = int(torch.nonzero(probs > 0)[-1])
+    token = int(_invert(probs[None], torch.tensor([u], dtype=torch.float64))[0])
+    if token < 0:
+        raise RuntimeError(NOT_A_DISTRIBUTION)
     return token
 
 
