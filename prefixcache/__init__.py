@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         PrefixCacheError,
         RequestCancelledError,
         TierPurgeError,
+        ToolArgumentsError,
         ToolCallError,
         UnsupportedModelError,
     )
@@ -44,7 +45,8 @@ if TYPE_CHECKING:
 #: Every error class a caller may catch (``prefixcache.errors``; each derives from ``PrefixCacheError``).
 _ERRORS = ("CacheClosedError", "CapacityError", "ConfigError", "ContextLengthExceededError", "EngineFaultError", "GenerationTimeoutError",
            "InvalidRequestError", "KVMemoryError", "ModelLoadError", "PinQuotaExceededError", "PrefixCacheError",
-           "RequestCancelledError", "TierPurgeError", "ToolCallError", "UnsupportedModelError")
+           "RequestCancelledError", "TierPurgeError", "ToolArgumentsError", "ToolCallError",
+           "UnsupportedModelError")
 
 #: Each public name and the module that defines it.
 _HOMES = {

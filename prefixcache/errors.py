@@ -103,3 +103,8 @@ class CacheClosedError(PrefixCacheError, RuntimeError):
 
 class ToolCallError(PrefixCacheError, RuntimeError):
     """``tool_choice`` asked for a call (any, or to a named tool) that the model's answer does not make."""
+
+
+class ToolArgumentsError(PrefixCacheError, RuntimeError):
+    """The model called a strict tool with arguments that do not match its schema (or are not a JSON object):
+    the answer is not served, since a strict tool promises arguments that match."""

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefixcache import PrefixCache, ToolCall, ToolCallError
+from prefixcache import PrefixCache, ToolArgumentsError, ToolCall, ToolCallError
 from prefixcache.errors import InvalidRequestError
 from tests.support.tool_templates import CALL_START, family_tokenizer, scripted_model
 
@@ -43,3 +43,15 @@ def test_a_forced_call_the_answer_lacks_raises(hermes):
         hermes.chat(ASK, tools=[WEATHER], tool_choice="required", stop=[CALL_START["hermes"]], max_new_tokens=16)
     with pytest.raises(InvalidRequestError, match="not one of the tools"):
         hermes.chat(ASK, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def test_a_strict_tools_call_is_held_to_its_schema(hermes):
+    schema = {**WEATHER["function"]["parameters"], "required": ["city"], "additionalProperties": False}
+    served = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": schema}}
+    assert hermes.chat(ASK, tools=[served], max_new_tokens=16).tool_calls == (PARIS,)
+    london = {**schema, "properties": {"city": {"const": "London"}}}
+    with pytest.raises(ToolArgumentsError, match=r"\$\.city"):
+        hermes.chat(ASK, tools=[{**served, "function": {**served["function"], "parameters": london}}],
+                    max_new_tokens=16)
+    with pytest.raises(ToolArgumentsError, match=r"\$\.city"):
+        hermes.messages(ASK, max_tokens=16, tools=[{"name": "get_weather", "strict": True, "input_schema": london}])

@@ -18,16 +18,23 @@ opens with the family's JSON (``{`` or ``[``) is read as calls too.
 streamed and an unstreamed answer agree. Text before a call is released as it comes (less
 what could begin a marker). A call whose JSON does not parse, or that names a tool the
 request did not declare, is returned as the text the model wrote, and the reason logged.
+
+A call to a strict tool is checked against its schema as it is parsed, before it is returned (or
+streamed): arguments that do not match, or are not a JSON object, raise ``ToolArgumentsError``
+(``tool_schemas.py``).
 """
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from prefixcache.errors import InvalidRequestError, ToolCallError
+from jsonschema.protocols import Validator
+
+from prefixcache.errors import InvalidRequestError, ToolArgumentsError, ToolCallError
+from prefixcache.serving.tool_schemas import anthropic_strict, check_arguments, openai_strict
 
 log = logging.getLogger(__name__)
 
@@ -95,13 +102,16 @@ def tokenizer_family(tokenizer: Any) -> str | None:
 class ToolCallParser:
     """Splits an answer into ``Text`` and ``ToolCall`` pieces as it streams (see the module docstring).
 
-    ``tools``: the names the request declared (a call to another name stays text).
+    ``tools``: the names the request declared (a call to another name stays text); ``strict``: the strict
+    tools' schemas, each call to one checked (``ToolArgumentsError``).
     """
 
-    def __init__(self, family: str, tools: Collection[str], limit: int | None = None):
+    def __init__(self, family: str, tools: Collection[str], limit: int | None = None,
+                 strict: Mapping[str, Validator] | None = None):
         if family not in _SYNTAX:
             raise ValueError(f"unknown tool-call family {family!r}; one of {FAMILIES}")
         self._syntax, self._tools, self._limit = _SYNTAX[family], frozenset(tools), limit
+        self._strict = dict(strict or {})
         self._calls = 0
         self._buffer = ""  # text not yet released
         self._inside = False  # in a call: the buffer holds its body
@@ -212,10 +222,20 @@ class ToolCallParser:
             try:
                 args = json.loads(args)
             except ValueError:
-                return f"the arguments of {name!r} are a string that is not JSON"
+                return self._broken(name, "a string that is not JSON")
         if not isinstance(args, dict):
-            return f"the arguments of {name!r} are not a JSON object"
+            return self._broken(name, "not a JSON object")
+        if name in self._strict:
+            check_arguments(name, args, self._strict[name])
         return ToolCall(name, json.dumps(args, ensure_ascii=False))
+
+    def _broken(self, name: str, what: str) -> str:
+        """Why a call's arguments are unusable: text of a loose tool's call, an error for a strict one's."""
+        reason = f"the arguments of {name!r} are {what}"
+        if name in self._strict:
+            log.warning("strict tool call not served: %s", reason)
+            raise ToolArgumentsError(f"the model called strict tool {name!r} with arguments that are {what}")
+        return reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,9 +248,10 @@ class ToolUse:
     names: frozenset[str]
     choice: str = "auto"
     parallel: bool = True
+    strict: Mapping[str, Validator] = field(default_factory=dict)  # the strict tools' schemas (``tool_schemas``)
 
     def parser(self) -> ToolCallParser:
-        return ToolCallParser(self.family, self.names, None if self.parallel else 1)
+        return ToolCallParser(self.family, self.names, None if self.parallel else 1, self.strict)
 
     def check(self, pieces: list[Piece]) -> list[Piece]:
         """``pieces``, once ``check_choice`` accepts their calls."""
@@ -244,11 +265,12 @@ class ToolUse:
 
 
 def tool_use(family: str | None, names: Collection[str], choice: str | None, parallel: bool = True,
-             param: str = "tool_choice") -> ToolUse | None:
+             param: str = "tool_choice", strict: Mapping[str, Validator] | None = None) -> ToolUse | None:
     """How a request's answer is read for calls (None: as plain text), or ``InvalidRequestError``.
 
     ``choice``: None or "auto", "none" (the tools are hidden: no calls), "required", or a declared tool's
     name. A request forcing a call needs tools, and a template whose call syntax is known (``family``).
+    ``strict``: the strict tools' schemas (``tool_schemas``), their calls checked against them.
     """
     names = frozenset(names)
     if choice == "none":
@@ -266,32 +288,35 @@ def tool_use(family: str | None, names: Collection[str], choice: str | None, par
         return None
     if not names:
         return None
-    return ToolUse(family, names, "auto" if choice is None else choice, parallel)
+    return ToolUse(family, names, "auto" if choice is None else choice, parallel, dict(strict or {}))
 
 
 def openai_tool_use(family: str | None, tools: Sequence[Any] | None, choice: str | dict[str, Any] | None,
                     parallel: bool | None = None) -> ToolUse | None:
     """``tool_use`` of an OpenAI-shaped request: ``tools`` of ``{"type": "function", "function": {"name"}}``,
-    ``choice`` a string or ``{"type": "function", "function": {"name": ...}}``."""
+    ``choice`` a string or ``{"type": "function", "function": {"name": ...}}``. A strict function's schema
+    is checked (``tool_schemas.openai_strict``) whatever ``choice`` is."""
+    strict = openai_strict(tools)
     if isinstance(choice, dict):
         choice = (choice.get("function") or {}).get("name")
         if not isinstance(choice, str):
             raise InvalidRequestError("a tool_choice object names a function: {'type': 'function', 'function': "
                                       "{'name': ...}}", param="tool_choice")
     names = [(t.get("function") or {}).get("name") for t in tools or [] if isinstance(t, dict)]
-    return tool_use(family, [n for n in names if isinstance(n, str)], choice, parallel is not False)
+    return tool_use(family, [n for n in names if isinstance(n, str)], choice, parallel is not False, strict=strict)
 
 
 def anthropic_tool_use(family: str | None, tools: Sequence[Any] | None,
                        choice: dict[str, Any] | None) -> ToolUse | None:
-    """``tool_use`` of an Anthropic-shaped request: ``tools`` of ``{"name", ...}``, ``choice``
-    ``{"type": "auto" | "any" | "tool" | "none", "name", "disable_parallel_tool_use"}``."""
+    """``tool_use`` of an Anthropic-shaped request: ``tools`` of ``{"name", "input_schema", "strict"}``,
+    ``choice`` ``{"type": "auto" | "any" | "tool" | "none", "name", "disable_parallel_tool_use"}``."""
+    strict = anthropic_strict(tools)
     choice = choice if isinstance(choice, dict) else {}
     kind = choice.get("type")
     names = [t.get("name") for t in tools or [] if isinstance(t, dict)]
     return tool_use(family, [n for n in names if isinstance(n, str)],
                     {"any": "required", "tool": choice.get("name")}.get(kind, kind),
-                    not choice.get("disable_parallel_tool_use"), param="tool_choice.type")
+                    not choice.get("disable_parallel_tool_use"), param="tool_choice.type", strict=strict)
 
 
 def parse(family: str, tools: Collection[str], text: str) -> list[Piece]:

@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from prefixcache.errors import ToolCallError
+from prefixcache.errors import InvalidRequestError, ToolArgumentsError, ToolCallError
 from prefixcache.serving.tool_calls import (
     Text,
     ToolCall,
@@ -14,9 +14,11 @@ from prefixcache.serving.tool_calls import (
     check_choice,
     family_of,
     merge_texts,
+    openai_tool_use,
     parse,
     text_of,
 )
+from prefixcache.serving.tool_schemas import anthropic_strict, check_arguments, openai_strict
 
 TOOLS = ("get_weather", "get_time")
 PARIS = ToolCall("get_weather", '{"city": "Paris"}')
@@ -104,3 +106,63 @@ def test_tool_choice_is_checked():
     with pytest.raises(ToolCallError, match="'get_time'"):
         check_choice([PARIS], "get_time")
     assert PARIS.input == {"city": "Paris"}
+
+
+def strict_weather(city: dict) -> list[dict]:
+    return [{"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+        "type": "object", "properties": {"city": city}, "required": ["city"], "additionalProperties": False}}}]
+
+
+def test_a_strict_call_is_checked_before_it_is_released():
+    """The text before the call is released as it streams; the call itself never is when it breaks its schema."""
+    parser = ToolCallParser("hermes", TOOLS, strict=openai_strict(strict_weather({"type": "integer"})))
+    assert parser.feed('Let me check.\n<tool_call>\n{"name": "get_weather", ') == [Text("Let me check.")]
+    with pytest.raises(ToolArgumentsError, match=r"at \$\.city: 'Paris' is not of type 'integer'"):
+        parser.feed('"arguments": {"city": "Paris"}}\n</tool_call>')
+    good = ToolCallParser("hermes", TOOLS, strict=openai_strict(strict_weather({"type": "string"})))
+    assert good.feed('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>') == [PARIS]
+
+
+@pytest.mark.parametrize("arguments, what", [('"{city"', "a string that is not JSON"), ("[1]", "not a JSON object")])
+def test_a_strict_call_whose_arguments_are_no_object_is_an_error_a_loose_one_text(arguments, what):
+    text = f'<tool_call>{{"name": "get_weather", "arguments": {arguments}}}</tool_call>'
+    assert parse("hermes", TOOLS, text) == [Text(text)]
+    parser = ToolCallParser("hermes", TOOLS, strict=openai_strict(strict_weather({"type": "string"})))
+    with pytest.raises(ToolArgumentsError, match=what):
+        parser.feed(text)
+
+
+def test_openai_strict_schemas_follow_openais_rules():
+    nested = {"type": "object", "properties": {"place": {"$ref": "#/$defs/Place"}}, "required": ["place"],
+              "additionalProperties": False,
+              "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    tools = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": nested}}]
+    with pytest.raises(InvalidRequestError, match="#/\\$defs/Place: 'additionalProperties'") as err:
+        openai_tool_use("hermes", tools, None)
+    assert err.value.param == "tools[0].function.parameters"
+    with pytest.raises(InvalidRequestError, match="not a valid JSON schema"):  # checked even with the tools hidden
+        openai_tool_use("hermes", strict_weather({"type": "text"}), "none")
+    no_parameters = openai_strict([{"type": "function", "function": {"name": "f", "strict": True}}])
+    assert no_parameters["f"].is_valid({}) and not no_parameters["f"].is_valid({"x": 1})
+    # Anthropic's strict tools: any valid schema (OpenAI's rules are OpenAI's), refs only inside it.
+    assert anthropic_strict([{"name": "g", "strict": True, "input_schema": {"type": "object"}}])["g"].is_valid({})
+    with pytest.raises(InvalidRequestError, match="does not resolve"):
+        anthropic_strict([{"name": "g", "strict": True, "input_schema": {"$ref": "https://example.com/s.json"}}])
+    with pytest.raises(InvalidRequestError, match="must be a string"):
+        anthropic_strict([{"name": "g", "strict": True, "input_schema": {"$schema": True}}])
+    with pytest.raises(InvalidRequestError, match="patternProperties"):
+        anthropic_strict([{"name": "g", "strict": True, "input_schema": {"patternProperties": {"^x": {}}}}])
+    looping = anthropic_strict([{"name": "g", "strict": True, "input_schema": {"$ref": "#"}}])
+    with pytest.raises(InvalidRequestError, match="loop"):
+        check_arguments("g", {}, looping["g"])
+
+
+def test_a_pattern_that_backtracks_without_end_is_given_up_not_waited_for():
+    """The caller's pattern meets the model's text on the event loop: past its time bound the call is not served."""
+    validator = anthropic_strict([{"name": "g", "strict": True, "input_schema": {
+        "type": "object", "properties": {"word": {"type": "string", "pattern": "^(a|aa)+$"}}}}])["g"]
+    check_arguments("g", {"word": "aaaa"}, validator)
+    with pytest.raises(ToolArgumentsError, match="does not match"):
+        check_arguments("g", {"word": "ab"}, validator)
+    with pytest.raises(ToolArgumentsError, match=r"at \$\.word: .* took over .* s to match"):
+        check_arguments("g", {"word": "a" * 40 + "!"}, validator)
