@@ -26,6 +26,7 @@ from prefixcache.errors import (
     PinQuotaExceededError,
     RequestCancelledError,
     TierPurgeError,
+    ToolArgumentsError,
     ToolCallError,
     UnsupportedModelError,
 )
@@ -153,6 +154,8 @@ def map_exception(exc: BaseException) -> Mapped:
     if isinstance(exc, ToolCallError):  # the request was fine; the model's answer broke its tool_choice
         return Mapped(422, ErrorDetail(message=str(exc), type="invalid_request_error", param="tool_choice",
                                        code="tool_call_missing"))
+    if isinstance(exc, ToolArgumentsError):  # the model broke a strict tool's schema: a generation failure
+        return Mapped(500, ErrorDetail(message=str(exc), type="server_error", code="tool_arguments_invalid"))
     if isinstance(exc, GenerationTimeoutError):
         return Mapped(504, ErrorDetail(message=str(exc), type="timeout_error", code="request_timeout"))
     if isinstance(exc, RequestCancelledError):  # the client left (or the server shuts down): nobody reads this
@@ -307,7 +310,7 @@ def install(app: FastAPI, retry_after: int, on_error: Callable[[Request, int], N
     app.add_exception_handler(RequestValidationError, validation)
     app.add_exception_handler(StarletteHTTPException, http_error)
     for kind in (ProxyError, InvalidRequestError, ConfigError, CapacityError, UnsupportedModelError, EngineFaultError,
-                 GenerationTimeoutError, RequestCancelledError, TierPurgeError, ToolCallError, CacheClosedError,
-                 RecursionError):
+                 GenerationTimeoutError, RequestCancelledError, TierPurgeError, ToolCallError, ToolArgumentsError,
+                 CacheClosedError, RecursionError):
         app.add_exception_handler(kind, known)
     app.add_exception_handler(Exception, unexpected)

@@ -6,8 +6,9 @@ the chat template; the model's calls parsed in its template's syntax, ``tool_cal
 "none" (tools hidden), "auto", "required" and a named tool (an answer without the call is an error),
 parallel_tool_calls; prompt_cache_options and prompt_cache_breakpoint (``serving/prompt_cache.py``),
 prompt_cache_retention, and the diagnostics extension.
+Strict functions: their calls are validated against their schemas (``tool_schemas.py``).
 Refused with a 400 naming the parameter, here: logprobs, suffix, response_format
-other than text, strict function schemas, an earlier assistant message's function_call, audio
+other than text, an earlier assistant message's function_call, audio
 or refusal text, max_tokens over the server's limit, SGLang's extensions (which
 sglang-router adds to every chat body) with a value other than what this server does
 (``no_stop_trim``, ``skip_special_tokens``, ``return_hidden_states``); by the schema (``protocol``):
@@ -113,14 +114,8 @@ def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_
 
 
 def _renderable(req: ChatCompletionRequest) -> None:
-    """Refuse what would otherwise be dropped from the prompt or the answer without a word: strict function
-    schemas (the arguments are not constrained to them) and an earlier assistant turn's deprecated
-    ``function_call``, ``audio`` or ``refusal`` text (the conversation would lose it)."""
-    for i, tool in enumerate(req.tools or []):
-        if tool.function.strict:
-            raise InvalidRequestError("strict function schemas are not supported: this server does not constrain "
-                                      "a call's arguments to its schema (send strict false or leave it out)",
-                                      param=f"tools[{i}].function.strict")
+    """Refuse what would otherwise be dropped from the prompt without a word: an earlier assistant turn's
+    deprecated ``function_call``, ``audio`` or ``refusal`` text (the conversation would lose it)."""
     for i, message in enumerate(req.messages):
         for name, instead in (("function_call", "send it as tool_calls"), ("audio", "send its transcript as content"),
                               ("refusal", "send its text as content")):

@@ -104,7 +104,10 @@ class FunctionDefinition(BaseModel):
     name: Text = Field(min_length=1, max_length=64)
     description: Text | None = None
     parameters: JSONObject | None = None
-    strict: bool | None = Field(None, description="Only false: arguments are not constrained to the schema.")
+    strict: bool | None = Field(None, description="true: the model's calls are validated against parameters, "
+                                "which must set additionalProperties false and require every property on each "
+                                "object (else 400); a call that does not match is an error (500 "
+                                "tool_arguments_invalid), never an answer.")
 
 
 class Tool(BaseModel):

@@ -77,6 +77,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (422, "tool_choice required a tool call the model's answer does not make (tool_call_missing)"),
         (429, "Queue full, the key's rate or places in flight exceeded (Retry-After), or a pin over the "
               "tenant's pin quota"),
+        (500, "The model called a strict tool with arguments that do not match its schema "
+              "(tool_arguments_invalid)"),
         (503, "Not ready, shutting down or out of cache capacity (Retry-After)"), (504, "Timed out"))}
 
 

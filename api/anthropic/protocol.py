@@ -76,6 +76,8 @@ class ToolDefinition(BaseModel):
     input_schema: JSONObject
     type: Literal["custom"] | None = None
     cache_control: CacheControl | None = None
+    strict: bool | None = Field(None, description="true: the model's calls are validated against input_schema; "
+                                "one that does not match is an error (500 api_error), never an answer.")
 
 
 class ToolChoice(BaseModel):

@@ -51,7 +51,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (404, "not_found_error: unknown model"), (413, "request_too_large"),
         (422, "invalid_request_error: tool_choice required a tool call the answer does not make"),
         (429, "rate_limit_error: queue full"),
-        (500, "api_error"), (504, "timeout_error"), (529, "overloaded_error: not ready or shutting down"))}
+        (500, "api_error: also a strict tool's call whose arguments do not match its schema"), (504, "timeout_error"), (529, "overloaded_error: not ready or shutting down"))}
 
 
 @router.post("/v1/messages", response_model=Message, responses={**_ERRORS, **SSE_RESPONSE})

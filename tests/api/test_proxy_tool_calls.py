@@ -7,6 +7,7 @@ import json
 
 import anthropic
 import openai
+import pydantic
 import pytest
 from anthropic.types import Message as AnthropicMessage
 from hypothesis import HealthCheck, given, settings
@@ -141,23 +142,97 @@ def test_required_and_named_calls_the_model_makes_are_served(family_server):
     assert r.stop_reason == "tool_use"
 
 
-def test_a_strict_schema_is_refused_since_the_arguments_are_not_held_to_it(family_server):
-    """strict true promises arguments that match the schema; nothing here constrains them, so it is a 400 naming
-    the field, while strict false is served."""
+class GetWeather(pydantic.BaseModel):
+    city: str
+
+
+def strict(tool: dict, **parameters) -> dict:
+    """``tool`` as a strict function, its parameters as OpenAI's strict mode wants them (changed by ``parameters``)."""
+    schema = {**tool["function"]["parameters"], "additionalProperties": False, **parameters}
+    return {**tool, "function": {**tool["function"], "strict": True, "parameters": schema}}
+
+
+#: get_weather strict, with a schema the scripted call {"city": "Paris"} does not match.
+LONDON_ONLY = strict(WEATHER, properties={"city": {"type": "string", "enum": ["London"]}})
+
+
+def request_errors(srv, route: str, status: int) -> float:
+    """``prefixcache_request_errors_total`` of ``route`` and ``status``."""
+    with srv.client(ADMIN) as admin:
+        text = admin.get("/metrics").text
+    label = f'prefixcache_request_errors_total{{route="{route}",status="{status}"}} '
+    return next((float(line[len(label):]) for line in text.splitlines() if line.startswith(label)), 0.0)
+
+
+def test_a_strict_call_that_matches_its_schema_is_served(family_server):
+    """strict true is accepted (pydantic_function_tool sets it) and a call that matches its schema is served,
+    streamed and not, on both APIs."""
     _, _, srv = family_server
     client = openai_client(srv)
-    strict = [{**WEATHER, "function": {**WEATHER["function"], "strict": True}}, CLOCK]
-    with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model=MODEL, messages=ASK, tools=strict)
-    assert err.value.body["param"] == "tools[0].function.strict"
+    tools = [strict(WEATHER), strict(CLOCK, required=[])]
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls] == \
+        [("get_weather", PARIS)]
+    _, calls, finish = streamed_chat(client, messages=ASK, tools=tools)
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", PARIS)]
+    assert finish == "tool_calls"
+    parsed = client.chat.completions.parse(model=MODEL, messages=ASK, tools=[
+        openai.pydantic_function_tool(GetWeather, name="get_weather")])
+    assert parsed.choices[0].message.tool_calls[0].function.parsed_arguments == GetWeather(city="Paris")
+    claude = anthropic_client(srv)
+    tool = {**ANTHROPIC_TOOLS[0], "strict": True}
+    answer = claude.messages.create(model=MODEL, max_tokens=16, tools=[tool], messages=ASK)
+    assert [(b.name, b.input) for b in answer.content if b.type == "tool_use"] == [("get_weather", PARIS)]
+
+
+def test_a_strict_call_that_breaks_its_schema_is_an_error_never_an_answer(family_server):
+    """The arguments fail the schema: a 500 tool_arguments_invalid naming where (the stream's last event once it
+    has begun, before any of the call's deltas), counted as the 500 it is; on both APIs."""
+    _, _, srv = family_server
+    client = openai_client(srv)
+    before = request_errors(srv, "/v1/chat/completions", 500)
+    with pytest.raises(openai.InternalServerError, match=r"\$\.city") as err:
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=[LONDON_ONLY])
+    assert err.value.body["code"] == "tool_arguments_invalid" and err.value.body["type"] == "server_error"
+    with srv.client(ALPHA) as http:
+        streamed = http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK, "tools": [LONDON_ONLY],
+                                                            "stream": True})
+    chunks = sse_data(streamed.text)
+    assert chunks[-1]["error"]["code"] == "tool_arguments_invalid" and "$.city" in chunks[-1]["error"]["message"]
+    assert not any(choice["delta"].get("tool_calls") for chunk in chunks[:-1] for choice in chunk["choices"])
+    with pytest.raises(openai.APIError, match=r"\$\.city"):  # the official client raises the stream's error
+        streamed_chat(client, messages=ASK, tools=[LONDON_ONLY])
+    assert request_errors(srv, "/v1/chat/completions", 500) == before + 3
+    claude = anthropic_client(srv)
+    tool = {**ANTHROPIC_TOOLS[0], "strict": True, "input_schema": LONDON_ONLY["function"]["parameters"]}
+    body = dict(model=MODEL, max_tokens=16, tools=[tool], messages=ASK)
+    with pytest.raises(anthropic.InternalServerError, match=r"\$\.city"):
+        claude.messages.create(**body)
+    with pytest.raises(anthropic.APIStatusError, match=r"\$\.city"), claude.messages.stream(**body) as stream:
+        stream.get_final_message()
+
+
+def test_a_strict_schema_breaking_openais_rules_is_refused(family_server):
+    """As OpenAI: a strict function's objects must set additionalProperties false and require every property,
+    else a 400 naming the parameters (strict false takes any schema)."""
+    _, _, srv = family_server
+    client = openai_client(srv)
+    loose_object = {**WEATHER, "function": {**WEATHER["function"], "strict": True}}
+    for tools, rule in (([loose_object], "additionalProperties"), ([CLOCK, strict(WEATHER, required=[])], "required")):
+        with pytest.raises(openai.BadRequestError, match=rule) as err:
+            client.chat.completions.create(model=MODEL, messages=ASK, tools=tools)
+        assert err.value.body["param"] == f"tools[{len(tools) - 1}].function.parameters"
+    unresolved = strict(WEATHER, properties={"city": {"$ref": "https://example.com/city.json"}})
+    with pytest.raises(openai.BadRequestError, match=r"\$ref"):
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=[unresolved])
     loose = [{**WEATHER, "function": {**WEATHER["function"], "strict": False}}, CLOCK]
     assert client.chat.completions.create(model=MODEL, messages=ASK, tools=loose).choices[0].finish_reason
 
 
 def test_a_required_or_named_call_the_model_does_not_make_is_an_error(family_server, caplog):
     family, _, srv = family_server
-    with srv.client(ADMIN) as admin:
-        before = admin.get("/metrics").text
+    routes = ("/v1/chat/completions", "/v1/messages")
+    before = {status: [request_errors(srv, route, status) for route in routes] for status in (422, 500)}
     client, claude = openai_client(srv), anthropic_client(srv)
     cut = {"stop": [CALL_START[family]]}  # the answer ends before its call
     other = {"type": "function", "function": {"name": "get_time"}}
@@ -176,11 +251,9 @@ def test_a_required_or_named_call_the_model_does_not_make_is_an_error(family_ser
         client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
     assert "unhandled error" not in caplog.text  # a 422 of the model's answer is no bug
-    with srv.client(ADMIN) as admin:
-        after = admin.get("/metrics").text
-    for route in ("/v1/chat/completions", "/v1/messages"):  # counted as the 422 the client got, never a 500
-        label = f'prefixcache_request_errors_total{{route="{route}",status="%s"}}'
-        assert label % "422" in after and label % "500" not in after and label % "500" not in before
+    after = {status: [request_errors(srv, route, status) for route in routes] for status in (422, 500)}
+    # counted as the 422 the client got, never a 500
+    assert after[500] == before[500] and all(a > b for a, b in zip(after[422], before[422], strict=True))
 
 
 def test_a_broken_call_comes_back_as_text_never_a_500(family_server, caplog):
