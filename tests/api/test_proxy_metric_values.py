@@ -27,10 +27,10 @@ def value(samples, name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def ask(client, question: str) -> dict:
+def ask(client, question: str, system: str = SYSTEM) -> dict:
     r = client.post("/v1/chat/completions", json={
         "model": MODEL, "max_tokens": NEW, "temperature": 0, "ignore_eos": True,
-        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]})
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]})
     assert r.status_code == 200, r.text
     usage = r.json()["usage"]
     assert usage["completion_tokens"] == NEW
@@ -169,3 +169,23 @@ def test_outcomes_are_counted_as_the_help_defines_them(fresh):
     help_text = families["prefixcache_requests"].documentation
     assert "hit (the whole prompt but at most its last token came from the cache)" in help_text
     assert "partial (some of it did)" in help_text and "miss (none did)" in help_text
+
+
+def test_a_partial_hit_on_the_template_opening_alone_counts_in_requests_not_in_hits(fresh):
+    """Unrelated prompts share only the chat template's opening: the second reads just that from the cache, a
+    partial hit the requests basis counts, as its help says; the hits basis counts the exact repeat alone."""
+    weather = "Weather desk: forecasts for the coast, updated hourly. " * 8
+    with fresh.client(ALPHA) as alpha:
+        first = ask(alpha, "What is the refund window?")
+        other = ask(alpha, "Will it rain tomorrow?", system=weather)
+        repeat = ask(alpha, "Will it rain tomorrow?", system=weather)
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    assert 0 < other["prompt_tokens_details"]["cached_tokens"] < 8  # the template's opening, no more
+    assert repeat["prompt_tokens_details"]["cached_tokens"] == repeat["prompt_tokens"] - 1
+    m = metric_samples(fresh)
+    assert value(m, "prefixcache_hit_ratio", basis="requests") == pytest.approx(2 / 3)
+    assert value(m, "prefixcache_hit_ratio", basis="hits") == pytest.approx(1 / 3)
+    with fresh.client(ADMIN) as admin:
+        families = {f.name: f for f in text_string_to_metric_families(admin.get("/metrics").text)}
+    help_text = families["prefixcache_hit_ratio"].documentation
+    assert "template's opening" in help_text and "hits, of generations that read all of the prompt" in help_text
