@@ -257,7 +257,9 @@ def metrics_page() -> str:
         "",
         "Request counters hold answers delivered: a generation cut short (a timeout, a client gone, shutdown) "
         "is counted in `prefixcache_request_errors_total` only (`prefixcache_request_duration_seconds` and "
-        "`prefixcache_queue_wait_seconds` time it too). `prefixcache_hit_ratio` is the engine's own count, "
+        "`prefixcache_queue_wait_seconds` time it too); an answer complete just as its client leaves or its "
+        "time runs out is counted once, as served or as that error, never as both. "
+        "`prefixcache_hit_ratio` is the engine's own count, "
         "the one `/v1/cache/stats` reports as `hit_rate` and `token_hit_rate`: every generation it ran, those "
         "cut short included. So it differs from a ratio of the request counters, such as "
         "`sum(rate(prefixcache_requests_total{outcome=~\"hit|partial\"}[5m])) / "
