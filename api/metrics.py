@@ -34,7 +34,7 @@ TPOT = "prefixcache_time_per_output_token_seconds"  # histogram
 LOOKUP = "prefixcache_lookup_seconds"  # histogram
 QUEUE_WAIT = "prefixcache_queue_wait_seconds"  # histogram
 DURATION = "prefixcache_request_duration_seconds"  # histogram{endpoint}
-HIT_RATIO = "prefixcache_hit_ratio"  # gauge{basis}: requests | tokens, since start, cut-short generations included
+HIT_RATIO = "prefixcache_hit_ratio"  # gauge{basis}: requests | hits | tokens, since start, cut-short generations included
 CACHE_BYTES = "prefixcache_cache_bytes"  # gauge
 BUDGET_BYTES = "prefixcache_cache_budget_bytes"  # gauge
 PINNED_BYTES = "prefixcache_cache_pinned_bytes"  # gauge
@@ -204,11 +204,15 @@ class _EngineCollector:
             return
         r, running, waiting = state
         server = r.server
-        ratio = GaugeMetricFamily(HIT_RATIO, "Share of generations (partly) served from cache, and of their "
-                                  "prompt tokens, since start: every generation the engine ran, those cut short "
-                                  "included (as /v1/cache/stats' hit_rate and token_hit_rate), where "
+        ratio = GaugeMetricFamily(HIT_RATIO, "Share served from cache since start, by basis: requests, of "
+                                  "generations that read any prompt token from it (hit or partial; the chat "
+                                  "template's opening every prompt shares is enough, so it nears 1 on unrelated "
+                                  "prompts); hits, of generations that read all of the prompt but at most its last "
+                                  "token; tokens, of their prompt tokens. Every generation the engine ran, those "
+                                  "cut short included (as /v1/cache/stats' hit_rate and token_hit_rate), where "
                                   f"{REQUESTS}_total holds answers delivered.", labels=["basis"])
         ratio.add_metric(["requests"], r.counts.hit_rate)
+        ratio.add_metric(["hits"], r.counts.whole_hit_rate)
         ratio.add_metric(["tokens"], r.counts.token_hit_rate)
         yield ratio
         yield GaugeMetricFamily(CACHE_BYTES, "Bytes of KV held.", value=r.bytes)

@@ -36,6 +36,7 @@ from .metrics import Metrics
 from .settings import LOCAL_TENANT, Settings
 
 T = TypeVar("T")
+SERVED, CUT_SHORT = "served", "cut short"  # the two claims on a request's count (``Outcome``)
 Emit = Callable[[str, Any], None]
 log = logging.getLogger(__name__)
 
@@ -120,9 +121,10 @@ class Serving:
         """Run ``job`` to the end (in ``place``, if its request reserved one); 504 after the timeout, 499 if
         ``disconnected`` resolves first."""
         start = self._clock()
+        counted = Outcome()
         try:
-            fut, cancel = self._submit(lambda c: self._execute(job, c, None), job.tenant, place=place)
-            return await self._wait(fut, cancel, disconnected)
+            fut, cancel = self._submit(lambda c: self._execute(job, c, None, counted), job.tenant, place=place)
+            return await self._wait(fut, cancel, disconnected, counted)
         finally:
             self.metrics.duration.labels(job.endpoint).observe(self._clock() - start)
 
@@ -215,7 +217,9 @@ class Serving:
         return fut, cancel
 
     async def _wait(self, fut: asyncio.Future[T], cancel: threading.Event,
-                    disconnected: Callable[[], Awaitable[None]] | None) -> T:
+                    disconnected: Callable[[], Awaitable[None]] | None, counted: Outcome | None = None) -> T:
+        """``fut``'s result; 499 if ``disconnected`` resolves first, 504 after the timeout, unless the worker
+        already counted its answer as served in ``counted`` (that answer is then returned, counted once)."""
         try:
             outcome = await _race(fut, disconnected, self.settings.request_timeout_seconds)
         except asyncio.CancelledError:
@@ -224,13 +228,18 @@ class Serving:
         if outcome == "done":
             return _unwrap(fut)
         cancel.set()
+        if counted is not None and not counted.claim(CUT_SHORT):
+            await asyncio.wait([fut])  # handed over already: the worker is returning it
+            return _unwrap(fut)
         if outcome == "disconnected":
             raise ClientClosedError("the client closed the connection; the generation was cancelled")
         raise RequestTimeoutError(f"the request did not finish within {self.settings.request_timeout_seconds:g} s "
                                   "and was cancelled")
 
-    def _execute(self, job: Job, cancel: threading.Event, emit: Emit | None) -> GenerationResult:
-        """Worker thread: encode, check the context, generate, record metrics."""
+    def _execute(self, job: Job, cancel: threading.Event, emit: Emit | None,
+                 counted: Outcome | None = None) -> GenerationResult:
+        """Worker thread: encode, check the context, generate, record metrics (an answer as served unless
+        ``counted`` says its request's handler counted it cut short first)."""
         cache = self.cache
         prompt = None
         chunks: dict[str, Any] = {}  # a chat prompt's marked parts (``AnswerOptions.chunks``, ``unplaced``)
@@ -277,7 +286,7 @@ class Serving:
             result.stats.miss_reason, result.stats.cache_missed_tokens = miss.type, miss.cache_missed_input_tokens
         # A generation cut short (timeout, client gone, shutdown) is counted by its error status only, as when
         # the engine's own timer ends it first: the served-generation counters hold answers delivered.
-        if result.finish_reason != "cancelled":
+        if result.finish_reason != "cancelled" and (counted is None or counted.claim(SERVED)):
             self.metrics.observe(job.endpoint, job.tenant, result.stats)
             self.metrics.observe_cache_hints(job.tenant, job.cache_key, job.retention, result.stats)
         if self.request_log is not None:
@@ -306,6 +315,22 @@ class Serving:
         if not self.cache.config.cache_generated:
             return prompt_len
         return prompt_len + max(len(result.token_ids) - 1, 0)
+
+
+class Outcome:
+    """How a request that does not stream is counted, decided once: the first of its worker (an answer: served)
+    and its handler (its client gone or its time up: an error status) to claim it counts it; the other does not."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by: str | None = None
+
+    def claim(self, by: str) -> bool:
+        """Whether ``by`` (``SERVED`` or ``CUT_SHORT``) counts the request: it claimed it first."""
+        with self._lock:
+            if self._by is None:
+                self._by = by
+            return self._by == by
 
 
 class GenerationStream:

@@ -679,10 +679,9 @@ class PrefixCache:
     def _special_ids(self, generation_config: GenerationConfig | None,
                      kwargs: dict[str, Any]) -> tuple[int | None, list[int]]:
         """The pad id and the EOS ids (in their order) ``generate()`` uses: the call's, else its config's, else the
-        model's."""
-        configs = [c for c in (generation_config, self.model.generation_config) if c is not None]
-        pad = kwargs.get("pad_token_id", next((c.pad_token_id for c in configs if c.pad_token_id is not None), None))
-        eos = kwargs.get("eos_token_id", next((c.eos_token_id for c in configs if c.eos_token_id is not None), None))
+        model's (``SerialEngine.effective_config``)."""
+        config = self.dispatcher.serial_engine.effective_config(generation_config, kwargs)
+        pad, eos = config.pad_token_id, config.eos_token_id
         if isinstance(eos, torch.Tensor):
             eos = eos.flatten().tolist()
         return (None if pad is None else int(pad)), ([] if eos is None else [int(e) for e in (

@@ -249,7 +249,7 @@ def metrics_page() -> str:
         "Label values: `outcome` is `hit`, `partial`, `miss` or `bypass` (as `prefixcache_requests_total` "
         "says), of `prefixcache_blend_requests_total` `blended` or `prefilled`; `reason` of the eviction "
         "counters is `lru`, `ttl`, `quota` or `flush`, of `prefixcache_cache_miss_reasons_total` a "
-        "`cache_miss_reason.type`; `basis` is `requests` or `tokens`. Counters and histograms recorded as "
+        "`cache_miss_reason.type`; `basis` is `requests`, `hits` or `tokens`. Counters and histograms recorded as "
         "requests finish also expose `_created` series (those read from the engine at scrape time do not). "
         "`tenant` is a tenant the configuration names (an `api_keys` value, `admin_tenant`, or `default` in "
         "local mode) or one an admin prewarm names, never a value from a request, so the series stay as many "
@@ -257,12 +257,17 @@ def metrics_page() -> str:
         "",
         "Request counters hold answers delivered: a generation cut short (a timeout, a client gone, shutdown) "
         "is counted in `prefixcache_request_errors_total` only (`prefixcache_request_duration_seconds` and "
-        "`prefixcache_queue_wait_seconds` time it too). `prefixcache_hit_ratio` is the engine's own count, "
+        "`prefixcache_queue_wait_seconds` time it too); an answer complete just as its client leaves or its "
+        "time runs out is counted once, as served or as that error, never as both. "
+        "`prefixcache_hit_ratio` is the engine's own count, "
         "the one `/v1/cache/stats` reports as `hit_rate` and `token_hit_rate`: every generation it ran, those "
         "cut short included. So it differs from a ratio of the request counters, such as "
         "`sum(rate(prefixcache_requests_total{outcome=~\"hit|partial\"}[5m])) / "
         "sum(rate(prefixcache_requests_total[5m]))`, by the generations cut short (and that one covers a "
-        "window, not the time since start).",
+        "window, not the time since start). A partial hit may have read no more than the chat template's "
+        "opening, which every prompt shares: on unrelated prompts the `requests` basis (and that ratio) "
+        "nears 1 while the `tokens` basis stays low; the `hits` basis counts only generations that read "
+        "their whole prompt from the cache.",
         "",
         "The dashboard in `deploy/grafana/` queries these names (a test checks each one exists).",
         "",

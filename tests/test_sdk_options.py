@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from transformers import GenerationConfig
 
 from prefixcache import CacheConfig, InvalidRequestError, PrefixCache
 from prefixcache.cache.handles import EvictedSnapshot
@@ -168,6 +169,45 @@ def test_a_pad_id_in_the_prompt_is_masked_as_generate_masks_it(new_cache, batchi
     assert not torch.equal(masked, kept)  # the two readings differ: the test tells them apart
     same = ref.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=1)  # pad id = EOS id: nothing masked
     assert torch.equal(cache.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=1), same)
+
+
+@pytest.mark.parametrize("batching", [False, True])
+def test_a_passed_config_without_special_ids_takes_the_model_s_as_generate_does(new_cache, batching):
+    """generate() fills each field a passed GenerationConfig leaves unset from the model's config: the model's EOS
+    id ends the answer and its pad id is masked in the prompt, on both engines, cold and from the cache."""
+    model = build_tiny("llama-gqa")
+    ref = untouched(model)
+    ids = torch.tensor([[62, 17, 43, 5, 59, 0, 23, 8]])  # 0 is the model's pad id, inside the prompt
+    free = ref.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None)[0, 8:].tolist()
+    stop = free[2]
+    assert stop not in free[:2]
+    for m in (model, ref):
+        m.generation_config.eos_token_id = stop
+    passed = GenerationConfig(max_new_tokens=8, do_sample=False)
+    assert passed.pad_token_id is None and passed.eos_token_id is None
+    want = ref.generate(ids, generation_config=passed)
+    assert want[0, 8:].tolist() == free[:3]  # stopped at the model's EOS id
+    kept = ref.generate(ids, attention_mask=torch.ones_like(ids), generation_config=passed)
+    assert not torch.equal(want, kept)  # the pad id was masked: the test tells the two readings apart
+    cache = new_cache(model, None, CacheConfig(block_size=4), batching=batching, start_sweeper=False)
+    for _ in range(2):  # cold, then from the cache
+        assert torch.equal(cache.generate(ids, generation_config=passed), want)
+    assert cache.last_call.cached_tokens > 0
+
+
+@pytest.mark.parametrize("batching", [False, True])
+def test_a_passed_config_without_do_sample_samples_if_the_model_s_does(new_cache, batching):
+    model = build_tiny("llama-gqa")
+    ref = untouched(model)
+    for m in (model, ref):
+        m.generation_config.do_sample, m.generation_config.temperature = True, 1.5
+    ids, passed = torch.tensor([[62, 17, 43, 5, 59, 3, 23, 8]]), GenerationConfig(max_new_tokens=8)
+    cache = new_cache(model, None, CacheConfig(block_size=4), batching=batching, start_sweeper=False)
+    for _ in range(2):  # cold, then from the cache
+        torch.manual_seed(5)
+        want = ref.generate(ids, generation_config=passed)
+        assert torch.equal(cache.generate(ids, generation_config=passed, seed=5), want)
+    assert not torch.equal(want, ref.generate(ids, generation_config=passed, do_sample=False))
 
 
 @pytest.mark.parametrize("batching", [False, True])

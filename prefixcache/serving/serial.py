@@ -316,8 +316,12 @@ class SerialEngine:
         return WorkingCache.adopt(self.layout, built.buffer, n - 1), exact, False, tally
 
     def effective_config(self, generation_config: GenerationConfig | None, kwargs: dict[str, Any]) -> GenerationConfig:
-        """What ``generate()`` will use: the model's default (or the caller's) config updated by ``kwargs``."""
+        """What ``generate()`` will use: the caller's config (else the model's) with each field it leaves unset
+        taken from the model's, then ``kwargs`` on top, as transformers' ``_prepare_generation_config`` does
+        (less its global defaults: a field nobody sets stays None here)."""
         config = copy.deepcopy(generation_config or self.model.generation_config)
+        if generation_config is not None:
+            config.update(**self.model.generation_config.to_dict(), defaults_only=True, allow_custom_entries=True)
         config.update(**{k: v for k, v in kwargs.items() if hasattr(config, k)})
         return config
 

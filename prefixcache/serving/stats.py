@@ -24,7 +24,13 @@ class HitCounts:
 
     @property
     def hit_rate(self) -> float:
+        """Share of calls that read any prompt token from the cache (a template's opening is enough)."""
         return (self.hits + self.partial_hits) / self.queries if self.queries else 0.0
+
+    @property
+    def whole_hit_rate(self) -> float:
+        """Share of calls that read every reusable prompt token from the cache (hits)."""
+        return self.hits / self.queries if self.queries else 0.0
 
     #: Tokens of those calls: their prompts, the prompt tokens read from the cache, and those generated.
     prompt_tokens: int

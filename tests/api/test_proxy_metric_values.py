@@ -1,12 +1,22 @@
 """/metrics values (not just names) after a known sequence of requests, on a server of its own."""
 from __future__ import annotations
 
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 from prefixcache_api import create_app
+from prefixcache_api.errors import ClientClosedError
+from prefixcache_api.serving import CUT_SHORT, SERVED, Outcome
 from prometheus_client.parser import text_string_to_metric_families
 from proxy_support import ADMIN, ALPHA, BETA, MODEL, live, make_cache, metric_samples, settings, wait_until
 
-from tests.step_hooks import hold_until_cancelled
+from tests.step_hooks import HOLD_LIMIT, hold_until_cancelled
 
 SYSTEM = "Policy: refunds within 30 days, exchanges within 60, no questions asked. " * 8
 NEW = 4
@@ -27,10 +37,10 @@ def value(samples, name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def ask(client, question: str) -> dict:
+def ask(client, question: str, system: str = SYSTEM) -> dict:
     r = client.post("/v1/chat/completions", json={
         "model": MODEL, "max_tokens": NEW, "temperature": 0, "ignore_eos": True,
-        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]})
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]})
     assert r.status_code == 200, r.text
     usage = r.json()["usage"]
     assert usage["completion_tokens"] == NEW
@@ -169,3 +179,98 @@ def test_outcomes_are_counted_as_the_help_defines_them(fresh):
     help_text = families["prefixcache_requests"].documentation
     assert "hit (the whole prompt but at most its last token came from the cache)" in help_text
     assert "partial (some of it did)" in help_text and "miss (none did)" in help_text
+
+
+def test_a_partial_hit_on_the_template_opening_alone_counts_in_requests_not_in_hits(fresh):
+    """Unrelated prompts share only the chat template's opening: the second reads just that from the cache, a
+    partial hit the requests basis counts, as its help says; the hits basis counts the exact repeat alone."""
+    weather = "Weather desk: forecasts for the coast, updated hourly. " * 8
+    with fresh.client(ALPHA) as alpha:
+        first = ask(alpha, "What is the refund window?")
+        other = ask(alpha, "Will it rain tomorrow?", system=weather)
+        repeat = ask(alpha, "Will it rain tomorrow?", system=weather)
+    assert first["prompt_tokens_details"]["cached_tokens"] == 0
+    assert 0 < other["prompt_tokens_details"]["cached_tokens"] < 8  # the template's opening, no more
+    assert repeat["prompt_tokens_details"]["cached_tokens"] == repeat["prompt_tokens"] - 1
+    m = metric_samples(fresh)
+    assert value(m, "prefixcache_hit_ratio", basis="requests") == pytest.approx(2 / 3)
+    assert value(m, "prefixcache_hit_ratio", basis="hits") == pytest.approx(1 / 3)
+    with fresh.client(ADMIN) as admin:
+        families = {f.name: f for f in text_string_to_metric_families(admin.get("/metrics").text)}
+    help_text = families["prefixcache_hit_ratio"].documentation
+    assert "template's opening" in help_text and "hits, of generations that read all of the prompt" in help_text
+
+
+@contextmanager
+def answers_held_until_cancelled(cache) -> Iterator[threading.Event]:
+    """Inside the block, a call ``cache`` has answered (``PrefixCache.run`` returned) sets the event yielded, then
+    waits until it is cancelled (at most ``HOLD_LIMIT`` s) before the proxy's worker takes the answer: the
+    handler gives up on it after the answer is complete and before it is handed over, on any machine."""
+    run = cache.run
+    answered = threading.Event()
+
+    def held(ids, options, scope):
+        result = run(ids, options, scope)
+        answered.set()
+        deadline = time.monotonic() + HOLD_LIMIT
+        while not options.cancel.is_set() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return result
+
+    cache.run = held
+    try:
+        yield answered
+    finally:
+        del cache.run  # the class's method again
+
+
+def test_a_client_gone_as_its_answer_is_handed_over_is_counted_once(fresh):
+    """A request that does not stream, its client leaving after the answer is complete and before it reaches the
+    handler: counted once, as a 499 or as served, never both."""
+    body = json.dumps({"model": MODEL, "max_tokens": NEW, "temperature": 0,
+                       "messages": [{"role": "user", "content": "What is the refund window?"}]}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {ALPHA}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    with answers_held_until_cancelled(fresh.cache) as answered:
+        with socket.create_connection(("127.0.0.1", fresh.port)) as client:
+            client.sendall(head + body)
+            assert answered.wait(30)
+        wait_until(lambda: fresh.serving.queue() == (0, 0), timeout=30)
+    fresh.stop()  # every handler has ended: whatever they count is counted
+    registry = fresh.app.state.metrics.registry
+    served = sum(s.value for family in registry.collect() if family.name == "prefixcache_requests"
+                 for s in family.samples if s.name == "prefixcache_requests_total")
+    gone = registry.get_sample_value("prefixcache_request_errors_total",
+                                     {"route": "/v1/chat/completions", "status": "499"}) or 0
+    assert served + gone == 1, (served, gone)
+
+
+def test_a_handler_that_loses_the_claim_hands_the_answer_over(fresh):
+    """The handler's side of that race: its client gone, it raises 499 when it claims the request first; when the
+    worker counted the answer as served first, it waits for that answer and returns it (no second count)."""
+    async def handle(counted: Outcome) -> str:
+        loop = asyncio.get_running_loop()
+        fut, cancel = loop.create_future(), threading.Event()
+
+        async def gone() -> None:
+            return None
+
+        async def hand_over() -> None:  # the worker returns its answer once the handler has given up
+            while not cancel.is_set():
+                await asyncio.sleep(0)
+            fut.set_result("answer")
+
+        worker = asyncio.ensure_future(hand_over())
+        try:
+            return await fresh.serving._wait(fut, cancel, gone, counted)
+        finally:
+            await worker
+
+    served_first = Outcome()
+    assert served_first.claim(SERVED)
+    assert asyncio.run(handle(served_first)) == "answer"
+    assert not served_first.claim(CUT_SHORT)
+    unclaimed = Outcome()
+    with pytest.raises(ClientClosedError):
+        asyncio.run(handle(unclaimed))
+    assert not unclaimed.claim(SERVED)  # the worker's answer is not counted as served now
