@@ -76,7 +76,7 @@ def _add_admin(commands: argparse._SubParsersAction) -> None:
     admin.add_argument("--replicas", required=True, type=_url_list, metavar="URL,URL...",
                        help="every replica's own base URL (not the router's)")
     admin.add_argument("--admin-key", default=None, help="the replicas' admin key [PREFIXCACHE_ADMIN_KEY]")
-    admin.add_argument("--tenant", default=None, help="act on this tenant only (default: every tenant)")
+    admin.add_argument("--tenant", default=None, help="act on this tenant only (default: every tenant; a prewarm: the admin key's own tenant)")
     admin.add_argument("--timeout", type=float, default=300.0, help="seconds per replica call (default: %(default)g)")
     actions = admin.add_subparsers(dest="action", metavar="ACTION", required=True)
     actions.add_parser("stats", help="hit counters and bytes: per replica and summed")
