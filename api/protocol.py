@@ -270,7 +270,9 @@ class PrewarmRequest(BaseModel):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | SkipJsonSchema[None] = None
     prompt: Text | SkipJsonSchema[None] = None
     tools: list[Tool] | None = None
-    pin: bool = Field(False, description="Keep it until flushed or its TTL ends (no TTL unless given).")
+    pin: bool = Field(False, description="Keep it until flushed or its TTL ends. The admin key's pin has no TTL "
+                      "unless given; a tenant key's lapses after pin_ttl_seconds without a read, its prefix kept "
+                      "with at most that TTL.")
     ttl_seconds: float | None = Field(None, gt=0, description="Idle expiry of this prefix. Unset: the server's.")
     cache_salt: Text | None = Field(None, max_length=256, description="Warm the prefix under this salt: only "
                                     "requests with the same cache_salt read it.")

@@ -156,7 +156,7 @@ class Settings(BaseSettings):
 
     # -- scheduling ----------------------------------------------------------------
     workers: int = Field(16, ge=1, le=64, description="Requests served at once, one thread each: their "
-                         "decodes share each forward of the batching engine (up to its batch of 16). A model "
+                         "decodes share each forward of the batching engine (up to batch_max of them). A model "
                          "the batching engine cannot serve runs one generation at a time.")
     max_queue: int = Field(64, ge=0, description="Requests that may wait beyond those running; more get 429 "
                            "with Retry-After.")

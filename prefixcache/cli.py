@@ -76,7 +76,8 @@ def _add_admin(commands: argparse._SubParsersAction) -> None:
     admin.add_argument("--replicas", required=True, type=_url_list, metavar="URL,URL...",
                        help="every replica's own base URL (not the router's)")
     admin.add_argument("--admin-key", default=None, help="the replicas' admin key [PREFIXCACHE_ADMIN_KEY]")
-    admin.add_argument("--tenant", default=None, help="act on this tenant only (default: every tenant)")
+    admin.add_argument("--tenant", default=None,
+                       help="act on this tenant only (default: every tenant; a prewarm: the admin key's own tenant)")
     admin.add_argument("--timeout", type=float, default=300.0, help="seconds per replica call (default: %(default)g)")
     actions = admin.add_subparsers(dest="action", metavar="ACTION", required=True)
     actions.add_parser("stats", help="hit counters and bytes: per replica and summed")
@@ -133,9 +134,11 @@ def _url_list(text: str) -> list[str]:
 # -- serve ---------------------------------------------------------------------------
 def _add_serve(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser(
-        "serve", help="run the OpenAI-compatible proxy (default model: the embedded SmolLM2-135M-Instruct)",
+        "serve",
+        help="run the OpenAI- and Anthropic-compatible proxy (default model: the embedded SmolLM2-135M-Instruct)",
         usage="%(prog)s [-h] [--FLAG VALUE ...]",  # the flags' list would bury an error message under 70 lines
-        description="Run the OpenAI-compatible proxy. Every flag can also be set as an env var (shown in brackets).")
+        description="Run the OpenAI- and Anthropic-compatible proxy. Every flag can also be set as an env var "
+                    "(shown in brackets).")
     try:
         from prefixcache_api.settings import ENV_PREFIX, NONE_WORDS, Settings
     except ImportError:  # the proxy's dependencies are missing: the command says so when run
