@@ -21,12 +21,17 @@ request did not declare, is returned as the text the model wrote, and the reason
 
 A call to a strict tool is checked against its schema as it is parsed, before it is returned (or
 streamed): arguments that do not match, or are not a JSON object, raise ``ToolArgumentsError``
-(``tool_schemas.py``).
+(``tool_schemas.py``), and so does a call whose JSON does not parse when it names a strict tool.
+Calls dropped past ``limit`` are not checked. JSON here is JSON: ``NaN``, ``Infinity`` and numbers
+past a float's range do not parse (they would be written back as no JSON), nor does nesting deeper
+than Python's stack.
 """
 from __future__ import annotations
 
 import json
 import logging
+import math
+import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -181,9 +186,10 @@ class ToolCallParser:
     def _close(self, body: str, end: str, out: list[Piece]) -> None:
         """A call's body is complete: its calls, or (invalid) the text the model wrote."""
         self._inside = False
-        calls, reason = self._parse(body)
+        room = None if self._limit is None else max(self._limit - self._calls, 0)
+        calls, reason = self._parse(body, room)
         if calls:
-            room = len(calls) if self._limit is None else max(self._limit - self._calls, 0)
+            room = len(calls) if room is None else room
             if room < len(calls):
                 log.warning("dropped %d tool call(s) past the %d allowed (parallel calls off)", len(calls) - room,
                             self._limit)
@@ -194,24 +200,37 @@ class ToolCallParser:
             log.warning("tool call returned as text: %s", reason)
             out.append(Text(self._opened + body + end))
 
-    def _parse(self, body: str) -> tuple[list[ToolCall], str]:
-        """The calls in ``body``, or ([], why not)."""
+    def _parse(self, body: str, room: int | None) -> tuple[list[ToolCall], str]:
+        """The calls in ``body``, or ([], why not); only the first ``room`` (None: all) are kept, and checked."""
         try:
             values = _json_values(body)
         except ValueError as exc:
+            if room != 0:
+                self._unparsed(body, exc)
             return [], f"not JSON ({exc}): {body[:200]!r}"
         objects = [item for value in values for item in (value if isinstance(value, list) else [value])]
         if not objects:
             return [], "no call in the tool-call syntax"
         calls = []
-        for obj in objects:
-            call = self._call(obj)
+        for i, obj in enumerate(objects):
+            call = self._call(obj, room is None or i < room)
             if isinstance(call, str):
                 return [], call
             calls.append(call)
         return calls, ""
 
-    def _call(self, obj: Any) -> ToolCall | str:
+    def _unparsed(self, body: str, exc: ValueError) -> None:
+        """Raise ``ToolArgumentsError`` if ``body``, which does not parse, names a strict tool."""
+        for quoted in _NAME.findall(body):
+            try:
+                name = json.loads(quoted)
+            except ValueError:
+                continue
+            if name in self._strict:
+                log.warning("strict tool call not served: %r: not JSON (%s)", name, exc)
+                raise ToolArgumentsError(f"the model's call to strict tool {name!r} is not JSON ({exc})")
+
+    def _call(self, obj: Any, check: bool = True) -> ToolCall | str:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return f"a call must be an object with a string name: {json.dumps(obj)[:200]}"
         name = obj["name"]
@@ -220,19 +239,19 @@ class ToolCallParser:
         args = next((obj[k] for k in self._syntax.arguments if k in obj), {})
         if isinstance(args, str):  # some models write the arguments as a JSON string
             try:
-                args = json.loads(args)
+                args = _loads(args)
             except ValueError:
-                return self._broken(name, "a string that is not JSON")
+                return self._broken(name, "a string that is not JSON", check)
         if not isinstance(args, dict):
-            return self._broken(name, "not a JSON object")
-        if name in self._strict:
+            return self._broken(name, "not a JSON object", check)
+        if check and name in self._strict:
             check_arguments(name, args, self._strict[name])
         return ToolCall(name, json.dumps(args, ensure_ascii=False))
 
-    def _broken(self, name: str, what: str) -> str:
+    def _broken(self, name: str, what: str, check: bool) -> str:
         """Why a call's arguments are unusable: text of a loose tool's call, an error for a strict one's."""
         reason = f"the arguments of {name!r} are {what}"
-        if name in self._strict:
+        if check and name in self._strict:
             log.warning("strict tool call not served: %s", reason)
             raise ToolArgumentsError(f"the model called strict tool {name!r} with arguments that are {what}")
         return reason
@@ -270,7 +289,8 @@ def tool_use(family: str | None, names: Collection[str], choice: str | None, par
 
     ``choice``: None or "auto", "none" (the tools are hidden: no calls), "required", or a declared tool's
     name. A request forcing a call needs tools, and a template whose call syntax is known (``family``).
-    ``strict``: the strict tools' schemas (``tool_schemas``), their calls checked against them.
+    ``strict``: the strict tools' schemas (``tool_schemas``), their calls checked against them; they too need
+    a known ``family`` unless the tools are hidden.
     """
     names = frozenset(names)
     if choice == "none":
@@ -285,6 +305,11 @@ def tool_use(family: str | None, names: Collection[str], choice: str | None, par
             raise InvalidRequestError(f"tool_choice {choice!r} cannot be honoured: this model's chat template "
                                       f"writes tool calls in none of the syntaxes this server reads "
                                       f"({', '.join(FAMILIES)})", param=param)
+        if strict and names:  # its calls could not be told from text, so not checked against their schemas
+            raise InvalidRequestError(f"strict tool {sorted(strict)[0]!r} cannot be honoured: this model's chat "
+                                      f"template writes tool calls in none of the syntaxes this server reads "
+                                      f"({', '.join(FAMILIES)}), so its calls cannot be checked against its "
+                                      "schema (send strict false)", param="tools")
         return None
     if not names:
         return None
@@ -347,15 +372,45 @@ def check_choice(calls: list[ToolCall], choice: str | None) -> None:
             raise ToolCallError(f"tool_choice named {choice!r}; the model called {other!r}")
 
 
+#: A call's ``"name": "..."``, found in a body that does not parse.
+_NAME = re.compile(r'"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+
+
+def _finite(text: str) -> float:
+    number = float(text)
+    if not math.isfinite(number):
+        raise ValueError(f"{text} is past a float's range")
+    return number
+
+
+def _no_constant(text: str) -> Any:
+    raise ValueError(f"{text} is not JSON")
+
+
+_DECODER = json.JSONDecoder(parse_float=_finite, parse_constant=_no_constant)
+
+
+def _loads(text: str) -> Any:
+    """``text``'s JSON value, or ValueError (``_json_values``)."""
+    values = _json_values(text)
+    if len(values) != 1:
+        raise ValueError(f"{len(values)} JSON values")
+    return values[0]
+
+
 def _json_values(body: str) -> list[Any]:
-    """The JSON values in ``body``, separated by whitespace or ``;`` (Llama's several calls)."""
-    decoder, values, at = json.JSONDecoder(), [], 0
+    """The JSON values in ``body``, separated by whitespace or ``;`` (Llama's several calls); ValueError for
+    what is not JSON, ``NaN``, ``Infinity`` and a number past a float's range included, or nests too deep."""
+    values, at = [], 0
     while True:
         while at < len(body) and (body[at].isspace() or body[at] == ";"):
             at += 1
         if at == len(body):
             return values
-        value, at = decoder.raw_decode(body, at)
+        try:
+            value, at = _DECODER.raw_decode(body, at)
+        except RecursionError:
+            raise ValueError("nested deeper than this server parses") from None
         values.append(value)
 
 

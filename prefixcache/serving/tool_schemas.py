@@ -8,19 +8,24 @@ false`` on every object and list every property in ``required``, or the request 
 schema must be a valid JSON schema whose ``$ref``s point inside it (nothing is fetched).
 
 Validation runs on the event loop, on text the model wrote, with patterns the caller wrote: a pattern
-that backtracks without end would hold every request up. So ``pattern`` is matched with a time bound
-(``regex``'s timeout; past it the call is not served), and ``patternProperties``, whose patterns
-jsonschema matches in several places with ``re``, is refused.
+that backtracks without end would hold every request up. So the ``pattern``s met in checking one call
+share one time bound (``regex``'s timeout; past it the call is not served), and ``patternProperties``,
+whose patterns jsonschema matches in several places with ``re``, is refused. ``uniqueItems`` is checked
+in time linear in the array (jsonschema's compares every pair of unhashable items) and ``multipleOf``
+exactly on the numbers as written (jsonschema divides floats: 19.99 would not be a multiple of 0.01).
 """
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
+from decimal import Decimal
+from fractions import Fraction
 from typing import Any
 
 import regex
-from jsonschema import SchemaError, ValidationError, validators
+from jsonschema import FormatChecker, SchemaError, ValidationError, validators
 from jsonschema.exceptions import best_match
 from jsonschema.protocols import Validator
 from referencing import Registry
@@ -34,7 +39,7 @@ log = logging.getLogger(__name__)
 #: The schema of a strict function declared without parameters: it takes none.
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 _MESSAGE_CHARS = 300  # a validation message quotes the instance: kept short
-PATTERN_SECONDS = 0.05  # the most one ``pattern`` may take to match one string
+PATTERN_SECONDS = 0.05  # the most the ``pattern``s checked in one call's arguments may take together
 
 
 def openai_strict(tools: Sequence[Any] | None) -> dict[str, Validator]:
@@ -60,9 +65,10 @@ def anthropic_strict(tools: Sequence[Any] | None) -> dict[str, Validator]:
             for i, tool in enumerate(tools or []) if isinstance(tool, dict) and tool.get("strict") is True}
 
 
-def compile_schema(schema: Any, at: str) -> Validator:
+def compile_schema(schema: Any, at: str, patterns: Patterns | None = None) -> Validator:
     """A validator of ``schema`` (its ``$schema``'s draft, else 2020-12), or ``InvalidRequestError`` if it is
-    no valid JSON schema or has a ``$ref`` that does not resolve inside it."""
+    no valid JSON schema or has a ``$ref`` that does not resolve inside it. ``patterns``: how its patterns are
+    matched (``Patterns``: ``PATTERN_SECONDS`` per call's check by default)."""
     if not isinstance(schema, dict):
         raise InvalidRequestError(f"{at} must be a JSON schema object", param=at)
     if not isinstance(schema.get("$schema", ""), str):
@@ -82,16 +88,24 @@ def compile_schema(schema: Any, at: str) -> Validator:
         except Unresolvable as exc:
             raise InvalidRequestError(f"{at}: $ref {ref!r} does not resolve inside the schema (only references "
                                       "within it, such as #/$defs/..., are supported)", param=at) from exc
-    return _bounded(kind)(schema, registry=Registry())  # empty: a $ref outside fails instead of being fetched
+    # The registry is empty: a $ref outside fails instead of being fetched.
+    return _bounded(kind)(schema, registry=Registry(), format_checker=patterns or Patterns())
 
 
 def check_arguments(name: str, arguments: dict[str, Any], validator: Validator) -> None:
     """Raise ``ToolArgumentsError`` naming where ``arguments`` of a call to ``name`` first break its schema."""
+    patterns = validator.format_checker
+    if isinstance(patterns, Patterns):
+        patterns.start()
     try:
         error = best_match(validator.iter_errors(arguments))
     except RecursionError as exc:  # a $ref loop that consumes nothing ({"$ref": "#"}): the schema's fault
         raise InvalidRequestError(f"the schema of strict tool {name!r} cannot be applied: its $refs loop without "
                                   "end") from exc
+    except _OutOfTime as exc:
+        log.warning("strict tool call not served: %r: %s", name, exc)
+        raise ToolArgumentsError(f"the model's call to strict tool {name!r} could not be checked against its "
+                                 f"schema: {exc}") from exc
     if error is None:
         return
     message = error.message if len(error.message) <= _MESSAGE_CHARS else error.message[:_MESSAGE_CHARS] + "..."
@@ -132,25 +146,95 @@ def check_strict_shape(schema: Any, name: str, at: str, where: str = "#") -> Non
             check_strict_shape(schema[key], name, at, f"{where}/{key}")
 
 
+class _OutOfTime(Exception):
+    """The patterns of one call's check took longer than their bound: the check stops there."""
+
+
+class Patterns(FormatChecker):
+    """One schema's compiled patterns and the time left to the check under way (``start``). It rides on the
+    validator as its format checker (which jsonschema hands to every subschema's validator); it asserts no
+    ``format``."""
+
+    def __init__(self, seconds: float = PATTERN_SECONDS, clock: Callable[[], float] = time.monotonic):
+        super().__init__(formats=())
+        self._seconds, self._clock, self._deadline = seconds, clock, clock() + seconds
+        self._compiled: dict[str, Any] = {}
+
+    def start(self) -> None:
+        """A new call's check begins: its patterns get ``seconds`` in all."""
+        self._deadline = self._clock() + self._seconds
+
+    def search(self, pattern: str, text: str) -> bool:
+        """Whether ``pattern`` matches somewhere in ``text``; ``_OutOfTime`` once the check's time is spent."""
+        if pattern not in self._compiled:
+            self._compiled[pattern] = regex.compile(pattern)
+        left = self._deadline - self._clock()
+        try:
+            if left <= 0:
+                raise TimeoutError
+            return self._compiled[pattern].search(text, timeout=left) is not None
+        except TimeoutError:
+            raise _OutOfTime(f"its patterns took over {self._seconds:g} s to match ({pattern!r} at the "
+                             "end)") from None
+
+
 @functools.cache
 def _bounded(kind: type[Validator]) -> type[Validator]:
-    """``kind`` with its ``pattern`` matched in bounded time."""
-    return validators.extend(kind, {"pattern": _pattern})
+    """``kind`` with ``pattern`` matched in bounded time, ``uniqueItems`` in linear time and ``multipleOf``
+    exact."""
+    return validators.extend(kind, {"pattern": _pattern, "uniqueItems": _unique_items, "multipleOf": _multiple_of})
 
 
 def _pattern(validator: Validator, pattern: str, instance: Any, schema: dict[str, Any]) -> Iterator[ValidationError]:
-    """JSON schema's ``pattern`` (a search, as jsonschema's), given up after ``PATTERN_SECONDS``."""
+    """JSON schema's ``pattern`` (a search, as jsonschema's), within the check's time (``Patterns``)."""
     if not validator.is_type(instance, "string"):
         return
+    patterns = validator.format_checker
+    if not isinstance(patterns, Patterns):  # a validator not made by ``compile_schema``
+        patterns = Patterns()
     try:
-        found = regex.search(pattern, instance, timeout=PATTERN_SECONDS)
-    except TimeoutError:
-        yield ValidationError(f"{pattern!r} took over {PATTERN_SECONDS:g} s to match, so it was not checked")
+        found = patterns.search(pattern, instance)
     except regex.error as exc:
         yield ValidationError(f"{pattern!r} cannot be compiled: {exc}")
     else:
-        if found is None:
+        if not found:
             yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+def _unique_items(validator: Validator, unique: Any, instance: Any, schema: dict[str, Any]) -> Iterator[ValidationError]:
+    """JSON schema's ``uniqueItems``, by hashing each item's value (1 and 1.0 alike, true and 1 not)."""
+    if not unique or not validator.is_type(instance, "array"):
+        return
+    seen: set[Any] = set()
+    for item in instance:
+        key = _value_key(item)
+        if key in seen:
+            yield ValidationError(f"{instance!r} has non-unique elements")
+            return
+        seen.add(key)
+
+
+def _value_key(value: Any) -> Any:
+    """A hashable key equal for JSON values JSON schema calls equal."""
+    if isinstance(value, bool) or value is None:
+        return "b", value
+    if isinstance(value, int | float):
+        return "n", value  # Python's 1 == 1.0, with the same hash
+    if isinstance(value, list):
+        return "a", tuple(_value_key(item) for item in value)
+    if isinstance(value, dict):
+        return "o", frozenset((key, _value_key(item)) for key, item in value.items())
+    return "s", value
+
+
+def _multiple_of(validator: Validator, by: Any, instance: Any, schema: dict[str, Any]) -> Iterator[ValidationError]:
+    """JSON schema's ``multipleOf``, exact on the decimal numbers as written (a float's shortest repr)."""
+    if validator.is_type(instance, "number") and _exact(instance) % _exact(by) != 0:
+        yield ValidationError(f"{instance!r} is not a multiple of {by!r}")
+
+
+def _exact(number: int | float) -> Fraction:
+    return Fraction(number) if isinstance(number, int) else Fraction(Decimal(repr(number)))
 
 
 def _has_key(node: Any, key: str) -> bool:

@@ -17,7 +17,14 @@ from prefixcache_api import create_app
 from proxy_support import ADMIN, ALPHA, MODEL, live, make_cache
 from proxy_support import settings as proxy_settings
 
-from tests.support.tool_templates import CALL_START, TEXT_BEFORE, broken_bias, family_tokenizer, scripted_model
+from tests.support.tool_templates import (
+    CALL_START,
+    SCRIPTS,
+    TEXT_BEFORE,
+    broken_bias,
+    family_tokenizer,
+    scripted_model,
+)
 
 FAMILIES = ("hermes", "llama3_json", "mistral")
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
@@ -210,6 +217,32 @@ def test_a_strict_call_that_breaks_its_schema_is_an_error_never_an_answer(family
         claude.messages.create(**body)
     with pytest.raises(anthropic.APIStatusError, match=r"\$\.city"), claude.messages.stream(**body) as stream:
         stream.get_final_message()
+
+
+def test_a_strict_call_that_does_not_parse_is_an_error_not_text(family_server):
+    """The model's call to a strict tool is broken JSON, or cut short by max_tokens: a 500 tool_arguments_invalid,
+    streamed and not, on both APIs, each counted once, where a loose tool's comes back as text."""
+    family, tok, srv = family_server
+    client, claude = openai_client(srv), anthropic_client(srv)
+    bias = broken_bias(tok, family)
+    before = [request_errors(srv, route, 500) for route in ("/v1/chat/completions", "/v1/messages")]
+    with pytest.raises(openai.InternalServerError, match="strict tool 'get_weather' is not JSON") as err:
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=[strict(WEATHER)], logit_bias=bias)
+    assert err.value.body["code"] == "tool_arguments_invalid"
+    with pytest.raises(openai.APIError, match="is not JSON"):
+        streamed_chat(client, messages=ASK, tools=[strict(WEATHER)], logit_bias=bias)
+    tool = {**ANTHROPIC_TOOLS[0], "strict": True}
+    cut = SCRIPTS[family].index(next(p for p in SCRIPTS[family] if '"name"' in p)) + 1  # ends after the name
+    body = dict(model=MODEL, max_tokens=cut, tools=[tool], messages=ASK)
+    with pytest.raises(anthropic.InternalServerError, match="is not JSON"):
+        claude.messages.create(**body)
+    with pytest.raises(anthropic.APIStatusError, match="is not JSON"), claude.messages.stream(**body) as stream:
+        stream.get_final_message()
+    after = [request_errors(srv, route, 500) for route in ("/v1/chat/completions", "/v1/messages")]
+    assert after == [before[0] + 2, before[1] + 2]
+    loose = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, logit_bias=bias)
+    assert "{city: Paris}" in loose.choices[0].message.content
+    assert claude.messages.create(**{**body, "tools": ANTHROPIC_TOOLS}).stop_reason == "max_tokens"
 
 
 def test_a_strict_schema_breaking_openais_rules_is_refused(family_server):

@@ -18,7 +18,7 @@ from prefixcache.serving.tool_calls import (
     parse,
     text_of,
 )
-from prefixcache.serving.tool_schemas import anthropic_strict, check_arguments, openai_strict
+from prefixcache.serving.tool_schemas import Patterns, anthropic_strict, check_arguments, compile_schema, openai_strict
 
 TOOLS = ("get_weather", "get_time")
 PARIS = ToolCall("get_weather", '{"city": "Paris"}')
@@ -164,5 +164,96 @@ def test_a_pattern_that_backtracks_without_end_is_given_up_not_waited_for():
     check_arguments("g", {"word": "aaaa"}, validator)
     with pytest.raises(ToolArgumentsError, match="does not match"):
         check_arguments("g", {"word": "ab"}, validator)
-    with pytest.raises(ToolArgumentsError, match=r"at \$\.word: .* took over .* s to match"):
+    with pytest.raises(ToolArgumentsError, match=r"could not be checked .* took over .* s to match"):
         check_arguments("g", {"word": "a" * 40 + "!"}, validator)
+
+
+@pytest.mark.parametrize("value", ["NaN", "-Infinity", "1e400", "[" * 5000 + "]" * 5000])
+def test_what_json_cannot_write_back_is_no_json(value):
+    """NaN, Infinity and a number past a float's range would be written back as no JSON, and nesting past the
+    stack is no request's fault: a loose call of them is text, a strict one an error."""
+    text = f'<tool_call>{{"name": "get_weather", "arguments": {{"city": {value}}}}}</tool_call>'
+    assert parse("hermes", TOOLS, text) == [Text(text)]
+    parser = ToolCallParser("hermes", TOOLS, strict=openai_strict(strict_weather({})))
+    with pytest.raises(ToolArgumentsError, match="is not JSON"):
+        parser.feed(text)
+
+
+@pytest.mark.parametrize("family", ["hermes", "llama3_json", "mistral"])
+def test_a_call_naming_a_strict_tool_that_does_not_parse_is_an_error_a_loose_one_text(family):
+    """Cut short or broken, the call to a strict tool is never served as text; to a loose one it is."""
+    body = '{"name": "get_weather", "arguments": {"city": "Par'
+    text = {"hermes": f"<tool_call>{body}", "llama3_json": body, "mistral": f"[TOOL_CALLS][{body}"}[family]
+    assert parse(family, TOOLS, text) == [Text(text)]
+    for size in (len(text), 3):
+        parser = ToolCallParser(family, TOOLS, strict=openai_strict(strict_weather({"type": "string"})))
+        with pytest.raises(ToolArgumentsError, match="strict tool 'get_weather' is not JSON"):
+            for at in range(0, len(text), size):
+                parser.feed(text[at:at + size])
+            parser.finish()
+    other = [{"type": "function", "function": {"name": "get_time", "strict": True}}]
+    parser = ToolCallParser(family, TOOLS, strict=openai_strict(other))  # get_weather is loose here
+    assert merge_texts(parser.feed(text) + parser.finish()) == [Text(text)]
+
+
+def test_a_call_dropped_past_the_limit_is_not_checked():
+    """parallel_tool_calls false: the second call is dropped, so its arguments cannot fail the answer."""
+    bad = '{"name": "get_weather", "arguments": {"city": 1}}'
+    tools = strict_weather({"type": "string"})
+    cut = '{"name": "get_weather", "arguments": {"city'
+    hermes = f"<tool_call>{PARIS_CALL}</tool_call><tool_call>{bad}</tool_call><tool_call>{cut}"
+    assert calls_of(openai_tool_use("hermes", tools, None, parallel=False).read(hermes)) == [PARIS]
+    mistral = f"[TOOL_CALLS][{PARIS_CALL}, {bad}]"
+    assert openai_tool_use("mistral", tools, None, parallel=False).read(mistral) == [PARIS]
+    with pytest.raises(ToolArgumentsError, match=r"\$\.city"):
+        openai_tool_use("mistral", tools, None).read(mistral)
+
+
+PARIS_CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+
+
+def test_multiple_of_is_exact_on_the_numbers_as_written():
+    """Dividing floats, 19.99 is no multiple of 0.01 and 10**400 overflows: neither may fail a call."""
+    validator = anthropic_strict([{"name": "g", "strict": True, "input_schema": {
+        "type": "object", "properties": {"x": {"multipleOf": 0.01}, "n": {"multipleOf": 0.1}}}}])["g"]
+    for good in ({"x": 19.99}, {"x": 0.07}, {"x": 3}, {"n": 10 ** 400}, {"n": 1e300}):
+        check_arguments("g", good, validator)
+    with pytest.raises(ToolArgumentsError, match="19.991 is not a multiple of 0.01"):
+        check_arguments("g", {"x": 19.991}, validator)
+
+
+def test_unique_items_treats_equal_json_values_alike():
+    validator = anthropic_strict([{"name": "g", "strict": True, "input_schema": {
+        "type": "array", "uniqueItems": True}}])["g"]
+    for unique in ([1, True], [0, False, None], [[1], [True]], [{"a": 1}, {"a": "1"}], list(range(1000))):
+        check_arguments("g", unique, validator)
+    for repeated in ([1, 1.0], [{"a": 1, "b": [2]}, {"b": [2.0], "a": 1}], [[], []], ["x", "y", "x"]):
+        with pytest.raises(ToolArgumentsError, match="non-unique"):
+            check_arguments("g", repeated, validator)
+
+
+def test_the_patterns_of_one_call_share_one_time_bound():
+    """Each match within its own bound would let a long array hold the event loop for its length times that
+    bound: the patterns of one call's check share it, and the next call gets it afresh."""
+    now = [0.0]
+
+    def clock() -> float:  # each look at the clock finds 20 ms more spent
+        now[0] += 0.02
+        return now[0]
+
+    validator = compile_schema({"type": "array", "items": {"type": "string", "pattern": "^a+$"}}, "at",
+                               patterns=Patterns(0.05, clock))
+    check_arguments("g", ["a"], validator)
+    with pytest.raises(ToolArgumentsError, match=r"could not be checked .* took over 0.05 s"):
+        check_arguments("g", ["a"] * 5, validator)
+    check_arguments("g", ["a"], validator)  # a new call, a new bound
+
+
+def test_strict_tools_need_a_template_whose_calls_are_read():
+    """Calls in a syntax this server does not read come back as text, unchecked: strict tools are refused there
+    (a 400), unless the tools are hidden; loose ones are served as text."""
+    with pytest.raises(InvalidRequestError, match="strict tool 'get_weather' cannot be honoured") as err:
+        openai_tool_use(None, strict_weather({"type": "string"}), None)
+    assert err.value.param == "tools"
+    assert openai_tool_use(None, strict_weather({"type": "string"}), "none") is None
+    assert openai_tool_use(None, [{"type": "function", "function": {"name": "get_weather"}}], None) is None
