@@ -14,6 +14,8 @@ Variants (every one re-rotates each document's KV, computed alone, to its place 
   per-token choice of that size can do (it needs the full prefill it saves, so it only bounds the others);
 - ``sink``: each document computed after a fixed head (the tokenizer's BOS, or the chat template's user
   header) instead of nothing, so its first token is not the attention sink;
+- ``normalized``: the deviation of keys and of values each divided by its mean square on that layer and KV head
+  (``oracle 15%, normalized``: the same summed over all layers against a full prefill, a bound);
 - ``attention``: deviation weighted by the attention the question's last 48 tokens pay each token on layer L;
 - ``exact=K``: layers 0..K recomputed for every token, no token recomputed above;
 - ``lead``: each document's first tokens always among the share recomputed (where the document's
@@ -58,6 +60,7 @@ class Variant:
     share: float = 0.15
     layer: int = 1
     score: str = "deviation"  # deviation | oracle | attention
+    normalized: bool = False  # keys' and values' squared change each over their mean square on that layer and head
     head: str = ""  # "" | bos | user: what each document is computed after
     exact: int | None = None  # layers 0..exact recomputed for every token (share unused)
     lead: int = 0  # each document's first ``lead`` tokens always among those recomputed (within the share)
@@ -74,6 +77,7 @@ VARIANTS = {v.name: v for v in [
     Variant("sink bos", head="bos"), Variant("sink user header", head="user"),
     Variant("attention", score="attention"), Variant("exact 0-14", exact=14), Variant("exact 0-21", exact=21),
     Variant("lead 16", lead=16),
+    Variant("normalized", normalized=True), Variant("oracle 15%, normalized", score="oracle", normalized=True),
     Variant("mean correction, oracle", correct="oracle"), Variant("mean correction, recomputed", correct="recomputed"),
     Variant("mean correction, recomputed, half", correct="recomputed", scale=0.5),
     Variant("mean correction, sample", correct="sample"),
@@ -95,6 +99,13 @@ def shift_by(kv: torch.Tensor, positions: torch.Tensor, change: torch.Tensor, ro
         cos, sin = rotation[0][positions], rotation[1][positions]
         kv[:, 0, :, positions] += (scale * (change[:, 0] * cos + rotate_half(change[:, 0]) * sin)).to(kv.dtype)
         kv[:, 1, :, positions] += (scale * change[:, 1]).expand_as(kv[:, 1, :, positions]).to(kv.dtype)
+
+
+def normalized_deviation(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """Per layer and token, ``[L, T]``: the squared change of keys and of values ``[L, 2, H, T, D]``, each over its
+    mean square in that layer, K/V and head (so neither the keys' larger scale nor one head dominates)."""
+    scale = new.float().square().mean(dim=(3, 4), keepdim=True).clamp_min(1e-12)
+    return ((new.float() - old.float()).square() / scale).sum(dim=(1, 2, 4))
 
 
 class MeanCorrecting(BlendCache):
@@ -212,6 +223,8 @@ class Lab:
         """Per token after the system prompt: what the variant ranks by. Leaves layers 0..stop a full prefill's."""
         if v.score == "oracle":
             full = compute_alone(self.model, self.layout, ids[:end]).slice(0, end)[:, :, :, rows]
+            if v.normalized:
+                return normalized_deviation(buf[:, :, :, rows], full).sum(dim=0)
             return (full - buf[:, :, :, rows]).square().sum(dim=(0, 1, 2, 4))
         seen: dict[str, torch.Tensor] = {}
 
@@ -227,7 +240,8 @@ class Lab:
 
         cache = Recording(buf, rows, stop_layer=stop)
         blend_forward(self.model, torch.tensor(ids[int(rows[0]) : end]), cache)
-        deviation = kv_deviation(cache.previous, buf[stop, :, :, rows])
+        deviation = (normalized_deviation(cache.previous[None], buf[None, stop, :, :, rows])[0] if v.normalized
+                     else kv_deviation(cache.previous, buf[stop, :, :, rows]))
         return deviation * seen["attention"][rows] if v.score == "attention" else deviation
 
     def answer(self, buf: torch.Tensor, p: RagPrompt, tokens: int) -> list[int]:

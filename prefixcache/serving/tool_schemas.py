@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 #: The schema of a strict function declared without parameters: it takes none.
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 _MESSAGE_CHARS = 300  # a validation message quotes the instance: kept short
-PATTERN_SECONDS = 0.05  # the most the ``pattern``s checked in one call's arguments may take together
+PATTERN_SECONDS = 0.25  # the most the ``pattern``s checked in one call's arguments may take together (wall-clock:
+# thousands of times what patterns on a model's output need, so load on the machine does not fail a valid call)
 
 
 def openai_strict(tools: Sequence[Any] | None) -> dict[str, Validator]:
