@@ -67,11 +67,12 @@ def evict_to(store: KVStore, limit: int) -> bool:
 
 
 def lapse_pins(store: KVStore, now: float) -> None:
-    """Drop the pins whose deadline has passed: those blocks are ordinary entries again (their own TTL,
-    evictable). A child's pin never outlasts its parent's (both are renewed together, root-first)."""
+    """Drop the tenants' pins whose deadline has passed: those blocks are ordinary entries again (their own TTL,
+    evictable) unless the operator pinned them too. A child's pin never outlasts its parent's (both are renewed
+    together, root-first)."""
     heap = store.index.pin_expiry
     while (top := heap.peek()) is not None and top[1] <= now:
-        top[0].pins = 0
+        top[0].pins = top[0].operator_pins
         store.reindex(top[0])
 
 
@@ -92,7 +93,7 @@ def flush_all(store: KVStore, tenant: str | None) -> int:
     roots = [r for r in trie.roots() if tenant is None or r.tenant == tenant]
     for node in sorted(trie.iter_nodes(roots), key=lambda n: n.start, reverse=True):
         node.doomed = True  # never matched again; freed here or on release
-        node.pins = 0
+        node.pins = node.operator_pins = 0
         store.reindex(node)
         if node.refcount == 0 and node.num_children == 0:
             freed += node.nbytes

@@ -45,7 +45,7 @@ from prefixcache.cache.hashing import BlockHasher
 from prefixcache.cache.index import StoreIndex
 from prefixcache.cache.integrity import audit_store, check_store
 from prefixcache.cache.ledger import KVLedger
-from prefixcache.cache.policy import OFFLOAD_REASONS, evictable, expiry
+from prefixcache.cache.policy import OFFLOAD_REASONS, evictable, expiry, tenant_pins
 from prefixcache.cache.run_book import RunBook
 from prefixcache.cache.runs import RunOps, TensorRuns
 from prefixcache.cache.scope import Scope
@@ -173,8 +173,9 @@ class KVStore:
 
         Blocks are added root-first, so what is stored is always a prefix of
         ``tokens``; under budget or quota pressure the tail is dropped, never an error.
-        With ``pin``, the whole stored path is pinned (``unpin`` undoes it) until the pin's own deadline,
-        ``config.pin_ttl_seconds`` from now (renewed by reads; none if ``privileged``). Unless
+        With ``pin``, the whole stored path is pinned (``unpin`` with the same ``privileged`` undoes it) until
+        the pin's own deadline, ``config.pin_ttl_seconds`` from now (renewed by reads; none if ``privileged``;
+        the two kinds of pins are counted apart). Unless
         ``privileged``, a pin whose newly pinned bytes would take the tenant's pinned
         bytes over ``config.pin_quota_bytes`` raises ``PinQuotaExceededError`` before
         anything is stored or evicted. With lower tiers attached, new blocks (write-through
@@ -200,11 +201,14 @@ class KVStore:
             self._touch(path, now, scope.ttl_seconds)
             complete = pos == len(tokens)
             if pin and complete:
-                # The pin's own deadline, whatever the blocks' TTL: a tenant's lapses after pin_ttl_seconds
-                # unless a read renews it; the operator's has none.
-                pin_until = expiry(now, None if privileged else self.config.pin_ttl_seconds)
+                # Counted apart: the operator's pins have no deadline; a tenant's have their own, whatever the
+                # blocks' TTL (after pin_ttl_seconds unless a read renews it), and the operator's never move it.
+                pin_until = expiry(now, self.config.pin_ttl_seconds)
                 for node in path:
-                    node.pin_until = pin_until if not node.pins else max(node.pin_until, pin_until)
+                    if privileged:
+                        node.operator_pins += 1
+                    else:
+                        node.pin_until = pin_until if not tenant_pins(node) else max(node.pin_until, pin_until)
                     node.pins += 1
                     self.reindex(node)
             if self.lower is not None and not _restoring and (pin or self.lower.write_through):
@@ -327,24 +331,27 @@ class KVStore:
             quota = self.config.pin_quota_bytes
             raise PinQuotaExceededError.of(quota - room, quota, need)
 
-    def unpin(self, scope: Scope, tokens: Sequence[int]) -> int:
-        """Undo one ``pin`` of exactly this token path in ``scope``. Returns the tokens unpinned (0 if it was not
-        pinned, or its pin lapsed)."""
+    def unpin(self, scope: Scope, tokens: Sequence[int], privileged: bool = False) -> int:
+        """Undo one ``pin`` of exactly this token path in ``scope``: the tenant's, or with ``privileged`` the
+        operator's (each undoes its own pins only). Returns the tokens unpinned (0 if it was not pinned so, or
+        the tenant's pin lapsed)."""
+        mine = (lambda n: n.operator_pins) if privileged else tenant_pins
         with self._lock:
             lapse_pins(self, self._clock())
             root = self.trie.root(scope.namespace, scope.tenant, create=False)
             if root is None:
                 return 0
             steps = self.trie.match(root, tokens, len(tokens), lambda n: n.alive)
-            if sum(s.used for s in steps) != len(tokens) or any(s.node.pins == 0 for s in steps):
+            if sum(s.used for s in steps) != len(tokens) or any(mine(s.node) == 0 for s in steps):
                 return 0
             # A pin of a longer path counts once in its last block here and once in a child: only pins that end
             # in that block are this path's to undo (a shorter path would strand its continuation's pin).
             last = steps[-1].node
-            if last.pins - sum(child.pins for child in last.children() if child.alive) < 1:
+            if mine(last) - sum(mine(child) for child in last.children() if child.alive) < 1:
                 return 0
             for step in steps:
                 step.node.pins -= 1
+                step.node.operator_pins -= privileged
                 self.reindex(step.node)
             return len(tokens)
 
@@ -400,7 +407,7 @@ class KVStore:
             # New (or expired but still in use) nodes take the new deadline; live ones keep the later one.
             expires = node.expires_at
             node.expires_at = until if expires <= now else (expires if expires > until else until)
-            if node.pins and node.pin_until < pin_until:
+            if node.pins > node.operator_pins and node.pin_until < pin_until:
                 node.pin_until = pin_until
                 sync(node)  # the pin deadline heap holds inner nodes too
             elif not node.num_children:
