@@ -71,7 +71,10 @@ def lapse_pins(store: KVStore, now: float) -> None:
     evictable) unless the operator pinned them too. A child's pin never outlasts its parent's (both are renewed
     together, root-first)."""
     heap = store.index.pin_expiry
-    while (top := heap.peek()) is not None and top[1] <= now:
+    for _ in range(len(heap)):  # each pass takes its node out of the heap (``reindex``): a bound, never a wait
+        top = heap.peek()
+        if top is None or top[1] > now:
+            break
         top[0].pins = top[0].operator_pins
         store.reindex(top[0])
 
