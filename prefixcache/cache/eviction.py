@@ -12,21 +12,23 @@ if TYPE_CHECKING:
     from prefixcache.cache.store import KVStore
 
 
-def room(store: KVStore) -> int:
-    """Bytes the snapshots may take now: the budget, less room for what running requests reserve.
+def room(store: KVStore, own_reserved: int = 0) -> int:
+    """Bytes the snapshots may take now: the budget, less room for what running requests reserve but
+    ``own_reserved``, the inserting call's own reservation: the buffer its blocks are copied from, whose bytes
+    they take over (``KVStore.insert``).
 
     Read without the ledger's lock, a plan: the store checks each block it adds again under it."""
-    return min(store.config.max_bytes, store.ledger.total - store.ledger.reserved)
+    return min(store.config.max_bytes, store.ledger.total - store.ledger.reserved + own_reserved)
 
 
-def make_room(store: KVStore, need: int, tenant: str) -> bool:
+def make_room(store: KVStore, need: int, tenant: str, own_reserved: int = 0) -> bool:
     """Evict until ``need`` more bytes fit the tenant quota, the budget and the KV total; whether they do.
 
     Expired blocks go first; a tenant over its quota then evicts only its own least recently
     used blocks; then the least recently used blocks of any tenant go.
     """
     quota = store.config.tenant_quota_bytes
-    limit = room(store)
+    limit = room(store, own_reserved)
     if need > limit or (quota is not None and need > quota):
         return False
     expire(store, store.now())
@@ -40,7 +42,7 @@ def make_room(store: KVStore, need: int, tenant: str) -> bool:
     return evict_to(store, limit - need)
 
 
-def make_room_for_tail(store: KVStore, need: int) -> int:
+def make_room_for_tail(store: KVStore, need: int, own_reserved: int = 0) -> int:
     """With no tenant quota: evict once for all of an insert's remaining blocks (``need`` bytes in all).
 
     Returns the room; the caller then stores blocks while they fit. The same blocks go, in the
@@ -49,7 +51,7 @@ def make_room_for_tail(store: KVStore, need: int) -> int:
     victim's parent, now a leaf, was refreshed with it and keeps the later deadline). When not
     all fits, everything evictable goes, as the block-by-block calls would before failing.
     """
-    limit = room(store)
+    limit = room(store, own_reserved)
     expire(store, store.now())
     evict_to(store, limit - need)
     return limit

@@ -44,7 +44,7 @@ from prefixcache.cache.handles import (
 from prefixcache.cache.hashing import BlockHasher
 from prefixcache.cache.index import StoreIndex
 from prefixcache.cache.integrity import audit_store, check_store
-from prefixcache.cache.ledger import KVLedger
+from prefixcache.cache.ledger import KVLedger, Reservation
 from prefixcache.cache.policy import OFFLOAD_REASONS, evictable, expiry, tenant_pins
 from prefixcache.cache.run_book import RunBook
 from prefixcache.cache.runs import RunOps, TensorRuns
@@ -168,7 +168,8 @@ class KVStore:
 
     # -- write path ----------------------------------------------------------------
     def insert(self, scope: Scope, tokens: Sequence[int], slice_kv: KVSlicer, pin: bool = False,
-               privileged: bool = False, _restoring: bool = False, _flushes: int | None = None) -> InsertResult:
+               privileged: bool = False, own: Reservation | None = None, _restoring: bool = False,
+               _flushes: int | None = None) -> InsertResult:
         """Store the KV of ``tokens`` (all of them) in ``scope``, block by block, kept for ``scope.ttl_seconds``.
 
         Blocks are added root-first, so what is stored is always a prefix of
@@ -179,8 +180,12 @@ class KVStore:
         ``privileged``, a pin whose newly pinned bytes would take the tenant's pinned
         bytes over ``config.pin_quota_bytes`` raises ``PinQuotaExceededError`` before
         anything is stored or evicted. With lower tiers attached, new blocks (write-through
-        policy) or the whole pinned path are queued for them. A restore passes ``_flushes``, the
-        count it saw before reading the tiers: after a flush since, ``FlushedMeanwhile`` (nothing stored).
+        policy) or the whole pinned path are queued for them. ``own`` is the calling request's reservation of
+        the buffer ``slice_kv`` copies from, when that buffer is freed right after: each block added takes over its
+        bytes (from ``own`` to the stored bytes, so ``stored + reserved`` never grows), so what the request
+        computed is stored as it would be once its buffer is gone, not squeezed out by that buffer. A restore
+        passes ``_flushes``, the count it saw before reading the tiers: after a flush since, ``FlushedMeanwhile``
+        (nothing stored).
         """
         with self._lock:
             if _flushes is not None and _flushes != self.flushes:
@@ -194,7 +199,7 @@ class KVStore:
             pin_room = None if not pin or privileged else self._pin_room(tenant)
             path: list[Node] = []
             try:
-                added, pos = self._grow(root, tokens, slice_kv, tenant, path, now, pin_room)
+                added, pos = self._grow(root, tokens, slice_kv, tenant, path, now, pin_room, own)
             finally:
                 root.refcount -= 1
                 self.trie.drop_root_if_empty(root)
@@ -218,7 +223,8 @@ class KVStore:
             return InsertResult(pos, sum(n.nbytes for n in added), complete)
 
     def _grow(self, root: Node, tokens: Sequence[int], slice_kv: KVSlicer, tenant: str,
-              path: list[Node], now: float, pin_room: int | None) -> tuple[list[Node], int]:
+              path: list[Node], now: float, pin_room: int | None,
+              own: Reservation | None = None) -> tuple[list[Node], int]:
         """Walk existing blocks, then add the missing tail; returns (new blocks, tokens covered).
 
         ``path`` receives every block of the stored prefix, root-first. Eviction and expiry
@@ -256,18 +262,21 @@ class KVStore:
                 if limit is not None:
                     if self.bytes + nbytes > limit:
                         break
-                elif not make_room(self, nbytes, tenant):
+                elif not make_room(self, nbytes, tenant, 0 if own is None else own.nbytes):
                     break
                 # Copy-on-write: shorter partial siblings are replaced if unused (a new node has no children).
                 for old in self.trie.superseded(attach, chunk) if attach.num_children else ():
                     if evictable(old):
                         self.free(old, None)
                 with ledger.lock:  # a reservation may have landed since the room was planned
-                    if not ledger.fits_stored(nbytes):
+                    taken = 0 if own is None else min(nbytes, own.nbytes)
+                    if not ledger.fits_stored(nbytes - taken):
                         break
                     node = self.trie.add_child(attach, chunk)
                     node.kv, node.nbytes = self._kv.view(run, pos - first, pos - first + len(chunk)), nbytes
                     self._account(node, +1)
+                    if taken:
+                        own.hand_over(taken)
                 if attach is walked:  # it has a child now: no longer a leaf, and safe without the hold
                     walked = None
                     self._ref(attach, -1)
@@ -276,7 +285,7 @@ class KVStore:
                 pos += len(chunk)
                 attach = node
                 if one_pass and limit is None and pos < n:
-                    limit = make_room_for_tail(self, (n - pos) * per_token)
+                    limit = make_room_for_tail(self, (n - pos) * per_token, 0 if own is None else own.nbytes)
         except BaseException:
             for node in added:
                 self.reindex(node)
