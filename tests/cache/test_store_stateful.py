@@ -7,8 +7,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from prefixcache.cache.ledger import Reservation
+from prefixcache.cache.policy import tenant_pins
 from prefixcache.errors import PinQuotaExceededError
-from tests.cache.store_helpers import NS, insert, kv_value, lease_values, make_store, scope
+from tests.cache.store_helpers import BYTES_PER_TOKEN, NS, insert, kv_value, lease_values, make_store, scope
 from tests.conftest import FakeClock
 
 TENANTS = st.sampled_from(["a", "b", "c"])
@@ -21,7 +23,9 @@ class StoreMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.clock = FakeClock()
-        self.store = make_store(self.clock, blocks_budget=12, block_size=3, quota_blocks=7, pin_quota_blocks=2)
+        # All KV within 16 blocks: a request's reservation (``serve``) beyond 4 squeezes the store's room.
+        self.store = make_store(self.clock, blocks_budget=12, block_size=3, quota_blocks=7, pin_quota_blocks=2,
+                                total_blocks=16)
         self.leases: list[tuple[list[int], object, int]] = []  # tokens, lease, limit
         self.pins: list[tuple[str, list[int], bool]] = []  # tenant, tokens, the operator's
         self.operator_pins: set[tuple[str, tuple[int, ...]]] = set()  # kept through unpins: a superset
@@ -62,6 +66,25 @@ class StoreMachine(RuleBasedStateMachine):
         else:
             self.store.release(lease)
 
+    @rule(tenant=TENANTS, tokens=SEQS, blocks=st.integers(0, 8), own=st.booleans(), pin=st.booleans())
+    def serve(self, tenant, tokens, blocks, own, pin):
+        """A request reserves its buffer (if the total allows, evicting what may go), then stores what it computed
+        there, its reservation taken over by the blocks stored (``own``) or not."""
+        ledger = self.store.ledger
+        nbytes = blocks * self.store.config.block_size * BYTES_PER_TOKEN
+        if not ledger.try_set("serial", nbytes):
+            return
+        held = Reservation(ledger, "serial", nbytes)
+        try:
+            result = insert(self.store, tenant, tokens, pin=pin, privileged=True, own=held if own else None)
+            assert self.store.bytes + ledger.reserved <= ledger.total
+            assert nbytes - held.nbytes == (min(nbytes, result.new_bytes) if own else 0)
+        finally:
+            held.release()
+        if pin and result.complete:
+            self.pins.append((tenant, tokens, True))
+            self.operator_pins.add((tenant, tuple(tokens)))
+
     @precondition(lambda self: self.leases)
     @rule(data=st.data(), then_insert=st.booleans())
     def finish_request(self, data, then_insert):
@@ -78,10 +101,10 @@ class StoreMachine(RuleBasedStateMachine):
     def unpin(self, data):
         tenant, tokens, privileged = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
         self.store.snapshot_stats()  # lapses what is due: the unpin below changes nothing else
-        others = [(n, n.pins - n.operator_pins if privileged else n.operator_pins) for n in self.store.trie.iter_nodes()]
+        theirs = tenant_pins if privileged else (lambda n: n.operator_pins)  # the other caller's pins
+        others = [(n, theirs(n)) for n in self.store.trie.iter_nodes()]
         self.store.unpin(scope(tenant), tokens, privileged=privileged)
-        # Each caller undoes its own pins only.
-        assert all((n.pins - n.operator_pins if privileged else n.operator_pins) == k for n, k in others)
+        assert all(theirs(n) == k for n, k in others), "an unpin undid another caller's pin"
 
     @rule(seconds=st.sampled_from([0.5, 4.0, 10.0, 100.0, 1000.0, 4000.0]))  # pin_ttl_seconds: 3600
     def clock_jump(self, seconds):
