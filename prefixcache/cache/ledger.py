@@ -6,10 +6,9 @@ caches and prewarm buffers. Each kind reserves here, before allocating, the most
 may grow to, and gives it back when they are freed (or hands it over to the stored bytes as the
 store takes in the KV computed there just before the buffer is freed: ``Reservation.hand_over``),
 so ``store bytes + reserved <= total``: the store keeps that bound when it inserts (its room
-shrinks by what is reserved), and a
-reservation that does not fit first makes the store evict what may go (unpinned snapshots
-nobody reads), then waits, at most ``wait_seconds``, for others to give memory back, then is
-refused with ``KVMemoryError``. No torch here: bytes only.
+shrinks by what is reserved), and a reservation that does not fit first makes the store evict
+what may go (unpinned snapshots nobody reads), then waits, at most ``wait_seconds``, for others
+to give memory back, then is refused with ``KVMemoryError``. No torch here: bytes only.
 
 Locks: the store's lock, then the ledger's, never the other way round. Each side checks
 ``stored + reserved`` and acts under the ledger's lock: a reservation in ``_change``, the

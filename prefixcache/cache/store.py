@@ -360,7 +360,8 @@ class KVStore:
                 return 0
             for step in steps:
                 step.node.pins -= 1
-                step.node.operator_pins -= privileged
+                if privileged:
+                    step.node.operator_pins -= 1
                 self.reindex(step.node)
             return len(tokens)
 
