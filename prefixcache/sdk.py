@@ -536,10 +536,13 @@ class PrefixCache:
 
     def unpin(self, prefix: str | Sequence[dict[str, Any]] | Sequence[int], *,
               tools: Sequence[dict[str, Any]] | None = None, tenant: str | None = None,
-              cache_salt: str | None = None) -> bool:
-        """Undo one ``warm(..., pin=True)`` of the same prefix (and salt). Returns whether it was pinned."""
+              cache_salt: str | None = None, privileged: bool = False) -> bool:
+        """Undo one ``warm(..., pin=True)`` of the same prefix (and salt) with the same ``privileged``: the tenant's
+        pins and the operator's are counted apart, and each undoes only its own. Returns whether it was pinned so."""
+        if not isinstance(privileged, bool):
+            raise InvalidRequestError("privileged must be True or False", param="privileged")
         tokens = self.encode_prefix(prefix, tools)
-        return self.store.unpin(self.scope(tenant, cache_salt), tokens) > 0
+        return self.store.unpin(self.scope(tenant, cache_salt), tokens, privileged) > 0
 
     @property
     def bytes_per_token(self) -> int:

@@ -12,21 +12,23 @@ if TYPE_CHECKING:
     from prefixcache.cache.store import KVStore
 
 
-def room(store: KVStore) -> int:
-    """Bytes the snapshots may take now: the budget, less room for what running requests reserve.
+def room(store: KVStore, own_reserved: int = 0) -> int:
+    """Bytes the snapshots may take now: the budget, less room for what running requests reserve but
+    ``own_reserved``, the inserting call's own reservation: the buffer its blocks are copied from, whose bytes
+    they take over (``KVStore.insert``).
 
     Read without the ledger's lock, a plan: the store checks each block it adds again under it."""
-    return min(store.config.max_bytes, store.ledger.total - store.ledger.reserved)
+    return min(store.config.max_bytes, store.ledger.total - store.ledger.reserved + own_reserved)
 
 
-def make_room(store: KVStore, need: int, tenant: str) -> bool:
+def make_room(store: KVStore, need: int, tenant: str, own_reserved: int = 0) -> bool:
     """Evict until ``need`` more bytes fit the tenant quota, the budget and the KV total; whether they do.
 
     Expired blocks go first; a tenant over its quota then evicts only its own least recently
     used blocks; then the least recently used blocks of any tenant go.
     """
     quota = store.config.tenant_quota_bytes
-    limit = room(store)
+    limit = room(store, own_reserved)
     if need > limit or (quota is not None and need > quota):
         return False
     expire(store, store.now())
@@ -40,7 +42,7 @@ def make_room(store: KVStore, need: int, tenant: str) -> bool:
     return evict_to(store, limit - need)
 
 
-def make_room_for_tail(store: KVStore, need: int) -> int:
+def make_room_for_tail(store: KVStore, need: int, own_reserved: int = 0) -> int:
     """With no tenant quota: evict once for all of an insert's remaining blocks (``need`` bytes in all).
 
     Returns the room; the caller then stores blocks while they fit. The same blocks go, in the
@@ -49,7 +51,7 @@ def make_room_for_tail(store: KVStore, need: int) -> int:
     victim's parent, now a leaf, was refreshed with it and keeps the later deadline). When not
     all fits, everything evictable goes, as the block-by-block calls would before failing.
     """
-    limit = room(store)
+    limit = room(store, own_reserved)
     expire(store, store.now())
     evict_to(store, limit - need)
     return limit
@@ -67,11 +69,15 @@ def evict_to(store: KVStore, limit: int) -> bool:
 
 
 def lapse_pins(store: KVStore, now: float) -> None:
-    """Drop the pins whose deadline has passed: those blocks are ordinary entries again (their own TTL,
-    evictable). A child's pin never outlasts its parent's (both are renewed together, root-first)."""
+    """Drop the tenants' pins whose deadline has passed: those blocks are ordinary entries again (their own TTL,
+    evictable) unless the operator pinned them too. A child's pin never outlasts its parent's (both are renewed
+    together, root-first)."""
     heap = store.index.pin_expiry
-    while (top := heap.peek()) is not None and top[1] <= now:
-        top[0].pins = 0
+    for _ in range(len(heap)):  # each pass takes its node out of the heap (``reindex``): a bound, never a wait
+        top = heap.peek()
+        if top is None or top[1] > now:
+            break
+        top[0].pins = top[0].operator_pins
         store.reindex(top[0])
 
 
@@ -92,7 +98,7 @@ def flush_all(store: KVStore, tenant: str | None) -> int:
     roots = [r for r in trie.roots() if tenant is None or r.tenant == tenant]
     for node in sorted(trie.iter_nodes(roots), key=lambda n: n.start, reverse=True):
         node.doomed = True  # never matched again; freed here or on release
-        node.pins = 0
+        node.pins = node.operator_pins = 0
         store.reindex(node)
         if node.refcount == 0 and node.num_children == 0:
             freed += node.nbytes

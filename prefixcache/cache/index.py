@@ -77,7 +77,7 @@ class StoreIndex:
         if node.alive:
             pins, refs = node.pins, node.refcount
             state = (PINNED if pins else 0) | (LEASED if refs else 0)
-            if pins and node.pin_until < _INF:  # ``pin_lapses``
+            if pins > node.operator_pins and node.pin_until < _INF:  # ``pin_lapses``
                 state |= PIN_DUE
             if not refs and not node.num_children:  # a leaf nobody reads: ``ttl_freeable``
                 if not pins:  # ``evictable``

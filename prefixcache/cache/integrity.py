@@ -9,6 +9,8 @@ import math
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from prefixcache.cache.policy import tenant_pins
+
 if TYPE_CHECKING:
     from prefixcache.cache.store import KVStore
 
@@ -40,7 +42,7 @@ def check_store(store: KVStore) -> None:
     for node in nodes:
         parent = node.parent
         assert node.alive and node.kv is not None, "freed node still reachable"
-        assert node.refcount >= 0 and node.pins >= 0
+        assert node.refcount >= 0 and node.pins >= node.operator_pins >= 0
         assert parent is not None and parent.alive and node.start == parent.end
         assert node in parent.keyed(node.key) and node in parent.starting(node.tokens[0])
         assert (node.only is not None) == (node.num_children == 1) == (node.by_key is None and node.num_children > 0)
@@ -50,10 +52,12 @@ def check_store(store: KVStore) -> None:
         assert 0 < len(node.tokens) <= bs and node.tenant == parent.tenant
         assert node.num_children == sum(1 for _ in node.children())
         assert parent.is_root or parent.expires_at >= node.expires_at or parent.doomed
-        # A pin covers its path from the root, and lapses there no sooner than below (renewed root-first); a
-        # tenant's lapses within pin_ttl_seconds of now, the operator's never.
-        assert not node.pins or parent.is_root or (parent.pins >= node.pins and parent.pin_until >= node.pin_until)
-        assert not node.pins or node.pin_until == math.inf or node.pin_until <= now + (pin_ttl or math.inf)
+        # A pin covers its path from the root, the operator's and the tenant's each, and a tenant's lapses there
+        # no sooner than below (renewed root-first) and within pin_ttl_seconds of now; the operator's never.
+        mine = tenant_pins(node)
+        assert parent.is_root or (parent.operator_pins >= node.operator_pins and tenant_pins(parent) >= mine)
+        assert not mine or parent.is_root or parent.pin_until >= node.pin_until
+        assert not mine or node.pin_until <= now + (pin_ttl or math.inf)
         assert node.nbytes == store.payloads.nbytes(node.kv)
         assert store.payloads.tokens(node.kv) == len(node.tokens)
         total += node.nbytes

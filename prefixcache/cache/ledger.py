@@ -3,11 +3,12 @@
 The store holds snapshots (within its own budget, ``max_bytes``). Outside it, running
 requests hold KV buffers: the batching engine's private pools, the serial engine's working
 caches and prewarm buffers. Each kind reserves here, before allocating, the most its buffers
-may grow to, and gives it back when they are freed, so ``store bytes + reserved <= total``:
-the store keeps that bound when it inserts (its room shrinks by what is reserved), and a
-reservation that does not fit first makes the store evict what may go (unpinned snapshots
-nobody reads), then waits, at most ``wait_seconds``, for others to give memory back, then is
-refused with ``KVMemoryError``. No torch here: bytes only.
+may grow to, and gives it back when they are freed (or hands it over to the stored bytes as the
+store takes in the KV computed there just before the buffer is freed: ``Reservation.hand_over``),
+so ``store bytes + reserved <= total``: the store keeps that bound when it inserts (its room
+shrinks by what is reserved), and a reservation that does not fit first makes the store evict
+what may go (unpinned snapshots nobody reads), then waits, at most ``wait_seconds``, for others
+to give memory back, then is refused with ``KVMemoryError``. No torch here: bytes only.
 
 Locks: the store's lock, then the ledger's, never the other way round. Each side checks
 ``stored + reserved`` and acts under the ledger's lock: a reservation in ``_change``, the
@@ -144,6 +145,14 @@ class Reservation:
         if self.nbytes:
             self._ledger.release(self.kind, self.nbytes)
             self.nbytes = 0
+
+    def hand_over(self, nbytes: int) -> None:
+        """Give back ``nbytes`` that stored snapshots now hold instead (``KVStore.insert`` with ``own``: blocks
+        copied from this reservation's buffer, which is freed right after); called under the ledger's lock, as
+        the store adds them, so ``stored + reserved`` never grows."""
+        assert 0 <= nbytes <= self.nbytes
+        self._ledger.release(self.kind, nbytes)
+        self.nbytes -= nbytes
 
     def __enter__(self) -> Reservation:
         return self

@@ -23,10 +23,15 @@ def expiry(now: float, ttl_seconds: float | None) -> float:
     return math.inf if ttl_seconds is None else now + ttl_seconds
 
 
+def tenant_pins(node: Node) -> int:
+    """The node's pins made by its tenant (not the operator): those have a deadline, ``pin_until``."""
+    return node.pins - node.operator_pins
+
+
 def pin_lapses(node: Node) -> bool:
-    """A pinned node whose pin has a deadline (a tenant's): once it passes the pin lapses and the node is an
-    ordinary entry again, under its own TTL (``expires_at``), evictable."""
-    return node.alive and node.pins > 0 and node.pin_until < math.inf
+    """A node its tenant pinned with a deadline: once it passes those pins lapse, and the node is an ordinary
+    entry again (under its own TTL, ``expires_at``, evictable) unless the operator pinned it too."""
+    return node.alive and tenant_pins(node) > 0 and node.pin_until < math.inf
 
 
 def evictable(node: Node) -> bool:

@@ -44,8 +44,8 @@ from prefixcache.cache.handles import (
 from prefixcache.cache.hashing import BlockHasher
 from prefixcache.cache.index import StoreIndex
 from prefixcache.cache.integrity import audit_store, check_store
-from prefixcache.cache.ledger import KVLedger
-from prefixcache.cache.policy import OFFLOAD_REASONS, evictable, expiry
+from prefixcache.cache.ledger import KVLedger, Reservation
+from prefixcache.cache.policy import OFFLOAD_REASONS, evictable, expiry, tenant_pins
 from prefixcache.cache.run_book import RunBook
 from prefixcache.cache.runs import RunOps, TensorRuns
 from prefixcache.cache.scope import Scope
@@ -168,18 +168,24 @@ class KVStore:
 
     # -- write path ----------------------------------------------------------------
     def insert(self, scope: Scope, tokens: Sequence[int], slice_kv: KVSlicer, pin: bool = False,
-               privileged: bool = False, _restoring: bool = False, _flushes: int | None = None) -> InsertResult:
+               privileged: bool = False, own: Reservation | None = None, _restoring: bool = False,
+               _flushes: int | None = None) -> InsertResult:
         """Store the KV of ``tokens`` (all of them) in ``scope``, block by block, kept for ``scope.ttl_seconds``.
 
         Blocks are added root-first, so what is stored is always a prefix of
         ``tokens``; under budget or quota pressure the tail is dropped, never an error.
-        With ``pin``, the whole stored path is pinned (``unpin`` undoes it) until the pin's own deadline,
-        ``config.pin_ttl_seconds`` from now (renewed by reads; none if ``privileged``). Unless
+        With ``pin``, the whole stored path is pinned (``unpin`` with the same ``privileged`` undoes it) until
+        the pin's own deadline, ``config.pin_ttl_seconds`` from now (renewed by reads; none if ``privileged``;
+        the two kinds of pins are counted apart). Unless
         ``privileged``, a pin whose newly pinned bytes would take the tenant's pinned
         bytes over ``config.pin_quota_bytes`` raises ``PinQuotaExceededError`` before
         anything is stored or evicted. With lower tiers attached, new blocks (write-through
-        policy) or the whole pinned path are queued for them. A restore passes ``_flushes``, the
-        count it saw before reading the tiers: after a flush since, ``FlushedMeanwhile`` (nothing stored).
+        policy) or the whole pinned path are queued for them. ``own`` is the calling request's reservation of
+        the buffer ``slice_kv`` copies from, when that buffer is freed right after: each block added takes over its
+        bytes (from ``own`` to the stored bytes, so ``stored + reserved`` never grows), so what the request
+        computed is stored as it would be once its buffer is gone, not squeezed out by that buffer. A restore
+        passes ``_flushes``, the count it saw before reading the tiers: after a flush since, ``FlushedMeanwhile``
+        (nothing stored).
         """
         with self._lock:
             if _flushes is not None and _flushes != self.flushes:
@@ -193,18 +199,21 @@ class KVStore:
             pin_room = None if not pin or privileged else self._pin_room(tenant)
             path: list[Node] = []
             try:
-                added, pos = self._grow(root, tokens, slice_kv, tenant, path, now, pin_room)
+                added, pos = self._grow(root, tokens, slice_kv, tenant, path, now, pin_room, own)
             finally:
                 root.refcount -= 1
                 self.trie.drop_root_if_empty(root)
             self._touch(path, now, scope.ttl_seconds)
             complete = pos == len(tokens)
             if pin and complete:
-                # The pin's own deadline, whatever the blocks' TTL: a tenant's lapses after pin_ttl_seconds
-                # unless a read renews it; the operator's has none.
-                pin_until = expiry(now, None if privileged else self.config.pin_ttl_seconds)
+                # Counted apart: the operator's pins have no deadline; a tenant's have their own, whatever the
+                # blocks' TTL (after pin_ttl_seconds unless a read renews it), and the operator's never move it.
+                pin_until = expiry(now, self.config.pin_ttl_seconds)
                 for node in path:
-                    node.pin_until = pin_until if not node.pins else max(node.pin_until, pin_until)
+                    if privileged:
+                        node.operator_pins += 1
+                    else:
+                        node.pin_until = pin_until if not tenant_pins(node) else max(node.pin_until, pin_until)
                     node.pins += 1
                     self.reindex(node)
             if self.lower is not None and not _restoring and (pin or self.lower.write_through):
@@ -214,7 +223,8 @@ class KVStore:
             return InsertResult(pos, sum(n.nbytes for n in added), complete)
 
     def _grow(self, root: Node, tokens: Sequence[int], slice_kv: KVSlicer, tenant: str,
-              path: list[Node], now: float, pin_room: int | None) -> tuple[list[Node], int]:
+              path: list[Node], now: float, pin_room: int | None,
+              own: Reservation | None = None) -> tuple[list[Node], int]:
         """Walk existing blocks, then add the missing tail; returns (new blocks, tokens covered).
 
         ``path`` receives every block of the stored prefix, root-first. Eviction and expiry
@@ -252,18 +262,21 @@ class KVStore:
                 if limit is not None:
                     if self.bytes + nbytes > limit:
                         break
-                elif not make_room(self, nbytes, tenant):
+                elif not make_room(self, nbytes, tenant, 0 if own is None else own.nbytes):
                     break
                 # Copy-on-write: shorter partial siblings are replaced if unused (a new node has no children).
                 for old in self.trie.superseded(attach, chunk) if attach.num_children else ():
                     if evictable(old):
                         self.free(old, None)
                 with ledger.lock:  # a reservation may have landed since the room was planned
-                    if not ledger.fits_stored(nbytes):
+                    taken = 0 if own is None else min(nbytes, own.nbytes)
+                    if not ledger.fits_stored(nbytes - taken):
                         break
                     node = self.trie.add_child(attach, chunk)
                     node.kv, node.nbytes = self._kv.view(run, pos - first, pos - first + len(chunk)), nbytes
                     self._account(node, +1)
+                    if taken:
+                        own.hand_over(taken)
                 if attach is walked:  # it has a child now: no longer a leaf, and safe without the hold
                     walked = None
                     self._ref(attach, -1)
@@ -272,7 +285,7 @@ class KVStore:
                 pos += len(chunk)
                 attach = node
                 if one_pass and limit is None and pos < n:
-                    limit = make_room_for_tail(self, (n - pos) * per_token)
+                    limit = make_room_for_tail(self, (n - pos) * per_token, 0 if own is None else own.nbytes)
         except BaseException:
             for node in added:
                 self.reindex(node)
@@ -327,24 +340,28 @@ class KVStore:
             quota = self.config.pin_quota_bytes
             raise PinQuotaExceededError.of(quota - room, quota, need)
 
-    def unpin(self, scope: Scope, tokens: Sequence[int]) -> int:
-        """Undo one ``pin`` of exactly this token path in ``scope``. Returns the tokens unpinned (0 if it was not
-        pinned, or its pin lapsed)."""
+    def unpin(self, scope: Scope, tokens: Sequence[int], privileged: bool = False) -> int:
+        """Undo one ``pin`` of exactly this token path in ``scope``: the tenant's, or with ``privileged`` the
+        operator's (each undoes its own pins only). Returns the tokens unpinned (0 if it was not pinned so, or
+        the tenant's pin lapsed)."""
+        mine = (lambda n: n.operator_pins) if privileged else tenant_pins
         with self._lock:
             lapse_pins(self, self._clock())
             root = self.trie.root(scope.namespace, scope.tenant, create=False)
             if root is None:
                 return 0
             steps = self.trie.match(root, tokens, len(tokens), lambda n: n.alive)
-            if sum(s.used for s in steps) != len(tokens) or any(s.node.pins == 0 for s in steps):
+            if sum(s.used for s in steps) != len(tokens) or any(mine(s.node) == 0 for s in steps):
                 return 0
             # A pin of a longer path counts once in its last block here and once in a child: only pins that end
             # in that block are this path's to undo (a shorter path would strand its continuation's pin).
             last = steps[-1].node
-            if last.pins - sum(child.pins for child in last.children() if child.alive) < 1:
+            if mine(last) - sum(mine(child) for child in last.children() if child.alive) < 1:
                 return 0
             for step in steps:
                 step.node.pins -= 1
+                if privileged:
+                    step.node.operator_pins -= 1
                 self.reindex(step.node)
             return len(tokens)
 
@@ -400,7 +417,7 @@ class KVStore:
             # New (or expired but still in use) nodes take the new deadline; live ones keep the later one.
             expires = node.expires_at
             node.expires_at = until if expires <= now else (expires if expires > until else until)
-            if node.pins and node.pin_until < pin_until:
+            if node.pins > node.operator_pins and node.pin_until < pin_until:
                 node.pin_until = pin_until
                 sync(node)  # the pin deadline heap holds inner nodes too
             elif not node.num_children:

@@ -35,8 +35,9 @@ class Node:
     by_first: dict[int, list[Node]] | None = None  # children by first token, likewise
     num_children: int = 0
     refcount: int = 0
-    pins: int = 0
-    pin_until: float = math.inf  # while pinned: when the pins lapse (a tenant's pin has a deadline of its own)
+    pins: int = 0  # every pin of a path through this block: the operator's and its tenant's
+    operator_pins: int = 0  # of ``pins``, the operator's (``privileged``): no deadline, undone by the operator only
+    pin_until: float = math.inf  # while the tenant's pins (the others) last: when they lapse together
     last_access: float = 0.0
     expires_at: float = -math.inf  # set when the store publishes the node
     alive: bool = True

@@ -19,6 +19,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria
 
 from prefixcache.cache.handles import Lease
+from prefixcache.cache.ledger import Reservation
 from prefixcache.cache.scope import Scope
 from prefixcache.cache.store import KVStore
 from prefixcache.errors import GenerationTimeoutError, RequestCancelledError, UnsupportedModelError
@@ -128,7 +129,7 @@ class SerialEngine:
         # concurrent calls cannot interleave their draws.
         # A blended call's KV is built in that buffer; a document not stored yet is computed alone beside it.
         need = self._bytes(n + int(max_new) + _alone_room(blend))
-        with self.store.ledger.reserve("serial", need), self._holding_model(), \
+        with self.store.ledger.reserve("serial", need) as held, self._holding_model(), \
                 isolated_rng(device, seed if seed is not None else self._entropy()):
             if stats.bypass_reason is not None:
                 # The row is unpadded already: every token counts (generate() would otherwise mask a pad id in it).
@@ -136,7 +137,7 @@ class SerialEngine:
                                           generation_config=generation_config, **kwargs)
             else:
                 out = self._cached_generate(input_ids, scope, generation_config, kwargs, cache_generated, max_new,
-                                            stats, start, blend)
+                                            stats, start, blend, held)
         seq = out.sequences if hasattr(out, "sequences") else out
         stats.completion_tokens = int(seq.shape[1]) - n
         stats.ttft_seconds = None if timer.at is None else timer.at - start
@@ -204,7 +205,7 @@ class SerialEngine:
             raise UnsupportedModelError(self.unsupported_reason or "model not supported")
         deadline = None if timeout is None else time.monotonic() + timeout
         stats = CallStats(prompt_tokens=len(tokens), executor="serial")
-        with self.store.ledger.reserve("prewarm", self._bytes(len(tokens)), cancel), self._holding_model():
+        with self.store.ledger.reserve("prewarm", self._bytes(len(tokens)), cancel) as held, self._holding_model():
             lease = self.store.acquire(scope, tokens, len(tokens), restore=True)
             try:
                 stats.cached_tokens = lease.cached_tokens
@@ -215,7 +216,8 @@ class SerialEngine:
                     with torch.no_grad():  # positions follow from the cache's length
                         self.model(input_ids=ids, past_key_values=cache, use_cache=True)
                 _check_stop(cancel, deadline, timeout)
-                result = self.store.insert(scope, tokens, cache.slice, pin=pin, privileged=privileged)
+                # The last use of its buffer: the prefix takes over the buffer's reservation as it is stored.
+                result = self.store.insert(scope, tokens, cache.slice, pin=pin, privileged=privileged, own=held)
                 stats.stored_tokens = result.stored_tokens
             finally:
                 self.store.release(lease)
@@ -236,7 +238,8 @@ class SerialEngine:
 
     # -- internals -----------------------------------------------------------------
     def _cached_generate(self, input_ids, scope: Scope, generation_config, kwargs, cache_generated, max_new,
-                         stats: CallStats, start: float, blend: BlendRequest | None = None) -> Any:
+                         stats: CallStats, start: float, blend: BlendRequest | None = None,
+                         held: Reservation | None = None) -> Any:
         assert self.layout is not None
         prompt = input_ids[0].tolist()
         n = len(prompt)
@@ -250,8 +253,9 @@ class SerialEngine:
             if unable is not None:
                 stats.blend_reason = unable
             first_sight = False
+            own = None  # the reservation the stored sequence takes over, where storing it is its buffer's last use
             if blend is None or unable:
-                cache, exact = WorkingCache(self.layout, lease.segments, n + max_new), n
+                cache, exact, own = WorkingCache(self.layout, lease.segments, n + max_new), n, held
             else:
                 cache, exact, first_sight, _ = self._blend(prompt, blend, leases, scope, n + max_new, stats)
             mask = torch.ones_like(input_ids)
@@ -262,7 +266,7 @@ class SerialEngine:
             keep = (cache.length if cache_generated else n) if exact >= n - 1 else exact
             tokens = seq[0, :keep].tolist()
             if tokens:
-                stats.stored_tokens = self.store.insert(scope, tokens, cache.slice).stored_tokens
+                stats.stored_tokens = self.store.insert(scope, tokens, cache.slice, own=own).stored_tokens
             if exact < n - 1:  # the blended prompt (and answer, as the batching engine keeps it), for blending
                 upto = cache.length if cache_generated else n - 1  # calls of the same share only
                 self.store.insert(blended_scope(scope, blend.share), seq[0, :upto].tolist(), cache.slice)

@@ -39,19 +39,21 @@ def lease_values(lease) -> list[float]:
 
 
 def make_store(clock, *, blocks_budget: int = 1000, block_size: int = 4, quota_blocks: int | None = None,
-               hash_fn=None, pin_quota_blocks: int | None = None, pin_ttl: float | None = 3600.0) -> KVStore:
-    """A store of ``blocks_budget`` blocks; pins are limited only by the budget unless ``pin_quota_blocks``."""
+               hash_fn=None, pin_quota_blocks: int | None = None, pin_ttl: float | None = 3600.0,
+               total_blocks: int | None = None) -> KVStore:
+    """A store of ``blocks_budget`` blocks; pins are limited only by the budget unless ``pin_quota_blocks``; all KV
+    (stored and reserved) by ``total_blocks`` if given."""
     block = block_size * BYTES_PER_TOKEN
     cfg = CacheConfig(max_bytes=blocks_budget * block, block_size=block_size,
                       tenant_quota_bytes=None if quota_blocks is None else quota_blocks * block,
                       tenant_pin_quota_bytes=(blocks_budget if pin_quota_blocks is None else pin_quota_blocks) * block,
-                      pin_ttl_seconds=pin_ttl)
+                      pin_ttl_seconds=pin_ttl, max_kv_bytes_total=None if total_blocks is None else total_blocks * block)
     hasher = BlockHasher(1234) if hash_fn is None else BlockHasher(1234, hash_fn)
     return KVStore(cfg, hasher, clock)
 
 
-def insert(store, tenant: str, tokens, ttl=300.0, pin=False, privileged=False):
-    return store.insert(scope(tenant, ttl), tokens, slicer(tokens), pin=pin, privileged=privileged)
+def insert(store, tenant: str, tokens, ttl=300.0, pin=False, privileged=False, own=None):
+    return store.insert(scope(tenant, ttl), tokens, slicer(tokens), pin=pin, privileged=privileged, own=own)
 
 
 def lookup(store, tenant: str, tokens, ttl=300.0):

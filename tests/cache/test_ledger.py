@@ -13,7 +13,7 @@ from prefixcache.cache.ledger import KINDS, KVLedger
 from prefixcache.cache.store import KVStore
 from prefixcache.config import CacheConfig
 from prefixcache.errors import KVMemoryError, RequestCancelledError
-from tests.cache.store_helpers import BYTES_PER_TOKEN, insert, lookup, scope
+from tests.cache.store_helpers import BYTES_PER_TOKEN, insert, lookup, scope, slicer
 
 B = 4
 BLOCK = B * BYTES_PER_TOKEN
@@ -52,6 +52,24 @@ def test_an_insert_beside_a_reservation_evicts_older_snapshots_to_fit(clock):
     with store.ledger.reserve("serial", 4 * BLOCK):  # the total is full: 6 stored + 4 reserved
         assert insert(store, "b", seq(2, 3 * B)).complete  # a's least recently used blocks give way
         assert store.bytes == 6 * BLOCK and store.evictions["lru"] == 3
+    store.check_integrity()
+
+
+def test_an_insert_from_a_request_s_own_buffer_takes_its_reservation_over(clock):
+    """Blocks a request stores from the buffer it reserved (freed right after) take that reservation over block by
+    block: the request's own buffer does not squeeze them out, another request's still counts, and the total holds."""
+    store = store_with_total(clock, total_blocks=10)
+    insert(store, "a", seq(1, 4 * B))
+    clock.advance(1)
+    other = store.ledger.reserve("private", 2 * BLOCK)
+    own = store.ledger.reserve("serial", 4 * BLOCK)  # the total is full: 4 stored + 6 reserved
+    tokens = seq(2, 6 * B)
+    assert store.insert(scope("b"), tokens, slicer(tokens), own=own).complete  # 2 of a's blocks give way
+    assert own.nbytes == 0 and store.ledger.reserved == 2 * BLOCK == store.snapshot_stats("a")["bytes"]
+    assert store.bytes + store.ledger.reserved == 10 * BLOCK and store.evictions["lru"] == 2
+    own.release()  # nothing left to give back
+    assert store.ledger.reserved == 2 * BLOCK
+    other.release()
     store.check_integrity()
 
 

@@ -139,6 +139,51 @@ def test_a_tenant_s_pin_of_an_operator_pinned_path_leaves_the_operator_s_pin_wit
     store.check_integrity()
 
 
+def test_the_operator_s_pins_and_a_tenant_s_pins_are_counted_and_undone_apart(clock):
+    """Each caller undoes its own pins only: a tenant's unpin never takes the operator's pin, nor the reverse."""
+    store = make_store(clock, blocks_budget=10, block_size=B, pin_ttl=100)
+    tokens = seq(1, 2 * B)
+    insert(store, "a", tokens, ttl=None, pin=True)
+    insert(store, "a", tokens, ttl=None, pin=True, privileged=True)
+    assert store.unpin(scope("a"), tokens) == len(tokens)
+    assert store.unpin(scope("a"), tokens) == 0  # the operator's pin is not the tenant's to undo
+    assert store.snapshot_stats("a")["pinned_bytes"] == 2 * BLOCK
+    insert(store, "a", tokens, ttl=None, pin=True)
+    assert store.unpin(scope("a"), tokens, privileged=True) == len(tokens)
+    assert store.unpin(scope("a"), tokens, privileged=True) == 0  # nor the tenant's the operator's
+    assert store.snapshot_stats("a")["pinned_bytes"] == 2 * BLOCK
+    assert store.unpin(scope("a"), tokens) == len(tokens) and store.snapshot_stats("a")["pinned_bytes"] == 0
+    store.check_integrity()
+
+
+@pytest.mark.parametrize("operator_first", [True, False])
+def test_a_tenant_s_pin_keeps_its_own_deadline_beside_the_operator_s_pin(clock, operator_first):
+    """The operator's pin (no deadline) neither lifts nor ends a tenant's pin of the same prefix: the tenant's
+    lapses pin_ttl_seconds (100 here) after its last use (the second pin walks the path, a use as a read is), the
+    operator's stays until the operator unpins it."""
+    store = make_store(clock, blocks_budget=10, block_size=B, pin_ttl=100)
+    tokens = seq(1, 2 * B)
+    pins = [dict(privileged=True), dict(privileged=False)]
+    insert(store, "a", tokens, ttl=None, pin=True, **pins[not operator_first])
+    clock.advance(50)
+    insert(store, "a", tokens, ttl=None, pin=True, **pins[operator_first])
+    last_use = clock()
+    clock.now = last_use + 99
+    store.check_integrity()
+    assert store.unpin(scope("a"), tokens, privileged=True) == len(tokens)
+    assert store.snapshot_stats("a")["pinned_bytes"] == 2 * BLOCK  # the tenant's pin, for one more second
+    clock.now = last_use + 100
+    assert store.snapshot_stats("a")["pinned_bytes"] == 0 and store.unpin(scope("a"), tokens) == 0
+    store.check_integrity()
+    insert(store, "a", tokens, ttl=None, pin=True, privileged=True)
+    insert(store, "a", tokens, ttl=None, pin=True)
+    clock.advance(10_000)  # the tenant's pin lapses; the operator's stays, and is still the operator's to undo
+    assert store.snapshot_stats("a")["pinned_bytes"] == 2 * BLOCK and store.unpin(scope("a"), tokens) == 0
+    assert store.unpin(scope("a"), tokens, privileged=True) == len(tokens)
+    assert store.snapshot_stats("a")["pinned_bytes"] == 0
+    store.check_integrity()
+
+
 def test_a_lapsed_pin_counts_against_no_pin_quota(clock):
     store = make_store(clock, blocks_budget=10, block_size=B, pin_quota_blocks=2, pin_ttl=100)
     insert(store, "a", seq(1, 2 * B), pin=True)
@@ -156,35 +201,55 @@ def test_admission_counts_no_lapsed_pin(clock):
     assert store.can_admit(2 * B * BYTES_PER_TOKEN, "a")
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(steps=st.lists(st.one_of(
     st.tuples(st.just("store"), st.sampled_from([None, 10.0, 60.0, 200.0, 1e9]), st.booleans(), st.booleans()),
     st.tuples(st.just("read"), st.sampled_from([None, 10.0, 60.0, 200.0, 1e9])),
+    st.tuples(st.just("unpin"), st.booleans()),
     st.tuples(st.just("wait"), st.sampled_from([1.0, 50.0, 99.0, 100.0, 150.0, 1000.0]))), max_size=14))
 def test_a_tenant_s_pin_never_outlives_pin_ttl_seconds_from_its_last_use(steps):
-    """The pin deadline rule against a model: a block's TTL is its own (pins aside, a deadline is never
-    shortened); a tenant's pin lapses pin_ttl_seconds (100 here) after the pin or the last access of the
-    prefix, whatever TTLs were asked; only the operator's pins have no deadline."""
+    """The pin rules against a model: a block's TTL is its own (pins aside, a deadline is never shortened); the
+    operator's pins and the tenant's are counted apart, and each unpin undoes one of its caller's own; a tenant's
+    pins lapse pin_ttl_seconds (100 here) after the last pin or access of the prefix, whatever TTLs were asked;
+    only the operator's pins have no deadline."""
     clock = FakeClock()
     store = make_store(clock, blocks_budget=100, block_size=B, pin_ttl=100.0)
     tokens = seq(1, 2 * B)
-    deadline, used, operator = -math.inf, -math.inf, False
+    deadline, operator, tenant, tenant_until = -math.inf, 0, 0, -math.inf
     for step in steps:
         now, alive = clock(), deadline > clock()
+        if not alive:  # the blocks are gone (or will be, before anything matches them), their pins with them
+            operator = tenant = 0
         if step[0] == "store":
             _, ttl, pin, privileged = step
             insert(store, "a", tokens, ttl=ttl, pin=pin, privileged=privileged)
             until = math.inf if ttl is None else now + ttl
-            deadline, used = (max(deadline, until) if alive else until), now
-            operator = (operator and alive) or (pin and privileged)
+            deadline = max(deadline, until) if alive else until
+            tenant_until = now + 100.0
+            if pin and privileged:
+                operator += 1
+            elif pin:
+                tenant += 1
         elif step[0] == "read":
             store.release(lookup(store, "a", tokens, ttl=step[1]))
             if alive:
-                deadline, used = max(deadline, math.inf if step[1] is None else now + step[1]), now
+                deadline = max(deadline, math.inf if step[1] is None else now + step[1])
+                tenant_until = now + 100.0
+        elif step[0] == "unpin":
+            done = store.unpin(scope("a"), tokens, privileged=step[1])
+            if alive:
+                mine = operator if step[1] else tenant
+                assert done == (len(tokens) if mine else 0), "an unpin undid another caller's pin, or none of its own"
+                operator, tenant = (operator - bool(done), tenant) if step[1] else (operator, tenant - bool(done))
         else:
             clock.advance(step[1])
         alive = deadline > clock()
+        if clock() >= tenant_until:
+            tenant = 0
         assert store.peek(scope("a"), tokens, len(tokens)) == (len(tokens) if alive else 0)
-        if store.snapshot_stats("a")["pinned_bytes"]:
-            assert operator or clock() < used + 100.0, "a tenant's pin outlived pin_ttl_seconds"
+        pinned = store.snapshot_stats("a")["pinned_bytes"]
+        if clock() >= tenant_until:
+            assert all(n.pins == n.operator_pins for n in store.trie.iter_nodes()), "a tenant's pin outlived its use"
+        if alive:
+            assert pinned == (2 * BLOCK if operator or tenant else 0)
         store.check_integrity()

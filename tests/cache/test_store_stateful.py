@@ -7,8 +7,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from prefixcache.cache.ledger import Reservation
+from prefixcache.cache.policy import tenant_pins
 from prefixcache.errors import PinQuotaExceededError
-from tests.cache.store_helpers import NS, insert, kv_value, lease_values, make_store, scope
+from tests.cache.store_helpers import BYTES_PER_TOKEN, NS, insert, kv_value, lease_values, make_store, scope
 from tests.conftest import FakeClock
 
 TENANTS = st.sampled_from(["a", "b", "c"])
@@ -21,9 +23,11 @@ class StoreMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.clock = FakeClock()
-        self.store = make_store(self.clock, blocks_budget=12, block_size=3, quota_blocks=7, pin_quota_blocks=2)
+        # All KV within 16 blocks: a request's reservation (``serve``) beyond 4 squeezes the store's room.
+        self.store = make_store(self.clock, blocks_budget=12, block_size=3, quota_blocks=7, pin_quota_blocks=2,
+                                total_blocks=16)
         self.leases: list[tuple[list[int], object, int]] = []  # tokens, lease, limit
-        self.pins: list[tuple[str, list[int]]] = []
+        self.pins: list[tuple[str, list[int], bool]] = []  # tenant, tokens, the operator's
         self.operator_pins: set[tuple[str, tuple[int, ...]]] = set()  # kept through unpins: a superset
 
     @rule(tenant=TENANTS, tokens=SEQS, ttl=TTLS, pin=st.booleans(), privileged=st.booleans())
@@ -42,7 +46,7 @@ class StoreMachine(RuleBasedStateMachine):
             assert self.store.snapshot_stats(tenant)["pinned_bytes"] <= max(
                 self.store.config.pin_quota_bytes, mine)
         if pin and result.complete:
-            self.pins.append((tenant, tokens))
+            self.pins.append((tenant, tokens, privileged))
             if privileged:
                 self.operator_pins.add((tenant, tuple(tokens)))
 
@@ -62,6 +66,25 @@ class StoreMachine(RuleBasedStateMachine):
         else:
             self.store.release(lease)
 
+    @rule(tenant=TENANTS, tokens=SEQS, blocks=st.integers(0, 8), own=st.booleans(), pin=st.booleans())
+    def serve(self, tenant, tokens, blocks, own, pin):
+        """A request reserves its buffer (if the total allows, evicting what may go), then stores what it computed
+        there, its reservation taken over by the blocks stored (``own``) or not."""
+        ledger = self.store.ledger
+        nbytes = blocks * self.store.config.block_size * BYTES_PER_TOKEN
+        if not ledger.try_set("serial", nbytes):
+            return
+        held = Reservation(ledger, "serial", nbytes)
+        try:
+            result = insert(self.store, tenant, tokens, pin=pin, privileged=True, own=held if own else None)
+            assert self.store.bytes + ledger.reserved <= ledger.total
+            assert nbytes - held.nbytes == (min(nbytes, result.new_bytes) if own else 0)
+        finally:
+            held.release()
+        if pin and result.complete:
+            self.pins.append((tenant, tokens, True))
+            self.operator_pins.add((tenant, tuple(tokens)))
+
     @precondition(lambda self: self.leases)
     @rule(data=st.data(), then_insert=st.booleans())
     def finish_request(self, data, then_insert):
@@ -76,8 +99,12 @@ class StoreMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.pins)
     @rule(data=st.data())
     def unpin(self, data):
-        tenant, tokens = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
-        self.store.unpin(scope(tenant), tokens)
+        tenant, tokens, privileged = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
+        self.store.snapshot_stats()  # lapses what is due: the unpin below changes nothing else
+        theirs = tenant_pins if privileged else (lambda n: n.operator_pins)  # the other caller's pins
+        others = [(n, theirs(n)) for n in self.store.trie.iter_nodes()]
+        self.store.unpin(scope(tenant), tokens, privileged=privileged)
+        assert all(theirs(n) == k for n, k in others), "an unpin undid another caller's pin"
 
     @rule(seconds=st.sampled_from([0.5, 4.0, 10.0, 100.0, 1000.0, 4000.0]))  # pin_ttl_seconds: 3600
     def clock_jump(self, seconds):
@@ -93,21 +120,22 @@ class StoreMachine(RuleBasedStateMachine):
         if tenant is None:
             self.pins.clear()
         else:
-            self.pins = [(t, s) for t, s in self.pins if t != tenant]
+            self.pins = [p for p in self.pins if p[0] != tenant]
         self.operator_pins = {(t, s) for t, s in self.operator_pins if tenant not in (None, t)}
 
     @invariant()
     def only_the_operator_pins_without_a_deadline(self):
-        """A pin lapses pin_ttl_seconds after it was made or last read (``check_integrity``), unless the operator
-        pinned that block: whatever TTL the block was stored or read with."""
+        """A tenant's pin lapses pin_ttl_seconds after it was made or last read (``check_integrity``), whatever TTL
+        the block was stored or read with; only the operator's pins have no deadline, and only its own pins count so."""
         for node in self.store.trie.iter_nodes():
-            if node.pins and node.pin_until == math.inf:
+            assert node.pins == node.operator_pins or node.pin_until < math.inf, "a tenant's pin without a deadline"
+            if node.operator_pins:
                 path, up = [], node
                 while up.parent is not None:
                     path[:0], up = up.tokens, up.parent
                 # A pin of a path ending inside a block pins that whole block.
                 assert any(t == node.tenant and len(s) > node.start and list(s[: node.end]) == path[: len(s)]
-                           for t, s in self.operator_pins), "a tenant's pin without a deadline"
+                           for t, s in self.operator_pins), "an operator pin the operator never made"
 
     @invariant()
     def integrity(self):

@@ -56,8 +56,26 @@ def test_stored_snapshots_give_way_to_a_serial_call_and_a_prewarm():
         want = untouched(cache.model).generate(ids, max_new_tokens=8, do_sample=False)
         assert torch.equal(cache.generate(ids, max_new_tokens=8, do_sample=False), want)  # 48 reserved: evicts
         assert cache.stats()["evictions"]["lru"] > 0 and cache.stats()["bytes"] <= 100 * BPT
-        cache.warm(prompt(3, 90))  # 90 reserved + up to 90 stored: both within 100 only if the rest goes
-        assert cache.stats()["bytes"] <= 10 * BPT
+        # 90 reserved, then stored as the prewarm's last use of them (its buffer's bytes pass to its blocks):
+        # within 100 only if the rest goes.
+        assert cache.warm(prompt(3, 90)).stored_tokens == 90
+        assert 90 * BPT <= cache.stats()["bytes"] <= 100 * BPT
+        idle(cache)
+
+
+def test_a_serial_call_and_a_prewarm_store_what_fits_once_their_own_working_cache_is_freed():
+    """A call's own reservation (its working cache) does not squeeze out what it stores from that cache:
+    the stored blocks take the reservation over, so the total holds throughout and what fits without the
+    cache is stored."""
+    with make(100, batching=False) as cache:
+        ids = torch.tensor([prompt(1, 40)])
+        want = untouched(cache.model).generate(ids, max_new_tokens=20, do_sample=False)
+        assert torch.equal(cache.generate(ids, max_new_tokens=20, do_sample=False), want)  # 60 reserved
+        assert cache.stats()["bytes"] == 59 * BPT  # prompt and answer but its last token (whose KV is not computed)
+        idle(cache)
+        warmed = cache.warm(prompt(2, 60), pin=True, privileged=True)  # 60 reserved, and 60 stored and pinned
+        assert warmed.pinned and warmed.stored_tokens == 60 and cache.stats()["pinned_bytes"] == 60 * BPT
+        assert cache.stats()["bytes"] <= 100 * BPT
         idle(cache)
 
 
