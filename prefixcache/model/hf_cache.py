@@ -13,8 +13,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedConfig
 from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
+from transformers.utils import ModelOutput
 
 from prefixcache.cache.runs import coalesce
 from prefixcache.errors import UnsupportedModelError
@@ -170,6 +171,25 @@ class WorkingCache(DynamicCache):
     @property
     def buffer_bytes(self) -> int:
         return self._buf.untyped_storage().nbytes()
+
+    def to_dynamic(self, config: PreTrainedConfig) -> DynamicCache:
+        """A ``DynamicCache`` as ``generate()`` builds one for a model of ``config``, holding a copy of the KV
+        of tokens [0, length): tensors of its own (``DynamicLayer.update`` concatenates), none into the buffer."""
+        copy = DynamicCache(config=config.get_text_config(decoder=True))
+        if self.length:
+            kv = self.view(0, self.length)  # [L, 2, H, n, D]
+            for i in range(self.layout.num_layers):
+                copy.update(kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0), i)
+        return copy
+
+
+def hand_out(output: ModelOutput, cache: WorkingCache, config: PreTrainedConfig) -> None:
+    """Replace ``cache`` in ``generate()``'s ``output`` (a ``ModelOutput``: ``return_dict_in_generate``) by its
+    ``to_dynamic`` copy, so the caller holds what ``generate()`` returns and never the engine's working buffer,
+    which is then freed (its bytes are reserved only while the call runs). The field is ``cache`` or, before
+    transformers renamed it, ``past_key_values``: whichever holds ``cache``."""
+    for key in [k for k, v in output.items() if v is cache]:
+        output[key] = cache.to_dynamic(config)
 
 
 # -- cascade (continuous batching) contact -------------------------------------------

@@ -23,7 +23,7 @@ from prefixcache.cache.ledger import Reservation
 from prefixcache.cache.scope import Scope
 from prefixcache.cache.store import KVStore
 from prefixcache.errors import GenerationTimeoutError, RequestCancelledError, UnsupportedModelError
-from prefixcache.model.hf_cache import Probe, WorkingCache, probe
+from prefixcache.model.hf_cache import Probe, WorkingCache, hand_out, probe
 from prefixcache.model.threads import WorkerThreads
 from prefixcache.serving.blend import (
     BLEND_FAILED,
@@ -261,6 +261,8 @@ class SerialEngine:
             mask = torch.ones_like(input_ids)
             out = self.model.generate(input_ids, attention_mask=mask, past_key_values=cache,
                                       generation_config=generation_config, **kwargs)
+            if not isinstance(out, torch.Tensor):  # copied before the store takes over the buffer's reservation
+                hand_out(out, cache, self.model.config)
             seq = out.sequences if hasattr(out, "sequences") else out
             # Reused chunk KV is close to a full prefill's, not equal: never a prefix of the exact namespace.
             keep = (cache.length if cache_generated else n) if exact >= n - 1 else exact

@@ -5,6 +5,7 @@ import threading
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from prefixcache import CacheConfig, InvalidRequestError, PrefixCache
 from prefixcache.cache.scope import Scope
@@ -144,6 +145,31 @@ def test_return_dict_and_scores_match(llama, new_cache):
     assert torch.equal(ref.sequences, got.sequences)
     for a, b in zip(ref.scores, got.scores):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_return_dict_holds_a_dynamic_cache_of_its_own_as_generate_does(tiny_model, new_cache):
+    """The output's cache is what generate() returns (a ``DynamicCache`` with the same layers and KV), its tensors
+    the caller's own (the engine's working buffer is freed, as its reservation is), and it continues generation
+    token for token as generate()'s does."""
+    cache = new_cache(tiny_model, None, CacheConfig(block_size=8, max_kv_bytes_total=1 << 20), start_sweeper=False)
+    prompt = torch.tensor([list(range(10, 50))])
+    cache.generate(prompt, max_new_tokens=2, do_sample=False)
+    kw = dict(max_new_tokens=5, do_sample=False, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    ref = untouched(tiny_model)
+    want, got = ref.generate(prompt, **kw), cache.generate(prompt, **kw)
+    assert cache.last_call.cached_tokens == 39 and sorted(got.keys()) == sorted(want.keys())
+    assert cache.store.ledger.held()["serial"] == 0
+    got_kv, want_kv = got.past_key_values, want.past_key_values
+    assert type(got_kv) is type(want_kv) is DynamicCache
+    assert [type(layer) for layer in got_kv.layers] == [type(layer) for layer in want_kv.layers]
+    assert got_kv.get_seq_length() == want_kv.get_seq_length() == prompt.shape[1] + 4
+    for mine, theirs in zip(got_kv.layers, want_kv.layers):
+        for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+            assert a.untyped_storage().nbytes() == a.numel() * a.element_size()  # no view into a larger buffer
+    more = torch.cat([got.sequences, torch.tensor([[7, 8, 9]])], dim=1)
+    assert torch.equal(ref.generate(more, past_key_values=got_kv, max_new_tokens=6, do_sample=False),
+                       ref.generate(more, past_key_values=want_kv, max_new_tokens=6, do_sample=False))
 
 
 def test_padded_batch_rows_equal_single_prompts(llama, new_cache):
