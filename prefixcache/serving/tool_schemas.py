@@ -4,8 +4,10 @@ A strict tool (OpenAI's ``function.strict``, Anthropic's ``strict``) promises ar
 schema. OpenAI constrains sampling to the schema; nothing does here, so a call's arguments are validated
 as they are parsed (``tool_calls.ToolCallParser``) and a mismatch is ``ToolArgumentsError``, never an
 answer. The request side follows OpenAI's: a strict function's schema must have ``additionalProperties:
-false`` on every object and list every property in ``required``, or the request is refused (400). Every
-schema must be a valid JSON schema whose ``$ref``s point inside it (nothing is fetched).
+false`` on every object and list every property in ``required``, or the request is refused (400); an
+Anthropic strict tool's follows Anthropic's (``check_anthropic_shape``). Every schema must be a valid JSON
+schema whose ``$ref``s point inside it (nothing is fetched). The string ``format``s each API's strict mode
+supports are asserted (``string_formats``); any other ``format`` is an annotation, as JSON schema has it.
 
 Validation runs on the event loop, on text the model wrote, with patterns the caller wrote: a pattern
 that backtracks without end would hold every request up. So the ``pattern``s met in checking one call
@@ -33,12 +35,21 @@ from referencing.exceptions import Unresolvable
 from referencing.jsonschema import specification_with
 
 from prefixcache.errors import InvalidRequestError, ToolArgumentsError
+from prefixcache.serving import string_formats
 
 log = logging.getLogger(__name__)
 
 #: The schema of a strict function declared without parameters: it takes none.
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 _MESSAGE_CHARS = 300  # a validation message quotes the instance: kept short
+#: The string formats OpenAI's strict mode supports (its sampling guarantees them): asserted on strict functions.
+OPENAI_FORMATS = ("date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid")
+#: Those Anthropic's strict tools support: OpenAI's and ``uri``.
+ANTHROPIC_FORMATS = (*OPENAI_FORMATS, "uri")
+#: The keywords Anthropic refuses in a strict tool's schema, each with the type its error names.
+ANTHROPIC_UNSUPPORTED = {"minimum": "number", "maximum": "number", "exclusiveMinimum": "number",
+                         "exclusiveMaximum": "number", "multipleOf": "number", "minLength": "string",
+                         "maxLength": "string", "maxItems": "array", "uniqueItems": "array"}
 PATTERN_SECONDS = 0.25  # the most the ``pattern``s checked in one call's arguments may take together (wall-clock:
 # thousands of times what patterns on a model's output need, so load on the machine does not fail a valid call)
 
@@ -55,21 +66,31 @@ def openai_strict(tools: Sequence[Any] | None) -> dict[str, Validator]:
         schema = function.get("parameters")
         schema = NO_ARGUMENTS if schema is None else schema
         check_strict_shape(schema, str(function.get("name")), at)
-        out[function.get("name")] = compile_schema(schema, at)
+        out[function.get("name")] = compile_schema(schema, at, formats=OPENAI_FORMATS)
     return out
 
 
 def anthropic_strict(tools: Sequence[Any] | None) -> dict[str, Validator]:
     """The validators of the strict tools among Anthropic-shaped ``tools`` (``{"name", "input_schema",
-    "strict"}``)."""
-    return {tool.get("name"): compile_schema(tool.get("input_schema"), f"tools[{i}].input_schema")
-            for i, tool in enumerate(tools or []) if isinstance(tool, dict) and tool.get("strict") is True}
+    "strict"}``), or ``InvalidRequestError`` (400) naming a schema that breaks Anthropic's rules for them
+    (``check_anthropic_shape``)."""
+    out: dict[str, Validator] = {}
+    for i, tool in enumerate(tools or []):
+        if not isinstance(tool, dict) or tool.get("strict") is not True:
+            continue
+        at = f"tools[{i}].input_schema"
+        validator = compile_schema(tool.get("input_schema"), at, formats=ANTHROPIC_FORMATS)
+        check_anthropic_shape(validator.schema, str(tool.get("name")), at)
+        out[tool.get("name")] = validator
+    return out
 
 
-def compile_schema(schema: Any, at: str, patterns: Patterns | None = None) -> Validator:
+def compile_schema(schema: Any, at: str, patterns: Patterns | None = None,
+                   formats: Sequence[str] = ()) -> Validator:
     """A validator of ``schema`` (its ``$schema``'s draft, else 2020-12), or ``InvalidRequestError`` if it is
     no valid JSON schema or has a ``$ref`` that does not resolve inside it. ``patterns``: how its patterns are
-    matched (``Patterns``: ``PATTERN_SECONDS`` per call's check by default)."""
+    matched and which ``format``s asserted (``Patterns``: ``PATTERN_SECONDS`` per call's check and ``formats``
+    by default)."""
     if not isinstance(schema, dict):
         raise InvalidRequestError(f"{at} must be a JSON schema object", param=at)
     if not isinstance(schema.get("$schema", ""), str):
@@ -82,7 +103,7 @@ def compile_schema(schema: Any, at: str, patterns: Patterns | None = None) -> Va
     if _has_key(schema, "patternProperties"):
         raise InvalidRequestError(f"{at}: patternProperties is not supported in a strict tool's schema (its "
                                   "patterns cannot be bounded in time)", param=at)
-    resolver = Registry().resolver_with_root(specification_with(kind.META_SCHEMA["$schema"]).create_resource(schema))
+    resolver = _resolver(schema)
     for ref in _refs(schema):
         try:
             resolver.lookup(ref)
@@ -90,7 +111,7 @@ def compile_schema(schema: Any, at: str, patterns: Patterns | None = None) -> Va
             raise InvalidRequestError(f"{at}: $ref {ref!r} does not resolve inside the schema (only references "
                                       "within it, such as #/$defs/..., are supported)", param=at) from exc
     # The registry is empty: a $ref outside fails instead of being fetched.
-    return _bounded(kind)(schema, registry=Registry(), format_checker=patterns or Patterns())
+    return _bounded(kind)(schema, registry=Registry(), format_checker=patterns or Patterns(formats=formats))
 
 
 def check_arguments(name: str, arguments: dict[str, Any], validator: Validator) -> None:
@@ -147,17 +168,47 @@ def check_strict_shape(schema: Any, name: str, at: str, where: str = "#") -> Non
             check_strict_shape(schema[key], name, at, f"{where}/{key}")
 
 
+def check_anthropic_shape(schema: dict[str, Any], name: str, at: str) -> None:
+    """Anthropic's rules for a strict tool's schema (its structured outputs' JSON schema limitations), whose
+    breach it refuses with a 400: every object schema sets ``additionalProperties`` to false; no numeric bounds
+    or ``multipleOf``, string lengths, ``maxItems``, ``uniqueItems`` or ``minItems`` past 1; ``enum`` values
+    of no object or array; no recursion (a ``$ref`` into a schema holding it). ``schema`` is valid and its
+    ``$ref``s resolve inside it (``compile_schema``)."""
+    def refuse(where: str, rule: str) -> InvalidRequestError:
+        return InvalidRequestError(f"Invalid schema for strict tool {name!r} at {where}: {rule}", param=at)
+
+    for where, node in _subschemas(schema):
+        kind = node.get("type")
+        if (kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in node) \
+                and node.get("additionalProperties") is not False:
+            raise refuse(where, "For 'object' type, 'additionalProperties' must be explicitly set to false")
+        for key, named in ANTHROPIC_UNSUPPORTED.items():
+            if key in node and not (key == "uniqueItems" and node[key] is False):
+                raise refuse(where, f"For '{kind if isinstance(kind, str) else named}' type, property {key!r} is "
+                                    "not supported")
+        if node.get("minItems", 0) not in (0, 1):
+            raise refuse(where, "For 'array' type, 'minItems' values other than 0 and 1 are not supported")
+        if any(isinstance(value, dict | list) for value in node.get("enum") or ()):
+            raise refuse(where, "'enum' values must be strings, numbers, booleans or null")
+    ref = _recursive_ref(schema, _resolver(schema))
+    if ref is not None:
+        raise refuse("#", f"recursive schemas are not supported ($ref {ref!r} leads back into a schema holding it)")
+
+
 class _OutOfTime(Exception):
     """The patterns of one call's check took longer than their bound: the check stops there."""
 
 
 class Patterns(FormatChecker):
     """One schema's compiled patterns and the time left to the check under way (``start``). It rides on the
-    validator as its format checker (which jsonschema hands to every subschema's validator); it asserts no
-    ``format``."""
+    validator as its format checker (which jsonschema hands to every subschema's validator), and asserts the
+    ``formats`` named (``string_formats``; a value of another type passes, as JSON schema has it)."""
 
-    def __init__(self, seconds: float = PATTERN_SECONDS, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, seconds: float = PATTERN_SECONDS, clock: Callable[[], float] = time.monotonic,
+                 formats: Sequence[str] = ()):
         super().__init__(formats=())
+        for name in formats:
+            self.checks(name)(_on_strings(string_formats.CHECKERS[name]))
         self._seconds, self._clock, self._deadline = seconds, clock, clock() + seconds
         self._compiled: dict[str, Any] = {}
 
@@ -177,6 +228,10 @@ class Patterns(FormatChecker):
         except TimeoutError:
             raise _OutOfTime(f"its patterns took over {self._seconds:g} s to match ({pattern!r} at the "
                              "end)") from None
+
+
+def _on_strings(check: Callable[[str], bool]) -> Callable[[Any], bool]:
+    return lambda instance: not isinstance(instance, str) or check(instance)
 
 
 @functools.cache
@@ -252,3 +307,61 @@ def _refs(node: Any) -> list[str]:
         return []
     own = [node["$ref"]] if isinstance(node.get("$ref"), str) else []
     return own + [ref for value in node.values() for ref in _refs(value)]
+
+
+def _resolver(schema: dict[str, Any]) -> Any:
+    """A ``referencing`` resolver of ``$ref``s inside ``schema`` (its draft's), with nothing outside it."""
+    kind = validators.validator_for(schema, default=validators.Draft202012Validator)
+    return Registry().resolver_with_root(specification_with(kind.META_SCHEMA["$schema"]).create_resource(schema))
+
+
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas", "patternProperties")
+_SCHEMA_LISTS = ("prefixItems", "anyOf", "allOf", "oneOf", "items")
+_SCHEMA_ONES = ("items", "additionalItems", "additionalProperties", "unevaluatedItems", "unevaluatedProperties",
+                "contains", "propertyNames", "not", "if", "then", "else")
+
+
+def _subschemas(node: Any, where: str = "#") -> Iterator[tuple[str, dict[str, Any]]]:
+    """``node`` and every schema object inside it (through the keywords that hold schemas, not ``$ref``s), each
+    with its JSON pointer."""
+    if not isinstance(node, dict):
+        return
+    yield where, node
+    for key in _SCHEMA_MAPS:
+        if isinstance(node.get(key), dict):
+            for child, sub in node[key].items():
+                yield from _subschemas(sub, f"{where}/{key}/{child}")
+    for key in _SCHEMA_LISTS:
+        if isinstance(node.get(key), list):
+            for i, sub in enumerate(node[key]):
+                yield from _subschemas(sub, f"{where}/{key}/{i}")
+    for key in _SCHEMA_ONES:
+        yield from _subschemas(node.get(key), f"{where}/{key}")
+
+
+def _recursive_ref(schema: dict[str, Any], resolver: Any) -> str | None:
+    """The first ``$ref`` met in ``schema`` that leads back into a schema it lies inside of (following
+    ``$ref``s), else None. Each schema a ``$ref`` reaches is walked once."""
+    cleared: set[int] = set()  # reached by a $ref and walked without meeting a way back
+
+    def walk(node: dict[str, Any], resolver: Any, inside: tuple[int, ...]) -> str | None:
+        for _, sub in _subschemas(node):
+            ref = sub.get("$ref")
+            if not isinstance(ref, str):
+                continue
+            try:
+                resolved = resolver.lookup(ref)
+            except Unresolvable:  # a base changed by a nested $id this walk does not follow: no recursion seen
+                continue
+            target = resolved.contents
+            if id(target) in inside:
+                return ref
+            if id(target) in cleared or not isinstance(target, dict):
+                continue
+            found = walk(target, resolved.resolver, (*inside, id(target)))
+            if found is not None:
+                return found
+            cleared.add(id(target))
+        return None
+
+    return walk(schema, resolver, (id(schema),))

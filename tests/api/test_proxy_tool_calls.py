@@ -159,6 +159,11 @@ def strict(tool: dict, **parameters) -> dict:
     return {**tool, "function": {**tool["function"], "strict": True, "parameters": schema}}
 
 
+def anthropic_strict(tool: dict) -> dict:
+    """The strict function ``tool`` as an Anthropic strict tool."""
+    return {"name": tool["function"]["name"], "strict": True, "input_schema": tool["function"]["parameters"]}
+
+
 #: get_weather strict, with a schema the scripted call {"city": "Paris"} does not match.
 LONDON_ONLY = strict(WEATHER, properties={"city": {"type": "string", "enum": ["London"]}})
 
@@ -187,7 +192,7 @@ def test_a_strict_call_that_matches_its_schema_is_served(family_server):
         openai.pydantic_function_tool(GetWeather, name="get_weather")])
     assert parsed.choices[0].message.tool_calls[0].function.parsed_arguments == GetWeather(city="Paris")
     claude = anthropic_client(srv)
-    tool = {**ANTHROPIC_TOOLS[0], "strict": True}
+    tool = anthropic_strict(strict(WEATHER))
     answer = claude.messages.create(model=MODEL, max_tokens=16, tools=[tool], messages=ASK)
     assert [(b.name, b.input) for b in answer.content if b.type == "tool_use"] == [("get_weather", PARIS)]
 
@@ -211,7 +216,7 @@ def test_a_strict_call_that_breaks_its_schema_is_an_error_never_an_answer(family
         streamed_chat(client, messages=ASK, tools=[LONDON_ONLY])
     assert request_errors(srv, "/v1/chat/completions", 500) == before + 3
     claude = anthropic_client(srv)
-    tool = {**ANTHROPIC_TOOLS[0], "strict": True, "input_schema": LONDON_ONLY["function"]["parameters"]}
+    tool = anthropic_strict(LONDON_ONLY)
     body = dict(model=MODEL, max_tokens=16, tools=[tool], messages=ASK)
     with pytest.raises(anthropic.InternalServerError, match=r"\$\.city"):
         claude.messages.create(**body)
@@ -231,7 +236,7 @@ def test_a_strict_call_that_does_not_parse_is_an_error_not_text(family_server):
     assert err.value.body["code"] == "tool_arguments_invalid"
     with pytest.raises(openai.APIError, match="is not JSON"):
         streamed_chat(client, messages=ASK, tools=[strict(WEATHER)], logit_bias=bias)
-    tool = {**ANTHROPIC_TOOLS[0], "strict": True}
+    tool = anthropic_strict(strict(WEATHER))
     cut = SCRIPTS[family].index(next(p for p in SCRIPTS[family] if '"name"' in p)) + 1  # ends after the name
     body = dict(model=MODEL, max_tokens=cut, tools=[tool], messages=ASK)
     with pytest.raises(anthropic.InternalServerError, match="is not JSON"):
@@ -260,6 +265,52 @@ def test_a_strict_schema_breaking_openais_rules_is_refused(family_server):
         client.chat.completions.create(model=MODEL, messages=ASK, tools=[unresolved])
     loose = [{**WEATHER, "function": {**WEATHER["function"], "strict": False}}, CLOCK]
     assert client.chat.completions.create(model=MODEL, messages=ASK, tools=loose).choices[0].finish_reason
+
+
+def test_a_strict_calls_formatted_value_is_checked(family_server):
+    """A format strict mode supports is asserted: the scripted {"city": "Paris"} is no date (a 500
+    tool_arguments_invalid, streamed too; Anthropic's api_error) but is a hostname (served); a format neither
+    supports is an annotation (served)."""
+    _, _, srv = family_server
+    client, claude = openai_client(srv), anthropic_client(srv)
+    as_date, as_hostname, as_colour = (strict(WEATHER, properties={"city": {"type": "string", "format": name}})
+                                       for name in ("date", "hostname", "color"))
+    with pytest.raises(openai.InternalServerError, match=r"\$\.city: 'Paris' is not a 'date'") as err:
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=[as_date])
+    assert err.value.body["code"] == "tool_arguments_invalid"
+    with pytest.raises(openai.APIError, match="is not a 'date'"):
+        streamed_chat(client, messages=ASK, tools=[as_date])
+    with pytest.raises(anthropic.InternalServerError, match="is not a 'date'") as err:
+        claude.messages.create(model=MODEL, max_tokens=16, tools=[anthropic_strict(as_date)], messages=ASK)
+    assert err.value.body["error"]["type"] == "api_error"
+    for served in (as_hostname, as_colour):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[served])
+        assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == PARIS
+        _, calls, _ = streamed_chat(client, messages=ASK, tools=[served])
+        assert [json.loads(c["arguments"]) for c in calls] == [PARIS]
+        answer = claude.messages.create(model=MODEL, max_tokens=16, tools=[anthropic_strict(served)], messages=ASK)
+        assert [b.input for b in answer.content if b.type == "tool_use"] == [PARIS]
+
+
+def test_a_strict_schema_breaking_anthropics_rules_is_refused(family_server):
+    """As Anthropic: a strict tool's objects must set additionalProperties false, and numeric and string bounds
+    are refused; a 400 invalid_request_error in Anthropic's shape, streamed or not (strict false takes them)."""
+    _, _, srv = family_server
+    claude = anthropic_client(srv)
+    open_object = {**ANTHROPIC_TOOLS[0], "strict": True}
+    bounded = anthropic_strict(strict(WEATHER, properties={"city": {"type": "string", "maxLength": 40}}))
+    for tool, rule in ((open_object, "'additionalProperties' must be explicitly set to false"),
+                       (bounded, "For 'string' type, property 'maxLength' is not supported")):
+        for stream in (False, True):
+            with srv.client(ALPHA) as http:
+                r = http.post("/v1/messages", json={"model": MODEL, "max_tokens": 16, "messages": ASK,
+                                                    "tools": [tool], "stream": stream})
+            assert r.status_code == 400 and r.json()["type"] == "error", r.text
+            assert r.json()["error"]["type"] == "invalid_request_error" and rule in r.json()["error"]["message"]
+        with pytest.raises(anthropic.BadRequestError, match="strict tool 'get_weather'"):
+            claude.messages.create(model=MODEL, max_tokens=16, tools=[tool], messages=ASK)
+        loose = claude.messages.create(model=MODEL, max_tokens=16, tools=[{**tool, "strict": False}], messages=ASK)
+        assert [b.input for b in loose.content if b.type == "tool_use"] == [PARIS]
 
 
 def test_a_required_or_named_call_the_model_does_not_make_is_an_error(family_server, caplog):

@@ -18,7 +18,15 @@ from prefixcache.serving.tool_calls import (
     parse,
     text_of,
 )
-from prefixcache.serving.tool_schemas import Patterns, anthropic_strict, check_arguments, compile_schema, openai_strict
+from prefixcache.serving.tool_schemas import (
+    ANTHROPIC_FORMATS,
+    OPENAI_FORMATS,
+    Patterns,
+    anthropic_strict,
+    check_arguments,
+    compile_schema,
+    openai_strict,
+)
 
 TOOLS = ("get_weather", "get_time")
 PARIS = ToolCall("get_weather", '{"city": "Paris"}')
@@ -144,23 +152,76 @@ def test_openai_strict_schemas_follow_openais_rules():
         openai_tool_use("hermes", strict_weather({"type": "text"}), "none")
     no_parameters = openai_strict([{"type": "function", "function": {"name": "f", "strict": True}}])
     assert no_parameters["f"].is_valid({}) and not no_parameters["f"].is_valid({"x": 1})
-    # Anthropic's strict tools: any valid schema (OpenAI's rules are OpenAI's), refs only inside it.
-    assert anthropic_strict([{"name": "g", "strict": True, "input_schema": {"type": "object"}}])["g"].is_valid({})
-    with pytest.raises(InvalidRequestError, match="does not resolve"):
-        anthropic_strict([{"name": "g", "strict": True, "input_schema": {"$ref": "https://example.com/s.json"}}])
-    with pytest.raises(InvalidRequestError, match="must be a string"):
-        anthropic_strict([{"name": "g", "strict": True, "input_schema": {"$schema": True}}])
-    with pytest.raises(InvalidRequestError, match="patternProperties"):
-        anthropic_strict([{"name": "g", "strict": True, "input_schema": {"patternProperties": {"^x": {}}}}])
-    looping = anthropic_strict([{"name": "g", "strict": True, "input_schema": {"$ref": "#"}}])
+    looping = openai_strict([{"type": "function", "function": {"name": "g", "strict": True,
+                                                                 "parameters": {"$ref": "#"}}}])
     with pytest.raises(InvalidRequestError, match="loop"):
         check_arguments("g", {}, looping["g"])
 
 
+def anthropic_tool(schema: dict) -> list[dict]:
+    return [{"name": "g", "strict": True, "input_schema": schema}]
+
+
+CLOSED = {"type": "object", "additionalProperties": False}
+
+
+@pytest.mark.parametrize(("schema", "rule"), [
+    ({"type": "object"}, "#: For 'object' type, 'additionalProperties' must be explicitly set to false"),
+    ({**CLOSED, "properties": {"p": {"properties": {}, "additionalProperties": True}}},
+     "#/properties/p: For 'object' type, 'additionalProperties'"),
+    ({**CLOSED, "$defs": {"P": {"type": ["object", "null"], "additionalProperties": {"type": "string"}}}},
+     "#/\\$defs/P: For 'object' type"),
+    ({**CLOSED, "properties": {"n": {"type": "integer", "minimum": 1}}}, "#/properties/n: For 'integer' type, property 'minimum'"),
+    ({**CLOSED, "properties": {"n": {"anyOf": [{"type": "number", "exclusiveMaximum": 1}]}}},
+     "#/properties/n/anyOf/0: For 'number' type, property 'exclusiveMaximum'"),
+    ({**CLOSED, "properties": {"n": {"multipleOf": 2}}}, "#/properties/n: For 'number' type, property 'multipleOf'"),
+    ({**CLOSED, "properties": {"s": {"type": "string", "maxLength": 9}}}, "#/properties/s: For 'string' type, property 'maxLength'"),
+    ({**CLOSED, "properties": {"a": {"type": "array", "items": {"minLength": 1}}}},
+     "#/properties/a/items: For 'string' type, property 'minLength'"),
+    ({**CLOSED, "properties": {"a": {"type": "array", "maxItems": 3}}}, "#/properties/a: For 'array' type, property 'maxItems'"),
+    ({**CLOSED, "properties": {"a": {"type": "array", "uniqueItems": True}}}, "#/properties/a: For 'array' type, property 'uniqueItems'"),
+    ({**CLOSED, "properties": {"a": {"type": "array", "minItems": 2}}}, "#/properties/a: For 'array' type, 'minItems' values other than 0 and 1"),
+    ({**CLOSED, "properties": {"e": {"enum": ["a", ["b"]]}}}, "#/properties/e: 'enum' values must be strings"),
+    ({**CLOSED, "properties": {"e": {"enum": [{"b": 1}]}}}, "#/properties/e: 'enum' values must be strings"),
+    ({"$ref": "#"}, "#: recursive schemas are not supported \\(\\$ref '#'"),
+    ({**CLOSED, "properties": {"next": {"$ref": "#/$defs/Node"}},
+      "$defs": {"Node": {**CLOSED, "properties": {"child": {"anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]}}}}},
+     "#: recursive schemas are not supported \\(\\$ref '#/\\$defs/Node'"),
+    ({**CLOSED, "properties": {"p": {"$ref": "#/$defs/A"}},
+      "$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"items": {"$ref": "#/$defs/A"}}}}, "#: recursive"),
+])
+def test_anthropic_strict_schemas_follow_anthropics_rules(schema, rule):
+    """As Anthropic's strict tools (structured outputs' JSON schema limitations): objects closed, no numeric or
+    string bounds, arrays bounded only by minItems 0 or 1, no object or array in an enum, no recursion; a
+    breach is a 400 naming where."""
+    with pytest.raises(InvalidRequestError, match=f"strict tool 'g' at {rule}") as err:
+        anthropic_strict(anthropic_tool(schema))
+    assert err.value.param == "tools[0].input_schema"
+
+
+def test_anthropic_strict_schemas_anthropic_takes_are_served():
+    """What Anthropic takes: a property named like a refused keyword, minItems 0 and 1, uniqueItems false,
+    enums of scalars, a $ref shared by two properties; refs only inside the schema, patternProperties refused."""
+    shared = {**CLOSED, "properties": {"a": {"$ref": "#/$defs/D"}, "b": {"$ref": "#/$defs/D"},
+                                       "minimum": {"type": "array", "minItems": 1, "uniqueItems": False,
+                                                   "items": {"enum": ["x", 1, True, None]}},
+                                       "maxLength": {"type": "array", "minItems": 0}},
+              "$defs": {"D": {"type": "string", "format": "date"}}}
+    validator = anthropic_strict(anthropic_tool(shared))["g"]
+    check_arguments("g", {"a": "2026-02-28", "b": "2024-02-29", "minimum": ["x", None], "maxLength": []}, validator)
+    assert anthropic_strict(anthropic_tool(CLOSED))["g"].is_valid({})
+    with pytest.raises(InvalidRequestError, match="does not resolve"):
+        anthropic_strict(anthropic_tool({"$ref": "https://example.com/s.json"}))
+    with pytest.raises(InvalidRequestError, match="must be a string"):
+        anthropic_strict(anthropic_tool({"$schema": True}))
+    with pytest.raises(InvalidRequestError, match="patternProperties"):
+        anthropic_strict(anthropic_tool({**CLOSED, "patternProperties": {"^x": {}}}))
+
+
 def test_a_pattern_that_backtracks_without_end_is_given_up_not_waited_for():
     """The caller's pattern meets the model's text on the event loop: past its time bound the call is not served."""
-    validator = anthropic_strict([{"name": "g", "strict": True, "input_schema": {
-        "type": "object", "properties": {"word": {"type": "string", "pattern": "^(a|aa)+$"}}}}])["g"]
+    validator = anthropic_strict(anthropic_tool({**CLOSED, "properties": {
+        "word": {"type": "string", "pattern": "^(a|aa)+$"}}}))["g"]
     check_arguments("g", {"word": "aaaa"}, validator)
     with pytest.raises(ToolArgumentsError, match="does not match"):
         check_arguments("g", {"word": "ab"}, validator)
@@ -214,8 +275,8 @@ PARIS_CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 
 def test_multiple_of_is_exact_on_the_numbers_as_written():
     """Dividing floats, 19.99 is no multiple of 0.01 and 10**400 overflows: neither may fail a call."""
-    validator = anthropic_strict([{"name": "g", "strict": True, "input_schema": {
-        "type": "object", "properties": {"x": {"multipleOf": 0.01}, "n": {"multipleOf": 0.1}}}}])["g"]
+    validator = compile_schema({"type": "object", "properties": {"x": {"multipleOf": 0.01},
+                                                                 "n": {"multipleOf": 0.1}}}, "at")
     for good in ({"x": 19.99}, {"x": 0.07}, {"x": 3}, {"n": 10 ** 400}, {"n": 1e300}):
         check_arguments("g", good, validator)
     with pytest.raises(ToolArgumentsError, match="19.991 is not a multiple of 0.01"):
@@ -223,8 +284,7 @@ def test_multiple_of_is_exact_on_the_numbers_as_written():
 
 
 def test_unique_items_treats_equal_json_values_alike():
-    validator = anthropic_strict([{"name": "g", "strict": True, "input_schema": {
-        "type": "array", "uniqueItems": True}}])["g"]
+    validator = compile_schema({"type": "array", "uniqueItems": True}, "at")
     for unique in ([1, True], [0, False, None], [[1], [True]], [{"a": 1}, {"a": "1"}], list(range(1000))):
         check_arguments("g", unique, validator)
     for repeated in ([1, 1.0], [{"a": 1, "b": [2]}, {"b": [2.0], "a": 1}], [[], []], ["x", "y", "x"]):
@@ -257,3 +317,33 @@ def test_strict_tools_need_a_template_whose_calls_are_read():
     assert err.value.param == "tools"
     assert openai_tool_use(None, strict_weather({"type": "string"}), "none") is None
     assert openai_tool_use(None, [{"type": "function", "function": {"name": "get_weather"}}], None) is None
+
+
+#: A value outside each format strict mode may assert.
+NOT_OF = {"date-time": "yesterday", "time": "noon", "date": "2026-02-30", "duration": "1 day", "email": "joe",
+          "hostname": "host_name", "ipv4": "1.2.3", "ipv6": "fe80::a%eth1", "uuid": "1234", "uri": "abc"}
+
+
+@pytest.mark.parametrize("api", ["openai", "anthropic"])
+@pytest.mark.parametrize("name", [*NOT_OF, "color", "int32"])
+def test_a_strict_tool_asserts_exactly_the_formats_its_api_supports(api, name):
+    """OpenAI's strict mode supports nine formats, Anthropic's those and uri: a value outside one of them fails
+    the call; another format is an annotation (as JSON schema has it), and a value of another type passes."""
+    schema = {**CLOSED, "properties": {"v": {"type": ["string", "integer"], "format": name}}, "required": ["v"]}
+    if api == "openai":
+        validator = openai_strict([{"type": "function", "function": {"name": "g", "strict": True,
+                                                                     "parameters": schema}}])["g"]
+        asserted = OPENAI_FORMATS
+    else:
+        validator, asserted = anthropic_strict(anthropic_tool(schema))["g"], ANTHROPIC_FORMATS
+    check_arguments("g", {"v": 7}, validator)
+    if name not in asserted:
+        check_arguments("g", {"v": NOT_OF.get(name, "anything")}, validator)
+        return
+    with pytest.raises(ToolArgumentsError, match=rf"at \$\.v: '.*' is not a '{name}'"):
+        check_arguments("g", {"v": NOT_OF[name]}, validator)
+    assert compile_schema(schema, "at").is_valid({"v": NOT_OF[name]})  # a validator of no API asserts none
+
+
+def test_the_formats_asserted_are_the_apis_lists():
+    assert set(OPENAI_FORMATS) == set(NOT_OF) - {"uri"} and set(ANTHROPIC_FORMATS) == set(NOT_OF)
