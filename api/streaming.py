@@ -57,11 +57,14 @@ async def tail(events: AsyncIterator[str], stream: GenerationStream, route: str,
         ended = True
     except Exception as exc:  # after the headers: the error becomes the stream's last event
         ended = True
-        mapped = map_exception(exc)
+        cause = exc.cause if isinstance(exc, ReportedError) else exc
+        mapped = map_exception(cause)
         if mapped.status >= 500 and mapped.detail.code == "internal_error":
-            log.error("error while streaming", exc_info=exc)
+            log.error("error while streaming", exc_info=cause)
         srv.metrics.error(route, mapped.status)
-        if is_anthropic(route):
+        if isinstance(exc, ReportedError):
+            pass  # the events already said it, in their API's shape
+        elif is_anthropic(route):
             yield event({"error": anthropic_error(mapped.status, mapped.detail.message)[1]["error"]}, "error")
         else:
             yield event({"error": mapped.detail.model_dump()})
@@ -69,6 +72,15 @@ async def tail(events: AsyncIterator[str], stream: GenerationStream, route: str,
         if not ended:
             stream.when_cut_short(lambda: srv.metrics.error(route, ClientClosedError.status))
         stream.close()
+
+
+class ReportedError(Exception):
+    """A failure an API's events already reported in its own shape (the Responses API's ``error`` and
+    ``response.failed``): ``tail`` counts ``cause`` and sends nothing more."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 async def pieces(stream: GenerationStream, tools: ToolUse | None) -> AsyncIterator[Piece]:
