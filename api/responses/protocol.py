@@ -144,8 +144,8 @@ Includable = Literal["file_search_call.results", "web_search_call.results", "web
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, json_schema_extra={"examples": [{
         "model": "default", "max_output_tokens": 16, "instructions": "You are brief.", "input": "Hello",
-        "prompt_cache_key": "support"}, {
-        "model": "default", "max_output_tokens": 8, "stream": True, "store": False,
+        "prompt_cache_key": "support", "stream": True}, {
+        "model": "default", "max_output_tokens": 8, "store": False,
         "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hello"}]}]}]})
     model: Text = Field(description="The served model name (see /v1/models).")
     input: Text | Annotated[list[InputItem], Field(min_length=1)] = Field(

@@ -9,7 +9,7 @@ import openai
 import pytest
 from prefixcache_api import create_app
 from prefixcache_api.responses.store import ResponseStore
-from proxy_support import ALPHA, BETA, MODEL, live, make_cache
+from proxy_support import ALPHA, BETA, MODEL, live, make_cache, metric_samples
 from proxy_support import settings as proxy_settings
 
 from tests.support.tool_templates import TEXT_BEFORE, family_tokenizer, scripted_model
@@ -262,3 +262,93 @@ def test_strict_tools_are_validated_as_chat_s(hermes):
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(model=MODEL, input=ASK, tools=[loose])
     assert err.value.body["param"].startswith("tools[0].parameters"), err.value.body
+
+
+# -- streaming -----------------------------------------------------------------------
+def event_types(events) -> list[str]:
+    return [e.type for e in events]
+
+
+def test_a_stream_sends_the_events_in_order_and_ends_as_the_answer(client):
+    body = dict(model=MODEL, instructions="Be brief.", input="Tell me a story", max_output_tokens=5)
+    whole = client.responses.create(**body)
+    events = list(client.responses.create(**body, stream=True))
+    kinds = event_types(events)
+    deltas = kinds.count("response.output_text.delta")
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", *["response.output_text.delta"] * deltas,
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                     "response.incomplete"] and deltas >= 1  # 5 tokens: max_output_tokens reached
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert len({e.response.id for e in events if hasattr(e, "response")}) == 1
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    last = events[-1].response
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert last.output_text == whole.output_text and last.usage.input_tokens == whole.usage.input_tokens
+    assert last.status == "incomplete" and last.incomplete_details.reason == "max_output_tokens"
+    # Stored as streamed: retrievable and continued.
+    assert client.responses.retrieve(last.id).output_text == whole.output_text
+
+
+def test_the_client_stream_helper_assembles_the_final_response(hermes):
+    """``responses.stream``: its text events and its final response, the unstreamed answer (a text answer that
+    ends by itself: the scripted model's, with its tools hidden)."""
+    client = hermes.openai(ALPHA)
+    body = dict(model=MODEL, input=ASK, tools=[WEATHER], tool_choice="none")
+    whole = client.responses.create(**body)
+    with client.responses.stream(**body) as stream:
+        texts = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert whole.status == final.status == "completed"
+    assert "".join(texts) == final.output_text == whole.output_text
+    assert plain(final.output) == plain(whole.output)
+    assert (final.usage.input_tokens, final.usage.output_tokens) == (whole.usage.input_tokens, whole.usage.output_tokens)
+
+
+def plain(items) -> list[dict]:
+    """Output items without each response's own ids and what the stream helper adds (parsed values)."""
+    def strip(value):
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if k not in ("id", "call_id", "parsed", "parsed_arguments")}
+        return [strip(v) for v in value] if isinstance(value, list) else value
+    return [strip(item.model_dump()) for item in items]
+
+
+def test_a_streamed_function_call_is_the_unstreamed_one(hermes):
+    client = hermes.openai(ALPHA)
+    body = dict(model=MODEL, input=ASK, tools=[WEATHER])
+    whole = client.responses.create(**body)
+    with client.responses.stream(**body) as stream:
+        kinds = event_types(stream)
+        final = stream.get_final_response()
+    assert kinds[-1] == "response.completed" and "response.function_call_arguments.delta" in kinds
+    assert "response.function_call_arguments.done" in kinds
+    assert plain(final.output) == plain(whole.output)
+    call = [i for i in final.output if i.type == "function_call"][0]
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
+    assert final.output_text == whole.output_text == TEXT_BEFORE["hermes"]
+
+
+def test_a_failure_once_streaming_is_an_error_event_then_a_failed_response(hermes):
+    """A strict tool's call that breaks its schema is found only as the call completes: after the headers."""
+    client = hermes.openai(ALPHA)
+    london = strict(WEATHER, properties={"city": {"type": "string", "enum": ["London"]}})
+    errors = ("prefixcache_request_errors_total", (("route", "/v1/responses"), ("status", "500")))
+    before = metric_samples(hermes).get(errors, 0)
+    events = list(client.responses.create(model=MODEL, input=ASK, tools=[london], stream=True))
+    kinds = event_types(events)
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-2:] == ["error", "response.failed"]
+    assert events[-2].code == "tool_arguments_invalid" and events[-1].response.status == "failed"
+    assert events[-1].response.error.message == events[-2].message
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert metric_samples(hermes)[errors] == before + 1  # counted once, as chat's stream errors are
+
+
+def test_responses_are_counted_under_their_own_endpoint(rsrv, client):
+    def served() -> float:
+        return sum(v for (name, labels), v in metric_samples(rsrv).items()
+                   if name == "prefixcache_requests_total" and ("endpoint", "responses") in labels)
+    before = served()
+    client.responses.create(model=MODEL, input="Hi", max_output_tokens=1)
+    list(client.responses.create(model=MODEL, input="Hi", max_output_tokens=1, stream=True))
+    assert served() == before + 2
