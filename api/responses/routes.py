@@ -60,7 +60,7 @@ class PreviousResponseNotFoundError(ProxyError):
     status, type, code = 400, "invalid_request_error", "previous_response_not_found"
 
 
-@router.post("/v1/responses", response_model=ResponseObject, response_model_exclude_none=False,
+@router.post("/v1/responses", response_model=ResponseObject,
              responses={**_ERRORS, **SSE_RESPONSE})
 async def create_response(body: ResponsesRequest, request: Request, who: Caller, srv: ServingDep) -> Any:
     """OpenAI's Responses API, served as a chat completion."""
