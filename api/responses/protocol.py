@@ -21,11 +21,12 @@ _ITEM = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 def _kind(known: frozenset[str], default: str | None) -> Any:
-    """The tag of a union member: its ``type`` (``default`` when absent), or "unsupported" for any other type."""
+    """The tag of a union member: ``:`` and its ``type`` (``default`` when absent), or ``:unsupported`` for any
+    other type. Not an identifier, so an error's ``param`` leaves it out (``errors._param``)."""
 
     def tag(value: Any) -> str:
         kind = value.get("type", default) if isinstance(value, dict) else getattr(value, "type", default)
-        return kind if kind in known else "unsupported"
+        return f":{kind}" if kind in known else ":unsupported"
 
     return Discriminator(tag)
 
@@ -47,8 +48,8 @@ class UnsupportedPart(BaseModel):
 
 
 _PART_TYPES = frozenset({"input_text", "output_text"})
-ContentPart = Annotated[Annotated[TextPart, Tag("input_text")] | Annotated[TextPart, Tag("output_text")]
-                        | Annotated[UnsupportedPart, Tag("unsupported")], _kind(_PART_TYPES, None)]
+ContentPart = Annotated[Annotated[TextPart, Tag(":input_text")] | Annotated[TextPart, Tag(":output_text")]
+                        | Annotated[UnsupportedPart, Tag(":unsupported")], _kind(_PART_TYPES, None)]
 
 
 class InputMessage(BaseModel):
@@ -83,9 +84,9 @@ class UnsupportedItem(BaseModel):
 
 
 _ITEM_TYPES = frozenset({"message", "function_call", "function_call_output"})
-InputItem = Annotated[Annotated[InputMessage, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-                      | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
-                      | Annotated[UnsupportedItem, Tag("unsupported")], _kind(_ITEM_TYPES, "message")]
+InputItem = Annotated[Annotated[InputMessage, Tag(":message")] | Annotated[FunctionCallItem, Tag(":function_call")]
+                      | Annotated[FunctionCallOutputItem, Tag(":function_call_output")]
+                      | Annotated[UnsupportedItem, Tag(":unsupported")], _kind(_ITEM_TYPES, "message")]
 
 
 # -- request: tools and options ------------------------------------------------------
@@ -102,7 +103,7 @@ class UnsupportedTool(BaseModel):
     type: Text
 
 
-ResponseTool = Annotated[Annotated[FunctionTool, Tag("function")] | Annotated[UnsupportedTool, Tag("unsupported")],
+ResponseTool = Annotated[Annotated[FunctionTool, Tag(":function")] | Annotated[UnsupportedTool, Tag(":unsupported")],
                          _kind(frozenset({"function"}), None)]
 
 

@@ -352,3 +352,23 @@ def test_responses_are_counted_under_their_own_endpoint(rsrv, client):
     client.responses.create(model=MODEL, input="Hi", max_output_tokens=1)
     list(client.responses.create(model=MODEL, input="Hi", max_output_tokens=1, stream=True))
     assert served() == before + 2
+
+
+MALFORMED = [
+    ({"input": []}, "input"),
+    ({"input": [{"role": "user", "content": [{"text": "no type"}]}]}, "input[0].content[0].type"),
+    ({"input": [{"role": "robot", "content": "Hi"}]}, "input[0].role"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_image"}]}]},
+     "input[0].output[0].type"),
+    ({"metadata": {"k": 5}}, "metadata.k"),
+    ({"tools": [{"type": "function", "name": "f", "function": {"name": "f"}}]}, "tools[0].function"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+]
+
+
+@pytest.mark.parametrize("fields, param", MALFORMED, ids=[p for _, p in MALFORMED])
+def test_malformed_requests_are_400s_naming_the_field(rsrv, fields, param):
+    with rsrv.client(ALPHA) as http:
+        r = http.post("/v1/responses", json={"model": MODEL, "input": "Hi", **fields})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
