@@ -1,9 +1,10 @@
 """The one stream tail of every API the proxy speaks: server-sent events, errors after the headers, closing.
 
-Each API shapes its own events (OpenAI's chunks, Anthropic's typed events); what happens
-around them is shared: the response headers, how an event is written, what a failure
-once the stream has begun becomes (the stream's last event, in the route's error shape),
-and that the generation stops when the stream ends, however it ends. Both read the answer
+Each API shapes its own events (OpenAI's chunks, the Responses API's and Anthropic's typed
+events); what happens around them is shared: the response headers, how an event is written,
+what a failure once the stream has begun becomes (the stream's last event, in the route's
+error shape, unless the API's events reported it themselves: ``ReportedError``), and that
+the generation stops when the stream ends, however it ends. All read the answer
 as the same pieces (``pieces``, ``read``): text, and the tool calls parsed out of it when
 the request declared tools, so a streamed and an unstreamed answer hold the same calls.
 """
@@ -63,8 +64,8 @@ async def tail(events: AsyncIterator[str], stream: GenerationStream, route: str,
             log.error("error while streaming", exc_info=cause)
         srv.metrics.error(route, mapped.status)
         if isinstance(exc, ReportedError):
-            pass  # the events already said it, in their API's shape
-        elif is_anthropic(route):
+            return  # the events already said it, in their API's shape
+        if is_anthropic(route):
             yield event({"error": anthropic_error(mapped.status, mapped.detail.message)[1]["error"]}, "error")
         else:
             yield event({"error": mapped.detail.model_dump()})
