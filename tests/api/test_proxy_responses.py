@@ -9,7 +9,7 @@ import openai
 import pytest
 from prefixcache_api import create_app
 from prefixcache_api.responses.store import ResponseStore
-from proxy_support import ALPHA, BETA, MODEL, live, make_cache, metric_samples
+from proxy_support import ALPHA, BETA, MODEL, held_stream, live, make_cache, metric_samples
 from proxy_support import settings as proxy_settings
 
 from tests.support.tool_templates import TEXT_BEFORE, family_tokenizer, scripted_model
@@ -372,3 +372,21 @@ def test_malformed_requests_are_400s_naming_the_field(rsrv, fields, param):
     with rsrv.client(ALPHA) as http:
         r = http.post("/v1/responses", json={"model": MODEL, "input": "Hi", **fields})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_response_takes_one_of_the_key_s_places_as_a_chat_does(tiny_model, tokenizer):
+    """With a key's one place held (a long chat stream), its response is refused before its body is read (a 429,
+    not the 413 of a body over max_body_bytes); another key's is served."""
+    cache = make_cache(tiny_model, tokenizer)
+    long_chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1500, "stream": True,
+                 "logit_bias": {str(tokenizer.eos_token_id): -100}}
+    try:
+        with live(create_app(proxy_settings(tenant_max_in_flight=1), cache=cache)) as server, \
+                held_stream(server, ALPHA, "/v1/chat/completions", long_chat):
+            huge = b'{"model": "m", "input": "' + b"x" * (6 << 20) + b'"}'
+            with server.client(ALPHA) as http:
+                r = http.post("/v1/responses", content=huge, headers={"content-type": "application/json"})
+            assert r.status_code == 429 and r.json()["error"]["code"] == "tenant_busy", r.text[:300]
+            assert server.openai(BETA).responses.create(model=MODEL, input="Hi", max_output_tokens=1).usage
+    finally:
+        cache.close()
