@@ -390,3 +390,20 @@ def test_a_response_takes_one_of_the_key_s_places_as_a_chat_does(tiny_model, tok
             assert server.openai(BETA).responses.create(model=MODEL, input="Hi", max_output_tokens=1).usage
     finally:
         cache.close()
+
+
+def test_prompt_cache_options_write_breakpoints_as_chat_s(srv):
+    """On the breakpoint server (breakpoints of 16 tokens and more): a response writes what chat's request of the
+    same conversation writes, and a later request reads it."""
+    client = srv.openai(ALPHA)
+    options = {"mode": "implicit", "ttl": "30m"}
+    body = dict(model=MODEL, instructions="You are a helpful assistant. " * 8, input="Hi", max_output_tokens=2)
+    srv.cache.flush()
+    chat = chat_of(client, [{"role": "system", "content": body["instructions"]}, {"role": "user", "content": "Hi"}],
+                   max_tokens=2, prompt_cache_options=options)
+    srv.cache.flush()
+    first = client.responses.create(**body, prompt_cache_options=options)
+    written = first.usage.input_tokens_details.cache_write_tokens
+    assert written > 0 and written == chat.usage.prompt_tokens_details.cache_write_tokens
+    again = client.responses.create(**body, prompt_cache_options=options)
+    assert again.usage.input_tokens_details.cached_tokens >= written
