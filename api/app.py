@@ -25,6 +25,8 @@ from .auth import KeyRing
 from .fairness import InvalidBudget, RateLimiter
 from .metrics import Metrics
 from .replica import replica
+from .responses.routes import router as responses_router
+from .responses.store import ResponseStore
 from .routes import router
 from .serving import Serving
 from .settings import Settings
@@ -97,9 +99,11 @@ def create_app(settings: Settings | None = None, *, cache: PrefixCache | None = 
     app.state.invalid_budget = InvalidBudget(settings.tenant_invalid_rate, settings.tenant_invalid_burst,
                                              settings.tenant_invalid_hold_seconds, clock)
     app.state.metrics = metrics
+    app.state.responses = ResponseStore(clock)  # stored responses, for previous_response_id
     app.state.serving = None
     errors.install(app, settings.retry_after_seconds, lambda request, status: metrics.error(_route(request), status))
     app.include_router(router)
+    app.include_router(responses_router)
     app.include_router(replica)
     app.include_router(anthropic_router)
     app.add_middleware(InternalErrors, on_error=lambda scope, status: metrics.error(_route(scope), status))

@@ -61,6 +61,12 @@ class Job:
     ttl_seconds: float | None = None  # None: the cache's default TTL
     tool_use: ToolUse | None = None  # how the answer's tool calls are read (None: the answer is text)
     continue_final: bool = False  # a chat whose answer continues its last (assistant) message
+    api: str | None = None  # the API a chat job was asked through, if not chat's ("responses"): metrics' endpoint
+
+    @property
+    def label(self) -> str:
+        """The ``endpoint`` label of its metrics."""
+        return self.api or self.endpoint
 
     def max_new_tokens(self, prompt_tokens: int, max_context: int, default: int) -> int:
         """The requested ``max_tokens``, or the default capped to the room left in the context.

@@ -180,8 +180,8 @@ def check_counts(body: Any, settings: Settings) -> None:
     tools, logit_bias entries) costs far more than refusing them."""
     if not isinstance(body, dict):
         return
-    for param, limit in (("messages", settings.max_messages), ("tools", settings.max_tools),
-                         ("logit_bias", settings.max_logit_bias)):
+    for param, limit in (("messages", settings.max_messages), ("input", settings.max_messages),
+                         ("tools", settings.max_tools), ("logit_bias", settings.max_logit_bias)):
         value = body.get(param)
         if isinstance(value, (list, dict)):
             _check_count(param, len(value), limit)

@@ -139,7 +139,8 @@ class GuardedRoute(APIRoute):
 
 
 #: Routes whose requests take a place in the queue (``Serving``), reserved before their body is read.
-QUEUED = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/cache/prewarm"})
+QUEUED = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                    "/v1/cache/prewarm"})
 #: Routes whose work runs on the side threads, in one of the key's few places beside the queue.
 SIDE = frozenset({"/v1/messages/count_tokens", "/v1/cache/stats", "/v1/cache"})
 
@@ -409,7 +410,9 @@ class Meta:
 
     @classmethod
     def new(cls, prefix: str, srv: Serving) -> Meta:
-        return cls(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), srv.model_name, srv.system_fingerprint)
+        """``prefix`` ends the id's prefix with "_" (the Responses API's ``resp_``), else "-" is put after it."""
+        sep = "" if prefix.endswith("_") else "-"
+        return cls(f"{prefix}{sep}{uuid.uuid4().hex}", int(time.time()), srv.model_name, srv.system_fingerprint)
 
     def fields(self) -> dict[str, Any]:
         """The fields every answer and chunk carries."""

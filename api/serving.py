@@ -126,7 +126,7 @@ class Serving:
             fut, cancel = self._submit(lambda c: self._execute(job, c, None, counted), job.tenant, place=place)
             return await self._wait(fut, cancel, disconnected, counted)
         finally:
-            self.metrics.duration.labels(job.endpoint).observe(self._clock() - start)
+            self.metrics.duration.labels(job.label).observe(self._clock() - start)
 
     async def open_stream(self, job: Job, disconnected: Callable[[], Awaitable[None]] | None = None,
                           place: Place | None = None) -> GenerationStream:
@@ -149,7 +149,7 @@ class Serving:
         fut, cancel = self._submit(lambda c: self._execute(job, c, emit), job.tenant, place=place)
         fut.add_done_callback(lambda f: events.put_nowait(("done", f)))
         stream = GenerationStream(events, cancel, loop.time() + self.settings.request_timeout_seconds,
-                            lambda: self.metrics.duration.labels(job.endpoint).observe(self._clock() - start), fut)
+                            lambda: self.metrics.duration.labels(job.label).observe(self._clock() - start), fut)
         try:
             await _unless_disconnected(stream.wait_started(), disconnected)
         except BaseException:
@@ -287,7 +287,7 @@ class Serving:
         # A generation cut short (timeout, client gone, shutdown) is counted by its error status only, as when
         # the engine's own timer ends it first: the served-generation counters hold answers delivered.
         if result.finish_reason != "cancelled" and (counted is None or counted.claim(SERVED)):
-            self.metrics.observe(job.endpoint, job.tenant, result.stats)
+            self.metrics.observe(job.label, job.tenant, result.stats)
             self.metrics.observe_cache_hints(job.tenant, job.cache_key, job.retention, result.stats)
         if self.request_log is not None:
             self.request_log.record(job.tenant, ids, result.token_ids, result.stats.cached_tokens,

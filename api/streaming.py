@@ -1,9 +1,10 @@
 """The one stream tail of every API the proxy speaks: server-sent events, errors after the headers, closing.
 
-Each API shapes its own events (OpenAI's chunks, Anthropic's typed events); what happens
-around them is shared: the response headers, how an event is written, what a failure
-once the stream has begun becomes (the stream's last event, in the route's error shape),
-and that the generation stops when the stream ends, however it ends. Both read the answer
+Each API shapes its own events (OpenAI's chunks, the Responses API's and Anthropic's typed
+events); what happens around them is shared: the response headers, how an event is written,
+what a failure once the stream has begun becomes (the stream's last event, in the route's
+error shape, unless the API's events reported it themselves: ``ReportedError``), and that
+the generation stops when the stream ends, however it ends. All read the answer
 as the same pieces (``pieces``, ``read``): text, and the tool calls parsed out of it when
 the request declared tools, so a streamed and an unstreamed answer hold the same calls.
 """
@@ -57,10 +58,13 @@ async def tail(events: AsyncIterator[str], stream: GenerationStream, route: str,
         ended = True
     except Exception as exc:  # after the headers: the error becomes the stream's last event
         ended = True
-        mapped = map_exception(exc)
+        cause = exc.cause if isinstance(exc, ReportedError) else exc
+        mapped = map_exception(cause)
         if mapped.status >= 500 and mapped.detail.code == "internal_error":
-            log.error("error while streaming", exc_info=exc)
+            log.error("error while streaming", exc_info=cause)
         srv.metrics.error(route, mapped.status)
+        if isinstance(exc, ReportedError):
+            return  # the events already said it, in their API's shape
         if is_anthropic(route):
             yield event({"error": anthropic_error(mapped.status, mapped.detail.message)[1]["error"]}, "error")
         else:
@@ -69,6 +73,15 @@ async def tail(events: AsyncIterator[str], stream: GenerationStream, route: str,
         if not ended:
             stream.when_cut_short(lambda: srv.metrics.error(route, ClientClosedError.status))
         stream.close()
+
+
+class ReportedError(Exception):
+    """A failure an API's events already reported in its own shape (the Responses API's ``error`` and
+    ``response.failed``): ``tail`` counts ``cause`` and sends nothing more."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 async def pieces(stream: GenerationStream, tools: ToolUse | None) -> AsyncIterator[Piece]:

@@ -93,6 +93,29 @@ def live(app) -> Iterator[LiveServer]:
         server.stop()
 
 
+@contextmanager
+def held_stream(server: LiveServer, key: str, path: str, body: dict) -> Iterator[None]:
+    """``body`` streamed from ``path`` with ``key`` in a thread, its place held, while the block runs (its first
+    event arrived); leaving the block leaves the stream, which cancels the generation."""
+    started, stop = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with server.client(key) as client, client.stream("POST", path, json=body) as r:
+            for _ in r.iter_lines():
+                started.set()
+                if stop.is_set():
+                    break
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert started.wait(30)
+        yield
+    finally:
+        stop.set()
+        holder.join(30)
+
+
 def metric_samples(server) -> dict[tuple[str, tuple], float]:
     """Every sample on the server's ``/metrics`` (read with the admin key): ``(name, sorted labels) -> value``."""
     from prometheus_client.parser import text_string_to_metric_families

@@ -2,12 +2,11 @@
 with Retry-After before its body is read; other keys and the admin key go on being served."""
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 from prefixcache_api import create_app
-from proxy_support import ADMIN, ALPHA, BETA, MODEL, live, make_cache, settings, wait_until
+from proxy_support import ADMIN, ALPHA, BETA, MODEL, held_stream, live, make_cache, settings, wait_until
 from test_proxy_errors import assert_error
 
 CHAT = "/v1/chat/completions"
@@ -86,19 +85,8 @@ def test_a_held_request_goes_on_when_its_keys_budget_refills_and_a_served_one_gi
 def test_a_key_with_all_its_places_taken_gets_429_and_another_key_is_served(cache, tokenizer):
     app = create_app(settings(workers=2, tenant_max_in_flight=1), cache=cache)
     long_job = ok_chat(max_tokens=1500, logit_bias={str(tokenizer.eos_token_id): -100}, stream=True)
-    started, stop = threading.Event(), threading.Event()
     with live(app) as srv:
-        def hold_a_place():
-            with srv.client(ALPHA) as client, client.stream("POST", CHAT, json=long_job) as r:
-                for _ in r.iter_lines():
-                    started.set()
-                    if stop.is_set():
-                        break  # leaving cancels the generation
-
-        holder = threading.Thread(target=hold_a_place)
-        holder.start()
-        try:
-            assert started.wait(30)
+        with held_stream(srv, ALPHA, CHAT, long_job):
             with srv.client(ALPHA) as alpha, srv.client(BETA) as beta, srv.client(ADMIN) as admin:
                 r = alpha.post(CHAT, content=HUGE, headers={"content-type": "application/json"})
                 err = assert_error(r, 429, code="tenant_busy", kind="rate_limit_error")  # not 413: body unread
@@ -108,9 +96,6 @@ def test_a_key_with_all_its_places_taken_gets_429_and_another_key_is_served(cach
                 assert beta.post(CHAT, json=ok_chat()).status_code == 200
                 assert admin.post(CHAT, json=ok_chat()).status_code == 200
                 assert srv.serving.admission.in_flight("alpha") == 1
-        finally:
-            stop.set()
-            holder.join(30)
         wait_until(lambda: srv.serving.queue() == (0, 0), timeout=30)
         with srv.client(ALPHA) as alpha:
             assert alpha.post(CHAT, json=ok_chat()).status_code == 200  # its place is back

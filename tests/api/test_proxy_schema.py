@@ -15,11 +15,14 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from openai.types import Completion
 from openai.types.chat import ChatCompletionChunk
+from openai.types.responses import ResponseStreamEvent
 from prefixcache_api import create_app
 from proxy_support import ADMIN, ALPHA, MODEL, auth, leased_refs, live, make_cache, wait_until
 from proxy_support import settings as proxy_settings
+from pydantic import TypeAdapter
 from schemathesis import GenerationMode
 
+_RESPONSE_EVENT: TypeAdapter = TypeAdapter(ResponseStreamEvent)
 EXAMPLES = {GenerationMode.POSITIVE: 30, GenerationMode.NEGATIVE: 20}
 # schemathesis stops reading an event stream after 20 events by default, which cuts an
 # Anthropic stream of 16 tokens (22 events) before its message_delta: read every event.
@@ -55,7 +58,8 @@ def test_openapi_lists_every_route(fuzzed):
     labels = {op.label for op in _operations(fuzzed.url)}
     assert {"POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models", "POST /v1/cache/prewarm",
             "DELETE /v1/cache", "GET /v1/cache/stats", "GET /metrics", "GET /healthz", "GET /readyz",
-            "POST /v1/messages", "POST /v1/messages/count_tokens"} <= labels
+            "POST /v1/messages", "POST /v1/messages/count_tokens", "POST /v1/responses", "GET /v1/responses/{response_id}",
+            "DELETE /v1/responses/{response_id}"} <= labels
 
 
 def stream_problems(text: str, path: str) -> list[str]:
@@ -63,6 +67,8 @@ def stream_problems(text: str, path: str) -> list[str]:
     chunk shape, a missing or misplaced ``[DONE]`` (a 200 status cannot report these)."""
     if path.endswith("/v1/messages"):
         return anthropic_stream_problems(text)
+    if path.endswith("/v1/responses"):
+        return responses_stream_problems(text)
     events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
     if not events or events[-1] != "[DONE]":
         return [f"no final [DONE]: {events[-2:]}"]
@@ -114,6 +120,32 @@ def anthropic_stream_problems(text: str) -> list[str]:
     return problems
 
 
+def responses_stream_problems(text: str) -> list[str]:
+    """What is wrong with a 200 Responses API event stream: an event that is not one of OpenAI's types (the
+    client's own), an error or failed response, numbers out of sequence, or an order other than
+    response.created, response.in_progress ... response.completed (or response.incomplete)."""
+    problems, kinds = [], []
+    for number, block in enumerate(text.strip().split("\n\n")):
+        lines = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
+        try:
+            data = json.loads(lines.get("data", ""))
+            parsed = _RESPONSE_EVENT.validate_python(data)
+        except ValueError as exc:
+            problems.append(f"not an event of OpenAI's: {block[:160]}: {exc}")
+            continue
+        kinds.append(parsed.type)
+        if lines.get("event") != parsed.type:
+            problems.append(f"event {lines.get('event')} carries type {parsed.type}")
+        if parsed.type in ("error", "response.failed"):
+            problems.append(f"error event: {data}")
+        if parsed.sequence_number != number:
+            problems.append(f"sequence_number {parsed.sequence_number} at event {number}")
+    if kinds[:2] != ["response.created", "response.in_progress"] or \
+            kinds[-1:] not in (["response.completed"], ["response.incomplete"]):
+        problems.append(f"events out of order: {kinds}")
+    return problems
+
+
 def test_stream_check_catches_error_events_and_bad_chunks():
     """The checker itself can fail: an error event mid-stream and a malformed chunk are caught."""
     good = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": MODEL,
@@ -130,6 +162,15 @@ def test_stream_check_catches_error_events_and_bad_chunks():
     assert stream_problems(ok, "/v1/messages") == []
     assert stream_problems(ok.replace("event: message_stop", "event: error"), "/v1/messages")
     assert stream_problems(ok.replace('"type": "ping"', '"type": "pong"'), "/v1/messages")
+    response = {"id": "resp_1", "object": "response", "created_at": 1, "model": MODEL, "output": [],
+                "parallel_tool_calls": True, "tool_choice": "auto", "tools": [], "status": "in_progress"}
+    kinds = ["response.created", "response.in_progress", "response.completed"]
+    ok = "".join(f"event: {e}\ndata: {json.dumps({'type': e, 'response': response, 'sequence_number': i})}\n\n"
+                 for i, e in enumerate(kinds))
+    assert stream_problems(ok, "/v1/responses") == []
+    assert stream_problems(ok.replace('"sequence_number": 1', '"sequence_number": 7'), "/v1/responses")
+    assert stream_problems(ok.replace("response.completed", "response.failed"), "/v1/responses")
+    assert stream_problems(ok.replace('"object": "response"', '"object": 5'), "/v1/responses")
 
 
 def _content_type(response) -> str:
@@ -190,7 +231,7 @@ def test_no_generated_request_gets_a_5xx(fuzzed, mode):
             _fuzz(operation, mode, ADMIN, statuses, failures)
     exercised = {label for label, _ in statuses}
     assert {"POST /v1/chat/completions", "POST /v1/completions", "POST /v1/cache/prewarm", "POST /v1/messages",
-            "POST /v1/messages/count_tokens"} <= exercised
+            "POST /v1/messages/count_tokens", "POST /v1/responses"} <= exercised
     if mode is GenerationMode.POSITIVE:  # valid requests really reached the engine
         assert statuses["POST /v1/chat/completions", 200] >= 5, statuses
         assert statuses["POST /v1/completions", 200] >= 1, statuses
@@ -199,6 +240,7 @@ def test_no_generated_request_gets_a_5xx(fuzzed, mode):
         # streamed answers were checked too (the schema's examples include a streamed chat and message)
         assert statuses["POST /v1/chat/completions", "stream"] >= 1 and statuses["POST /v1/messages", "stream"] >= 1, \
             statuses
+        assert statuses["POST /v1/responses", 200] >= 1 and statuses["POST /v1/responses", "stream"] >= 1, statuses
     assert not failures, "\n".join(failures[:10])
     wait_until(lambda: fuzzed.serving.queue() == (0, 0) and leased_refs(fuzzed.cache) == 0, timeout=5)
     fuzzed.cache.check_integrity()

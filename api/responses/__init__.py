@@ -1,0 +1,1 @@
+"""OpenAI's Responses API, served through the chat completions path."""

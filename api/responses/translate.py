@@ -1,0 +1,141 @@
+"""A Responses API request -> a chat completion request, so it takes chat's one path to the engine.
+
+The items become chat messages: ``instructions`` a system message first, then the stored
+conversation of ``previous_response_id``, then ``input`` (a string is one user message;
+``input_text``/``output_text`` parts are text parts; ``function_call`` items join the
+assistant message before them as its ``tool_calls``, or make one; ``function_call_output``
+items are tool messages). Flat function tools become chat's nested ones, ``max_output_tokens``
+is ``max_tokens``; the cache fields pass as they are. What would change the answer unless
+honoured and cannot be is refused with a 400 naming it (``refuse``), never dropped.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import ValidationError
+
+from prefixcache.errors import InvalidRequestError
+
+from ..protocol import ChatCompletionRequest
+from .protocol import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionChoice,
+    FunctionTool,
+    InputMessage,
+    ResponsesRequest,
+    TextPart,
+    UnsupportedPart,
+)
+
+
+def refuse(req: ResponsesRequest) -> None:
+    """Raise a 400 naming the first field whose value this server cannot honour."""
+    fmt = req.text.format if req.text is not None else None
+    if fmt is not None and fmt.type != "text":
+        raise InvalidRequestError(f"text.format {fmt.type!r} is not supported (only 'text')", param="text.format")
+    if req.text is not None and req.text.verbosity not in (None, "medium"):
+        raise InvalidRequestError(f"text.verbosity {req.text.verbosity!r} is not supported (only 'medium')",
+                                  param="text.verbosity")
+    if req.reasoning is not None and req.reasoning.effort not in (None, "none"):
+        raise InvalidRequestError(f"reasoning.effort {req.reasoning.effort!r} is not supported: this model does "
+                                  "not reason (only 'none')", param="reasoning.effort")
+    if "message.output_text.logprobs" in (req.include or []):
+        raise InvalidRequestError("logprobs are not supported by this server", param="include")
+    if req.top_logprobs:
+        raise InvalidRequestError("logprobs are not supported by this server", param="top_logprobs")
+    if req.truncation == "auto":
+        raise InvalidRequestError("truncation 'auto' is not supported (only 'disabled': an input over the context "
+                                  "is an error)", param="truncation")
+    if req.background:
+        raise InvalidRequestError("background responses are not supported", param="background")
+    for i, tool in enumerate(req.tools or []):
+        if not isinstance(tool, FunctionTool):
+            raise InvalidRequestError(f"tools of type {tool.type!r} are not supported (only 'function')",
+                                      param=f"tools[{i}].type")
+
+
+def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """``input`` as chat messages."""
+    if isinstance(req.input, str):
+        return [{"role": "user", "content": req.input}]
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(req.input):
+        at = f"input[{i}]"
+        if isinstance(item, InputMessage):
+            messages.append({"role": item.role, "content": _content(item.content, f"{at}.content")})
+        elif isinstance(item, FunctionCallItem):
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif isinstance(item, FunctionCallOutputItem):
+            messages.append({"role": "tool", "tool_call_id": item.call_id,
+                             "content": _content(item.output, f"{at}.output")})
+        else:
+            raise InvalidRequestError(f"input items of type {item.type!r} are not supported (only message, "
+                                      "function_call and function_call_output)", param=f"{at}.type")
+    return messages
+
+
+def _content(content: str | list[Any], at: str) -> str | list[dict[str, Any]]:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for j, part in enumerate(content):
+        if isinstance(part, UnsupportedPart) or not isinstance(part, TextPart):
+            raise InvalidRequestError(f"content parts of type {part.type!r} are not supported by this text-only "
+                                      "model (only input_text and output_text)", param=f"{at}[{j}].type")
+        parts.append({"type": "text", "text": part.text})
+    return parts
+
+
+def chat_tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
+    """The function tools in chat's nested shape."""
+    if not req.tools:
+        return None
+    return [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
+            for tool in req.tools if isinstance(tool, FunctionTool)]
+
+
+def chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat request of ``req`` after the stored ``conversation`` (instructions first, then it, then the input)."""
+    messages = ([{"role": "system", "content": req.instructions}] if req.instructions is not None else []) \
+        + conversation
+    choice = req.tool_choice
+    body: dict[str, Any] = {
+        "model": req.model, "messages": messages, "max_tokens": req.max_output_tokens,
+        "temperature": req.temperature, "top_p": req.top_p, "tools": chat_tools(req),
+        "tool_choice": {"type": "function", "function": {"name": choice.name}}
+        if isinstance(choice, FunctionChoice) else choice,
+        "parallel_tool_calls": req.parallel_tool_calls, "prompt_cache_key": req.prompt_cache_key,
+        "prompt_cache_retention": req.prompt_cache_retention, "cache_salt": req.cache_salt, "user": req.user,
+        "prompt_cache_options": None if req.prompt_cache_options is None
+        else req.prompt_cache_options.model_dump(exclude_none=True)}
+    if not messages:
+        raise InvalidRequestError("the input is empty", param="input")
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+    except ValidationError as exc:  # the Responses schema admits only what chat's does; never a 500 if not
+        raise InvalidRequestError(f"the input does not make a valid conversation: {exc.errors()[0]['msg']}",
+                                  param="input") from exc
+
+
+_TOOL_FIELD = re.compile(r"^tools\[(\d+)\]\.function")
+
+
+def param_of(param: str | None) -> str | None:
+    """A chat request's parameter path, as the Responses request names it."""
+    if param is None:
+        return None
+    if param.startswith("messages"):
+        return "input"
+    if param in ("max_tokens", "max_completion_tokens"):
+        return "max_output_tokens"
+    if param == "response_format":
+        return "text.format"
+    return _TOOL_FIELD.sub(r"tools[\1]", param)
