@@ -171,7 +171,9 @@ class GrammarLogits(LogitsProcessor):
     """One call's grammar: each call advances the matcher with the tokens chosen since the last, then sets the
     logits of the tokens it does not allow next to -inf. input_ids: [1, S] (prompt, then the answer so far);
     scores: [1, V]. A matcher in error (a limit of llguidance's reached) allows only the end-of-sequence
-    tokens, so the call ends and the final check reports it."""
+    tokens, so the call ends and the final check reports it. Where the processors before it left none of the
+    tokens it allows (``min_new_tokens`` masks the end-of-sequence tokens, the only ones a complete JSON allows),
+    the end-of-sequence tokens get score 0: the answer ends with its JSON, and a step always has a token to draw."""
 
     def __init__(self, constraint: Constraint, prompt_len: int):
         self.matcher = LLMatcher(constraint.tokenizer, constraint.format.grammar, log_level=0)  # errors: below
@@ -185,7 +187,10 @@ class GrammarLogits(LogitsProcessor):
             self.matcher.consume_token(token)
         self.seen += len(chosen)
         allowed = torch.from_numpy(self.allowed())
-        return scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+        out = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+        if not bool(torch.isfinite(out).any()):  # a processor before it ruled out all it allows (min_new_tokens
+            out[:, self.eos] = 0.0  # masking the end of a complete JSON): the grammar's end wins, never no token
+        return out
 
     def allowed(self) -> np.ndarray:
         """[width] bool: the tokens the grammar allows next."""
@@ -195,7 +200,7 @@ class GrammarLogits(LogitsProcessor):
             if allowed.any():
                 return allowed
         log.warning("the grammar of a structured answer failed (%s): the answer ends here",
-                    self.matcher.get_error() or "no token allowed")
+                    (self.matcher.get_error() or "no token allowed").splitlines()[0])
         allowed = np.zeros(self.width, dtype=bool)
         allowed[self.eos] = True
         return allowed

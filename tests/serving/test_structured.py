@@ -100,6 +100,19 @@ def test_an_answer_cut_by_max_tokens_is_the_partial_json(new_cache, chat_llama, 
     assert whole.text.startswith(cut.text) and cut.text.startswith('{"name":')
 
 
+@pytest.mark.parametrize("batching", [True, False], ids=["batched", "serial"])
+def test_the_json_ends_the_answer_even_before_min_new_tokens(new_cache, chat_llama, tokenizer, batching):
+    """``min_new_tokens`` masks the end-of-sequence tokens, the only tokens a complete JSON allows: the answer
+    still ends with its JSON, greedy or sampled (no token left to draw would fail the batched step)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "k", "schema": {
+        "type": "object", "properties": {"k": {"enum": ["a"]}}, "required": ["k"], "additionalProperties": False}}}
+    cache = new_cache(chat_llama, tokenizer, batching=batching)
+    for sampling in SAMPLINGS[:2]:
+        result = cache.chat(MESSAGES, response_format=fmt, min_new_tokens=30, max_new_tokens=40, **sampling)
+        assert (result.finish_reason, result.text) == ("stop", '{"k":"a"}')
+        assert result.stats.executor == ("batched" if batching else "serial")
+
+
 @pytest.mark.parametrize(("fmt", "param", "message"), [
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {"type": "string"}}}},
      "response_format.json_schema.schema", "Unimplemented keys"),
