@@ -78,7 +78,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (429, "Queue full, the key's rate or places in flight exceeded (Retry-After), or a pin over the "
               "tenant's pin quota"),
         (500, "The model called a strict tool with arguments that do not match its schema "
-              "(tool_arguments_invalid)"),
+              "(tool_arguments_invalid), or a response_format answer does not match its schema "
+              "(response_format_invalid)"),
         (503, "Not ready, shutting down or out of cache capacity (Retry-After)"), (504, "Timed out"))}
 
 

@@ -13,10 +13,11 @@ import jsonschema
 import openai
 import pytest
 from prefixcache_api import create_app
+from prefixcache_api.errors import map_exception
 from proxy_support import ALPHA, MODEL, live, settings
 from pydantic import BaseModel, Field
 
-from prefixcache import CacheConfig, PrefixCache
+from prefixcache import CacheConfig, OutputFormatError, PrefixCache
 from tests.serving.test_structured import MESSAGES, PET, SCHEMA
 
 
@@ -99,3 +100,8 @@ def test_a_format_that_cannot_be_honoured_is_a_400_naming_it(proxy, kwargs, para
     with pytest.raises(openai.BadRequestError) as err:
         srv.openai(ALPHA).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, **kwargs)
     assert err.value.body["param"] == param
+
+
+def test_an_answer_that_breaks_its_schema_is_a_500_never_served():
+    mapped = map_exception(OutputFormatError("the model's answer does not match response_format 'pet' at $.age"))
+    assert (mapped.status, mapped.detail.type, mapped.detail.code) == (500, "server_error", "response_format_invalid")
