@@ -279,7 +279,8 @@ async def get_model(model: str, who: Caller, srv: ServingDep) -> ModelCard:
 async def chat_completions(body: ChatCompletionRequest, request: Request, who: Caller, srv: ServingDep) -> Any:
     check_model(srv, body.model)
     check_chat(body, srv.settings)
-    job = chat_job(body, who.tenant, srv.settings, srv.vocab_size, srv.tool_family)
+    # Off the event loop: compiling a response_format's or strict tool's schema takes up to a few hundred ms.
+    job = await asyncio.to_thread(chat_job, body, who.tenant, srv.settings, srv.vocab_size, srv.tool_family)
 
     def answer(result: GenerationResult, meta: Meta) -> ChatCompletion:
         parts = read(result, job.tool_use)
