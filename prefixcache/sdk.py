@@ -337,6 +337,8 @@ class PrefixCache:
         ``cancel`` (threading.Event), ``ttl_seconds``, ``ignore_eos`` (go on past the
         end-of-sequence token until ``max_new_tokens``), ``timeout_seconds`` (as ``generate``),
         ``cache_salt`` (share cached prefixes only with calls of the tenant with the same salt),
+        ``response_format`` (OpenAI's ``json_schema`` or ``json_object``: the answer constrained to that JSON,
+        ``serving/structured.py``; one that does not match when done raises ``OutputFormatError``),
         and any other ``generate()`` kwarg (``AnswerOptions.parse`` checks them).
         """
         if not isinstance(prompt, str):
