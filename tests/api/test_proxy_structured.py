@@ -75,6 +75,13 @@ def test_parse_with_a_pydantic_model(proxy):
     assert 0 <= pet.age <= 30 and 1 <= len(pet.tags) <= 3
 
 
+def test_stream_with_a_pydantic_model(proxy):
+    with proxy.openai(ALPHA).chat.completions.stream(model=MODEL, messages=MESSAGES, max_tokens=200, temperature=0,
+                                                      response_format=Pet) as stream:
+        final = stream.get_final_completion()
+    assert isinstance(final.choices[0].message.parsed, Pet)
+
+
 def test_json_object_and_a_cut_answer(proxy):
     srv = proxy
     client = srv.openai(ALPHA)
