@@ -23,6 +23,7 @@ from prefixcache.errors import (
     EngineFaultError,
     GenerationTimeoutError,
     InvalidRequestError,
+    OutputFormatError,
     PinQuotaExceededError,
     RequestCancelledError,
     TierPurgeError,
@@ -154,6 +155,8 @@ def map_exception(exc: BaseException) -> Mapped:
     if isinstance(exc, ToolCallError):  # the request was fine; the model's answer broke its tool_choice
         return Mapped(422, ErrorDetail(message=str(exc), type="invalid_request_error", param="tool_choice",
                                        code="tool_call_missing"))
+    if isinstance(exc, OutputFormatError):  # a structured answer that breaks its schema: a generation failure
+        return Mapped(500, ErrorDetail(message=str(exc), type="server_error", code="response_format_invalid"))
     if isinstance(exc, ToolArgumentsError):  # the model broke a strict tool's schema: a generation failure
         return Mapped(500, ErrorDetail(message=str(exc), type="server_error", code="tool_arguments_invalid"))
     if isinstance(exc, GenerationTimeoutError):

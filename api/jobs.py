@@ -6,9 +6,11 @@ the chat template; the model's calls parsed in its template's syntax, ``tool_cal
 "none" (tools hidden), "auto", "required" and a named tool (an answer without the call is an error),
 parallel_tool_calls; prompt_cache_options and prompt_cache_breakpoint (``serving/prompt_cache.py``),
 prompt_cache_retention, and the diagnostics extension.
-Strict functions: their calls are validated against their schemas (``tool_schemas.py``).
-Refused with a 400 naming the parameter, here: logprobs, suffix, response_format
-other than text, an earlier assistant message's function_call, audio
+Strict functions: their calls are validated against their schemas (``tool_schemas.py``). response_format
+json_object / json_schema: the answer constrained to the schema (``structured.py``; a schema it cannot
+compile, or a strict one against OpenAI's rules, is a 400; not with continue_final_message, ignore_eos or a
+forced tool call).
+Refused with a 400 naming the parameter, here: logprobs, suffix, an earlier assistant message's function_call, audio
 or refusal text, max_tokens over the server's limit, SGLang's extensions (which
 sglang-router adds to every chat body) with a value other than what this server does
 (``no_stop_trim``, ``skip_special_tokens``, ``return_hidden_states``); by the schema (``protocol``):
@@ -93,9 +95,16 @@ def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_
     _only_defaults(req)
     if req.logprobs or req.top_logprobs:
         raise InvalidRequestError("logprobs are not supported by this server", param="logprobs")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise InvalidRequestError(f"response_format {req.response_format.type!r} is not supported (only 'text')",
-                                  param="response_format")
+    structured = req.response_format is not None and req.response_format.type != "text"
+    if structured and req.continue_final_message:
+        raise InvalidRequestError("response_format json_object / json_schema cannot continue a final assistant "
+                                  "message (the answer's JSON starts at its first token)", param="response_format")
+    if structured and req.ignore_eos:
+        raise InvalidRequestError("response_format json_object / json_schema ends the answer at the end of its JSON; "
+                                  "ignore_eos cannot be set with it", param="ignore_eos")
+    if structured and req.tools and req.tool_choice not in (None, "none", "auto"):
+        raise InvalidRequestError("a forced tool call cannot be made with response_format json_object / json_schema "
+                                  "(the answer is the JSON)", param="tool_choice")
     if req.max_tokens is not None and req.max_completion_tokens is not None \
             and req.max_tokens != req.max_completion_tokens:
         raise InvalidRequestError("max_tokens and max_completion_tokens differ; send one", param="max_tokens")
@@ -108,7 +117,8 @@ def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_
     choice = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
     asked = req.model_dump(include={"tools", "tool_choice"}, exclude_none=True)
     reading = openai_tool_use(tool_family, asked.get("tools"), asked.get("tool_choice"), req.parallel_tool_calls)
-    options = _options(req, settings, vocab_size, blend=req.prefixcache_blend)
+    options = _options(req, settings, vocab_size, blend=req.prefixcache_blend,
+                       response_format=None if req.response_format is None else req.response_format.model_dump())
     return Job("chat", tenant, messages=messages, tools=tools, max_tokens=limit_max_tokens(max_tokens, settings),
                options=options, cache_key=req.prompt_cache_key, continue_final=bool(req.continue_final_message),
                retention=req.prompt_cache_retention, cache_salt=req.cache_salt or None,
@@ -179,14 +189,15 @@ def server_temperature(temperature: float | None, settings: Settings) -> float:
     return 0.0 if temperature < GREEDY_BELOW else temperature
 
 
-def _options(req: GenerationFields, settings: Settings, vocab_size: int,
-             blend: bool | float | None = None) -> AnswerOptions:
+def _options(req: GenerationFields, settings: Settings, vocab_size: int, blend: bool | float | None = None,
+             response_format: dict[str, Any] | None = None) -> AnswerOptions:
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return AnswerOptions.parse(temperature=server_temperature(req.temperature, settings), top_p=req.top_p,
                                top_k=req.top_k or None, seed=req.seed, stop=[s for s in stops if s] or None,
                                ignore_eos=bool(req.ignore_eos), presence_penalty=req.presence_penalty,
                                frequency_penalty=req.frequency_penalty,
-                               logit_bias=_logit_bias(req.logit_bias, vocab_size) or None, blend=blend)
+                               logit_bias=_logit_bias(req.logit_bias, vocab_size) or None, blend=blend,
+                               response_format=response_format)
 
 
 def _retention_ttl(req: GenerationFields) -> float | None:

@@ -158,6 +158,24 @@ def check_chat(req: ChatCompletionRequest, settings: Settings) -> None:
     _check_messages(req.messages, settings)
     _check_tools(req.tools, settings)
     _check_sampling(req, settings)
+    _check_response_format(req, settings)
+
+
+def _check_response_format(req: ChatCompletionRequest, settings: Settings) -> None:
+    """A json_schema response format is bounded as a tool definition is: compiling it costs with its size."""
+    spec = (req.response_format.model_extra or {}).get("json_schema") if req.response_format is not None else None
+    if not isinstance(spec, dict):
+        return
+    size = _json_bytes(spec)
+    if size > settings.max_tool_schema_bytes:
+        raise LimitExceededError(f"response_format.json_schema is {size} bytes as JSON; at most "
+                                 f"{settings.max_tool_schema_bytes} are accepted", param="response_format.json_schema",
+                                 code="string_above_max_length")
+    depth = _depth(spec.get("schema"))
+    if depth > settings.max_tool_schema_depth:
+        raise LimitExceededError(f"response_format.json_schema.schema nests {depth} levels deep; at most "
+                                 f"{settings.max_tool_schema_depth} are accepted",
+                                 param="response_format.json_schema.schema", code="json_too_deep")
 
 
 def check_completion(req: CompletionRequest, settings: Settings) -> None:

@@ -78,7 +78,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (429, "Queue full, the key's rate or places in flight exceeded (Retry-After), or a pin over the "
               "tenant's pin quota"),
         (500, "The model called a strict tool with arguments that do not match its schema "
-              "(tool_arguments_invalid)"),
+              "(tool_arguments_invalid), or a response_format answer does not match its schema "
+              "(response_format_invalid)"),
         (503, "Not ready, shutting down or out of cache capacity (Retry-After)"), (504, "Timed out"))}
 
 
@@ -279,7 +280,8 @@ async def get_model(model: str, who: Caller, srv: ServingDep) -> ModelCard:
 async def chat_completions(body: ChatCompletionRequest, request: Request, who: Caller, srv: ServingDep) -> Any:
     check_model(srv, body.model)
     check_chat(body, srv.settings)
-    job = chat_job(body, who.tenant, srv.settings, srv.vocab_size, srv.tool_family)
+    # Off the event loop: compiling a response_format's or strict tool's schema takes up to a few hundred ms.
+    job = await asyncio.to_thread(chat_job, body, who.tenant, srv.settings, srv.vocab_size, srv.tool_family)
 
     def answer(result: GenerationResult, meta: Meta) -> ChatCompletion:
         parts = read(result, job.tool_use)

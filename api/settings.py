@@ -218,8 +218,10 @@ class Settings(BaseSettings):
                                    "contents, names and tool-call arguments, or the prompt.")
     max_tools: int = Field(128, ge=0, description="Most tool definitions in one request.")
     max_tool_schema_bytes: int = Field(32 << 10, ge=64, description="Largest tool definition, as compact JSON "
-                                       "(name, description and parameters schema).")
-    max_tool_schema_depth: int = Field(16, ge=1, description="Deepest nesting of a tool's parameters schema.")
+                                       "(name, description and parameters schema), and largest response_format "
+                                       "json_schema.")
+    max_tool_schema_depth: int = Field(16, ge=1, description="Deepest nesting of a tool's parameters schema, and of "
+                                       "a response_format's schema.")
     max_stop_chars: int = Field(256, ge=1, description="Longest stop string, in characters (at most 4 of them).")
     max_logit_bias: int = Field(300, ge=0, description="Most logit_bias entries in one request.")
     max_prewarm_tokens: int | None = Field(_cache_default("max_prewarm_tokens"), ge=1, description="Longest prefix a prewarm may fill, in tokens "

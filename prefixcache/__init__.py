@@ -26,6 +26,7 @@ if TYPE_CHECKING:
         InvalidRequestError,
         KVMemoryError,
         ModelLoadError,
+        OutputFormatError,
         PinQuotaExceededError,
         PrefixCacheError,
         RequestCancelledError,
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 
 #: Every error class a caller may catch (``prefixcache.errors``; each derives from ``PrefixCacheError``).
 _ERRORS = ("CacheClosedError", "CapacityError", "ConfigError", "ContextLengthExceededError", "EngineFaultError", "GenerationTimeoutError",
-           "InvalidRequestError", "KVMemoryError", "ModelLoadError", "PinQuotaExceededError", "PrefixCacheError",
+           "InvalidRequestError", "KVMemoryError", "ModelLoadError", "OutputFormatError", "PinQuotaExceededError", "PrefixCacheError",
            "RequestCancelledError", "TierPurgeError", "ToolArgumentsError", "ToolCallError",
            "UnsupportedModelError")
 

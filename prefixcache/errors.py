@@ -108,3 +108,8 @@ class ToolCallError(PrefixCacheError, RuntimeError):
 class ToolArgumentsError(PrefixCacheError, RuntimeError):
     """The model called a strict tool with arguments that do not match its schema (or are not a JSON object):
     the answer is not served, since a strict tool promises arguments that match."""
+
+
+class OutputFormatError(ToolArgumentsError):
+    """A structured answer (``response_format``) that does not match its schema, or is not JSON: not served.
+    Constrained decoding prevents it; the check after generation makes sure."""

@@ -41,6 +41,7 @@ from prefixcache.serving.options import AnswerOptions, check_cancel, check_seed,
 from prefixcache.serving.request import CallStats
 from prefixcache.serving.serial import SerialEngine
 from prefixcache.serving.stats import CacheReport, ServerFigures
+from prefixcache.serving.structured import Vocabulary
 from prefixcache.serving.text_stream import TextStream, first_stop
 from prefixcache.serving.tool_calls import (
     ToolCall,
@@ -152,6 +153,9 @@ class PrefixCache:
                 self.tiers.close()
             raise
         self.dispatcher = Dispatcher(self.serial, self.batcher, self.config.cache_generated)
+        head = self.model.get_output_embeddings()
+        #: llguidance's view of the tokenizer, for calls with a ``response_format`` (``serving/structured.py``).
+        self.vocabulary = Vocabulary(tokenizer, head.weight.shape[0] if head is not None else self.vocab_size)
         self._model_key = tuple(model_fingerprint(model))
         self._local = threading.local()
         self._closed = threading.Event()
@@ -333,6 +337,8 @@ class PrefixCache:
         ``cancel`` (threading.Event), ``ttl_seconds``, ``ignore_eos`` (go on past the
         end-of-sequence token until ``max_new_tokens``), ``timeout_seconds`` (as ``generate``),
         ``cache_salt`` (share cached prefixes only with calls of the tenant with the same salt),
+        ``response_format`` (OpenAI's ``json_schema`` or ``json_object``: the answer constrained to that JSON,
+        ``serving/structured.py``; one that does not match when done raises ``OutputFormatError``),
         and any other ``generate()`` kwarg (``AnswerOptions.parse`` checks them).
         """
         if not isinstance(prompt, str):
@@ -463,6 +469,9 @@ class PrefixCache:
             raise ContextLengthExceededError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({options.max_new_tokens}) exceeds the model's "
                 f"context of {self.max_context} tokens", param="messages")
+        if options.response_format is not None:  # bound to the vocabulary here: the engines only apply it
+            eos = options.eos_ids(self.serial.effective_config(None, options.extra))
+            options = dataclasses.replace(options, constraint=self.vocabulary.constraint(options.response_format, eos))
         stream = TextStream(self.tokenizer, options.on_text, options.stop)
         params, _ = self.dispatcher.route_answer(len(prompt), options)
         if params is not None and plan is not None:
@@ -483,6 +492,8 @@ class PrefixCache:
             text, reason = text[:cut], "stop"
         elif options.cancelled and reason != "stop":
             reason = "cancelled"
+        elif options.response_format is not None and reason == "stop":  # ended where its grammar did
+            options.response_format.check(text)
         return GenerationResult(text, tuple(new), reason, Usage(len(prompt), len(new), stats.cached_tokens), stats)
 
     # -- cache management ----------------------------------------------------------

@@ -150,6 +150,8 @@ class Dispatcher:
         if penalties:
             processor = OpenAIPenalties(SamplingParams(**penalties), len(prompt))
             gen["logits_processor"] = [*(gen.get("logits_processor") or []), processor]
+        if options.constraint is not None:  # after the penalties, before the warpers, as in ``Sampler``
+            gen["logits_processor"] = [*(gen.get("logits_processor") or []), options.constraint.processor(len(prompt))]
         # The text stream sees each token in a stopping criterion, before that criterion answers, so a stop
         # string it finds ends generation at that token, as on the batching engine (no per-request tables
         # for the stop strings, as ``stop_strings`` would build).

@@ -26,6 +26,7 @@ from prefixcache.errors import InvalidRequestError
 from prefixcache.serving.canonicalize import check_text
 from prefixcache.serving.request import SamplingParams
 from prefixcache.serving.sampling import GREEDY_BELOW, as_id_set, openai_params, penalty_params
+from prefixcache.serving.structured import Constraint, ResponseFormat, parse_response_format
 
 
 def _always(_value: Any) -> bool:
@@ -153,14 +154,14 @@ def _stop_strings_reason(config: GenerationConfig, kwargs: Mapping[str, Any]) ->
 
 def _params(config: GenerationConfig, prompt_len: int, *, max_new: int, temperature: float | None,
             top_p: float | None, top_k: int | None, seed: int | None, eos: frozenset[int],
-            **penalties: Any) -> SamplingParams:
+            constraint: Constraint | None = None, **penalties: Any) -> SamplingParams:
     """``SamplingParams`` of a call: what it sets, and from ``config`` what it leaves to the model."""
     min_new = config.min_new_tokens or max((config.min_length or 0) - prompt_len, 0)
     stops = config.stop_strings
     return SamplingParams(max_new_tokens=max_new, min_new_tokens=int(min_new), temperature=temperature,
                           top_p=top_p, top_k=top_k, repetition_penalty=config.repetition_penalty, seed=seed,
                           eos_token_ids=eos, stop_strings=(stops,) if isinstance(stops, str) else tuple(stops or ()),
-                          **penalties)
+                          constraint=constraint, **penalties)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +172,8 @@ class AnswerOptions:
     the serial engine). ``on_text`` receives text deltas; a set ``cancel`` ends the call at the next
     token; ``timeout_seconds`` bounds a call the batching engine serves. ``chunks``, ``blend`` and
     ``unplaced``: the prompt's marked chunks and how to reuse them (``blend.blend_plan`` checks them
-    against the prompt).
+    against the prompt). ``response_format``: the answer's JSON format (``structured``; None: text), and
+    ``constraint`` that format bound to the model's vocabulary (``PrefixCache.run`` binds it).
     """
 
     max_new_tokens: int = 256
@@ -191,6 +193,8 @@ class AnswerOptions:
     chunks: Sequence[tuple[int, int]] | None = None
     blend: bool | float | None = None
     unplaced: int = 0
+    response_format: ResponseFormat | None = None
+    constraint: Constraint | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -201,7 +205,7 @@ class AnswerOptions:
               on_text: Callable[[str], None] | None = None, cancel: threading.Event | None = None,
               ignore_eos: bool = False, timeout_seconds: float | None = None,
               chunks: Sequence[tuple[int, int]] | None = None, blend: bool | float | None = None, unplaced: int = 0,
-              **extra: Any) -> AnswerOptions:
+              response_format: Mapping[str, Any] | ResponseFormat | None = None, **extra: Any) -> AnswerOptions:
         """Check every option once; a bad one raises ``InvalidRequestError`` naming its parameter."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InvalidRequestError("max_new_tokens must be an integer >= 1", param="max_tokens")
@@ -226,7 +230,8 @@ class AnswerOptions:
         penalties = penalty_params(presence_penalty, frequency_penalty, logit_bias)
         return cls(max_new_tokens, **sampling, seed=seed, stop=tuple(stops), **penalties,
                    ignore_eos=bool(ignore_eos), timeout_seconds=timeout, on_text=on_text, cancel=cancel, chunks=chunks,
-                   blend=blend, unplaced=unplaced, extra=extra)
+                   blend=blend, unplaced=unplaced, response_format=parse_response_format(response_format),
+                   extra=extra)
 
     @property
     def cancelled(self) -> bool:
@@ -255,7 +260,7 @@ class AnswerOptions:
         return _params(config, prompt_len, max_new=self.max_new_tokens,
                        temperature=(1.0 if self.temperature is None else self.temperature) if sample else None,
                        top_p=self.top_p if sample else None, top_k=self.top_k if sample else None,
-                       seed=self.seed, eos=self.eos_ids(config), **self.penalties()), None
+                       seed=self.seed, eos=self.eos_ids(config), constraint=self.constraint, **self.penalties()), None
 
     def generate_kwargs(self) -> dict[str, Any]:
         """The call as ``generate()`` keyword arguments, for the serial engine."""

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import torch
 
@@ -30,6 +31,7 @@ class SamplingParams:
     as OpenAI defines them (penalties over generated tokens only). ``min_new_tokens``: the
     end-of-sequence tokens are masked until that many tokens exist. ``stop_strings``: stop
     once the text ends in one of them, as ``generate(stop_strings=...)`` does (kept in the output).
+    ``constraint``: the answer's grammar (``structured.Constraint``; None: any text).
     """
 
     max_new_tokens: int = 16
@@ -44,6 +46,7 @@ class SamplingParams:
     seed: int | None = None
     eos_token_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()
+    constraint: Any = None
 
     @property
     def greedy(self) -> bool:

@@ -2,9 +2,10 @@
 
 ``openai_params`` and ``penalty_params`` check OpenAI-style options (``options`` maps a
 call's options to ``SamplingParams``). ``Sampler`` applies what ``generate()`` applies, in its
-order: repetition penalty, min-new-tokens, then the OpenAI penalties and logit bias (a caller's processor), then
-temperature, top-k and top-p when sampling. The serial engine gets the same OpenAI
-penalties as a ``LogitsProcessor`` (``OpenAIPenalties``), so both executors compute the same.
+order: repetition penalty, min-new-tokens, then the OpenAI penalties and logit bias and a
+response format's grammar (a caller's processors), then temperature, top-k and top-p when
+sampling. The serial engine gets the same OpenAI penalties and grammar as ``LogitsProcessor``s
+(``OpenAIPenalties``, ``structured.GrammarLogits``), so both executors compute the same.
 """
 from __future__ import annotations
 
@@ -134,6 +135,8 @@ class Sampler:
                                                                 sorted(params.eos_token_ids)))
         if has_openai_penalties(params):
             processors.append(OpenAIPenalties(params, prompt_len))
+        if params.constraint is not None:  # a response format: the tokens its grammar allows (``structured``)
+            processors.append(params.constraint.processor(prompt_len))
         if not params.greedy:
             if float(params.temperature) != 1.0:
                 processors.append(TemperatureLogitsWarper(float(params.temperature)))

@@ -116,11 +116,8 @@ def compile_schema(schema: Any, at: str, patterns: Patterns | None = None,
 
 def check_arguments(name: str, arguments: dict[str, Any], validator: Validator) -> None:
     """Raise ``ToolArgumentsError`` naming where ``arguments`` of a call to ``name`` first break its schema."""
-    patterns = validator.format_checker
-    if isinstance(patterns, Patterns):
-        patterns.start()
     try:
-        error = best_match(validator.iter_errors(arguments))
+        error = first_mismatch(arguments, validator)
     except RecursionError as exc:  # a $ref loop that consumes nothing ({"$ref": "#"}): the schema's fault
         raise InvalidRequestError(f"the schema of strict tool {name!r} cannot be applied: its $refs loop without "
                                   "end") from exc
@@ -136,36 +133,46 @@ def check_arguments(name: str, arguments: dict[str, Any], validator: Validator) 
                              f"at {error.json_path}: {message}")
 
 
-def check_strict_shape(schema: Any, name: str, at: str, where: str = "#") -> None:
+def first_mismatch(instance: Any, validator: Validator) -> ValidationError | None:
+    """The error that best says where ``instance`` breaks ``validator``'s schema, or None if it matches. The
+    ``pattern``s it checks share one time bound (``Patterns``; past it ``_OutOfTime`` is raised)."""
+    patterns = validator.format_checker
+    if isinstance(patterns, Patterns):
+        patterns.start()
+    return best_match(validator.iter_errors(instance))
+
+
+def check_strict_shape(schema: Any, name: str, at: str, where: str = "#", owner: str = "strict function") -> None:
     """OpenAI's strict-mode rules, whose breach it refuses with a 400: every object schema in ``schema``
-    sets ``additionalProperties`` to false and lists each of its ``properties`` in ``required``."""
+    sets ``additionalProperties`` to false and lists each of its ``properties`` in ``required``. ``owner``:
+    what the error calls the schema's owner (named ``name``)."""
     if isinstance(schema, list):
         for i, item in enumerate(schema):
-            check_strict_shape(item, name, at, f"{where}/{i}")
+            check_strict_shape(item, name, at, f"{where}/{i}", owner)
         return
     if not isinstance(schema, dict):
         return
     kind = schema.get("type")
     if kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in schema:
         if schema.get("additionalProperties") is not False:
-            raise InvalidRequestError(f"Invalid schema for strict function {name!r} at {where}: "
+            raise InvalidRequestError(f"Invalid schema for {owner} {name!r} at {where}: "
                                       "'additionalProperties' is required to be supplied and to be false", param=at)
         required = schema.get("required")
         properties = schema.get("properties")
         missing = [key for key in properties or {} if not isinstance(required, list) or key not in required] \
             if isinstance(properties, dict) else []
         if missing:
-            raise InvalidRequestError(f"Invalid schema for strict function {name!r} at {where}: 'required' is "
+            raise InvalidRequestError(f"Invalid schema for {owner} {name!r} at {where}: 'required' is "
                                       "required to be supplied and to be an array including every key in "
                                       f"properties; missing {missing[0]!r}", param=at)
     for key in ("properties", "$defs", "definitions"):
         children = schema.get(key)
         if isinstance(children, dict):
             for child, sub in children.items():
-                check_strict_shape(sub, name, at, f"{where}/{key}/{child}")
+                check_strict_shape(sub, name, at, f"{where}/{key}/{child}", owner)
     for key in ("items", "prefixItems", "anyOf", "allOf", "oneOf", "not"):
         if key in schema:
-            check_strict_shape(schema[key], name, at, f"{where}/{key}")
+            check_strict_shape(schema[key], name, at, f"{where}/{key}", owner)
 
 
 def check_anthropic_shape(schema: dict[str, Any], name: str, at: str) -> None:

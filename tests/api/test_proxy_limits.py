@@ -55,6 +55,10 @@ def nested(levels: int) -> dict:
     return value
 
 
+def json_schema(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
 def test_limits_are_described_settings():
     from prefixcache_api import Settings
 
@@ -76,6 +80,9 @@ def test_limits_are_described_settings():
     (ok_chat(stop=["a" * 11]), "stop", "string_above_max_length"),
     (ok_chat(stop="a" * 11), "stop", "string_above_max_length"),
     (ok_chat(logit_bias={"1": 1, "2": 1, "3": 1, "4": 1}), "logit_bias", "array_above_max_length"),
+    (ok_chat(response_format=json_schema({"type": "string", "description": "d" * 400})),
+     "response_format.json_schema", "string_above_max_length"),
+    (ok_chat(response_format=json_schema(nested(4))), "response_format.json_schema.schema", "json_too_deep"),
 ])
 def test_chat_over_a_limit_is_400_naming_the_parameter(http, body, param, code):
     err = assert_error(http.post(CHAT, json=body), 400, kind="invalid_request_error", code=code, param=param)
@@ -85,7 +92,8 @@ def test_chat_over_a_limit_is_400_naming_the_parameter(http, body, param, code):
 def test_chat_at_every_limit_is_served(http):
     # tool_choice "none": the tools are measured, then hidden (this template does not take tools).
     body = ok_chat(messages=[user("a" * 200)] * 8, tools=[tool("a"), tool(parameters=nested(3))], tool_choice="none",
-                   stop=["a" * 10], logit_bias={"1": 1, "2": 1, "3": 1})
+                   stop=["a" * 10], logit_bias={"1": 1, "2": 1, "3": 1},
+                   response_format=json_schema({"type": "object", "x": {"enum": ["a" * 300]}}))
     r = http.post(CHAT, json=body)
     assert r.status_code == 200, r.text
 

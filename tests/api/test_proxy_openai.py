@@ -145,7 +145,6 @@ def test_unsupported_openai_parameters_are_refused_not_ignored(server):
     client = server.openai(ALPHA)
     msgs = [{"role": "user", "content": "hi"}]
     for kwargs, param in (({"n": 2}, "n"), ({"logprobs": True}, "logprobs"),
-                          ({"response_format": {"type": "json_object"}}, "response_format"),
                           ({"tool_choice": "required", "tools": [
                               {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
                            "tool_choice")):

@@ -1,0 +1,206 @@
+"""Structured outputs: an answer held to a JSON schema (OpenAI's ``response_format``) by constrained decoding.
+
+``parse_response_format`` checks a call's format once: ``{"type": "json_schema", "json_schema": {"name", "schema",
+"strict"}}`` (the answer is JSON matching ``schema``) or ``{"type": "json_object"}`` (any JSON object); "text"
+or None constrain nothing. A schema llguidance cannot compile is a 400 naming ``response_format.json_schema
+.schema``; a strict one follows OpenAI's strict-mode rules (``tool_schemas.check_strict_shape``).
+
+``Vocabulary`` is llguidance's view of the tokenizer (built once, on the first constrained call: about a second
+for a vocabulary of tens of thousands). ``Constraint`` binds a format to it; each call gets its own
+``GrammarLogits``, a logits processor that advances the grammar's matcher with the tokens chosen so far and sets
+every token the grammar does not allow next to -inf. It runs where penalties run, before temperature, top-k and
+top-p, so a sampled call draws within the allowed tokens, and a greedy one takes the likeliest of them. The
+end-of-sequence tokens are allowed once the grammar is complete, and are then the only tokens allowed when it
+cannot go on: the answer ends there. Both engines apply it: the serial engine in ``generate()``'s processors, the
+batching engine in the row's ``Sampler`` (rows without a format keep the step's one argmax or joint draw). It
+changes logits only, never the KV, so a cached answer stays the uncached one.
+
+After generation the answer's text is checked against the schema (``ResponseFormat.check``, the strict tools'
+jsonschema validator) as a safety net: a mismatch is ``OutputFormatError``, never served. An answer cut by
+``max_tokens`` ends with the partial JSON, as OpenAI's does.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from jsonschema.protocols import Validator
+from llguidance import LLMatcher, LLTokenizer
+from llguidance.hf import from_tokenizer
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+from transformers import LogitsProcessor
+
+from prefixcache.errors import InvalidRequestError, OutputFormatError
+from prefixcache.serving.tool_schemas import OPENAI_FORMATS, check_strict_shape, compile_schema, first_mismatch
+
+log = logging.getLogger(__name__)
+
+#: JSON as compact as json.dumps(separators=(",", ":")) writes it: no whitespace between tokens, so a model
+#: cannot spend its answer on blank space.
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+#: The schema of ``{"type": "json_object"}``: any JSON object.
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_SCHEMA_PARAM = "response_format.json_schema.schema"
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class ResponseFormat:
+    """A checked ``response_format``: its type, name (json_schema), schema, strictness, llguidance grammar
+    and the schema's validator."""
+
+    kind: str  # "json_object" or "json_schema"
+    name: str | None
+    schema: dict[str, Any]
+    strict: bool
+    grammar: str
+    validator: Validator
+
+    def check(self, text: str) -> None:
+        """Raise ``OutputFormatError`` unless ``text`` is JSON that matches the schema."""
+        what = "a JSON object" if self.kind == "json_object" else f"response_format {self.name!r}"
+        try:
+            value = json.loads(text)
+        except ValueError as exc:
+            log.warning("structured answer not served: not JSON: %s", exc)
+            raise OutputFormatError(f"the model's answer is not JSON ({exc}), though it must be {what}") from exc
+        try:
+            error = first_mismatch(value, self.validator)
+        except Exception as exc:  # noqa: BLE001 - a check that cannot finish serves nothing either
+            raise OutputFormatError(f"the model's answer could not be checked against {what}: {exc}") from exc
+        if error is not None:
+            log.warning("structured answer not served: %s at %s: %s", what, error.json_path, error.message)
+            raise OutputFormatError(f"the model's answer does not match {what} at {error.json_path}: "
+                                    f"{error.message[:300]}")
+
+
+def parse_response_format(value: Any, param: str = "response_format") -> ResponseFormat | None:
+    """``value`` (OpenAI's ``response_format`` object, or a ``ResponseFormat``) checked and compiled; None for
+    ``{"type": "text"}`` or None. A bad one raises ``InvalidRequestError`` naming where it is wrong."""
+    if value is None or isinstance(value, ResponseFormat):
+        return value
+    if not isinstance(value, dict):
+        raise InvalidRequestError("response_format must be an object such as {'type': 'json_object'}", param=param)
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return _compiled("json_object", None, ANY_OBJECT, False, param)
+    if kind != "json_schema":
+        raise InvalidRequestError(f"response_format.type must be 'text', 'json_object' or 'json_schema', not "
+                                  f"{kind!r}", param=f"{param}.type")
+    spec = value.get("json_schema")
+    at = f"{param}.json_schema"
+    if not isinstance(spec, dict):
+        raise InvalidRequestError(f"{at} must be an object with name and schema", param=at)
+    name, schema, strict = spec.get("name"), spec.get("schema"), spec.get("strict")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise InvalidRequestError(f"{at}.name must be 1 to 64 letters, digits, underscores or dashes",
+                                  param=f"{at}.name")
+    if strict is not None and not isinstance(strict, bool):
+        raise InvalidRequestError(f"{at}.strict must be true or false", param=f"{at}.strict")
+    if schema is None:
+        raise InvalidRequestError(f"{at}.schema is required (a JSON schema object)", param=f"{at}.schema")
+    return _compiled("json_schema", name, schema, bool(strict), f"{at}.schema")
+
+
+def _compiled(kind: str, name: str | None, schema: Any, strict: bool, at: str) -> ResponseFormat:
+    """The format's validator and grammar, or a 400 naming ``at``."""
+    validator = compile_schema(schema, at, formats=OPENAI_FORMATS if strict else ())
+    if strict:
+        check_strict_shape(schema, str(name), at, owner="response_format")
+    try:
+        grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        error = LLMatcher.validate_grammar(grammar)
+    except (ValueError, TypeError) as exc:
+        error = str(exc)
+    if error:
+        raise InvalidRequestError(f"{at} cannot be used to constrain the answer: {error}", param=at)
+    return ResponseFormat(kind, name, schema, strict, grammar, validator)
+
+
+class Vocabulary:
+    """llguidance's view of ``tokenizer`` (a fast, Rust-backed Hugging Face tokenizer) for logits ``width``
+    tokens wide; one per set of end-of-sequence ids, each built on first use."""
+
+    def __init__(self, tokenizer: Any, width: int):
+        self.tokenizer, self.width = tokenizer, width
+        self._built: dict[frozenset[int], LLTokenizer] = {}
+        self._lock = threading.Lock()
+
+    def constraint(self, fmt: ResponseFormat, eos_ids: Collection[int]) -> Constraint:
+        """``fmt`` bound to this vocabulary, its answer ending at one of ``eos_ids`` (a 400 if there are none)."""
+        eos = frozenset(eos_ids)
+        if not eos:
+            raise InvalidRequestError("response_format needs the answer to end at an end-of-sequence token: the "
+                                      "model has none, or ignore_eos is set", param="response_format")
+        with self._lock:
+            built = self._built.get(eos)
+            if built is None:
+                try:
+                    built = from_tokenizer(self.tokenizer, n_vocab=max(self.width, len(self.tokenizer)),
+                                           eos_token=sorted(eos))
+                except ValueError as exc:  # a slow (Python) tokenizer
+                    raise InvalidRequestError(f"response_format needs a fast (Rust-backed) tokenizer: {exc}",
+                                              param="response_format") from exc
+                self._built[eos] = built
+        return Constraint(fmt, built, self.width)
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class Constraint:
+    """A response format bound to a vocabulary: what a call's ``SamplingParams`` carry."""
+
+    format: ResponseFormat
+    tokenizer: LLTokenizer
+    width: int  # the logits' width
+
+    def processor(self, prompt_len: int) -> GrammarLogits:
+        """A fresh matcher for one call whose prompt is ``prompt_len`` tokens long."""
+        return GrammarLogits(self, prompt_len)
+
+
+class GrammarLogits(LogitsProcessor):
+    """One call's grammar: each call advances the matcher with the tokens chosen since the last, then sets the
+    logits of the tokens it does not allow next to -inf. input_ids: [1, S] (prompt, then the answer so far);
+    scores: [1, V]. A matcher in error (a limit of llguidance's reached) allows only the end-of-sequence
+    tokens, so the call ends and the final check reports it. Where the processors before it left none of the
+    tokens it allows (``min_new_tokens`` masks the end-of-sequence tokens, the only ones a complete JSON allows),
+    the end-of-sequence tokens get score 0: the answer ends with its JSON, and a step always has a token to draw."""
+
+    def __init__(self, constraint: Constraint, prompt_len: int):
+        self.matcher = LLMatcher(constraint.tokenizer, constraint.format.grammar, log_level=0)  # errors: below
+        self.prompt_len, self.seen, self.width = prompt_len, 0, constraint.width
+        self.eos = [t for t in constraint.tokenizer.eos_tokens if t < constraint.width]
+        self._bits = allocate_token_bitmask(1, constraint.tokenizer.vocab_size)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        chosen = input_ids[0, self.prompt_len + self.seen :].tolist()
+        for token in chosen:
+            self.matcher.consume_token(token)
+        self.seen += len(chosen)
+        allowed = torch.from_numpy(self.allowed())
+        out = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
+        if not bool(torch.isfinite(out).any()):  # a processor before it ruled out all it allows (min_new_tokens
+            out[:, self.eos] = 0.0  # masking the end of a complete JSON): the grammar's end wins, never no token
+        return out
+
+    def allowed(self) -> np.ndarray:
+        """[width] bool: the tokens the grammar allows next."""
+        if not self.matcher.is_error():
+            fill_next_token_bitmask(self.matcher, self._bits)
+            allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.width].view(bool)
+            if allowed.any():
+                return allowed
+        log.warning("the grammar of a structured answer failed (%s): the answer ends here",
+                    (self.matcher.get_error() or "no token allowed").splitlines()[0])
+        allowed = np.zeros(self.width, dtype=bool)
+        allowed[self.eos] = True
+        return allowed

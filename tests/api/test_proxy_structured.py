@@ -1,0 +1,114 @@
+"""Structured outputs through a live proxy with the official ``openai`` client: ``response_format`` json_schema
+(``create`` and ``parse`` with a Pydantic model) and json_object, streamed and not, on both engines.
+
+The model is a tiny random Llama: unconstrained it writes garbage, so answers that parse and match the schema
+show the constraint at work.
+"""
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal
+
+import jsonschema
+import openai
+import pytest
+from prefixcache_api import create_app
+from prefixcache_api.errors import map_exception
+from proxy_support import ALPHA, MODEL, live, settings
+from pydantic import BaseModel, Field
+
+from prefixcache import CacheConfig, OutputFormatError, PrefixCache
+from tests.serving.test_structured import MESSAGES, PET, SCHEMA
+
+
+class Home(BaseModel):
+    city: str = Field(max_length=8)
+    zip: int = Field(ge=1000, le=99999)
+
+
+class Pet(BaseModel):
+    name: str = Field(max_length=12)
+    kind: Literal["cat", "dog", "owl"]
+    age: int = Field(ge=0, le=30)
+    home: Home
+    tags: list[Annotated[str, Field(max_length=6)]] = Field(min_length=1, max_length=3)
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["batched", "serial"])
+def proxy(request, tiny_model, tokenizer):
+    """A live server on the tiny model, with the batching engine (batched) or without it (serial)."""
+    cache = PrefixCache(tiny_model, tokenizer, CacheConfig(max_bytes=256 << 20), batching=request.param)
+    with live(create_app(settings(), cache=cache)) as srv:
+        yield srv
+    cache.close()
+
+
+def create(client, max_tokens=200, **kwargs):
+    return client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=max_tokens, **kwargs)
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.8, "seed": 3}])
+def test_create_with_a_json_schema_streamed_and_not(proxy, sampling):
+    srv = proxy
+    client = srv.openai(ALPHA)
+    srv.cache.flush()
+    whole = create(client, response_format=PET, **sampling)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    again = create(client, response_format=PET, **sampling)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert again.choices[0].message.content == choice.message.content  # cached: the uncached answer
+    chunks = list(create(client, response_format=PET, stream=True, **sampling))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+
+
+def test_parse_with_a_pydantic_model(proxy):
+    srv = proxy
+    client = srv.openai(ALPHA)
+    parsed = client.chat.completions.parse(model=MODEL, messages=MESSAGES, max_tokens=200, temperature=0,
+                                           response_format=Pet)
+    pet = parsed.choices[0].message.parsed
+    assert isinstance(pet, Pet) and isinstance(pet.home, Home) and pet.kind in ("cat", "dog", "owl")
+    assert 0 <= pet.age <= 30 and 1 <= len(pet.tags) <= 3
+
+
+def test_stream_with_a_pydantic_model(proxy):
+    with proxy.openai(ALPHA).chat.completions.stream(model=MODEL, messages=MESSAGES, max_tokens=200, temperature=0,
+                                                      response_format=Pet) as stream:
+        final = stream.get_final_completion()
+    assert isinstance(final.choices[0].message.parsed, Pet)
+
+
+def test_json_object_and_a_cut_answer(proxy):
+    srv = proxy
+    client = srv.openai(ALPHA)
+    done = client.chat.completions.create(model=MODEL, messages=MESSAGES[1:], max_tokens=40, temperature=1.0,
+                                          seed=7, response_format={"type": "json_object"})
+    assert done.choices[0].finish_reason == "stop" and isinstance(json.loads(done.choices[0].message.content), dict)
+    cut = create(client, response_format=PET, temperature=0, max_tokens=6)
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.content.startswith('{"name":')
+
+
+@pytest.mark.parametrize(("kwargs", "param"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {"type": "string"}}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {
+        "type": "object", "properties": {"a": {"type": "string"}}}}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_object"}, "extra_body": {"ignore_eos": True}}, "ignore_eos"),
+    ({"response_format": {"type": "json_object"}, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tool_choice"),
+])
+def test_a_format_that_cannot_be_honoured_is_a_400_naming_it(proxy, kwargs, param):
+    srv = proxy
+    with pytest.raises(openai.BadRequestError) as err:
+        srv.openai(ALPHA).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, **kwargs)
+    assert err.value.body["param"] == param
+
+
+def test_an_answer_that_breaks_its_schema_is_a_500_never_served():
+    mapped = map_exception(OutputFormatError("the model's answer does not match response_format 'pet' at $.age"))
+    assert (mapped.status, mapped.detail.type, mapped.detail.code) == (500, "server_error", "response_format_invalid")
