@@ -142,6 +142,8 @@ class _Shape:
                       if isinstance(t, FunctionTool)],
             "temperature": req.temperature if req.temperature is not None else srv.settings.default_temperature,
             "top_p": req.top_p if req.top_p is not None else 1.0}
+        if req.text is not None and req.text.format is not None:
+            self.echo["text"] = {"format": req.text.format.model_dump(exclude_none=True), "verbosity": "medium"}
 
     def started(self, meta: Meta) -> ResponseObject:
         return ResponseObject(id=meta.id, created_at=meta.created, model=meta.model, status="in_progress", output=[],

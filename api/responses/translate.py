@@ -5,7 +5,7 @@ conversation of ``previous_response_id``, then ``input`` (a string is one user m
 ``input_text``/``output_text`` parts are text parts; ``function_call`` items join the
 assistant message before them as its ``tool_calls``, or make one; ``function_call_output``
 items are tool messages). Flat function tools become chat's nested ones, ``max_output_tokens``
-is ``max_tokens``; the cache fields pass as they are. What would change the answer unless
+is ``max_tokens``, ``text.format`` chat's ``response_format``; the cache fields pass as they are. What would change the answer unless
 honoured and cannot be is refused with a 400 naming it (``refuse``), never dropped.
 """
 from __future__ import annotations
@@ -32,9 +32,6 @@ from .protocol import (
 
 def refuse(req: ResponsesRequest) -> None:
     """Raise a 400 naming the first field whose value this server cannot honour."""
-    fmt = req.text.format if req.text is not None else None
-    if fmt is not None and fmt.type != "text":
-        raise InvalidRequestError(f"text.format {fmt.type!r} is not supported (only 'text')", param="text.format")
     if req.text is not None and req.text.verbosity not in (None, "medium"):
         raise InvalidRequestError(f"text.verbosity {req.text.verbosity!r} is not supported (only 'medium')",
                                   param="text.verbosity")
@@ -94,6 +91,18 @@ def _content(content: str | list[Any], at: str) -> str | list[dict[str, Any]]:
     return parts
 
 
+def response_format(req: ResponsesRequest) -> dict[str, Any] | None:
+    """``text.format`` as chat's ``response_format``: ``json_schema``'s flat fields (``name``, ``schema``,
+    ``strict``, ``description``) nested under ``json_schema``, as chat carries them (None: plain text)."""
+    fmt = req.text.format if req.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "json_object"}
+    fields = {k: v for k, v in (fmt.model_extra or {}).items() if k in ("name", "schema", "strict", "description")}
+    return {"type": "json_schema", "json_schema": fields}
+
+
 def chat_tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
     """The function tools in chat's nested shape."""
     if not req.tools:
@@ -112,7 +121,8 @@ def chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> C
         "temperature": req.temperature, "top_p": req.top_p, "tools": chat_tools(req),
         "tool_choice": {"type": "function", "function": {"name": choice.name}}
         if isinstance(choice, FunctionChoice) else choice,
-        "parallel_tool_calls": req.parallel_tool_calls, "prompt_cache_key": req.prompt_cache_key,
+        "parallel_tool_calls": req.parallel_tool_calls, "response_format": response_format(req),
+        "prompt_cache_key": req.prompt_cache_key,
         "prompt_cache_retention": req.prompt_cache_retention, "cache_salt": req.cache_salt, "user": req.user,
         "prompt_cache_options": None if req.prompt_cache_options is None
         else req.prompt_cache_options.model_dump(exclude_none=True)}
@@ -136,6 +146,6 @@ def param_of(param: str | None) -> str | None:
         return "input"
     if param in ("max_tokens", "max_completion_tokens"):
         return "max_output_tokens"
-    if param == "response_format":
-        return "text.format"
+    if param == "response_format" or param.startswith("response_format."):
+        return "text.format" + param[len("response_format"):].replace(".json_schema", "", 1)
     return _TOOL_FIELD.sub(r"tools[\1]", param)

@@ -165,7 +165,6 @@ REFUSED = [
     (dict(input=[{"type": "reasoning", "id": "rs_1", "summary": []}]), "input[0].type"),
     (dict(input=[{"type": "item_reference", "id": "msg_1"}]), "input[0].type"),
     (dict(tools=[{"type": "web_search"}]), "tools[0].type"),
-    (dict(text={"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}), "text.format"),
     (dict(text={"verbosity": "low"}), "text.verbosity"),
     (dict(reasoning={"effort": "high"}), "reasoning.effort"),
     (dict(background=True), "background"),

@@ -112,3 +112,52 @@ def test_a_format_that_cannot_be_honoured_is_a_400_naming_it(proxy, kwargs, para
 def test_an_answer_that_breaks_its_schema_is_a_500_never_served():
     mapped = map_exception(OutputFormatError("the model's answer does not match response_format 'pet' at $.age"))
     assert (mapped.status, mapped.detail.type, mapped.detail.code) == (500, "server_error", "response_format_invalid")
+
+
+# -- the Responses API's text.format: the same constraint, translated to chat's response_format ---------------
+
+
+def respond(client, **kwargs):
+    return client.responses.create(model=MODEL, instructions=MESSAGES[0]["content"], input=MESSAGES[1]["content"],
+                                   max_output_tokens=200, temperature=0, **kwargs)
+
+
+def test_responses_text_format_json_schema_is_the_chat_answer(proxy):
+    srv = proxy
+    client = srv.openai(ALPHA)
+    schema_format = {"type": "json_schema", **PET["json_schema"]}
+    got = respond(client, text={"format": schema_format})
+    assert got.status == "completed"
+    jsonschema.validate(json.loads(got.output_text), SCHEMA)
+    assert got.output_text == create(client, response_format=PET, temperature=0).choices[0].message.content
+    assert got.text.format.type == "json_schema" and got.text.format.name == "pet"
+    events = list(respond(client, text={"format": schema_format}, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == got.output_text
+    # Greedy on a random model, json_object's open strings run on: the answer is chat's, JSON from its first token.
+    done = respond(client, text={"format": {"type": "json_object"}})
+    chat = create(client, response_format={"type": "json_object"}, temperature=0).choices[0]
+    assert done.output_text == chat.message.content and done.output_text.startswith("{")
+    assert done.status == ("completed" if chat.finish_reason == "stop" else "incomplete")
+
+
+def test_responses_parse_and_stream_with_a_pydantic_model(proxy):
+    client = proxy.openai(ALPHA)
+    parsed = client.responses.parse(model=MODEL, input=MESSAGES[1]["content"], instructions=MESSAGES[0]["content"],
+                                    max_output_tokens=200, temperature=0, text_format=Pet)
+    assert isinstance(parsed.output_parsed, Pet) and 0 <= parsed.output_parsed.age <= 30
+    with client.responses.stream(model=MODEL, input=MESSAGES[1]["content"], instructions=MESSAGES[0]["content"],
+                                 max_output_tokens=200, temperature=0, text_format=Pet) as stream:
+        final = stream.get_final_response()
+    assert final.output_parsed == parsed.output_parsed
+
+
+@pytest.mark.parametrize(("fmt", "param"), [
+    ({"type": "json_schema", "name": "x", "schema": {"not": {"type": "string"}}}, "text.format.schema"),
+    ({"type": "json_schema", "name": "x", "strict": True,
+      "schema": {"type": "object", "properties": {"a": {"type": "string"}}}}, "text.format.schema"),
+    ({"type": "json_schema", "name": "x"}, "text.format.schema"),
+])
+def test_a_responses_text_format_that_cannot_be_honoured_is_a_400_naming_it(proxy, fmt, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        respond(proxy.openai(ALPHA), text={"format": fmt})
+    assert err.value.body["param"] == param
