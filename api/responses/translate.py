@@ -50,6 +50,11 @@ def refuse(req: ResponsesRequest) -> None:
                                   "is an error)", param="truncation")
     if req.background:
         raise InvalidRequestError("background responses are not supported", param="background")
+    if req.min_p:
+        raise InvalidRequestError(f"min_p={req.min_p} is not supported by this server (only 0)", param="min_p")
+    if req.repetition_penalty not in (None, 1):
+        raise InvalidRequestError(f"repetition_penalty={req.repetition_penalty} is not supported by this server "
+                                  "(only 1)", param="repetition_penalty")
     for i, tool in enumerate(req.tools or []):
         if not isinstance(tool, FunctionTool):
             raise InvalidRequestError(f"tools of type {tool.type!r} are not supported (only 'function')",
@@ -109,7 +114,8 @@ def chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> C
     choice = req.tool_choice
     body: dict[str, Any] = {
         "model": req.model, "messages": messages, "max_tokens": req.max_output_tokens,
-        "temperature": req.temperature, "top_p": req.top_p, "tools": chat_tools(req),
+        "temperature": req.temperature, "top_p": req.top_p,
+        "top_k": req.top_k if req.top_k is not None and req.top_k > 0 else None, "tools": chat_tools(req),
         "tool_choice": {"type": "function", "function": {"name": choice.name}}
         if isinstance(choice, FunctionChoice) else choice,
         "parallel_tool_calls": req.parallel_tool_calls, "prompt_cache_key": req.prompt_cache_key,
