@@ -3,6 +3,7 @@ streamed events in order, tool calls and their outputs, cached tokens, stored re
 previous_response_id, and every field that would change the answer refused with a 400 naming it."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import openai
@@ -407,3 +408,50 @@ def test_prompt_cache_options_write_breakpoints_as_chat_s(srv):
     assert written > 0 and written == chat.usage.prompt_tokens_details.cache_write_tokens
     again = client.responses.create(**body, prompt_cache_options=options)
     assert again.usage.input_tokens_details.cached_tokens >= written
+
+
+# -- the Agents SDK ------------------------------------------------------------------
+def run_agent(server, stream: bool, **run) -> tuple[object, list[str], list[str]]:
+    """An Agents SDK agent (its default OpenAIResponsesModel) with a function tool, run to its end: the result,
+    the cities its tool was called with, and the raw events streamed. The tool is offered until it has been
+    called, so the scripted model answers the second turn as text."""
+    agents = pytest.importorskip("agents")
+    from openai import AsyncOpenAI
+
+    calls: list[str] = []
+
+    @agents.function_tool(is_enabled=lambda ctx, agent: not calls)
+    def get_weather(city: str) -> str:
+        """Weather of a city."""
+        calls.append(city)
+        return "18 C, sunny"
+
+    async def go():
+        client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key=ALPHA, max_retries=0, timeout=60)
+        agent = agents.Agent(name="weather", instructions="You are brief.", tools=[get_weather],
+                             model=agents.OpenAIResponsesModel(MODEL, client))
+        if not stream:
+            return await agents.Runner.run(agent, ASK, max_turns=3, **run), []
+        result = agents.Runner.run_streamed(agent, ASK, max_turns=3, **run)
+        kinds = [e.data.type async for e in result.stream_events() if e.type == "raw_response_event"]
+        return result, kinds
+
+    agents.set_tracing_disabled(True)
+    result, kinds = asyncio.run(go())
+    return result, calls, kinds
+
+
+def test_an_agents_sdk_agent_calls_its_tool_and_answers(hermes):
+    """Runner.run sends each turn's whole conversation (the call and its output as items), Runner.run_streamed
+    reads the events, and with auto_previous_response_id the second turn continues the stored first."""
+    ran, calls, _ = run_agent(hermes, stream=False)
+    assert calls == ["Paris"] and len(ran.raw_responses) == 2
+    first, second = ran.raw_responses
+    assert [item.type for item in first.output] == ["message", "function_call"]
+    assert ran.final_output == second.output[0].content[0].text and "get_weather" in ran.final_output
+    streamed, calls, kinds = run_agent(hermes, stream=True)
+    assert calls == ["Paris"] and streamed.final_output == ran.final_output
+    assert kinds.count("response.completed") == 2 and "response.function_call_arguments.done" in kinds
+    chained, calls, _ = run_agent(hermes, stream=False, auto_previous_response_id=True)
+    assert calls == ["Paris"] and chained.final_output == ran.final_output
+    assert chained.raw_responses[1].usage.input_tokens == second.usage.input_tokens
