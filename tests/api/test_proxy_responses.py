@@ -126,12 +126,17 @@ def test_the_store_bounds_bytes_and_tenants(clock):
     assert store.get("t1", "resp_a") is None and store.get("t2", "resp_b") is not None
     for i in range(3):
         store.put("t3", {**body, "id": f"resp_{i}"}, [])
-    # Over the bytes: the least recently storing tenant's first, then t3's oldest.
-    assert store.nbytes <= 2000 and store.get("t2", "resp_b") is None and store.get("t3", "resp_c") is None
-    assert [store.get("t3", f"resp_{i}") is not None for i in range(3)] == [True] * 3
+    # Over the bytes: the tenant holding the most loses its oldest, so t3's traffic never pushes out t2's one.
+    assert store.nbytes <= 2000 and store.get("t2", "resp_b") is not None and store.get("t3", "resp_c") is None
+    assert [store.get("t3", f"resp_{i}") is not None for i in range(3)] == [False, True, True]
     store.put("t3", {"id": "resp_big", "output": "x" * 5000}, [])  # larger than the whole budget: not kept
     assert store.get("t3", "resp_big") is None and store.get("t3", "resp_2") is not None
-    assert store.delete("t3", "resp_2") and not store.delete("t3", "resp_2")
+    # The response being stored is kept: t2's large one pushes out t3's oldest (t3 held twice what t2 held), then,
+    # the two holding as much, t2's own oldest.
+    store.put("t2", {"id": "resp_large", "output": "x" * 1200}, [])
+    assert store.get("t2", "resp_large") is not None and store.get("t2", "resp_b") is None
+    assert store.get("t3", "resp_1") is None and store.get("t3", "resp_2") is not None and store.nbytes <= 2000
+    assert store.delete("t2", "resp_large") and not store.delete("t2", "resp_large")
     assert store.nbytes == sum(r.nbytes for ids in store._records.values() for _, r in ids.values())
 
 
