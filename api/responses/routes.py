@@ -49,7 +49,7 @@ from .protocol import (
     ResponseUsage,
 )
 from .store import ResponseStore
-from .translate import chat_request, input_messages, param_of, refuse
+from .translate import chat_request, input_messages, output_messages, param_of, refuse
 
 router = APIRouter(route_class=GuardedRoute, tags=["openai"])
 
@@ -86,7 +86,7 @@ async def create_response(body: ResponsesRequest, request: Request, who: Caller,
     def finish(result: GenerationResult, meta: Meta, output: list[Any]) -> ResponseObject:
         response = shape.response(meta, output, result)
         if keep:
-            store.put(tenant, response.model_dump(), conversation + [_assistant(output)])
+            store.put(tenant, response.model_dump(), conversation + output_messages(output))
         return response
 
     def answer(result: GenerationResult, meta: Meta) -> ResponseObject:
@@ -201,14 +201,6 @@ def _items(answer: list[Piece], meta: Meta, tools: ToolUse | None, status: str) 
     if isinstance(items[-1], OutputMessage):
         items[-1].status = status  # a text cut by max_output_tokens is incomplete
     return items
-
-
-def _assistant(output: list[Any]) -> dict[str, Any]:
-    """The answer as the chat message it continues as (what the client would send back as items)."""
-    text = "".join(item.content[0].text for item in output if isinstance(item, OutputMessage))
-    calls = [{"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
-             for item in output if isinstance(item, OutputFunctionCall)]
-    return {"role": "assistant", "content": text or (None if calls else ""), **({"tool_calls": calls} if calls else {})}
 
 
 async def _events(stream: GenerationStream, meta: Meta, shape: _Shape, tools: ToolUse | None,

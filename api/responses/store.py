@@ -2,9 +2,10 @@
 
 A stored response keeps its answer (the response object, as ``GET`` returns it) and its
 conversation: the chat messages of its input (after any earlier turns it continued, without
-its ``instructions``, which OpenAI does not carry over) and its output as an assistant
-message. A turn naming it as ``previous_response_id`` is that conversation plus its own
-input, so its prompt extends the stored turn's prompt and reads it from the prefix cache.
+its ``instructions``, which OpenAI does not carry over) and its output, as the messages its
+output items make when sent back as input (``translate.output_messages``). A turn naming it as
+``previous_response_id`` is that conversation plus its own input, so its prompt extends the
+stored turn's prompt and reads it from the prefix cache.
 
 Per tenant and bounded: ``PER_TENANT`` responses each (its oldest dropped first), ``TENANTS``
 tenants (the least recently storing one's dropped first) and ``MAX_BYTES`` of stored JSON in

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from prefixcache.errors import InvalidRequestError
 
@@ -23,11 +23,14 @@ from .protocol import (
     FunctionCallOutputItem,
     FunctionChoice,
     FunctionTool,
+    InputItem,
     InputMessage,
     ResponsesRequest,
     TextPart,
     UnsupportedPart,
 )
+
+_ITEMS: TypeAdapter[list[InputItem]] = TypeAdapter(list[InputItem])
 
 
 def refuse(req: ResponsesRequest) -> None:
@@ -65,8 +68,18 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     """``input`` as chat messages."""
     if isinstance(req.input, str):
         return [{"role": "user", "content": req.input}]
+    return _item_messages(req.input)
+
+
+def output_messages(output: list[BaseModel]) -> list[dict[str, Any]]:
+    """An answer's output items as the chat messages it continues as: those the same items sent back as ``input``
+    make, so ``previous_response_id`` and the whole conversation sent as items give one prompt."""
+    return _item_messages(_ITEMS.validate_python([item.model_dump() for item in output]))
+
+
+def _item_messages(items: list[Any]) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
-    for i, item in enumerate(req.input):
+    for i, item in enumerate(items):
         at = f"input[{i}]"
         if isinstance(item, InputMessage):
             messages.append({"role": item.role, "content": _content(item.content, f"{at}.content")})

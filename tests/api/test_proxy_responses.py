@@ -460,3 +460,18 @@ def test_an_agents_sdk_agent_calls_its_tool_and_answers(hermes):
     chained, calls, _ = run_agent(hermes, stream=False, auto_previous_response_id=True)
     assert calls == ["Paris"] and chained.final_output == ran.final_output
     assert chained.raw_responses[1].usage.input_tokens == second.usage.input_tokens
+
+
+def test_a_stored_answer_continues_as_its_items_sent_back():
+    """Text after a call is its own assistant message when the items are sent back; a stored answer continues as
+    the same messages, not as its texts joined before its calls."""
+    from prefixcache_api.responses.protocol import OutputFunctionCall, OutputMessage, OutputText, ResponsesRequest
+    from prefixcache_api.responses.translate import input_messages, output_messages
+
+    output = [OutputMessage(id="msg_1", status="completed", content=[OutputText(text="Checking.")]),
+              OutputFunctionCall(id="fc_1", status="completed", call_id="call_1", name="get_weather",
+                                 arguments='{"city": "Paris"}'),
+              OutputMessage(id="msg_2", status="completed", content=[OutputText(text="Asked.")])]
+    sent_back = ResponsesRequest.model_validate({"model": MODEL, "input": [item.model_dump() for item in output]})
+    assert output_messages(output) == input_messages(sent_back)
+    assert [m["role"] for m in output_messages(output)] == ["assistant", "assistant"]
