@@ -150,6 +150,9 @@ def test_stored_responses_are_per_tenant_and_store_false_keeps_nothing(rsrv, cli
     assert err.value.body["param"] == "previous_response_id"
     with pytest.raises(openai.NotFoundError):
         other.responses.retrieve(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.delete(kept.id)  # nor forget it
+    assert client.responses.retrieve(kept.id).id == kept.id
     unkept = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, store=False)
     assert unkept.store is False
     with pytest.raises(openai.BadRequestError, match="not found"):
