@@ -19,10 +19,10 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Annotated, Any
 
 import xxhash
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 
 from prefixcache import GenerationResult
 from prefixcache.errors import InvalidRequestError
@@ -97,9 +97,19 @@ async def create_response(body: ResponsesRequest, request: Request, who: Caller,
                              lambda stream, meta: _events(stream, meta, shape, job.tool_use, finish))
 
 
+_ReadWhole = Annotated[bool, Query(description="Only false: a stored response is read whole, not streamed back "
+                                   "as events.")]
+
+
 @router.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_ERRORS)
-async def get_response(response_id: str, request: Request, who: Caller) -> ResponseObject:
-    """A response this API key stored (``store`` unset or true), while it is kept."""
+async def get_response(response_id: str, request: Request, who: Caller, stream: _ReadWhole = False) -> ResponseObject:
+    """A response this API key stored (``store`` unset or true), while it is kept. ``include`` (``include[]``) is
+    as on create: logprobs are refused, the other values change nothing."""
+    if stream:
+        raise InvalidRequestError("stream=true is not supported: a stored response is read whole", param="stream")
+    query = request.query_params
+    if "message.output_text.logprobs" in query.getlist("include[]") + query.getlist("include"):
+        raise InvalidRequestError("logprobs are not supported by this server", param="include")
     found = request.app.state.responses.get(who.tenant, response_id)
     if found is None:
         raise NotFoundError(f"Response with id '{response_id}' not found.", param="response_id")

@@ -166,6 +166,17 @@ def test_stored_responses_are_per_tenant_and_store_false_keeps_nothing(rsrv, cli
         client.responses.delete(kept.id)
 
 
+def test_reading_a_stored_response_refuses_what_it_cannot_give(client):
+    """A stored response is read whole: streaming it back (which the client would read as no events at all) and
+    its logprobs are 400s naming the parameter; other include values change nothing, as on create."""
+    kept = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    for query, param in ((dict(stream=True), "stream"), (dict(include=["message.output_text.logprobs"]), "include")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.retrieve(kept.id, **query)
+        assert err.value.body["param"] == param, err.value.body
+    assert client.responses.retrieve(kept.id, include=["reasoning.encrypted_content"]).output_text == kept.output_text
+
+
 REFUSED = [
     (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]),
      "input[0].content[0].type"),
