@@ -16,7 +16,8 @@ from prefixcache.plotting import MISSING
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MESSAGE = "plotting needs matplotlib: pip install 'prefixcache[bench]'"
 #: Only the test and bench extras may need these.
-NOT_CORE = ("matplotlib", "pytest", "hypothesis", "schemathesis", "openai", "anthropic", "sglang-router", "ruff")
+NOT_CORE = ("matplotlib", "pytest", "hypothesis", "schemathesis", "openai", "anthropic", "openai-agents", "sglang-router",
+            "ruff")
 
 
 @pytest.fixture

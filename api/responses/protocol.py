@@ -194,6 +194,14 @@ class ResponsesRequest(BaseModel):
                                                             "chat's).")
     cache_salt: Text | None = Field(None, max_length=256, description="vLLM's extension, as chat's: splits the "
                                     "API key's cache namespace.")
+    # SGLang's sampling fields, which sglang-router adds to every Responses body it forwards (top_k -1, min_p 0,
+    # repetition_penalty 1, priority 0): accepted where they change nothing here, refused otherwise (``refuse``).
+    top_k: int | None = Field(None, ge=-1, description="SGLang extension: keep the k likeliest tokens, as chat's "
+                              "top_k; -1 or 0: all of them.")
+    min_p: float | None = Field(None, ge=0, le=1, description="SGLang extension: only 0.")
+    repetition_penalty: float | None = Field(None, gt=0, le=2, description="SGLang extension: only 1.")
+    priority: int | None = Field(None, description="SGLang extension (a scheduling priority): accepted, no effect "
+                                 "(requests are served in their key's fair order).")
 
 
 # -- response ------------------------------------------------------------------------

@@ -19,10 +19,10 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Annotated, Any
 
 import xxhash
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 
 from prefixcache import GenerationResult
 from prefixcache.errors import InvalidRequestError
@@ -49,7 +49,7 @@ from .protocol import (
     ResponseUsage,
 )
 from .store import ResponseStore
-from .translate import chat_request, input_messages, param_of, refuse
+from .translate import chat_request, input_messages, output_messages, param_of, refuse
 
 router = APIRouter(route_class=GuardedRoute, tags=["openai"])
 
@@ -86,7 +86,7 @@ async def create_response(body: ResponsesRequest, request: Request, who: Caller,
     def finish(result: GenerationResult, meta: Meta, output: list[Any]) -> ResponseObject:
         response = shape.response(meta, output, result)
         if keep:
-            store.put(tenant, response.model_dump(), conversation + [_assistant(output)])
+            store.put(tenant, response.model_dump(), conversation + output_messages(output))
         return response
 
     def answer(result: GenerationResult, meta: Meta) -> ResponseObject:
@@ -97,9 +97,19 @@ async def create_response(body: ResponsesRequest, request: Request, who: Caller,
                              lambda stream, meta: _events(stream, meta, shape, job.tool_use, finish))
 
 
+_ReadWhole = Annotated[bool, Query(description="Only false: a stored response is read whole, not streamed back "
+                                   "as events.")]
+
+
 @router.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_ERRORS)
-async def get_response(response_id: str, request: Request, who: Caller) -> ResponseObject:
-    """A response this API key stored (``store`` unset or true), while it is kept."""
+async def get_response(response_id: str, request: Request, who: Caller, stream: _ReadWhole = False) -> ResponseObject:
+    """A response this API key stored (``store`` unset or true), while it is kept. ``include`` (``include[]``) is
+    as on create: logprobs are refused, the other values change nothing."""
+    if stream:
+        raise InvalidRequestError("stream=true is not supported: a stored response is read whole", param="stream")
+    query = request.query_params
+    if "message.output_text.logprobs" in query.getlist("include[]") + query.getlist("include"):
+        raise InvalidRequestError("logprobs are not supported by this server", param="include")
     found = request.app.state.responses.get(who.tenant, response_id)
     if found is None:
         raise NotFoundError(f"Response with id '{response_id}' not found.", param="response_id")
@@ -203,14 +213,6 @@ def _items(answer: list[Piece], meta: Meta, tools: ToolUse | None, status: str) 
     if isinstance(items[-1], OutputMessage):
         items[-1].status = status  # a text cut by max_output_tokens is incomplete
     return items
-
-
-def _assistant(output: list[Any]) -> dict[str, Any]:
-    """The answer as the chat message it continues as (what the client would send back as items)."""
-    text = "".join(item.content[0].text for item in output if isinstance(item, OutputMessage))
-    calls = [{"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
-             for item in output if isinstance(item, OutputFunctionCall)]
-    return {"role": "assistant", "content": text or (None if calls else ""), **({"tool_calls": calls} if calls else {})}
 
 
 async def _events(stream: GenerationStream, meta: Meta, shape: _Shape, tools: ToolUse | None,

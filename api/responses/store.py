@@ -2,15 +2,17 @@
 
 A stored response keeps its answer (the response object, as ``GET`` returns it) and its
 conversation: the chat messages of its input (after any earlier turns it continued, without
-its ``instructions``, which OpenAI does not carry over) and its output as an assistant
-message. A turn naming it as ``previous_response_id`` is that conversation plus its own
-input, so its prompt extends the stored turn's prompt and reads it from the prefix cache.
+its ``instructions``, which OpenAI does not carry over) and its output, as the messages its
+output items make when sent back as input (``translate.output_messages``). A turn naming it as
+``previous_response_id`` is that conversation plus its own input, so its prompt extends the
+stored turn's prompt and reads it from the prefix cache.
 
-Per tenant and bounded, as the cache diagnostics' record (``serving/diagnostics.py``):
-``PER_TENANT`` responses each, ``TENANTS`` tenants and ``MAX_BYTES`` of stored JSON in all,
-the least recently used tenant's oldest responses dropped first; a response expires
-``RETAIN_SECONDS`` after it was stored, on the injected clock. Another tenant's id is not
-found, as an unknown or expired one. Only the event loop touches it.
+Per tenant and bounded: ``PER_TENANT`` responses each (its oldest dropped first), ``TENANTS``
+tenants (the least recently storing one's dropped first) and ``MAX_BYTES`` of stored JSON in
+all, over which the tenant holding the most bytes (besides the response being stored, which
+is kept; on a tie the storing tenant) loses its oldest first, so one tenant's traffic never pushes out another's that holds
+less; a response expires ``RETAIN_SECONDS`` after it was stored, on the injected clock. Another
+tenant's id is not found, as an unknown or expired one. Only the event loop touches it.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ class ResponseStore:
         self._clock, self.per_tenant, self.tenants, self.retain_seconds = clock, per_tenant, tenants, retain_seconds
         self.max_bytes = max_bytes
         self._records: OrderedDict[str, OrderedDict[str, tuple[float, StoredResponse]]] = OrderedDict()
+        self._held: dict[str, int] = {}  # each tenant's bytes
         self._bytes = 0
 
     def put(self, tenant: str, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
@@ -50,18 +53,21 @@ class ResponseStore:
             return
         now = self._clock()
         ids = self._records.pop(tenant, None) or OrderedDict()
-        self._records[tenant] = ids  # most recently used last
-        self._drop(ids, response["id"])
+        self._records[tenant] = ids  # most recently storing last
+        self._drop(tenant, response["id"])
         ids[response["id"]] = (now + self.retain_seconds, StoredResponse(response, conversation, nbytes))
+        self._held[tenant] = self._held.get(tenant, 0) + nbytes
         self._bytes += nbytes
         while ids and (len(ids) > self.per_tenant or next(iter(ids.values()))[0] <= now):
-            self._drop(ids, next(iter(ids)))  # responses expire in the order they were stored
-        while len(self._records) > self.tenants or self._bytes > self.max_bytes:
-            oldest = next(iter(self._records.values()))  # the least recently used tenant's, oldest first
-            if oldest:
-                self._drop(oldest, next(iter(oldest)))
-            else:
-                self._records.popitem(last=False)
+            self._drop(tenant, next(iter(ids)))  # responses expire in the order they were stored
+        while len(self._records) > self.tenants:
+            gone = next(iter(self._records))  # the least recently storing tenant's
+            for response_id in list(self._records[gone]):
+                self._drop(gone, response_id)
+            del self._records[gone]
+        while self._bytes > self.max_bytes:  # the oldest of the tenant holding the most besides this response
+            largest = max(self._held, key=lambda t: (self._held[t] - (nbytes if t == tenant else 0), t == tenant))
+            self._drop(largest, next(iter(self._records[largest])))
 
     def get(self, tenant: str, response_id: str) -> StoredResponse | None:
         """``tenant``'s response ``response_id``; None if never stored, expired, dropped or another tenant's."""
@@ -70,7 +76,7 @@ class ResponseStore:
         if found is None:
             return None
         if found[0] <= self._clock():
-            self._drop(ids, response_id)
+            self._drop(tenant, response_id)
             return None
         return found[1]
 
@@ -78,7 +84,7 @@ class ResponseStore:
         """Forget ``tenant``'s response; False if there was none to forget."""
         if self.get(tenant, response_id) is None:
             return False
-        self._drop(self._records[tenant], response_id)
+        self._drop(tenant, response_id)
         return True
 
     def __len__(self) -> int:
@@ -88,7 +94,10 @@ class ResponseStore:
     def nbytes(self) -> int:
         return self._bytes
 
-    def _drop(self, ids: OrderedDict[str, tuple[float, StoredResponse]], response_id: str) -> None:
-        found = ids.pop(response_id, None)
+    def _drop(self, tenant: str, response_id: str) -> None:
+        found = self._records[tenant].pop(response_id, None)
         if found is not None:
             self._bytes -= found[1].nbytes
+            self._held[tenant] -= found[1].nbytes
+            if not self._held[tenant]:
+                del self._held[tenant]

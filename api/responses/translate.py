@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from prefixcache.errors import InvalidRequestError
 
@@ -23,11 +23,14 @@ from .protocol import (
     FunctionCallOutputItem,
     FunctionChoice,
     FunctionTool,
+    InputItem,
     InputMessage,
     ResponsesRequest,
     TextPart,
     UnsupportedPart,
 )
+
+_ITEMS: TypeAdapter[list[InputItem]] = TypeAdapter(list[InputItem])
 
 
 def refuse(req: ResponsesRequest) -> None:
@@ -47,6 +50,11 @@ def refuse(req: ResponsesRequest) -> None:
                                   "is an error)", param="truncation")
     if req.background:
         raise InvalidRequestError("background responses are not supported", param="background")
+    if req.min_p:
+        raise InvalidRequestError(f"min_p={req.min_p} is not supported by this server (only 0)", param="min_p")
+    if req.repetition_penalty not in (None, 1):
+        raise InvalidRequestError(f"repetition_penalty={req.repetition_penalty} is not supported by this server "
+                                  "(only 1)", param="repetition_penalty")
     for i, tool in enumerate(req.tools or []):
         if not isinstance(tool, FunctionTool):
             raise InvalidRequestError(f"tools of type {tool.type!r} are not supported (only 'function')",
@@ -57,8 +65,18 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     """``input`` as chat messages."""
     if isinstance(req.input, str):
         return [{"role": "user", "content": req.input}]
+    return _item_messages(req.input)
+
+
+def output_messages(output: list[BaseModel]) -> list[dict[str, Any]]:
+    """An answer's output items as the chat messages it continues as: those the same items sent back as ``input``
+    make, so ``previous_response_id`` and the whole conversation sent as items give one prompt."""
+    return _item_messages(_ITEMS.validate_python([item.model_dump() for item in output]))
+
+
+def _item_messages(items: list[Any]) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
-    for i, item in enumerate(req.input):
+    for i, item in enumerate(items):
         at = f"input[{i}]"
         if isinstance(item, InputMessage):
             messages.append({"role": item.role, "content": _content(item.content, f"{at}.content")})
@@ -118,7 +136,8 @@ def chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> C
     choice = req.tool_choice
     body: dict[str, Any] = {
         "model": req.model, "messages": messages, "max_tokens": req.max_output_tokens,
-        "temperature": req.temperature, "top_p": req.top_p, "tools": chat_tools(req),
+        "temperature": req.temperature, "top_p": req.top_p,
+        "top_k": req.top_k if req.top_k is not None and req.top_k > 0 else None, "tools": chat_tools(req),
         "tool_choice": {"type": "function", "function": {"name": choice.name}}
         if isinstance(choice, FunctionChoice) else choice,
         "parallel_tool_calls": req.parallel_tool_calls, "response_format": response_format(req),

@@ -19,6 +19,9 @@ CHAT_DEFAULTS = {"logprobs": False, "stream": False, "no_stop_trim": False, "ign
                  "stream_reasoning": True, "return_hidden_states": False}
 COMPLETION_DEFAULTS = {"stream": False, "echo": False, "no_stop_trim": False, "ignore_eos": False,
                        "skip_special_tokens": True, "return_hidden_states": False}
+#: What it adds to a Responses body (SGLang's sampling defaults; temperature and top_p 1 where the client set none).
+RESPONSES_DEFAULTS = {"store": True, "stream": None, "temperature": 1.0, "top_p": 1.0, "priority": 0, "top_k": -1,
+                      "min_p": 0.0, "repetition_penalty": 1.0}
 
 
 def _post(server, path: str, body: dict) -> httpx.Response:
@@ -67,6 +70,25 @@ def test_the_routers_completion_body_gives_the_plain_requests_answer(server):
                                                                   {**body, **COMPLETION_DEFAULTS})
     assert plain.status_code == routed.status_code == 200, routed.text
     assert routed.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+
+
+def test_the_routers_responses_body_gives_the_plain_requests_answer(server):
+    body = {"model": MODEL, "instructions": MESSAGES[0]["content"], "input": "Where?", "max_output_tokens": 5}
+    plain = _post(server, "/v1/responses", {**body, "temperature": 0})
+    routed = _post(server, "/v1/responses", {**body, **RESPONSES_DEFAULTS, "temperature": 0})
+    assert plain.status_code == routed.status_code == 200, routed.text
+    assert routed.json()["output"][0]["content"] == plain.json()["output"][0]["content"]
+    # top_k is honoured as chat's: 1 is greedy whatever the temperature.
+    top1 = _post(server, "/v1/responses", {**body, **RESPONSES_DEFAULTS, "top_k": 1})
+    assert top1.json()["output"][0]["content"] == plain.json()["output"][0]["content"], top1.text
+
+
+@pytest.mark.parametrize(("field", "value"), [("min_p", 0.1), ("repetition_penalty", 1.2)])
+def test_a_responses_sglang_field_that_would_change_the_answer_is_refused(server, field, value):
+    response = _post(server, "/v1/responses", {"model": MODEL, "input": "Hi", **RESPONSES_DEFAULTS, field: value})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and "not supported" in error["message"], error
 
 
 def test_ignore_eos_and_max_completion_tokens_are_honoured_in_the_routers_shape(server, tokenizer):

@@ -3,6 +3,7 @@ streamed events in order, tool calls and their outputs, cached tokens, stored re
 previous_response_id, and every field that would change the answer refused with a 400 naming it."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import openai
@@ -125,12 +126,17 @@ def test_the_store_bounds_bytes_and_tenants(clock):
     assert store.get("t1", "resp_a") is None and store.get("t2", "resp_b") is not None
     for i in range(3):
         store.put("t3", {**body, "id": f"resp_{i}"}, [])
-    # Over the bytes: the least recently storing tenant's first, then t3's oldest.
-    assert store.nbytes <= 2000 and store.get("t2", "resp_b") is None and store.get("t3", "resp_c") is None
-    assert [store.get("t3", f"resp_{i}") is not None for i in range(3)] == [True] * 3
+    # Over the bytes: the tenant holding the most loses its oldest, so t3's traffic never pushes out t2's one.
+    assert store.nbytes <= 2000 and store.get("t2", "resp_b") is not None and store.get("t3", "resp_c") is None
+    assert [store.get("t3", f"resp_{i}") is not None for i in range(3)] == [False, True, True]
     store.put("t3", {"id": "resp_big", "output": "x" * 5000}, [])  # larger than the whole budget: not kept
     assert store.get("t3", "resp_big") is None and store.get("t3", "resp_2") is not None
-    assert store.delete("t3", "resp_2") and not store.delete("t3", "resp_2")
+    # The response being stored is kept: t2's large one pushes out t3's oldest (t3 held twice what t2 held), then,
+    # the two holding as much, t2's own oldest.
+    store.put("t2", {"id": "resp_large", "output": "x" * 1200}, [])
+    assert store.get("t2", "resp_large") is not None and store.get("t2", "resp_b") is None
+    assert store.get("t3", "resp_1") is None and store.get("t3", "resp_2") is not None and store.nbytes <= 2000
+    assert store.delete("t2", "resp_large") and not store.delete("t2", "resp_large")
     assert store.nbytes == sum(r.nbytes for ids in store._records.values() for _, r in ids.values())
 
 
@@ -144,6 +150,9 @@ def test_stored_responses_are_per_tenant_and_store_false_keeps_nothing(rsrv, cli
     assert err.value.body["param"] == "previous_response_id"
     with pytest.raises(openai.NotFoundError):
         other.responses.retrieve(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.delete(kept.id)  # nor forget it
+    assert client.responses.retrieve(kept.id).id == kept.id
     unkept = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, store=False)
     assert unkept.store is False
     with pytest.raises(openai.BadRequestError, match="not found"):
@@ -155,6 +164,17 @@ def test_stored_responses_are_per_tenant_and_store_false_keeps_nothing(rsrv, cli
         client.responses.create(model=MODEL, input="Hi", previous_response_id=kept.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.delete(kept.id)
+
+
+def test_reading_a_stored_response_refuses_what_it_cannot_give(client):
+    """A stored response is read whole: streaming it back (which the client would read as no events at all) and
+    its logprobs are 400s naming the parameter; other include values change nothing, as on create."""
+    kept = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    for query, param in ((dict(stream=True), "stream"), (dict(include=["message.output_text.logprobs"]), "include")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.retrieve(kept.id, **query)
+        assert err.value.body["param"] == param, err.value.body
+    assert client.responses.retrieve(kept.id, include=["reasoning.encrypted_content"]).output_text == kept.output_text
 
 
 REFUSED = [
@@ -406,3 +426,65 @@ def test_prompt_cache_options_write_breakpoints_as_chat_s(srv):
     assert written > 0 and written == chat.usage.prompt_tokens_details.cache_write_tokens
     again = client.responses.create(**body, prompt_cache_options=options)
     assert again.usage.input_tokens_details.cached_tokens >= written
+
+
+# -- the Agents SDK ------------------------------------------------------------------
+def run_agent(server, stream: bool, **run) -> tuple[object, list[str], list[str]]:
+    """An Agents SDK agent (its default OpenAIResponsesModel) with a function tool, run to its end: the result,
+    the cities its tool was called with, and the raw events streamed. The tool is offered until it has been
+    called, so the scripted model answers the second turn as text."""
+    agents = pytest.importorskip("agents")
+    from openai import AsyncOpenAI
+
+    calls: list[str] = []
+
+    @agents.function_tool(is_enabled=lambda ctx, agent: not calls)
+    def get_weather(city: str) -> str:
+        """Weather of a city."""
+        calls.append(city)
+        return "18 C, sunny"
+
+    async def go():
+        client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key=ALPHA, max_retries=0, timeout=60)
+        agent = agents.Agent(name="weather", instructions="You are brief.", tools=[get_weather],
+                             model=agents.OpenAIResponsesModel(MODEL, client))
+        if not stream:
+            return await agents.Runner.run(agent, ASK, max_turns=3, **run), []
+        result = agents.Runner.run_streamed(agent, ASK, max_turns=3, **run)
+        kinds = [e.data.type async for e in result.stream_events() if e.type == "raw_response_event"]
+        return result, kinds
+
+    agents.set_tracing_disabled(True)
+    result, kinds = asyncio.run(go())
+    return result, calls, kinds
+
+
+def test_an_agents_sdk_agent_calls_its_tool_and_answers(hermes):
+    """Runner.run sends each turn's whole conversation (the call and its output as items), Runner.run_streamed
+    reads the events, and with auto_previous_response_id the second turn continues the stored first."""
+    ran, calls, _ = run_agent(hermes, stream=False)
+    assert calls == ["Paris"] and len(ran.raw_responses) == 2
+    first, second = ran.raw_responses
+    assert [item.type for item in first.output] == ["message", "function_call"]
+    assert ran.final_output == second.output[0].content[0].text and "get_weather" in ran.final_output
+    streamed, calls, kinds = run_agent(hermes, stream=True)
+    assert calls == ["Paris"] and streamed.final_output == ran.final_output
+    assert kinds.count("response.completed") == 2 and "response.function_call_arguments.done" in kinds
+    chained, calls, _ = run_agent(hermes, stream=False, auto_previous_response_id=True)
+    assert calls == ["Paris"] and chained.final_output == ran.final_output
+    assert chained.raw_responses[1].usage.input_tokens == second.usage.input_tokens
+
+
+def test_a_stored_answer_continues_as_its_items_sent_back():
+    """Text after a call is its own assistant message when the items are sent back; a stored answer continues as
+    the same messages, not as its texts joined before its calls."""
+    from prefixcache_api.responses.protocol import OutputFunctionCall, OutputMessage, OutputText, ResponsesRequest
+    from prefixcache_api.responses.translate import input_messages, output_messages
+
+    output = [OutputMessage(id="msg_1", status="completed", content=[OutputText(text="Checking.")]),
+              OutputFunctionCall(id="fc_1", status="completed", call_id="call_1", name="get_weather",
+                                 arguments='{"city": "Paris"}'),
+              OutputMessage(id="msg_2", status="completed", content=[OutputText(text="Asked.")])]
+    sent_back = ResponsesRequest.model_validate({"model": MODEL, "input": [item.model_dump() for item in output]})
+    assert output_messages(output) == input_messages(sent_back)
+    assert [m["role"] for m in output_messages(output)] == ["assistant", "assistant"]
