@@ -10,16 +10,21 @@ Strict functions: their calls are validated against their schemas (``tool_schema
 json_object / json_schema: the answer constrained to the schema (``structured.py``; a schema it cannot
 compile, or a strict one against OpenAI's rules, is a 400; not with continue_final_message, ignore_eos or a
 forced tool call).
+n (choices): up to the server's ``max_n``, each choice a job of its own (``choices``).
 Refused with a 400 naming the parameter, here: logprobs, suffix, an earlier assistant message's function_call, audio
 or refusal text, max_tokens over the server's limit, SGLang's extensions (which
 sglang-router adds to every chat body) with a value other than what this server does
 (``no_stop_trim``, ``skip_special_tokens``, ``return_hidden_states``); by the schema (``protocol``):
-n > 1, best_of > 1, token-id or multi-prompt completions, non-text content parts.
+best_of > 1, token-id or multi-prompt completions, non-text content parts.
 """
 from __future__ import annotations
 
+import dataclasses
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import xxhash
 
 from prefixcache.errors import ContextLengthExceededError, InvalidRequestError
 from prefixcache.serving.breakpoints import RETENTION_SECONDS
@@ -64,6 +69,9 @@ class Job:
     tool_use: ToolUse | None = None  # how the answer's tool calls are read (None: the answer is text)
     continue_final: bool = False  # a chat whose answer continues its last (assistant) message
     api: str | None = None  # the API a chat job was asked through, if not chat's ("responses"): metrics' endpoint
+    #: A request asking for several choices (``n``): this job's choice, and the prompt its choices share.
+    choice: int = 0
+    shared: SharedPrompt | None = None
 
     @property
     def label(self) -> str:
@@ -87,6 +95,41 @@ class Job:
                 f"the prompt ({prompt_tokens} tokens) leaves no room in the model's context of {max_context} "
                 "tokens", param=param)
         return self.max_tokens if self.max_tokens is not None else min(default, room)
+
+
+class SharedPrompt:
+    """The prompt of a request's choices, prefilled once: the first choice prefills and stores it, then sets
+    ``ready``; the others wait for that and read it from the cache (``Serving``). ``read`` is what the cache
+    supplied to that prefill and ``written`` what it stored (None: not prefilled ahead; each choice's own
+    reading counts)."""
+
+    def __init__(self) -> None:
+        self.ready = threading.Event()
+        self.read: int | None = None
+        self.written = 0
+
+
+def choices(job: Job, n: int | None, settings: Settings) -> list[Job]:
+    """``job`` as the ``n`` choices of its request (400 over ``max_n``), sharing its prompt; choice i
+    samples with ``choice_seed(seed, i)``, and only choice 0 keeps the cache diagnostics."""
+    n = n or 1
+    if n > settings.max_n:
+        raise InvalidRequestError(f"n is {n}; this server allows at most {settings.max_n} choices", param="n")
+    if n == 1:
+        return [job]
+    shared, seed = SharedPrompt(), job.options.seed
+    return [dataclasses.replace(job, choice=i, shared=shared, diagnose=job.diagnose and i == 0,
+                                options=dataclasses.replace(job.options, seed=choice_seed(seed, i)))
+            for i in range(n)]
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """Choice ``index``'s sampling seed: the request's for choice 0 (one choice samples as without ``n``),
+    for the others the 64-bit xxh64 of ``"<seed>/<index>"``, so each is reproducible and they differ.
+    No seed: None (each choice draws its own)."""
+    if seed is None or index == 0:
+        return seed
+    return xxhash.xxh64_intdigest(f"{seed}/{index}".encode())
 
 
 def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_size: int,

@@ -167,7 +167,9 @@ class GenerationFields(BaseModel):
     temperature: float | None = Field(None, ge=0, le=2, description="0 = greedy. Unset: the server default.")
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0, description="Extension (as in vLLM): keep the k likeliest tokens.")
-    n: int | None = Field(None, ge=1, le=1, description="Choices per request: only 1 is supported.")
+    n: int | None = Field(None, ge=1, description="Choices for the prompt, each a separate generation (at most "
+                          "the server's max_n); the prompt is prefilled once and every choice reads it from the "
+                          "cache.")
     stop: Text | Annotated[list[Text], Field(max_length=4)] | None = Field(
         None, description="Up to 4 strings; the text ends before the first one generated.")
     presence_penalty: float | None = Field(None, ge=-2, le=2)

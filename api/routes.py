@@ -24,6 +24,7 @@ from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from prefixcache import GenerationResult
+from prefixcache.errors import InvalidRequestError
 from prefixcache.serving.tool_calls import Text, ToolUse, calls_of, text_of
 
 from .admission import Place
@@ -37,7 +38,7 @@ from .errors import (
     status_of,
 )
 from .fairness import InvalidBudget, retry_after_seconds
-from .jobs import Job, chat_job, completion_job
+from .jobs import Job, chat_job, choices, completion_job
 from .limits import NOT_JSON, check_chat, check_completion, check_counts, check_prewarm, read_body, utf8_text
 from .metrics import CONTENT_TYPE
 from .protocol import (
@@ -65,8 +66,8 @@ from .protocol import (
     TierInfo,
     UsageInfo,
 )
-from .serving import GenerationStream, Serving
-from .streaming import SSE_RESPONSE, call_id, event, pieces, read, sse, tail
+from .serving import GenerationStream, Serving, StreamGroup
+from .streaming import SSE_RESPONSE, call_id, event, merged, pieces, read, sse, tail
 
 log = logging.getLogger(__name__)
 _bearer = HTTPBearer(auto_error=False, description="A tenant's API key, or the admin key.")
@@ -282,18 +283,24 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, who: C
     check_chat(body, srv.settings)
     # Off the event loop: compiling a response_format's or strict tool's schema takes up to a few hundred ms.
     job = await asyncio.to_thread(chat_job, body, who.tenant, srv.settings, srv.vocab_size, srv.tool_family)
+    jobs = choices(job, body.n, srv.settings)
 
-    def answer(result: GenerationResult, meta: Meta) -> ChatCompletion:
+    def choice(index: int, result: GenerationResult, meta: Meta) -> ChatChoice:
         parts = read(result, job.tool_use)
-        calls = [ResponseToolCall(id=call_id(meta.id, i, job.tool_use, "call_"), function=FunctionCall(
+        calls = [ResponseToolCall(id=call_id(_choice_id(meta, index), i, job.tool_use, "call_"), function=FunctionCall(
             name=call.name, arguments=call.arguments)) for i, call in enumerate(calls_of(parts))]
         message = ResponseMessage(content=text_of(parts) or (None if calls else ""), tool_calls=calls or None)
-        return ChatCompletion(**meta.fields(), usage=_usage(result, srv), choices=[ChatChoice(
-            index=0, message=message, finish_reason="tool_calls" if calls else _finish(result))],
-            diagnostics=CacheDiagnostics.of(result.stats.miss_reason, result.stats.cache_missed_tokens))
+        return ChatChoice(index=index, message=message, finish_reason="tool_calls" if calls else _finish(result))
+
+    def answer(results: list[GenerationResult], meta: Meta) -> ChatCompletion:
+        first = results[0]
+        return ChatCompletion(**meta.fields(), usage=_usage_of(results, jobs, srv),
+                              choices=[choice(i, result, meta) for i, result in enumerate(results)],
+                              diagnostics=CacheDiagnostics.of(first.stats.miss_reason, first.stats.cache_missed_tokens))
     usage_chunk = _usage_chunk(body)
-    return await respond(job, bool(body.stream), request, srv, "chatcmpl", answer,
-                         lambda stream, meta: _chat_events(stream, meta, usage_chunk, job.tool_use, srv))
+    return await respond_choices(jobs, bool(body.stream), request, srv, "chatcmpl", answer,
+                                 lambda streams, meta: _chat_events(streams, meta, usage_chunk, job.tool_use, srv,
+                                                                    jobs))
 
 
 @router.post("/v1/completions", response_model=Completion, responses={**_ERRORS, **SSE_RESPONSE}, tags=["openai"])
@@ -301,15 +308,15 @@ async def completions(body: CompletionRequest, request: Request, who: Caller, sr
     check_model(srv, body.model)
     check_completion(body, srv.settings)
     job = completion_job(body, who.tenant, srv.settings, srv.vocab_size)
+    jobs = choices(job, body.n, srv.settings)
     echo = job.prompt if job.echo else None
 
-    def answer(result: GenerationResult, meta: Meta) -> Completion:
-        text = (echo or "") + result.text
-        return Completion(**meta.fields(), usage=_usage(result, srv),
-                          choices=[CompletionChoice(index=0, text=text, finish_reason=_finish(result))])
+    def answer(results: list[GenerationResult], meta: Meta) -> Completion:
+        return Completion(**meta.fields(), usage=_usage_of(results, jobs, srv), choices=[CompletionChoice(
+            index=i, text=(echo or "") + result.text, finish_reason=_finish(result)) for i, result in enumerate(results)])
     usage_chunk = _usage_chunk(body)
-    return await respond(job, bool(body.stream), request, srv, "cmpl", answer,
-                         lambda stream, meta: _completion_events(stream, meta, usage_chunk, echo, srv))
+    return await respond_choices(jobs, bool(body.stream), request, srv, "cmpl", answer,
+                                 lambda streams, meta: _completion_events(streams, meta, usage_chunk, echo, srv, jobs))
 
 
 def _usage_chunk(body: GenerationFields) -> bool:
@@ -329,6 +336,26 @@ async def respond(job: Job, stream: bool, request: Request, srv: Serving, id_pre
         handle = await srv.open_stream(job, disconnected(request), place_of(request))
         return sse(tail(events(handle, meta), handle, request.scope["route"].path, srv))
     return answer(await srv.run(job, disconnected(request), place_of(request)), meta)
+
+
+async def respond_choices(jobs: list[Job], stream: bool, request: Request, srv: Serving, id_prefix: str,
+                          answer: Callable[[list[GenerationResult], Meta], Any],
+                          events: Callable[[list[GenerationStream], Meta], AsyncIterator[str]]) -> Any:
+    """``respond`` for the choices of one request (``jobs``, ``n`` of them): generated side by side, each in a
+    place of the key's; one answer (or one stream) holding them all. More choices than the key may have in
+    flight is a 400 naming ``n`` (no retry could serve them)."""
+    place = place_of(request)
+    places = srv.capacity if place is None else min(srv.settings.tenant_places, srv.capacity)
+    if len(jobs) > places:
+        raise InvalidRequestError(f"n is {len(jobs)}; each choice takes one of this API key's places in flight, and "
+                                  f"it has {places}", param="n")
+    meta = Meta.new(id_prefix, srv)
+    for job in jobs:  # cache diagnostics (choice 0's) keep the job's fingerprint under its response's id
+        job.record_id = meta.id
+    if stream:
+        handles = await srv.open_streams(jobs, disconnected(request), place)
+        return sse(tail(events(handles, meta), StreamGroup(handles), request.scope["route"].path, srv))
+    return answer(await srv.run_choices(jobs, disconnected(request), place), meta)
 
 
 # -- cache admin -------------------------------------------------------------------------
@@ -438,57 +465,111 @@ def _usage(result: GenerationResult, srv: Serving) -> UsageInfo:
                          chunk_recomputed_tokens=result.stats.chunk_recomputed_tokens))
 
 
+def _usage_of(results: list[GenerationResult], jobs: list[Job], srv: Serving) -> UsageInfo:
+    """The usage of a request's choices, as OpenAI counts it: the prompt once, the completions' tokens summed.
+    Its cache figures are the prompt's one prefill's (what the cache supplied to it and what it stored); the
+    choices then read the prompt from the cache (counted in the cache's stats). Where the prompt was not
+    prefilled ahead (breakpoints, chunks, a failed prefill): the least any choice read, the most it wrote."""
+    usage = _usage(results[0], srv)
+    if len(results) == 1:
+        return usage
+    shared = jobs[0].shared
+    assert shared is not None
+    if shared.read is not None:
+        read, written = shared.read, shared.written
+    else:
+        read = min(r.usage.cached_tokens for r in results)
+        written = max(0 if r.cache is None else r.cache.cache_creation_input_tokens for r in results)
+    completion = sum(r.usage.completion_tokens for r in results)
+    details = usage.prompt_tokens_details.model_copy(update={
+        "cached_tokens": srv.reported_cached(read), "cache_write_tokens": written})
+    return usage.model_copy(update={"completion_tokens": completion, "total_tokens": usage.prompt_tokens + completion,
+                                    "prompt_tokens_details": details})
+
+
+def _choice_id(meta: Meta, index: int) -> str:
+    """What a choice's tool-call ids derive from: the response's id (choice 0, as with one choice), else the id
+    and the choice's index, so no two choices' calls share an id."""
+    return meta.id if index == 0 else f"{meta.id}/{index}"
+
+
 def _finish(result: GenerationResult) -> str:
     return "length" if result.finish_reason == "length" else "stop"
 
 
-async def _chat_events(stream: GenerationStream, meta: Meta, usage_chunk: bool, tools: ToolUse | None,
-                       srv: Serving) -> AsyncIterator[str]:
+async def _chat_events(streams: list[GenerationStream], meta: Meta, usage_chunk: bool, tools: ToolUse | None,
+                       srv: Serving, jobs: list[Job]) -> AsyncIterator[str]:
     """OpenAI's chunk sequence: role, content and tool-call deltas, finish_reason, [usage], [DONE].
 
     A call comes as OpenAI streams one: its id, type and name with empty arguments, then the
-    arguments. Without ``include_usage`` the usage rides on the finish chunk, so every response
-    reports ``cached_tokens``; with it, a last chunk with empty choices carries it.
+    arguments. Without ``include_usage`` the usage rides on the finish chunk (with ``n``, the last
+    choice's to finish), so every response reports ``cached_tokens``; with it, a last chunk with
+    empty choices carries it. Choices stream side by side, each chunk one choice's, by its index.
     """
-    def choice(delta: dict[str, Any], finish: str | None = None) -> list[dict[str, Any]]:
-        return [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+    async def one(index: int, stream: GenerationStream) -> AsyncIterator[dict[str, Any]]:
+        def choice(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
 
-    kind, calls = "chat.completion.chunk", 0
-    miss = stream.miss  # cache diagnostics ride on the first chunk, known before generation
+        calls, ids = 0, _choice_id(meta, index)
+        yield choice({"role": "assistant", "content": ""})
+        async for piece in pieces(stream, tools):
+            if isinstance(piece, Text):
+                yield choice({"content": piece.text})
+                continue
+            assert tools is not None  # calls are parsed only where tools were declared
+            call = {"index": calls, "id": call_id(ids, calls, tools, "call_"), "type": "function",
+                    "function": {"name": piece.name, "arguments": ""}}
+            yield choice({"tool_calls": [call]})
+            yield choice({"tool_calls": [{"index": calls, "function": {"arguments": piece.arguments}}]})
+            calls += 1
+        assert stream.result is not None  # set once its texts ended
+        yield choice({}, "tool_calls" if calls else _finish(stream.result))
+
+    kind = "chat.completion.chunk"
+    miss = streams[0].miss  # cache diagnostics ride on the first chunk, known before generation
     diagnosed = {} if miss is None else {"diagnostics": CacheDiagnostics.of(
         miss.type, miss.cache_missed_input_tokens).model_dump(exclude_none=True)}
-    yield meta.chunk(kind, choice({"role": "assistant", "content": ""}), None, usage_chunk, **diagnosed)
-    async for piece in pieces(stream, tools):
-        if isinstance(piece, Text):
-            yield meta.chunk(kind, choice({"content": piece.text}), None, usage_chunk)
-            continue
-        assert tools is not None  # calls are parsed only where tools were declared
-        call = {"index": calls, "id": call_id(meta.id, calls, tools, "call_"), "type": "function",
-                "function": {"name": piece.name, "arguments": ""}}
-        yield meta.chunk(kind, choice({"tool_calls": [call]}), None, usage_chunk)
-        yield meta.chunk(kind, choice({"tool_calls": [{"index": calls, "function": {"arguments": piece.arguments}}]}),
-                         None, usage_chunk)
-        calls += 1
-    usage = _usage(stream.result, srv)
-    finish = "tool_calls" if calls else _finish(stream.result)
-    yield meta.chunk(kind, choice({}, finish), None if usage_chunk else usage, usage_chunk)
+    async for chunk in _choice_chunks(streams, meta, kind, usage_chunk, srv, jobs,
+                                      merged([one(i, s) for i, s in enumerate(streams)]), diagnosed):
+        yield chunk
+
+
+async def _choice_chunks(streams: list[GenerationStream], meta: Meta, kind: str, usage_chunk: bool, srv: Serving,
+                         jobs: list[Job], entries: AsyncIterator[dict[str, Any]],
+                         first: dict[str, Any] | None = None) -> AsyncIterator[str]:
+    """Each choice entry as a chunk of its own (``first``: more fields of the first chunk), the usage on the last
+    finish chunk (or, with ``include_usage``, a chunk of its own after it), then [DONE]."""
+    finished = 0
+    async for entry in entries:
+        finished += entry["finish_reason"] is not None
+        last = entry["finish_reason"] is not None and finished == len(streams)
+        usage = _usage_of(_results(streams), jobs, srv) if last and not usage_chunk else None
+        yield meta.chunk(kind, [entry], usage, usage_chunk, **(first or {}))
+        first = None
     if usage_chunk:
-        yield meta.chunk(kind, [], usage, True)
+        yield meta.chunk(kind, [], _usage_of(_results(streams), jobs, srv), True)
     yield "data: [DONE]\n\n"
 
 
-async def _completion_events(stream: GenerationStream, meta: Meta, usage_chunk: bool, echo: str | None,
-                             srv: Serving) -> AsyncIterator[str]:
-    def choice(text: str, finish: str | None = None) -> list[dict[str, Any]]:
-        return [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+def _results(streams: list[GenerationStream]) -> list[GenerationResult]:
+    results = [stream.result for stream in streams]
+    assert all(result is not None for result in results)  # every choice has finished
+    return results  # type: ignore[return-value]
 
-    kind = "text_completion"
-    if echo:
-        yield meta.chunk(kind, choice(echo), None, usage_chunk)
-    async for text in stream.texts():
-        yield meta.chunk(kind, choice(text), None, usage_chunk)
-    usage = _usage(stream.result, srv)
-    yield meta.chunk(kind, choice("", _finish(stream.result)), None if usage_chunk else usage, usage_chunk)
-    if usage_chunk:
-        yield meta.chunk(kind, [], usage, True)
-    yield "data: [DONE]\n\n"
+
+async def _completion_events(streams: list[GenerationStream], meta: Meta, usage_chunk: bool, echo: str | None,
+                             srv: Serving, jobs: list[Job]) -> AsyncIterator[str]:
+    async def one(index: int, stream: GenerationStream) -> AsyncIterator[dict[str, Any]]:
+        def choice(text: str, finish: str | None = None) -> dict[str, Any]:
+            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+
+        if echo:
+            yield choice(echo)
+        async for text in stream.texts():
+            yield choice(text)
+        assert stream.result is not None  # set once its texts ended
+        yield choice("", _finish(stream.result))
+
+    async for chunk in _choice_chunks(streams, meta, "text_completion", usage_chunk, srv, jobs,
+                                      merged([one(i, s) for i, s in enumerate(streams)])):
+        yield chunk

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import xxhash
 
 from prefixcache import CacheUsage, GenerationResult, PrefixCache, WarmResult
+from prefixcache.cache.scope import Scope
 from prefixcache.errors import ContextLengthExceededError, InvalidRequestError
 from prefixcache.planner.request_log import RequestLog
 from prefixcache.serving.diagnostics import MissReason
@@ -37,6 +38,8 @@ from .settings import LOCAL_TENANT, Settings
 
 T = TypeVar("T")
 SERVED, CUT_SHORT = "served", "cut short"  # the two claims on a request's count (``Outcome``)
+#: How often a choice waiting for its request's prompt to be prefilled checks its cancel event.
+SHARED_POLL_SECONDS = 0.05
 Emit = Callable[[str, Any], None]
 log = logging.getLogger(__name__)
 
@@ -128,6 +131,65 @@ class Serving:
         finally:
             self.metrics.duration.labels(job.label).observe(self._clock() - start)
 
+    async def run_choices(self, jobs: list[Job], disconnected: Callable[[], Awaitable[None]] | None = None,
+                          place: Place | None = None) -> list[GenerationResult]:
+        """``run`` of a request's choices (``jobs``), submitted together, each in a place of the key's (``place``
+        and ``len(jobs) - 1`` more, reserved first: 429 if the key or the queue has not that many). The first
+        failure fails the request and cancels the other choices; a disconnect or the timeout cancels them all
+        (499, 504), unless every choice was already counted as served (the answers are then returned)."""
+        if len(jobs) == 1:
+            return [await self.run(jobs[0], disconnected, place)]
+        start = self._clock()
+        counted = [Outcome() for _ in jobs]
+        places = self._places(jobs[0].tenant, place, len(jobs))
+        futs: list[asyncio.Future[GenerationResult]] = []
+        cancels: list[threading.Event] = []
+        try:
+            for job, taken, outcome in zip(jobs, places, counted):
+                fut, cancel = self._submit(lambda c, job=job, outcome=outcome: self._execute(job, c, None, outcome),
+                                           job.tenant, place=taken)
+                futs.append(fut)
+                cancels.append(cancel)
+            every = asyncio.gather(*futs)  # done when all are, or at the first failure
+            every.add_done_callback(lambda f: f.cancelled() or f.exception())
+            ended = await _race(every, disconnected, self.settings.request_timeout_seconds)
+            if ended == "done":
+                for fut in futs:
+                    if fut.done() and (fut.cancelled() or fut.exception() is not None):
+                        _unwrap(fut)  # raises: the other choices are cancelled below
+                return [fut.result() for fut in futs]
+            for cancel in cancels:
+                cancel.set()
+            # Each choice is counted once, served or cut short (``Outcome``).
+            if not any([outcome.claim(CUT_SHORT) for outcome in counted]):
+                await asyncio.wait(futs)  # all handed over already: the workers are returning them
+                return [_unwrap(fut) for fut in futs]
+            if ended == "disconnected":
+                raise ClientClosedError("the client closed the connection; the generation was cancelled")
+            raise RequestTimeoutError(f"the request did not finish within "
+                                      f"{self.settings.request_timeout_seconds:g} s and was cancelled")
+        except BaseException:
+            for cancel in cancels:  # a failure, or the request's task cancelled: no choice goes on
+                cancel.set()
+            raise
+        finally:
+            _give_back(places)
+            self.metrics.duration.labels(jobs[0].label).observe(self._clock() - start)
+
+    def _places(self, tenant: str, place: Place | None, n: int) -> list[Place | None]:
+        """``place`` and ``n - 1`` more of ``tenant``'s, one per choice (no place: None each, as ``submit``
+        then checks each). Raises what ``Admission.reserve`` raises, giving back those it took."""
+        if place is None:
+            return [None] * n
+        places: list[Place | None] = [place]
+        try:
+            for _ in range(n - 1):
+                places.append(self.admission.reserve(tenant))
+        except BaseException:
+            _give_back(places[1:])
+            raise
+        return places
+
     async def open_stream(self, job: Job, disconnected: Callable[[], Awaitable[None]] | None = None,
                           place: Place | None = None) -> GenerationStream:
         """Start ``job`` streaming; returns once its prompt is encoded and checked.
@@ -136,6 +198,39 @@ class Serving:
         raise here, so they still get their HTTP status; later ones end the stream.
         A client that leaves while the job waits in the queue cancels it (499).
         """
+        stream = self._start(job, place)
+        try:
+            await _unless_disconnected(stream.wait_started(), disconnected)
+        except BaseException:
+            stream.close()
+            raise
+        return stream
+
+    async def open_streams(self, jobs: list[Job], disconnected: Callable[[], Awaitable[None]] | None = None,
+                           place: Place | None = None) -> list[GenerationStream]:
+        """``open_stream`` of a request's choices (``jobs``, submitted together, each in a place of the key's:
+        ``place`` and ``len(jobs) - 1`` more); returns once the first has started (its prompt, the others' too,
+        encoded and checked), so a choice still waiting for a worker holds back no other's text. The first
+        failing to start, or the client leaving meanwhile, closes them all; a later choice's failure ends the
+        stream."""
+        if len(jobs) == 1:
+            return [await self.open_stream(jobs[0], disconnected, place)]
+        places = self._places(jobs[0].tenant, place, len(jobs))
+        streams: list[GenerationStream] = []
+        try:
+            for i, (job, taken) in enumerate(zip(jobs, places)):
+                streams.append(self._start(job, taken, timed=i == 0))
+            await _unless_disconnected(streams[0].wait_started(), disconnected)
+        except BaseException:
+            for stream in streams:
+                stream.close()
+            raise
+        finally:
+            _give_back(places)
+        return streams
+
+    def _start(self, job: Job, place: Place | None, timed: bool = True) -> GenerationStream:
+        """Submit ``job`` to stream; ``timed``: its end observes the request's duration."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
@@ -148,14 +243,9 @@ class Serving:
         start = self._clock()
         fut, cancel = self._submit(lambda c: self._execute(job, c, emit), job.tenant, place=place)
         fut.add_done_callback(lambda f: events.put_nowait(("done", f)))
-        stream = GenerationStream(events, cancel, loop.time() + self.settings.request_timeout_seconds,
-                            lambda: self.metrics.duration.labels(job.label).observe(self._clock() - start), fut)
-        try:
-            await _unless_disconnected(stream.wait_started(), disconnected)
-        except BaseException:
-            stream.close()
-            raise
-        return stream
+        return GenerationStream(events, cancel, loop.time() + self.settings.request_timeout_seconds,
+                                (lambda: self.metrics.duration.labels(job.label).observe(self._clock() - start))
+                                if timed else (lambda: None), fut)
 
     async def prewarm(self, tenant: str, prefix: str | list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                       pin: bool, ttl_seconds: float | None, privileged: bool = False,
@@ -272,6 +362,8 @@ class Serving:
         options = dataclasses.replace(job.options, max_new_tokens=max_new, cancel=cancel,
                                       timeout_seconds=seconds(self.settings.request_timeout_seconds, "timeout"),
                                       on_text=None if emit is None else (lambda text: emit("text", text)), **chunks)
+        if job.shared is not None:
+            self._share_prompt(job, ids, scope, prompt is None and not chunks, cancel)
         # The ids encoded above: no second encoding.
         if prompt is None:
             held = cache.breakpoints.held(scope, ids)
@@ -295,6 +387,34 @@ class Serving:
         if result.finish_reason == "cancelled" and self.closing:  # cut short by shutdown: not an answer
             raise UnavailableError("the server is shutting down; the generation was cancelled", code="shutting_down")
         return result
+
+    def _share_prompt(self, job: Job, ids: list[int], scope: Scope, warmable: bool, cancel: threading.Event) -> None:
+        """Worker thread, a choice of a request asking for several: the first prefills the prompt once and
+        stores it (``PrefixCache.warm``: what it read and wrote is the request's usage), the others wait for it
+        (or their cancel) and read it from the cache. A prompt with breakpoints or chunks is not prefilled ahead
+        (the batching engine still holds a choice arriving while another prefills it); a prefill that fails
+        leaves each choice to compute what the cache lacks."""
+        shared = job.shared
+        assert shared is not None
+        if job.choice > 0:
+            while not shared.ready.wait(SHARED_POLL_SECONDS) and not cancel.is_set():
+                pass
+            return
+        try:
+            if warmable:
+                cache = self.cache
+                held = cache.breakpoints.held(scope, ids)
+                warm = cache.warm(ids, tenant=job.tenant, ttl_seconds=job.ttl_seconds, cancel=cancel,
+                                  timeout_seconds=seconds(self.settings.request_timeout_seconds, "timeout"),
+                                  cache_salt=job.cache_salt)
+                # The choices recompute the prompt's last token (its logits), as one choice would: never all cached.
+                shared.read = min(warm.cached_tokens, len(ids) - 1)
+                shared.written = max(0, cache.breakpoints.held(scope, ids) - max(held, warm.cached_tokens))
+        except Exception as exc:  # noqa: BLE001 - the choices go on; each computes what the cache lacks
+            if not cancel.is_set():
+                log.warning("could not prefill the prompt of %s choices ahead: %s", job.label, exc)
+        finally:
+            shared.ready.set()
 
     def _diagnose(self, job: Job, ids: list[int]) -> MissReason | None:
         """Worker thread: cache diagnostics of a chat or messages job (its fingerprint kept under its id)."""
@@ -356,7 +476,8 @@ class GenerationStream:
             raise UnavailableError("the generation ended before it started")
 
     async def texts(self) -> AsyncIterator[str]:
-        """Text deltas until the generation ends; then ``result`` is set. Raises the job's error."""
+        """Text deltas until the generation ends; then ``result`` is set. Raises the job's error. (A start not
+        waited for, a later choice's, is passed over.)"""
         while True:
             kind, value = await self._next()
             if kind == "text":
@@ -375,9 +496,12 @@ class GenerationStream:
     def when_cut_short(self, action: Callable[[], None]) -> None:
         """Run ``action`` once the generation has ended, if it did not end as an answer (cancelled, never
         started, or failed): ``_execute`` counts the rest as served, so either counts a generation, never both."""
+        self.when_ended(lambda cut_short: cut_short and action())
+
+    def when_ended(self, action: Callable[[bool], object]) -> None:
+        """Run ``action(cut_short)`` once the generation has ended (``when_cut_short``)."""
         def ended(job: asyncio.Future[GenerationResult]) -> None:
-            if job.cancelled() or job.exception() is not None or job.result().finish_reason == "cancelled":
-                action()
+            action(job.cancelled() or job.exception() is not None or job.result().finish_reason == "cancelled")
 
         self._job.add_done_callback(ended)
 
@@ -388,6 +512,30 @@ class GenerationStream:
         except asyncio.TimeoutError:  # the builtin TimeoutError from 3.11
             self._cancel.set()
             raise RequestTimeoutError("the request did not finish in time and was cancelled") from None
+
+
+class StreamGroup:
+    """The streams of a request's choices as ``tail`` ends them: closed together, and counted cut short once
+    (after all have ended) if any did not end as an answer."""
+
+    def __init__(self, streams: list[GenerationStream]):
+        self.streams = streams
+
+    def close(self) -> None:
+        for stream in self.streams:
+            stream.close()
+
+    def when_cut_short(self, action: Callable[[], None]) -> None:
+        left, cut = [len(self.streams)], [False]
+
+        def ended(cut_short: bool) -> None:
+            cut[0] = cut[0] or cut_short
+            left[0] -= 1
+            if not left[0] and cut[0]:
+                action()
+
+        for stream in self.streams:
+            stream.when_ended(ended)
 
 
 async def _race(task: asyncio.Future, disconnected: Callable[[], Awaitable[None]] | None,
@@ -420,6 +568,13 @@ async def _unless_disconnected(aw: Awaitable[T], disconnected: Callable[[], Awai
         return task.result()
     task.cancel()
     raise ClientClosedError("the client closed the connection before the stream started")
+
+
+def _give_back(places: list[Place | None]) -> None:
+    """Release the places no job took (``Place.release`` is a no-op on one a job took)."""
+    for place in places:
+        if place is not None:
+            place.release()
 
 
 def _unwrap(fut: asyncio.Future[T]) -> T:

@@ -203,6 +203,8 @@ class Settings(BaseSettings):
                                     "what fits in the context).")
     max_tokens_limit: int | None = Field(None, ge=1, description="Largest max_tokens a request may ask for "
                                          "(400 above). Unset: only the context bounds it.")
+    max_n: int = Field(8, ge=1, le=64, description="Most choices (n) one chat or text completion may ask for "
+                       "(400 above). Each choice is a generation and takes one of the key's places in flight.")
     default_temperature: float = Field(1.0, ge=0, le=2, description="temperature when a request omits it "
                                        "(OpenAI's default is 1; 0 = greedy).")
     cached_tokens_granularity: Literal["token", "block"] = Field(

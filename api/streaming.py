@@ -10,10 +10,11 @@ the request declared tools, so a streamed and an unstreamed answer hold the same
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 import xxhash
 from fastapi.responses import StreamingResponse
@@ -23,8 +24,9 @@ from prefixcache.serving.tool_calls import Piece, Text, ToolUse
 
 from .anthropic.errors import anthropic_error, is_anthropic
 from .errors import ClientClosedError, map_exception
-from .serving import GenerationStream, Serving
+from .serving import GenerationStream, Serving, StreamGroup
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 #: The OpenAPI entry of a route that streams when asked.
@@ -44,7 +46,8 @@ def sse(events: AsyncIterator[str]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def tail(events: AsyncIterator[str], stream: GenerationStream, route: str, srv: Serving) -> AsyncIterator[str]:
+async def tail(events: AsyncIterator[str], stream: GenerationStream | StreamGroup, route: str,
+               srv: Serving) -> AsyncIterator[str]:
     """``events``, then: a failure becomes the stream's last event (in ``route``'s error shape, counted in
     metrics), and the generation is stopped when the stream ends (done, failed, or the client gone).
 
@@ -101,6 +104,41 @@ async def pieces(stream: GenerationStream, tools: ToolUse | None) -> AsyncIterat
         seen.append(piece)
         yield piece
     tools.check(seen)
+
+
+async def merged(iterators: list[AsyncIterator[T]]) -> AsyncIterator[T]:
+    """The items of ``iterators`` as each yields them (a request's choices streaming side by side); the first
+    error of any is raised, and ends the others."""
+    if len(iterators) == 1:
+        async for item in iterators[0]:
+            yield item
+        return
+    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+    async def pump(iterator: AsyncIterator[T]) -> None:
+        try:
+            async for item in iterator:
+                await queue.put(("item", item))
+        except Exception as exc:  # noqa: BLE001 - raised by the merge, in the consumer's task
+            await queue.put(("error", exc))
+        else:
+            await queue.put(("end", None))
+
+    pumps = [asyncio.ensure_future(pump(iterator)) for iterator in iterators]
+    try:
+        left = len(pumps)
+        while left:
+            kind, value = await queue.get()
+            if kind == "item":
+                yield value
+            elif kind == "error":
+                raise value
+            else:
+                left -= 1
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
 
 
 def read(result: GenerationResult, tools: ToolUse | None) -> list[Piece]:

@@ -144,7 +144,7 @@ def test_sampling_parameters_are_honoured(server, tokenizer):
 def test_unsupported_openai_parameters_are_refused_not_ignored(server):
     client = server.openai(ALPHA)
     msgs = [{"role": "user", "content": "hi"}]
-    for kwargs, param in (({"n": 2}, "n"), ({"logprobs": True}, "logprobs"),
+    for kwargs, param in (({"n": 9}, "n"), ({"logprobs": True}, "logprobs"),
                           ({"tool_choice": "required", "tools": [
                               {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
                            "tool_choice")):

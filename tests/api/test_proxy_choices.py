@@ -1,0 +1,204 @@
+"""Several choices for one prompt (``n``) through a live proxy with the official ``openai`` client, on both
+engines: greedy choices equal, seeded ones reproducible per choice and different across choices, streamed
+as not streamed, the prompt counted once and prefilled once, the server's limit and the key's places."""
+from __future__ import annotations
+
+import openai
+import pytest
+import torch
+from prefixcache_api import create_app
+from proxy_support import ALPHA, MODEL, live, make_cache, settings, wait_until
+
+from prefixcache import CacheConfig, PrefixCache
+from tests.api.test_proxy_abnormal_ends import CHAT, SERVED, WORD, assert_idle_and_exact, errors, totals
+from tests.step_hooks import hold_until_cancelled
+
+MESSAGES = [{"role": "user", "content": "Write three words about the sea, then stop. Keep it short please."}]
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["batched", "serial"])
+def proxy(request, tiny_model, tokenizer):
+    """A live server on the tiny model, with the batching engine (batched) or without it (serial)."""
+    cache = PrefixCache(tiny_model, tokenizer, CacheConfig(max_bytes=256 << 20), batching=request.param)
+    with live(create_app(settings(workers=4), cache=cache)) as srv:
+        yield srv
+    cache.close()
+
+
+def chat(client, max_tokens=12, **kwargs):
+    return client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=max_tokens, **kwargs)
+
+
+def streamed_chat(client, n, **kwargs):
+    """(content by choice, finish_reason by choice, usage) of a streamed chat."""
+    texts, finishes, usage = [""] * n, [None] * n, None
+    for chunk in chat(client, n=n, stream=True, stream_options={"include_usage": True}, **kwargs):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason is not None:
+                assert finishes[c.index] is None  # one finish per choice
+                finishes[c.index] = c.finish_reason
+    return texts, finishes, usage
+
+
+def cached_read(srv) -> int:
+    """The cached tokens every generation of the key read so far (the cache's stats)."""
+    return srv.client(ALPHA).get("/v1/cache/stats").json()["cached_tokens"]
+
+
+def test_greedy_choices_are_equal_and_the_prompt_is_counted_and_prefilled_once(proxy):
+    client = proxy.openai(ALPHA)
+    proxy.cache.flush()
+    before = cached_read(proxy)
+    many = chat(client, n=3, temperature=0)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert len({c.message.content for c in many.choices}) == 1
+    assert all(c.finish_reason in ("stop", "length") for c in many.choices)
+    one = chat(client, temperature=0)
+    assert many.choices[0].message.content == one.choices[0].message.content
+    prompt = one.usage.prompt_tokens
+    assert many.usage.prompt_tokens == prompt  # counted once, as OpenAI does
+    assert many.usage.completion_tokens == 3 * one.usage.completion_tokens
+    assert many.usage.total_tokens == prompt + many.usage.completion_tokens
+    assert many.usage.prompt_tokens_details.cached_tokens == 0  # a fresh prompt: its one prefill read nothing
+    # Every choice read the prompt from the cache (all but its last token, always recomputed); the n=1 call too.
+    assert cached_read(proxy) - before == 4 * (prompt - 1)
+    again = chat(client, n=3, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens == prompt - 1
+    assert [c.message.content for c in again.choices] == [c.message.content for c in many.choices]
+
+
+def test_seeded_choices_are_reproducible_and_differ(proxy):
+    client = proxy.openai(ALPHA)
+    first = [c.message.content for c in chat(client, n=3, temperature=1.0, seed=11).choices]
+    assert len(set(first)) == 3
+    assert [c.message.content for c in chat(client, n=3, temperature=1.0, seed=11).choices] == first
+    # Choice 0 samples with the seed itself: as the request without n.
+    assert chat(client, temperature=1.0, seed=11).choices[0].message.content == first[0]
+    assert [c.message.content for c in chat(client, n=3, temperature=1.0, seed=12).choices] != first
+    unseeded = [c.message.content for c in chat(client, n=3, temperature=1.0).choices]
+    assert len(set(unseeded)) == 3  # independent draws
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0, "seed": 5}])
+def test_streamed_equals_not_streamed(proxy, sampling):
+    client = proxy.openai(ALPHA)
+    whole = chat(client, n=3, **sampling)
+    texts, finishes, usage = streamed_chat(client, 3, **sampling)
+    assert texts == [c.message.content for c in whole.choices]
+    assert finishes == [c.finish_reason for c in whole.choices]
+    assert (usage.prompt_tokens, usage.completion_tokens) == (whole.usage.prompt_tokens, whole.usage.completion_tokens)
+
+
+def test_streamed_usage_rides_on_the_last_finish_without_include_usage(proxy):
+    chunks = list(chat(proxy.openai(ALPHA), n=2, temperature=0, stream=True))
+    finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason is not None]
+    assert sorted(c.choices[0].index for c in finishing) == [0, 1]
+    assert [c.usage is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert finishing[-1] is chunks[-1]
+
+
+def test_completions_choices_streamed_and_not(proxy):
+    client = proxy.openai(ALPHA)
+    kwargs = dict(model=MODEL, prompt="The sea is", max_tokens=10, n=3, temperature=1.0, seed=9, echo=True)
+    whole = client.completions.create(**kwargs)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert all(c.text.startswith("The sea is") for c in whole.choices)
+    assert len({c.text for c in whole.choices}) == 3
+    one = client.completions.create(**{**kwargs, "n": 1})
+    assert whole.usage.prompt_tokens == one.usage.prompt_tokens
+    texts = [""] * 3
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in whole.choices]
+
+
+def test_n_over_the_server_limit_is_a_400_naming_n(proxy):
+    client = proxy.openai(ALPHA)
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, n=9)
+    assert info.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="x", n=9)
+    assert info.value.body["param"] == "n"
+
+
+def test_choices_take_the_keys_places(tiny_model, tokenizer):
+    """A key with two places in flight: n=2 is served (one worker: the choices one after the other, streamed
+    too), n=3 could never be (400 naming n, not a 429 to retry)."""
+    cache = PrefixCache(tiny_model, tokenizer, CacheConfig(max_bytes=256 << 20))
+    try:
+        with live(create_app(settings(tenant_max_in_flight=2, max_n=8, workers=1), cache=cache)) as srv:
+            client = srv.openai(ALPHA)
+            texts = [c.message.content for c in chat(client, n=2, temperature=1.0, seed=4).choices]
+            assert streamed_chat(client, 2, temperature=1.0, seed=4)[0] == texts
+            with pytest.raises(openai.BadRequestError) as info:
+                chat(client, n=3)
+            assert info.value.body["param"] == "n"
+            assert srv.app.state.serving.admission.in_flight("alpha") == 0  # every place given back
+    finally:
+        cache.close()
+
+
+@pytest.fixture
+def own(tiny_model, tokenizer):
+    """A batching server of its own (its counters and queue move only with the test)."""
+    cache = make_cache(tiny_model, tokenizer)
+    with live(create_app(settings(workers=4), cache=cache)) as srv:
+        yield srv
+    cache.close()
+
+
+def test_a_client_gone_mid_stream_cancels_every_choice_and_counts_one_499(own):
+    before = totals(own)
+    closed = errors(own, CHAT, 499)
+    with hold_until_cancelled(own.cache):  # all three still answering (1,500 tokens each) when the client leaves
+        stream = chat(own.openai(ALPHA), n=3, max_tokens=1500, stream=True, logit_bias={str(WORD): 100})
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                break
+        stream.close()
+        assert_idle_and_exact(own)  # every choice stopped, all they held given back
+    wait_until(lambda: errors(own, CHAT, 499) > closed, timeout=10)
+    assert errors(own, CHAT, 499) == closed + 1
+    after = totals(own)
+    assert {name: after.get(name, 0.0) for name in SERVED} == {name: before.get(name, 0.0) for name in SERVED}
+    assert own.serving.admission.in_flight("alpha") == 0
+
+
+def test_a_failed_step_fails_the_request_and_leaves_nothing_running(own, monkeypatch):
+    runner, raised = own.cache.batcher.runner, []
+    real = runner.run
+
+    def run_fails_once(plan):
+        if not raised and len(plan) > 1:  # a step of the choices together
+            raised.append(True)
+            raise torch.OutOfMemoryError("alloc")
+        return real(plan)
+    monkeypatch.setattr(runner, "run", run_fails_once)
+    client = own.openai(ALPHA)
+    with pytest.raises(openai.InternalServerError) as info:
+        chat(client, n=3)
+    assert info.value.status_code == 503 and info.value.body["code"] == "engine_fault"
+    assert_idle_and_exact(own)
+    assert own.serving.admission.in_flight("alpha") == 0
+    assert len(chat(client, n=3).choices) == 3
+
+
+def test_a_prompt_that_cannot_be_prefilled_ahead_is_computed_by_the_choices(tiny_model, tokenizer):
+    """A prompt over the prewarm limit is not prefilled ahead: each choice computes what the cache lacks, the
+    answers as when it is, and cached_tokens the least any choice read."""
+    cache = make_cache(tiny_model, tokenizer, max_prewarm_tokens=8)
+    try:
+        with live(create_app(settings(workers=4), cache=cache)) as srv:
+            client = srv.openai(ALPHA)
+            many = chat(client, n=3, temperature=0)
+            one = chat(client, temperature=0)
+            assert [c.message.content for c in many.choices] == [one.choices[0].message.content] * 3
+            assert many.usage.prompt_tokens == one.usage.prompt_tokens
+            assert many.usage.prompt_tokens_details.cached_tokens == 0
+    finally:
+        cache.close()
