@@ -89,6 +89,31 @@ def test_openai_tool_calls_are_parsed_the_same_streamed_and_not(family_server):
         assert len(choice.message.tool_calls[0].id) == 9
 
 
+def test_each_of_n_choices_carries_its_own_calls_streamed_and_not(family_server):
+    family, _, srv = family_server
+    client = openai_client(srv)
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, n=2)
+    assert [c.index for c in r.choices] == [0, 1]
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls"
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == \
+            [("get_weather", PARIS)]
+    assert r.choices[0].message.tool_calls[0].id != r.choices[1].message.tool_calls[0].id  # ids never shared
+    calls: dict[int, dict[int, dict]] = {0: {}, 1: {}}
+    finishes = {}
+    for chunk in client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, n=2, stream=True):
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                call = calls[choice.index].setdefault(delta.index, {"name": "", "arguments": ""})
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert finishes == {0: "tool_calls", 1: "tool_calls"}
+    assert [[(c["name"], c["arguments"]) for c in calls[i].values()] for i in (0, 1)] == \
+        [[(c.function.name, c.function.arguments) for c in choice.message.tool_calls] for choice in r.choices]
+
+
 def test_anthropic_tool_use_blocks_the_same_streamed_and_not(family_server):
     family, _, srv = family_server
     client = anthropic_client(srv)
