@@ -3,6 +3,8 @@ engines: greedy choices equal, seeded ones reproducible per choice and different
 as not streamed, the prompt counted once and prefilled once, the server's limit and the key's places."""
 from __future__ import annotations
 
+import time
+
 import openai
 import pytest
 import torch
@@ -11,7 +13,7 @@ from proxy_support import ALPHA, MODEL, live, make_cache, settings, wait_until
 
 from prefixcache import CacheConfig, PrefixCache
 from tests.api.test_proxy_abnormal_ends import CHAT, SERVED, WORD, assert_idle_and_exact, errors, totals
-from tests.step_hooks import hold_until_cancelled
+from tests.step_hooks import HOLD_LIMIT, hold_until_cancelled
 
 MESSAGES = [{"role": "user", "content": "Write three words about the sea, then stop. Keep it short please."}]
 
@@ -202,3 +204,26 @@ def test_a_prompt_that_cannot_be_prefilled_ahead_is_computed_by_the_choices(tiny
             assert many.usage.prompt_tokens_details.cached_tokens == 0
     finally:
         cache.close()
+
+
+def test_the_choices_decode_in_the_same_steps_and_none_prefills_the_prompt(own, monkeypatch):
+    """On the batching engine: the choices' steps hold all three together, and no choice feeds more than one
+    prompt token (the last; the rest is read from the cache, where the one prefill ahead stored it)."""
+    engine, plans, joined = own.cache.batcher, [], []
+    real = engine.runner.run
+
+    def run(plan):
+        # The first steps wait (at most HOLD_LIMIT s) until the three choices have reached the engine: they
+        # were submitted together, so it is never long; a choice that could not join would time the hold out.
+        deadline = time.monotonic() + HOLD_LIMIT
+        while not joined and time.monotonic() < deadline:
+            if len(engine.scheduler.running) + len(engine.scheduler.waiting) >= 3:
+                joined.append(True)
+            time.sleep(0.005)
+        plans.append([(len(req.output), fed) for req, fed in plan])
+        return real(plan)
+    monkeypatch.setattr(engine.runner, "run", run)
+    many = chat(own.openai(ALPHA), n=3, temperature=0, max_tokens=6, extra_body={"ignore_eos": True})
+    assert many.usage.completion_tokens == 18
+    assert max(len(plan) for plan in plans) == 3
+    assert all(fed == 1 for plan in plans for _, fed in plan)  # the prompt's last token, then one per decode
