@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import openai
 import pytest
 import torch
 from prefixcache_api import create_app
-from proxy_support import ALPHA, MODEL, live, make_cache, settings, wait_until
+from proxy_support import ALPHA, MODEL, auth, live, make_cache, settings, wait_until
 
 from prefixcache import CacheConfig, PrefixCache
 from tests.api.test_proxy_abnormal_ends import CHAT, SERVED, WORD, assert_idle_and_exact, errors, totals
@@ -48,6 +49,11 @@ def streamed_chat(client, n, **kwargs):
 def cached_read(srv) -> int:
     """The cached tokens every generation of the key read so far (the cache's stats)."""
     return srv.client(ALPHA).get("/v1/cache/stats").json()["cached_tokens"]
+
+
+def generated(srv) -> int:
+    """The tokens every generation of the key produced so far, those cut short included (the cache's stats)."""
+    return srv.client(ALPHA).get("/v1/cache/stats").json()["completion_tokens"]
 
 
 def test_greedy_choices_are_equal_and_the_prompt_is_counted_and_prefilled_once(proxy):
@@ -155,7 +161,7 @@ def own(tiny_model, tokenizer):
 
 
 def test_a_client_gone_mid_stream_cancels_every_choice_and_counts_one_499(own):
-    before = totals(own)
+    before, produced = totals(own), generated(own)
     closed = errors(own, CHAT, 499)
     with hold_until_cancelled(own.cache):  # all three still answering (1,500 tokens each) when the client leaves
         stream = chat(own.openai(ALPHA), n=3, max_tokens=1500, stream=True, logit_bias={str(WORD): 100})
@@ -169,6 +175,7 @@ def test_a_client_gone_mid_stream_cancels_every_choice_and_counts_one_499(own):
     after = totals(own)
     assert {name: after.get(name, 0.0) for name in SERVED} == {name: before.get(name, 0.0) for name in SERVED}
     assert own.serving.admission.in_flight("alpha") == 0
+    assert generated(own) - produced < 1500  # each choice stopped: none ran on to its max_tokens
 
 
 def test_a_failed_step_fails_the_request_and_leaves_nothing_running(own, monkeypatch):
@@ -227,3 +234,18 @@ def test_the_choices_decode_in_the_same_steps_and_none_prefills_the_prompt(own, 
     assert many.usage.completion_tokens == 18
     assert max(len(plan) for plan in plans) == 3
     assert all(fed == 1 for plan in plans for _, fed in plan)  # the prompt's last token, then one per decode
+
+
+def test_a_client_gone_before_the_answer_cancels_every_choice(own):
+    """Not streamed: the client hangs up while the three choices run (held until one is cancelled); all stop,
+    everything they held is given back, and the request counts as one 499."""
+    closed, produced = errors(own, CHAT, 499), generated(own)
+    body = {"model": MODEL, "messages": MESSAGES, "n": 3, "max_tokens": 1500, "logit_bias": {str(WORD): 100}}
+    with hold_until_cancelled(own.cache):
+        with pytest.raises(httpx.ReadTimeout):  # held: no answer comes before the client leaves
+            httpx.post(f"{own.url}{CHAT}", json=body, headers=auth(ALPHA), timeout=httpx.Timeout(30, read=0.5))
+        assert_idle_and_exact(own)
+    wait_until(lambda: errors(own, CHAT, 499) > closed, timeout=10)
+    assert errors(own, CHAT, 499) == closed + 1
+    assert own.serving.admission.in_flight("alpha") == 0
+    assert generated(own) - produced < 1500  # each choice stopped: none ran on to its max_tokens
