@@ -249,3 +249,25 @@ def test_a_client_gone_before_the_answer_cancels_every_choice(own):
     assert errors(own, CHAT, 499) == closed + 1
     assert own.serving.admission.in_flight("alpha") == 0
     assert generated(own) - produced < 1500  # each choice stopped: none ran on to its max_tokens
+
+
+def test_choices_need_as_many_free_places_of_the_key(tiny_model, tokenizer):
+    """A key with three places, one held by a running answer: n=3 is a 429 (the key's places, not a way past
+    them), and it gives back the places it reserved."""
+    cache = make_cache(tiny_model, tokenizer)
+    try:
+        with live(create_app(settings(tenant_max_in_flight=3), cache=cache)) as srv, hold_until_cancelled(cache):
+            client = srv.openai(ALPHA)
+            stream = chat(client, max_tokens=1500, stream=True, logit_bias={str(WORD): 100})
+            for chunk in stream:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    break  # it runs, held, in one of the key's places
+            assert srv.serving.admission.in_flight("alpha") == 1
+            with pytest.raises(openai.RateLimitError) as info:
+                chat(client, n=3)
+            assert info.value.body["code"] == "tenant_busy"
+            assert srv.serving.admission.in_flight("alpha") == 1
+            stream.close()
+            wait_until(lambda: srv.serving.admission.in_flight("alpha") == 0, timeout=10)
+    finally:
+        cache.close()
