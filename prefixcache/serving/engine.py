@@ -41,6 +41,7 @@ from prefixcache.model.hf_cache import Probe, check_cascade, enable_cascade_atte
 from prefixcache.model.layout import KVLayout
 from prefixcache.model.step_graphs import Capture, device_capture
 from prefixcache.model.threads import WorkerThreads
+from prefixcache.serving.logprobs import TokenLogprob, token_logprobs
 from prefixcache.serving.model_runner import ModelRunner
 from prefixcache.serving.request import CallStats, Request, SamplingParams, Status, finish_reason
 from prefixcache.serving.sampling import Sampler, draw_rows, fresh_seed
@@ -146,6 +147,7 @@ class BatchResult:
     tokens: list[int]  # generated tokens only
     finish_reason: str  # "stop", "length" or "cancelled"
     stats: CallStats
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, where ``SamplingParams.logprobs`` asked
 
 
 class BatchEngine:
@@ -244,8 +246,11 @@ class BatchEngine:
 
     def submit(self, prompt: Sequence[int], scope: Scope, params: SamplingParams,
                on_token: Callable[[int], None] | None = None,
-               cancel: threading.Event | None = None, stop: Callable[[list[int]], bool] | None = None) -> Request:
-        """Queue one request; ``wait`` for its result. ``on_token`` and ``stop`` run on the loop's thread."""
+               cancel: threading.Event | None = None, stop: Callable[[list[int]], bool] | None = None,
+               logprobs: list[TokenLogprob] | None = None) -> Request:
+        """Queue one request; ``wait`` for its result. ``on_token`` and ``stop`` run on the loop's thread.
+        ``logprobs``: the list each token's ``TokenLogprob`` is appended to, before ``on_token`` sees the token
+        (where ``params.logprobs`` asks; default: a list of the request's own)."""
         if self.failure is not None:  # a fault (503, retry), not a request batching cannot serve
             raise self._stopped()
         reason = self.unservable(len(prompt), params)
@@ -253,6 +258,8 @@ class BatchEngine:
             raise UnsupportedModelError(reason)
         self._threads.release()  # the caller waits from here on; the loop's thread computes
         req = Request(list(prompt), scope, params, self._clock(), on_token, cancel, stop)
+        if logprobs is not None:
+            req.logprobs = logprobs
         sampler = Sampler(params, len(req.prompt))
         req.sampler = None if sampler.argmax_only else sampler  # None: the step's one batched argmax
         # Pin the longest cached prefix now: admission order needs its length. The last
@@ -293,7 +300,7 @@ class BatchEngine:
             raise
         if req.error is not None:
             raise req.error
-        return BatchResult(list(req.output), req.finish_reason or "length", req.stats)
+        return BatchResult(list(req.output), req.finish_reason or "length", req.stats, tuple(req.logprobs))
 
     def _stopped(self) -> EngineFaultError:
         return EngineFaultError(f"the batching loop stopped ({self.failure or 'no reason recorded'}); retry")
@@ -388,18 +395,28 @@ class BatchEngine:
                                            [rows[k].sampler.uniform(rows[k].generator) for k in warped]),
                          strict=True)) if warped else {}
         scores = iter(logits[hosted].float().cpu()) if hosted else iter(())
+        tokens = []
+        for k, req in enumerate(rows):
+            if req.sampler is None:
+                tokens.append(best[k])
+            elif k in drawn:
+                tokens.append(drawn[k])
+            else:
+                tokens.append(req.sampler.next_token(next(scores), req.prompt, req.output, req.generator))
+        # Rows that ask for logprobs: their raw logits' log_softmax, one batched computation and copy.
+        asking = [k for k, req in enumerate(rows) if req.params.logprobs is not None]
+        if asking:
+            entries = token_logprobs(logits[asking], [tokens[k] for k in asking],
+                                     [rows[k].params.logprobs for k in asking])
+            for k, entry in zip(asking, entries, strict=True):
+                rows[k].logprobs.append(entry)
         k = 0
         for req, _ in plan:
             if req.prefilling:
                 if req.cancelled:
                     self._finish(req, "cancelled", None)
                 continue
-            if req.sampler is None:
-                token = best[k]
-            elif k in drawn:
-                token = drawn[k]
-            else:
-                token = req.sampler.next_token(next(scores), req.prompt, req.output, req.generator)
+            token = tokens[k]
             k += 1
             if not req.output:
                 self._publish_for_followers(req)
