@@ -66,13 +66,15 @@ def test_greedy_logprobs_equal_the_model_s_on_both_engines_cached_or_not(chat_ll
 
 
 @pytest.mark.parametrize("batching", [True, False])
+@pytest.mark.parametrize("sampling", [dict(seed=7, temperature=1.7, top_k=40, frequency_penalty=1.5), {}],
+                         ids=["sampled", "greedy"])
 def test_logprobs_are_the_raw_distribution_s_whatever_changes_the_choice(chat_llama, tokenizer, new_cache, ids,
-                                                                         batching):
+                                                                         batching, sampling):
     """Temperature, top-k, penalties and logit bias choose the tokens; the logprobs stay the model's own."""
     reference = untouched(chat_llama)
     cache = new_cache(chat_llama, tokenizer, batching=batching, start_sweeper=False)
-    biased = cache.answer(ids, max_new_tokens=5, ignore_eos=True, logprobs=True, top_logprobs=2, seed=7,
-                          temperature=1.7, top_k=40, frequency_penalty=1.5, logit_bias={42: 100.0})
+    biased = cache.answer(ids, max_new_tokens=5, ignore_eos=True, logprobs=True, top_logprobs=2,
+                          logit_bias={42: 100.0}, **sampling)
     assert biased.token_ids[0] == 42  # the bias decided it; the logprob is what the model thought of 42
     check_against(reference, ids, biased, 2)
     assert biased.logprobs[0].logprob < -1.0
