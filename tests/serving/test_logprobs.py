@@ -144,3 +144,17 @@ def test_bad_logprob_options_are_refused_naming_them(chat_llama, tokenizer, new_
     with pytest.raises(InvalidRequestError) as err:
         cache.complete("hi", max_new_tokens=2, **options)
     assert err.value.param == param
+
+
+@pytest.mark.parametrize("batching", [True, False])
+def test_a_response_format_s_grammar_does_not_change_the_logprobs(chat_llama, tokenizer, new_cache, ids, batching):
+    reference = untouched(chat_llama)
+    cache = new_cache(chat_llama, tokenizer, batching=batching, start_sweeper=False)
+    result = cache.answer(ids, max_new_tokens=4, logprobs=True, top_logprobs=1,
+                          response_format={"type": "json_object"})
+    assert result.text.startswith("{")  # the grammar chose; the model alone would not have
+    want = direct(reference, ids, result.token_ids)
+    assert [e.token for e in result.logprobs] == list(result.token_ids)
+    assert [e.logprob for e in result.logprobs] == pytest.approx(
+        [float(want[i, t]) for i, t in enumerate(result.token_ids)], abs=TOL)
+    assert result.logprobs[0].top[0][0] != result.token_ids[0]
