@@ -39,6 +39,7 @@ from .errors import (
 from .fairness import InvalidBudget, retry_after_seconds
 from .jobs import Job, chat_job, completion_job
 from .limits import NOT_JSON, check_chat, check_completion, check_counts, check_prewarm, read_body, utf8_text
+from .logprobs import TokenText, chat_content, completion_logprobs
 from .metrics import CONTENT_TYPE
 from .protocol import (
     CacheDiagnostics,
@@ -288,12 +289,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, who: C
         calls = [ResponseToolCall(id=call_id(meta.id, i, job.tool_use, "call_"), function=FunctionCall(
             name=call.name, arguments=call.arguments)) for i, call in enumerate(calls_of(parts))]
         message = ResponseMessage(content=text_of(parts) or (None if calls else ""), tool_calls=calls or None)
+        logprobs = None if result.logprobs is None else {
+            "content": chat_content(result.logprobs, TokenText(srv.cache.tokenizer))}
         return ChatCompletion(**meta.fields(), usage=_usage(result, srv), choices=[ChatChoice(
-            index=0, message=message, finish_reason="tool_calls" if calls else _finish(result))],
+            index=0, message=message, logprobs=logprobs, finish_reason="tool_calls" if calls else _finish(result))],
             diagnostics=CacheDiagnostics.of(result.stats.miss_reason, result.stats.cache_missed_tokens))
     usage_chunk = _usage_chunk(body)
     return await respond(job, bool(body.stream), request, srv, "chatcmpl", answer,
-                         lambda stream, meta: _chat_events(stream, meta, usage_chunk, job.tool_use, srv))
+                         lambda stream, meta: _chat_events(stream, meta, usage_chunk, job.tool_use, srv,
+                                                           job.options.logprobs is not None))
 
 
 @router.post("/v1/completions", response_model=Completion, responses={**_ERRORS, **SSE_RESPONSE}, tags=["openai"])
@@ -305,11 +309,14 @@ async def completions(body: CompletionRequest, request: Request, who: Caller, sr
 
     def answer(result: GenerationResult, meta: Meta) -> Completion:
         text = (echo or "") + result.text
-        return Completion(**meta.fields(), usage=_usage(result, srv),
-                          choices=[CompletionChoice(index=0, text=text, finish_reason=_finish(result))])
+        logprobs = None if result.logprobs is None else completion_logprobs(result.logprobs,
+                                                                              TokenText(srv.cache.tokenizer), 0)
+        return Completion(**meta.fields(), usage=_usage(result, srv), choices=[CompletionChoice(
+            index=0, text=text, logprobs=logprobs, finish_reason=_finish(result))])
     usage_chunk = _usage_chunk(body)
     return await respond(job, bool(body.stream), request, srv, "cmpl", answer,
-                         lambda stream, meta: _completion_events(stream, meta, usage_chunk, echo, srv))
+                         lambda stream, meta: _completion_events(stream, meta, usage_chunk, echo, srv,
+                                                                 job.options.logprobs is not None))
 
 
 def _usage_chunk(body: GenerationFields) -> bool:
@@ -443,15 +450,21 @@ def _finish(result: GenerationResult) -> str:
 
 
 async def _chat_events(stream: GenerationStream, meta: Meta, usage_chunk: bool, tools: ToolUse | None,
-                       srv: Serving) -> AsyncIterator[str]:
+                       srv: Serving, asked: bool = False) -> AsyncIterator[str]:
     """OpenAI's chunk sequence: role, content and tool-call deltas, finish_reason, [usage], [DONE].
+
+    ``asked``: the request asked for logprobs; each content delta carries its tokens' (those of tokens whose
+    text was sent before, or that have none, come in a last content chunk of no text).
 
     A call comes as OpenAI streams one: its id, type and name with empty arguments, then the
     arguments. Without ``include_usage`` the usage rides on the finish chunk, so every response
     reports ``cached_tokens``; with it, a last chunk with empty choices carries it.
     """
-    def choice(delta: dict[str, Any], finish: str | None = None) -> list[dict[str, Any]]:
-        return [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+    names = TokenText(srv.cache.tokenizer) if asked else None
+
+    def choice(delta: dict[str, Any], finish: str | None = None, entries: list | None = None) -> list[dict[str, Any]]:
+        logprobs = None if names is None or entries is None else {"content": chat_content(entries, names)}
+        return [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]
 
     kind, calls = "chat.completion.chunk", 0
     miss = stream.miss  # cache diagnostics ride on the first chunk, known before generation
@@ -460,7 +473,7 @@ async def _chat_events(stream: GenerationStream, meta: Meta, usage_chunk: bool, 
     yield meta.chunk(kind, choice({"role": "assistant", "content": ""}), None, usage_chunk, **diagnosed)
     async for piece in pieces(stream, tools):
         if isinstance(piece, Text):
-            yield meta.chunk(kind, choice({"content": piece.text}), None, usage_chunk)
+            yield meta.chunk(kind, choice({"content": piece.text}, entries=stream.take_logprobs()), None, usage_chunk)
             continue
         assert tools is not None  # calls are parsed only where tools were declared
         call = {"index": calls, "id": call_id(meta.id, calls, tools, "call_"), "type": "function",
@@ -469,6 +482,8 @@ async def _chat_events(stream: GenerationStream, meta: Meta, usage_chunk: bool, 
         yield meta.chunk(kind, choice({"tool_calls": [{"index": calls, "function": {"arguments": piece.arguments}}]}),
                          None, usage_chunk)
         calls += 1
+    if rest := stream.take_logprobs():  # tokens whose text came earlier, or had none
+        yield meta.chunk(kind, choice({"content": ""}, entries=rest), None, usage_chunk)
     usage = _usage(stream.result, srv)
     finish = "tool_calls" if calls else _finish(stream.result)
     yield meta.chunk(kind, choice({}, finish), None if usage_chunk else usage, usage_chunk)
@@ -478,15 +493,28 @@ async def _chat_events(stream: GenerationStream, meta: Meta, usage_chunk: bool, 
 
 
 async def _completion_events(stream: GenerationStream, meta: Meta, usage_chunk: bool, echo: str | None,
-                             srv: Serving) -> AsyncIterator[str]:
+                             srv: Serving, asked: bool = False) -> AsyncIterator[str]:
+    """``asked``: the request asked for logprobs; each text delta carries its tokens' (as ``_chat_events``), their
+    offsets counted over the whole answer."""
+    names = TokenText(srv.cache.tokenizer) if asked else None
+    offset = 0
+
     def choice(text: str, finish: str | None = None) -> list[dict[str, Any]]:
-        return [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+        nonlocal offset
+        logprobs = None
+        if names is not None and finish is None:
+            entries = stream.take_logprobs()
+            logprobs = completion_logprobs(entries, names, offset)
+            offset += sum(len(t) for t in logprobs["tokens"])
+        return [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]
 
     kind = "text_completion"
     if echo:
         yield meta.chunk(kind, choice(echo), None, usage_chunk)
     async for text in stream.texts():
         yield meta.chunk(kind, choice(text), None, usage_chunk)
+    if names is not None and (rest := choice("")[0])["logprobs"]["tokens"]:
+        yield meta.chunk(kind, [rest], None, usage_chunk)
     usage = _usage(stream.result, srv)
     yield meta.chunk(kind, choice("", _finish(stream.result)), None if usage_chunk else usage, usage_chunk)
     if usage_chunk:

@@ -36,6 +36,7 @@ from prefixcache.serving.canonicalize import Canonicalizer, CanonicalPrompt
 from prefixcache.serving.diagnostics import MissReason, PromptRecords, fingerprint
 from prefixcache.serving.dispatch import Dispatcher
 from prefixcache.serving.engine import BatchConfig, BatchEngine
+from prefixcache.serving.logprobs import TokenLogprob
 from prefixcache.serving.messages import MessagesPrompt, encode_messages, output_format, to_chat
 from prefixcache.serving.options import AnswerOptions, check_cancel, check_seed, seconds
 from prefixcache.serving.request import CallStats
@@ -84,6 +85,9 @@ class GenerationResult:
     cache: CacheUsage | None = None
     #: ``chat()`` / ``messages()`` with tools: the calls parsed out of the answer (``text`` is what is left).
     tool_calls: tuple[ToolCall, ...] = ()
+    #: With ``logprobs=True``: each answer token's log-probability and its ``top_logprobs`` likeliest
+    #: alternatives (``serving/logprobs.py``), special tokens left out (None: not asked for).
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,7 +343,10 @@ class PrefixCache:
         ``cache_salt`` (share cached prefixes only with calls of the tenant with the same salt),
         ``response_format`` (OpenAI's ``json_schema`` or ``json_object``: the answer constrained to that JSON,
         ``serving/structured.py``; one that does not match when done raises ``OutputFormatError``),
-        and any other ``generate()`` kwarg (``AnswerOptions.parse`` checks them).
+        ``logprobs`` (True: ``result.logprobs`` holds each answer token's log-probability under the model's
+        own distribution, before temperature, penalties, top-k/top-p and a response format's mask;
+        ``serving/logprobs.py``), ``top_logprobs`` (0-20 likeliest alternatives per token, with ``logprobs``),
+        ``on_logprobs`` (callback for the logprobs of the tokens whose text ``on_text`` receives next), and any other ``generate()`` kwarg (``AnswerOptions.parse`` checks them).
         """
         if not isinstance(prompt, str):
             raise InvalidRequestError("prompt must be a string", param="prompt")
@@ -484,7 +491,7 @@ class PrefixCache:
         if options.response_format is not None:  # bound to the vocabulary here: the engines only apply it
             eos = options.eos_ids(self.serial.effective_config(None, options.extra))
             options = dataclasses.replace(options, constraint=self.vocabulary.constraint(options.response_format, eos))
-        stream = TextStream(self.tokenizer, options.on_text, options.stop)
+        stream = TextStream(self.tokenizer, options.on_text, options.stop, options.on_logprobs)
         params, _ = self.dispatcher.route_answer(len(prompt), options)
         if params is not None and plan is not None:
             new, stats, reason = self.dispatcher.answer_blended(prompt, plan, params, scope, stream, options.cancel,
@@ -506,7 +513,9 @@ class PrefixCache:
             reason = "cancelled"
         elif options.response_format is not None and reason == "stop":  # ended where its grammar did
             options.response_format.check(text)
-        return GenerationResult(text, tuple(new), reason, Usage(len(prompt), len(new), stats.cached_tokens), stats)
+        logprobs = None if options.logprobs is None else stream.answer_logprobs(len(new))
+        return GenerationResult(text, tuple(new), reason, Usage(len(prompt), len(new), stats.cached_tokens), stats,
+                                logprobs=logprobs)
 
     # -- cache management ----------------------------------------------------------
     def warm(self, prefix: str | Sequence[dict[str, Any]] | Sequence[int], *,
