@@ -11,7 +11,8 @@ json_object / json_schema: the answer constrained to the schema (``structured.py
 compile, or a strict one against OpenAI's rules, is a 400; not with continue_final_message, ignore_eos or a
 forced tool call).
 n (choices): up to the server's ``max_n``, each choice a job of its own (``choices``).
-Refused with a 400 naming the parameter, here: logprobs, suffix, an earlier assistant message's function_call, audio
+logprobs and top_logprobs (chat), logprobs (completions: the alternatives per token, not with echo).
+Refused with a 400 naming the parameter, here: suffix, completions' logprobs with echo, an earlier assistant message's function_call, audio
 or refusal text, max_tokens over the server's limit, SGLang's extensions (which
 sglang-router adds to every chat body) with a value other than what this server does
 (``no_stop_trim``, ``skip_special_tokens``, ``return_hidden_states``); by the schema (``protocol``):
@@ -136,8 +137,6 @@ def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_
              tool_family: str | None = None) -> Job:
     """``tool_family``: the syntax of the model's tool calls (``tool_calls.tokenizer_family``)."""
     _only_defaults(req)
-    if req.logprobs or req.top_logprobs:
-        raise InvalidRequestError("logprobs are not supported by this server", param="logprobs")
     structured = req.response_format is not None and req.response_format.type != "text"
     if structured and req.continue_final_message:
         raise InvalidRequestError("response_format json_object / json_schema cannot continue a final assistant "
@@ -148,6 +147,11 @@ def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_
     if structured and req.tools and req.tool_choice not in (None, "none", "auto"):
         raise InvalidRequestError("a forced tool call cannot be made with response_format json_object / json_schema "
                                   "(the answer is the JSON)", param="tool_choice")
+    if req.logprobs and req.tools and req.tool_choice != "none":
+        # OpenAI's logprobs are the content's; which tokens are content is known here only once a parser has read
+        # the whole answer, so a streamed answer could not attach them to its deltas
+        raise InvalidRequestError("logprobs are not reported for an answer that may call tools (send tool_choice "
+                                  "none, or no tools)", param="logprobs")
     if req.max_tokens is not None and req.max_completion_tokens is not None \
             and req.max_tokens != req.max_completion_tokens:
         raise InvalidRequestError("max_tokens and max_completion_tokens differ; send one", param="max_tokens")
@@ -161,7 +165,8 @@ def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_
     asked = req.model_dump(include={"tools", "tool_choice"}, exclude_none=True)
     reading = openai_tool_use(tool_family, asked.get("tools"), asked.get("tool_choice"), req.parallel_tool_calls)
     options = _options(req, settings, vocab_size, blend=req.prefixcache_blend,
-                       response_format=None if req.response_format is None else req.response_format.model_dump())
+                       response_format=None if req.response_format is None else req.response_format.model_dump(),
+                       logprobs=req.logprobs, top_logprobs=req.top_logprobs)
     return Job("chat", tenant, messages=messages, tools=tools, max_tokens=limit_max_tokens(max_tokens, settings),
                options=options, cache_key=req.prompt_cache_key, continue_final=bool(req.continue_final_message),
                retention=req.prompt_cache_retention, cache_salt=req.cache_salt or None,
@@ -190,11 +195,13 @@ def completion_job(req: CompletionRequest, tenant: str, settings: Settings, voca
     _only_defaults(req)
     if req.suffix:
         raise InvalidRequestError("suffix (insertion) is not supported", param="suffix")
-    if req.logprobs is not None:
-        raise InvalidRequestError("logprobs are not supported by this server", param="logprobs")
+    if req.logprobs is not None and req.echo:
+        raise InvalidRequestError("logprobs with echo would need the prompt's logprobs, which this server does not "
+                                  "compute; send one of them", param="logprobs")
     return Job("completions", tenant, prompt=prompt, max_tokens=limit_max_tokens(req.max_tokens, settings),
                echo=bool(req.echo),
-               options=_options(req, settings, vocab_size), cache_key=req.prompt_cache_key,
+               options=_options(req, settings, vocab_size, logprobs=req.logprobs is not None or None,
+                                top_logprobs=req.logprobs), cache_key=req.prompt_cache_key,
                retention=req.prompt_cache_retention, cache_salt=req.cache_salt or None,
                breakpoints=req.prompt_cache_options is not None, **_cache_options(req),
                ttl_seconds=_retention_ttl(req))
@@ -233,14 +240,15 @@ def server_temperature(temperature: float | None, settings: Settings) -> float:
 
 
 def _options(req: GenerationFields, settings: Settings, vocab_size: int, blend: bool | float | None = None,
-             response_format: dict[str, Any] | None = None) -> AnswerOptions:
+             response_format: dict[str, Any] | None = None, **logprobs: Any) -> AnswerOptions:
+    """``logprobs``: chat's ``logprobs`` and ``top_logprobs`` (``AnswerOptions.parse`` checks them)."""
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return AnswerOptions.parse(temperature=server_temperature(req.temperature, settings), top_p=req.top_p,
                                top_k=req.top_k or None, seed=req.seed, stop=[s for s in stops if s] or None,
                                ignore_eos=bool(req.ignore_eos), presence_penalty=req.presence_penalty,
                                frequency_penalty=req.frequency_penalty,
                                logit_bias=_logit_bias(req.logit_bias, vocab_size) or None, blend=blend,
-                               response_format=response_format)
+                               response_format=response_format, **logprobs)
 
 
 def _retention_ttl(req: GenerationFields) -> float | None:

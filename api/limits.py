@@ -164,18 +164,21 @@ def check_chat(req: ChatCompletionRequest, settings: Settings) -> None:
 def _check_response_format(req: ChatCompletionRequest, settings: Settings) -> None:
     """A json_schema response format is bounded as a tool definition is: compiling it costs with its size."""
     spec = (req.response_format.model_extra or {}).get("json_schema") if req.response_format is not None else None
-    if not isinstance(spec, dict):
-        return
-    size = _json_bytes(spec)
+    if isinstance(spec, dict):
+        _check_format_schema(spec, spec.get("schema"), "response_format.json_schema", settings)
+
+
+def _check_format_schema(value: Any, schema: Any, param: str, settings: Settings) -> None:
+    """An answer format (``value`` at ``param``, its JSON schema at ``param``.schema) within the tool limits."""
+    size = _json_bytes(value)
     if size > settings.max_tool_schema_bytes:
-        raise LimitExceededError(f"response_format.json_schema is {size} bytes as JSON; at most "
-                                 f"{settings.max_tool_schema_bytes} are accepted", param="response_format.json_schema",
-                                 code="string_above_max_length")
-    depth = _depth(spec.get("schema"))
+        raise LimitExceededError(f"{param} is {size} bytes as JSON; at most {settings.max_tool_schema_bytes} are "
+                                 "accepted", param=param, code="string_above_max_length")
+    depth = _depth(schema)
     if depth > settings.max_tool_schema_depth:
-        raise LimitExceededError(f"response_format.json_schema.schema nests {depth} levels deep; at most "
-                                 f"{settings.max_tool_schema_depth} are accepted",
-                                 param="response_format.json_schema.schema", code="json_too_deep")
+        raise LimitExceededError(f"{param}.schema nests {depth} levels deep; at most "
+                                 f"{settings.max_tool_schema_depth} are accepted", param=f"{param}.schema",
+                                 code="json_too_deep")
 
 
 def check_completion(req: CompletionRequest, settings: Settings) -> None:
@@ -210,7 +213,8 @@ def _check_count(param: str, count: int, limit: int) -> None:
         raise LimitExceededError(f"{param} has {count} entries; at most {limit} are accepted", param=param,
                                  code="array_above_max_length")
 def check_anthropic(req: Any, settings: Settings) -> None:
-    """An Anthropic messages (or token counting) request: messages, text bytes, tools, stop sequences."""
+    """An Anthropic messages (or token counting) request: messages, text bytes, tools, output format, stop
+    sequences."""
     if len(req.messages) > settings.max_messages:
         raise LimitExceededError(f"messages has {len(req.messages)} messages; at most {settings.max_messages} are "
                                  "accepted", param="messages", code="array_above_max_length")
@@ -222,6 +226,9 @@ def check_anthropic(req: Any, settings: Settings) -> None:
                                  param="tools", code="array_above_max_length")
     for i, tool in enumerate(tools):
         _check_tool(i, tool.model_dump(exclude_none=True), tool.input_schema, "input_schema", settings)
+    fmt = req.output_config.format if req.output_config is not None else None
+    if fmt is not None:
+        _check_format_schema(fmt.model_dump(by_alias=True), fmt.schema_, "output_config.format", settings)
     for i, stop in enumerate(getattr(req, "stop_sequences", None) or []):
         if len(stop) > settings.max_stop_chars:
             raise LimitExceededError(f"stop_sequences[{i}] is {len(stop)} characters long; at most "

@@ -352,17 +352,43 @@ class ResponseMessage(BaseModel):
     tool_calls: list[ResponseToolCall] | None = None
 
 
-class _Choice(BaseModel):
+class TopLogprob(BaseModel):
+    token: str = Field(description="The token's own text (part of a character reads as U+FFFD).")
+    logprob: float = Field(description="Its log-probability under the model's own distribution (raw logits: "
+                           "before temperature, penalties, logit_bias, top-k/top-p and response_format); "
+                           "-9999.0 for a probability of zero.")
+    bytes: list[int] | None = Field(description="The UTF-8 bytes of token.")
+
+
+class TokenLogprobInfo(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(description="The top_logprobs likeliest tokens at this position, "
+                                           "likeliest first.")
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprobInfo] | None = Field(description="One per answer token (special tokens, whose text "
+                                                   "the answer leaves out, left out).")
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] = Field(description="Per position: the logprobs likeliest tokens and the "
+                                                 "chosen one (up to logprobs + 1, as OpenAI's).")
+    text_offset: list[int]
+
+
+class ChatChoice(BaseModel):
     index: int
-    logprobs: None = None
-
-
-class ChatChoice(_Choice):
+    logprobs: ChoiceLogprobs | None = Field(None, description="Set when the request asked (logprobs true).")
     finish_reason: Literal["stop", "length", "tool_calls"]
     message: ResponseMessage
 
 
-class CompletionChoice(_Choice):
+class CompletionChoice(BaseModel):
+    index: int
+    logprobs: CompletionLogprobs | None = Field(None, description="Set when the request asked (logprobs set).")
     finish_reason: Literal["stop", "length"]
     text: str
 

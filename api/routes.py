@@ -40,6 +40,7 @@ from .errors import (
 from .fairness import InvalidBudget, retry_after_seconds
 from .jobs import Job, chat_job, choices, completion_job
 from .limits import NOT_JSON, check_chat, check_completion, check_counts, check_prewarm, read_body, utf8_text
+from .logprobs import TokenText, chat_content, completion_logprobs
 from .metrics import CONTENT_TYPE
 from .protocol import (
     CacheDiagnostics,
@@ -290,7 +291,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, who: C
         calls = [ResponseToolCall(id=call_id(_choice_id(meta, index), i, job.tool_use, "call_"), function=FunctionCall(
             name=call.name, arguments=call.arguments)) for i, call in enumerate(calls_of(parts))]
         message = ResponseMessage(content=text_of(parts) or (None if calls else ""), tool_calls=calls or None)
-        return ChatChoice(index=index, message=message, finish_reason="tool_calls" if calls else _finish(result))
+        logprobs = None if result.logprobs is None else {
+            "content": chat_content(result.logprobs, TokenText(srv.cache.tokenizer))}
+        return ChatChoice(index=index, message=message, logprobs=logprobs,
+                          finish_reason="tool_calls" if calls else _finish(result))
 
     def answer(results: list[GenerationResult], meta: Meta) -> ChatCompletion:
         first = results[0]
@@ -300,7 +304,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, who: C
     usage_chunk = _usage_chunk(body)
     return await respond_choices(jobs, bool(body.stream), request, srv, "chatcmpl", answer,
                                  lambda streams, meta: _chat_events(streams, meta, usage_chunk, job.tool_use, srv,
-                                                                    jobs))
+                                                                    jobs, job.options.logprobs is not None))
 
 
 @router.post("/v1/completions", response_model=Completion, responses={**_ERRORS, **SSE_RESPONSE}, tags=["openai"])
@@ -312,11 +316,15 @@ async def completions(body: CompletionRequest, request: Request, who: Caller, sr
     echo = job.prompt if job.echo else None
 
     def answer(results: list[GenerationResult], meta: Meta) -> Completion:
+        names = TokenText(srv.cache.tokenizer)
         return Completion(**meta.fields(), usage=_usage_of(results, jobs, srv), choices=[CompletionChoice(
-            index=i, text=(echo or "") + result.text, finish_reason=_finish(result)) for i, result in enumerate(results)])
+            index=i, text=(echo or "") + result.text, finish_reason=_finish(result),
+            logprobs=None if result.logprobs is None else completion_logprobs(result.logprobs, names, 0))
+            for i, result in enumerate(results)])
     usage_chunk = _usage_chunk(body)
     return await respond_choices(jobs, bool(body.stream), request, srv, "cmpl", answer,
-                                 lambda streams, meta: _completion_events(streams, meta, usage_chunk, echo, srv, jobs))
+                                 lambda streams, meta: _completion_events(streams, meta, usage_chunk, echo, srv, jobs,
+                                                                          job.options.logprobs is not None))
 
 
 def _usage_chunk(body: GenerationFields) -> bool:
@@ -498,23 +506,29 @@ def _finish(result: GenerationResult) -> str:
 
 
 async def _chat_events(streams: list[GenerationStream], meta: Meta, usage_chunk: bool, tools: ToolUse | None,
-                       srv: Serving, jobs: list[Job]) -> AsyncIterator[str]:
+                       srv: Serving, jobs: list[Job], asked: bool = False) -> AsyncIterator[str]:
     """OpenAI's chunk sequence: role, content and tool-call deltas, finish_reason, [usage], [DONE].
+
+    ``asked``: the request asked for logprobs; each content delta carries its tokens' (those of tokens whose
+    text was sent before, or that have none, come in a last content chunk of no text).
 
     A call comes as OpenAI streams one: its id, type and name with empty arguments, then the
     arguments. Without ``include_usage`` the usage rides on the finish chunk (with ``n``, the last
     choice's to finish), so every response reports ``cached_tokens``; with it, a last chunk with
     empty choices carries it. Choices stream side by side, each chunk one choice's, by its index.
     """
+    names = TokenText(srv.cache.tokenizer) if asked else None
+
     async def one(index: int, stream: GenerationStream) -> AsyncIterator[dict[str, Any]]:
-        def choice(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-            return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        def choice(delta: dict[str, Any], finish: str | None = None, entries: list | None = None) -> dict[str, Any]:
+            logprobs = None if names is None or entries is None else {"content": chat_content(entries, names)}
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
         calls, ids = 0, _choice_id(meta, index)
         yield choice({"role": "assistant", "content": ""})
         async for piece in pieces(stream, tools):
             if isinstance(piece, Text):
-                yield choice({"content": piece.text})
+                yield choice({"content": piece.text}, entries=stream.take_logprobs())
                 continue
             assert tools is not None  # calls are parsed only where tools were declared
             call = {"index": calls, "id": call_id(ids, calls, tools, "call_"), "type": "function",
@@ -522,6 +536,8 @@ async def _chat_events(streams: list[GenerationStream], meta: Meta, usage_chunk:
             yield choice({"tool_calls": [call]})
             yield choice({"tool_calls": [{"index": calls, "function": {"arguments": piece.arguments}}]})
             calls += 1
+        if rest := stream.take_logprobs():  # tokens whose text came earlier, or had none
+            yield choice({"content": ""}, entries=rest)
         assert stream.result is not None  # set once its texts ended
         yield choice({}, "tool_calls" if calls else _finish(stream.result))
 
@@ -558,15 +574,28 @@ def _results(streams: list[GenerationStream]) -> list[GenerationResult]:
 
 
 async def _completion_events(streams: list[GenerationStream], meta: Meta, usage_chunk: bool, echo: str | None,
-                             srv: Serving, jobs: list[Job]) -> AsyncIterator[str]:
+                             srv: Serving, jobs: list[Job], asked: bool = False) -> AsyncIterator[str]:
+    """``asked``: the request asked for logprobs; each text delta carries its tokens' (as ``_chat_events``), their
+    offsets counted over its choice's whole answer."""
+    names = TokenText(srv.cache.tokenizer) if asked else None
+
     async def one(index: int, stream: GenerationStream) -> AsyncIterator[dict[str, Any]]:
+        offset = 0
+
         def choice(text: str, finish: str | None = None) -> dict[str, Any]:
-            return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+            nonlocal offset
+            logprobs = None
+            if names is not None and finish is None:
+                logprobs = completion_logprobs(stream.take_logprobs(), names, offset)
+                offset += sum(len(t) for t in logprobs["tokens"])
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
         if echo:
             yield choice(echo)
         async for text in stream.texts():
             yield choice(text)
+        if names is not None and (rest := choice(""))["logprobs"]["tokens"]:
+            yield rest
         assert stream.result is not None  # set once its texts ended
         yield choice("", _finish(stream.result))
 

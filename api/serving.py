@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import xxhash
 
-from prefixcache import CacheUsage, GenerationResult, PrefixCache, WarmResult
+from prefixcache import CacheUsage, GenerationResult, PrefixCache, TokenLogprob, WarmResult
 from prefixcache.cache.scope import Scope
 from prefixcache.errors import ContextLengthExceededError, InvalidRequestError
 from prefixcache.planner.request_log import RequestLog
@@ -361,7 +361,9 @@ class Serving:
         # The timeout bounds this worker thread too: a generation still running then is cancelled.
         options = dataclasses.replace(job.options, max_new_tokens=max_new, cancel=cancel,
                                       timeout_seconds=seconds(self.settings.request_timeout_seconds, "timeout"),
-                                      on_text=None if emit is None else (lambda text: emit("text", text)), **chunks)
+                                      on_text=None if emit is None else (lambda text: emit("text", text)),
+                                      on_logprobs=None if emit is None or job.options.logprobs is None else (
+                                          lambda entries: emit("logprobs", entries)), **chunks)
         if job.shared is not None:
             self._share_prompt(job, ids, scope, prompt is None and not chunks, cancel)
         # The ids encoded above: no second encoding.
@@ -466,6 +468,13 @@ class GenerationStream:
         self.predicted: CacheUsage | None = None
         self.miss: MissReason | None = None  # cache diagnostics, when the job asked (None: no divergence)
         self.result: GenerationResult | None = None
+        self._logprobs: list[TokenLogprob] = []
+
+    def take_logprobs(self) -> list[TokenLogprob]:
+        """The logprobs that came since the last call (where the job asks for them): a text delta's tokens' once
+        ``texts`` yielded it, the last tokens' (whose text was all sent, or none) once it ended."""
+        taken, self._logprobs = self._logprobs, []
+        return taken
 
     async def wait_started(self) -> None:
         kind, value = await self._next()
@@ -482,6 +491,8 @@ class GenerationStream:
             kind, value = await self._next()
             if kind == "text":
                 yield value
+            elif kind == "logprobs":  # they come before their text
+                self._logprobs.extend(value)
             elif kind == "done":
                 self.result = _unwrap(value)
                 return

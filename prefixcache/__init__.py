@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from prefixcache.sdk import GenerationResult, PrefixCache, Usage, WarmResult
     from prefixcache.serving.breakpoints import CacheUsage
     from prefixcache.serving.engine import BatchConfig
+    from prefixcache.serving.logprobs import TokenLogprob
     from prefixcache.serving.messages import MessagesPrompt
     from prefixcache.serving.request import CallStats
     from prefixcache.serving.tool_calls import ToolCall
@@ -57,6 +58,7 @@ _HOMES = {
     **dict.fromkeys(("GenerationResult", "PrefixCache", "Usage", "WarmResult"), "prefixcache.sdk"),
     "CacheUsage": "prefixcache.serving.breakpoints",
     "BatchConfig": "prefixcache.serving.engine",
+    "TokenLogprob": "prefixcache.serving.logprobs",
     "MessagesPrompt": "prefixcache.serving.messages",
     "CallStats": "prefixcache.serving.request",
     "ToolCall": "prefixcache.serving.tool_calls",

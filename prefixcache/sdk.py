@@ -36,7 +36,8 @@ from prefixcache.serving.canonicalize import Canonicalizer, CanonicalPrompt
 from prefixcache.serving.diagnostics import MissReason, PromptRecords, fingerprint
 from prefixcache.serving.dispatch import Dispatcher
 from prefixcache.serving.engine import BatchConfig, BatchEngine
-from prefixcache.serving.messages import MessagesPrompt, encode_messages, to_chat
+from prefixcache.serving.logprobs import TokenLogprob
+from prefixcache.serving.messages import MessagesPrompt, encode_messages, output_format, to_chat
 from prefixcache.serving.options import AnswerOptions, check_cancel, check_seed, seconds
 from prefixcache.serving.request import CallStats
 from prefixcache.serving.serial import SerialEngine
@@ -84,6 +85,9 @@ class GenerationResult:
     cache: CacheUsage | None = None
     #: ``chat()`` / ``messages()`` with tools: the calls parsed out of the answer (``text`` is what is left).
     tool_calls: tuple[ToolCall, ...] = ()
+    #: With ``logprobs=True``: each answer token's log-probability and its ``top_logprobs`` likeliest
+    #: alternatives (``serving/logprobs.py``), special tokens left out (None: not asked for).
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,7 +343,10 @@ class PrefixCache:
         ``cache_salt`` (share cached prefixes only with calls of the tenant with the same salt),
         ``response_format`` (OpenAI's ``json_schema`` or ``json_object``: the answer constrained to that JSON,
         ``serving/structured.py``; one that does not match when done raises ``OutputFormatError``),
-        and any other ``generate()`` kwarg (``AnswerOptions.parse`` checks them).
+        ``logprobs`` (True: ``result.logprobs`` holds each answer token's log-probability under the model's
+        own distribution, before temperature, penalties, top-k/top-p and a response format's mask;
+        ``serving/logprobs.py``), ``top_logprobs`` (0-20 likeliest alternatives per token, with ``logprobs``),
+        ``on_logprobs`` (callback for the logprobs of the tokens whose text ``on_text`` receives next), and any other ``generate()`` kwarg (``AnswerOptions.parse`` checks them).
         """
         if not isinstance(prompt, str):
             raise InvalidRequestError("prompt must be a string", param="prompt")
@@ -348,7 +355,8 @@ class PrefixCache:
     def messages(self, messages: Sequence[dict[str, Any]], *, max_tokens: int, system: Any = None,
                  tools: Sequence[dict[str, Any]] | None = None, tool_choice: dict[str, Any] | None = None,
                  cache_control: dict[str, Any] | None = None, stop_sequences: Sequence[str] | None = None,
-                 previous_id: str | None = None, record_id: str | None = None, **options: Any) -> GenerationResult:
+                 output_config: dict[str, Any] | None = None, previous_id: str | None = None,
+                 record_id: str | None = None, **options: Any) -> GenerationResult:
         """Answer an Anthropic-shaped request, honouring its ``cache_control`` breakpoints.
 
         ``system`` is a string or text blocks; ``messages`` hold strings or text, ``tool_use`` and
@@ -357,8 +365,18 @@ class PrefixCache:
         that TTL (rules: ``serving/breakpoints.py``); a top-level ``cache_control`` marks the last block
         (automatic caching). ``result.cache`` holds the usage as Anthropic counts it. Cache diagnostics
         (``previous_id``, ``record_id``) and tool calls (``result.tool_calls``; ``tool_choice`` ``any`` or
-        ``tool`` forces one) as ``chat``. Other options as ``complete``.
+        ``tool`` forces one) as ``chat``. ``output_config``: Anthropic's; ``{"format": {"type": "json_schema",
+        "schema": {...}}}`` holds the answer's text to that JSON schema under Anthropic's rules for it (as
+        ``response_format`` does OpenAI's: an answer that does not match when done raises ``OutputFormatError``;
+        one cut by ``max_tokens`` ends with the partial JSON), not with a prefilled final assistant turn or a
+        forced tool call; ``effort`` only "high", the default. Other options as ``complete``.
         """
+        fmt = output_format(output_config, messages, tool_choice)
+        if fmt is not None and options.get("response_format") is not None:
+            raise InvalidRequestError("send output_config.format or response_format, not both",
+                                      param="output_config.format")
+        if fmt is not None:
+            options["response_format"] = fmt
         prompt = self.encode_messages(messages, system=system, tools=tools, tool_choice=tool_choice,
                                       cache_control=cache_control)
         miss = None
@@ -367,7 +385,8 @@ class PrefixCache:
             miss = self.diagnose(chat, defs, prompt.token_ids, tenant=options.get("tenant"),
                                  cache_salt=options.get("cache_salt"), tool_choice=tool_choice,
                                  previous_id=previous_id, record_id=record_id)
-        reading = anthropic_tool_use(self.tool_family, tools, tool_choice)
+        reading = anthropic_tool_use(self.tool_family, tools, tool_choice)  # strict tools' schemas checked
+        reading = None if fmt is not None else reading  # the answer is the format's JSON: no call to read in it
         result = self.answer_messages(prompt, max_new_tokens=max_tokens, stop=stop_sequences, **options)
         return _with_calls(_noted(result, miss), reading)
 
@@ -472,7 +491,7 @@ class PrefixCache:
         if options.response_format is not None:  # bound to the vocabulary here: the engines only apply it
             eos = options.eos_ids(self.serial.effective_config(None, options.extra))
             options = dataclasses.replace(options, constraint=self.vocabulary.constraint(options.response_format, eos))
-        stream = TextStream(self.tokenizer, options.on_text, options.stop)
+        stream = TextStream(self.tokenizer, options.on_text, options.stop, options.on_logprobs)
         params, _ = self.dispatcher.route_answer(len(prompt), options)
         if params is not None and plan is not None:
             new, stats, reason = self.dispatcher.answer_blended(prompt, plan, params, scope, stream, options.cancel,
@@ -494,7 +513,9 @@ class PrefixCache:
             reason = "cancelled"
         elif options.response_format is not None and reason == "stop":  # ended where its grammar did
             options.response_format.check(text)
-        return GenerationResult(text, tuple(new), reason, Usage(len(prompt), len(new), stats.cached_tokens), stats)
+        logprobs = None if options.logprobs is None else stream.answer_logprobs(len(new))
+        return GenerationResult(text, tuple(new), reason, Usage(len(prompt), len(new), stats.cached_tokens), stats,
+                                logprobs=logprobs)
 
     # -- cache management ----------------------------------------------------------
     def warm(self, prefix: str | Sequence[dict[str, Any]] | Sequence[int], *,

@@ -96,6 +96,23 @@ class Metadata(BaseModel):
                                  "Never selects a tenant or cache namespace: that comes from the API key.")
 
 
+class OutputFormat(BaseModel):
+    model_config = _REQUEST
+    type: Literal["json_schema"]
+    schema_: JSONObject = Field(alias="schema", description="The answer's JSON schema, under Anthropic's rules for "
+                                "it: every object with additionalProperties false; no numeric or length bounds, "
+                                "maxItems, uniqueItems or minItems past 1; no recursion.")
+
+
+class OutputConfig(BaseModel):
+    model_config = _REQUEST
+    format: OutputFormat | None = Field(None, description="The answer's text is JSON matching this schema "
+                                        "(constrained decoding). Not with a prefilled final assistant message or "
+                                        "a forced tool call.")
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = Field(
+        None, description="Only high (the default, the same as unset): this model does not reason.")
+
+
 class _Prompt(BaseModel):
     """What Messages and token counting share: the model and the prompt."""
 
@@ -108,6 +125,8 @@ class _Prompt(BaseModel):
     cache_control: CacheControl | None = Field(None, description="Automatic caching: a cache_control marker on "
                                                "the last cacheable block (the last block of the last message), "
                                                "one of the 4 breakpoints. A block with its own marker keeps it.")
+    output_config: OutputConfig | None = Field(None, description="format: the answer held to a JSON schema; "
+                                               "effort: only high. Token counting checks it too.")
     cache_salt: Text | None = Field(None, max_length=256, description="Extension (vLLM's name): a secret mixed "
                                     "into the cache namespace, so requests of this API key with different salts "
                                     "never share cached prefixes. Unset or empty: the key's namespace. Token "
@@ -119,6 +138,10 @@ class _Prompt(BaseModel):
                                                            "cache_control"})
         return {"messages": dump["messages"], "system": dump.get("system"), "tools": dump.get("tools"),
                 "tool_choice": dump.get("tool_choice"), "cache_control": dump.get("cache_control")}
+
+    def output(self) -> dict[str, Any] | None:
+        """``output_config`` as ``PrefixCache.messages`` takes it (``serving/messages.output_format``)."""
+        return None if self.output_config is None else self.output_config.model_dump(exclude_none=True, by_alias=True)
 
 
 class MessagesRequest(_Prompt):

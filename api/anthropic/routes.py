@@ -5,7 +5,8 @@ queue and generation path as the OpenAI routes (``routes.respond``); only the sh
 differ. ``cache_control`` breakpoints are the library's (``PrefixCache.encode_messages``,
 ``serving/breakpoints.py``); errors take Anthropic's shape (``anthropic/errors.py``).
 The model's tool calls (parsed in its chat template's syntax, ``tool_calls.py``) become
-``tool_use`` blocks, with ``stop_reason`` "tool_use". A stream sends ``message_start`` (with
+``tool_use`` blocks, with ``stop_reason`` "tool_use". ``output_config.format`` holds the text answer to a
+JSON schema (``serving/messages.output_format``; the answer's JSON is not read for tool calls). A stream sends ``message_start`` (with
 the usage known before generation: the tokens it reads, no cache write, since a breakpoint is
 kept only once the answer is stored and memory pressure may drop it), then each block:
 ``content_block_start`` (the first followed by ``ping``), text deltas or a call's
@@ -15,12 +16,14 @@ tokens and the settled input figures, cumulative as Anthropic's, ``cache_creatio
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
 
 from prefixcache import CacheUsage, GenerationResult
+from prefixcache.serving.messages import MessagesPrompt, output_format
 from prefixcache.serving.options import AnswerOptions
 from prefixcache.serving.request import CallStats
 from prefixcache.serving.tool_calls import Text, ToolUse, anthropic_tool_use
@@ -51,7 +54,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (404, "not_found_error: unknown model"), (413, "request_too_large"),
         (422, "invalid_request_error: tool_choice required a tool call the answer does not make"),
         (429, "rate_limit_error: queue full"),
-        (500, "api_error: also a strict tool's call whose arguments do not match its schema"), (504, "timeout_error"), (529, "overloaded_error: not ready or shutting down"))}
+        (500, "api_error: also a strict tool's call whose arguments do not match its schema, or an "
+                "output_config.format answer that does not match its schema"), (504, "timeout_error"), (529, "overloaded_error: not ready or shutting down"))}
 
 
 @router.post("/v1/messages", response_model=Message, responses={**_ERRORS, **SSE_RESPONSE})
@@ -59,7 +63,8 @@ async def messages(body: MessagesRequest, request: Request, who: Caller, srv: Se
     """Anthropic's Messages API; ``cache_control`` breakpoints keep their prefixes for their TTL."""
     check_model(srv, body.model)
     check_anthropic(body, srv.settings)
-    job = messages_job(body, who.tenant, srv.settings, srv.tool_family)
+    # Off the event loop: compiling an output_config.format's or strict tool's schema takes up to a few hundred ms.
+    job = await asyncio.to_thread(messages_job, body, who.tenant, srv.settings, srv.tool_family)
     stops = body.stop_sequences or []
 
     def answer(result: GenerationResult, meta: Meta) -> Message:
@@ -87,17 +92,22 @@ async def count_tokens(body: CountTokensRequest, request: Request, who: Caller, 
     Encoded on the side threads, in one of the key's places beside the queue."""
     check_model(srv, body.model)
     check_anthropic(body, srv.settings)
-    prompt = await srv.side(lambda: srv.cache.encode_messages(**body.prompt()), place_of(request))
+    def encode() -> MessagesPrompt:
+        output_format(body.output(), body.prompt()["messages"], body.prompt()["tool_choice"])  # checked as a message's
+        return srv.cache.encode_messages(**body.prompt())
+    prompt = await srv.side(encode, place_of(request))
     return TokenCount(input_tokens=len(prompt.token_ids))
 
 
 def messages_job(req: MessagesRequest, tenant: str, settings: Settings, tool_family: str | None = None) -> Job:
     """``tool_family``: the syntax of the model's tool calls (``tool_calls.tokenizer_family``)."""
+    prompt = req.prompt()
+    fmt = output_format(req.output(), prompt["messages"], prompt["tool_choice"])
     options = AnswerOptions.parse(temperature=server_temperature(req.temperature, settings), top_p=req.top_p,
                                   top_k=req.top_k or None, stop=req.stop_sequences or None,
-                                  blend=req.prefixcache_blend)
-    prompt = req.prompt()
-    reading = anthropic_tool_use(tool_family, prompt["tools"], prompt["tool_choice"])
+                                  blend=req.prefixcache_blend, response_format=fmt)
+    reading = anthropic_tool_use(tool_family, prompt["tools"], prompt["tool_choice"])  # strict tools checked
+    reading = None if fmt is not None else reading  # the answer is the format's JSON: no call to read in it
     return Job("messages", tenant, anthropic=prompt, max_tokens=limit_max_tokens(req.max_tokens, settings),
                options=options, cache_salt=req.cache_salt or None, diagnose=req.diagnostics is not None,
                previous_id=req.diagnostics.previous_message_id if req.diagnostics else None, tool_use=reading)

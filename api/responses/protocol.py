@@ -171,9 +171,12 @@ class ResponsesRequest(BaseModel):
     stream_options: StreamOptions | None = None
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
-    include: list[Includable] | None = Field(None, description="message.output_text.logprobs is refused; the "
-                                             "others concern items this server never makes: no effect.")
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="Only 0.")
+    include: list[Includable] | None = Field(None, description="message.output_text.logprobs: the output text's "
+                                             "logprobs (output_text.logprobs, and each text delta's; not with "
+                                             "tools the model may call). The others concern items this server "
+                                             "never makes: no effect.")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="The likeliest tokens reported at each "
+                                     "position, with include message.output_text.logprobs.")
     truncation: Literal["auto", "disabled"] | None = Field(None, description="Only disabled: an input over the "
                                                            "context is a 400.")
     background: bool | None = Field(None, description="Only false.")

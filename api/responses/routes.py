@@ -24,13 +24,14 @@ from typing import Annotated, Any
 import xxhash
 from fastapi import APIRouter, Query, Request
 
-from prefixcache import GenerationResult
+from prefixcache import GenerationResult, TokenLogprob
 from prefixcache.errors import InvalidRequestError
 from prefixcache.serving.tool_calls import Piece, Text, ToolCall, ToolUse
 
 from ..errors import NotFoundError, ProxyError, map_exception
 from ..jobs import chat_job
 from ..limits import check_chat
+from ..logprobs import TokenText, chat_content
 from ..routes import _ERRORS, Caller, GuardedRoute, Meta, ServingDep, check_model, respond
 from ..serving import GenerationStream, Serving
 from ..streaming import SSE_RESPONSE, ReportedError, call_id, event, pieces, read
@@ -90,11 +91,15 @@ async def create_response(body: ResponsesRequest, request: Request, who: Caller,
         return response
 
     def answer(result: GenerationResult, meta: Meta) -> ResponseObject:
-        return finish(result, meta, _items(read(result, job.tool_use), meta, job.tool_use, _status(result)))
+        output = _items(read(result, job.tool_use), meta, job.tool_use, _status(result))
+        if result.logprobs is not None:  # with logprobs asked, no tools: the answer is one message
+            output[0].content[0].logprobs = chat_content(result.logprobs, TokenText(srv.cache.tokenizer))
+        return finish(result, meta, output)
 
+    names = None if job.options.logprobs is None else TokenText(srv.cache.tokenizer)
     with _named_as_responses():
         return await respond(job, bool(body.stream), request, srv, "resp_", answer,
-                             lambda stream, meta: _events(stream, meta, shape, job.tool_use, finish))
+                             lambda stream, meta: _events(stream, meta, shape, job.tool_use, finish, names))
 
 
 _ReadWhole = Annotated[bool, Query(description="Only false: a stored response is read whole, not streamed back "
@@ -103,13 +108,10 @@ _ReadWhole = Annotated[bool, Query(description="Only false: a stored response is
 
 @router.get("/v1/responses/{response_id}", response_model=ResponseObject, responses=_ERRORS)
 async def get_response(response_id: str, request: Request, who: Caller, stream: _ReadWhole = False) -> ResponseObject:
-    """A response this API key stored (``store`` unset or true), while it is kept. ``include`` (``include[]``) is
-    as on create: logprobs are refused, the other values change nothing."""
+    """A response this API key stored (``store`` unset or true), while it is kept. ``include`` (``include[]``)
+    changes nothing: the response is as it was created (with its output text's logprobs if creating it asked)."""
     if stream:
         raise InvalidRequestError("stream=true is not supported: a stored response is read whole", param="stream")
-    query = request.query_params
-    if "message.output_text.logprobs" in query.getlist("include[]") + query.getlist("include"):
-        raise InvalidRequestError("logprobs are not supported by this server", param="include")
     found = request.app.state.responses.get(who.tenant, response_id)
     if found is None:
         raise NotFoundError(f"Response with id '{response_id}' not found.", param="response_id")
@@ -151,7 +153,7 @@ class _Shape:
             "tools": [{**t.model_dump(), "strict": bool(t.strict)} for t in req.tools or []
                       if isinstance(t, FunctionTool)],
             "temperature": req.temperature if req.temperature is not None else srv.settings.default_temperature,
-            "top_p": req.top_p if req.top_p is not None else 1.0}
+            "top_p": req.top_p if req.top_p is not None else 1.0, "top_logprobs": req.top_logprobs or 0}
         if req.text is not None and req.text.format is not None:
             self.echo["text"] = {"format": req.text.format.model_dump(exclude_none=True), "verbosity": "medium"}
 
@@ -216,8 +218,10 @@ def _items(answer: list[Piece], meta: Meta, tools: ToolUse | None, status: str) 
 
 
 async def _events(stream: GenerationStream, meta: Meta, shape: _Shape, tools: ToolUse | None,
-                  finish: Any) -> AsyncIterator[str]:
-    """The Responses API's event sequence (a failure once begun: ``error``, then ``response.failed``)."""
+                  finish: Any, names: TokenText | None = None) -> AsyncIterator[str]:
+    """The Responses API's event sequence (a failure once begun: ``error``, then ``response.failed``). ``names``:
+    the request asked for logprobs (each text delta carries its tokens'; those of tokens whose text came before, or
+    that have none, a last delta of no text), read with it."""
     number = 0
     output: list[Any] = []
 
@@ -230,11 +234,19 @@ async def _events(stream: GenerationStream, meta: Meta, shape: _Shape, tools: To
         item = output[-1]
         index, text = len(output) - 1, item.content[0].text
         yield send("response.output_text.done", item_id=item.id, output_index=index, content_index=0, text=text,
-                   logprobs=[])
+                   logprobs=item.content[0].logprobs)
         yield send("response.content_part.done", item_id=item.id, output_index=index, content_index=0,
                    part=item.content[0].model_dump())
         item.status = status
         yield send("response.output_item.done", output_index=index, item=item.model_dump())
+
+    def delta(text: str, entries: list[TokenLogprob]) -> str:
+        """The open message's text delta, with the logprobs of its tokens when asked."""
+        if names is not None:
+            output[-1].content[0].logprobs += chat_content(entries, names)
+        return send("response.output_text.delta", item_id=output[-1].id, output_index=len(output) - 1,
+                    content_index=0, delta=text, logprobs=chat_content(entries, names, with_bytes=False)
+                    if entries else [])
 
     def open_text() -> Iterator[str]:
         item = _message(meta, len(output), "", "in_progress")
@@ -254,8 +266,7 @@ async def _events(stream: GenerationStream, meta: Meta, shape: _Shape, tools: To
                         yield item
                     text_open = True
                 output[-1].content[0].text += piece.text
-                yield send("response.output_text.delta", item_id=output[-1].id, output_index=len(output) - 1,
-                           content_index=0, delta=piece.text, logprobs=[])
+                yield delta(piece.text, stream.take_logprobs())
                 continue
             if text_open:
                 for item in close_text():
@@ -281,10 +292,13 @@ async def _events(stream: GenerationStream, meta: Meta, shape: _Shape, tools: To
         raise ReportedError(exc) from exc
     result = stream.result
     status = _status(result)
-    if not output:  # an empty answer is one empty message, as unstreamed
+    rest = stream.take_logprobs() if names is not None else []
+    if not output or (rest and not text_open):  # an empty answer is one empty message, as unstreamed
         for item in open_text():
             yield item
         text_open = True
+    if rest:
+        yield delta("", rest)
     if text_open:
         for item in close_text(status):
             yield item

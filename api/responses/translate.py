@@ -5,7 +5,8 @@ conversation of ``previous_response_id``, then ``input`` (a string is one user m
 ``input_text``/``output_text`` parts are text parts; ``function_call`` items join the
 assistant message before them as its ``tool_calls``, or make one; ``function_call_output``
 items are tool messages). Flat function tools become chat's nested ones, ``max_output_tokens``
-is ``max_tokens``, ``text.format`` chat's ``response_format``; the cache fields pass as they are. What would change the answer unless
+is ``max_tokens``, ``text.format`` chat's ``response_format``, ``include`` of the output text's logprobs chat's
+``logprobs``; the cache fields and ``top_logprobs`` pass as they are. What would change the answer unless
 honoured and cannot be is refused with a 400 naming it (``refuse``), never dropped.
 """
 from __future__ import annotations
@@ -30,6 +31,8 @@ from .protocol import (
     UnsupportedPart,
 )
 
+#: The ``include`` value that asks for the output text's logprobs.
+LOGPROBS = "message.output_text.logprobs"
 _ITEMS: TypeAdapter[list[InputItem]] = TypeAdapter(list[InputItem])
 
 
@@ -41,10 +44,6 @@ def refuse(req: ResponsesRequest) -> None:
     if req.reasoning is not None and req.reasoning.effort not in (None, "none"):
         raise InvalidRequestError(f"reasoning.effort {req.reasoning.effort!r} is not supported: this model does "
                                   "not reason (only 'none')", param="reasoning.effort")
-    if "message.output_text.logprobs" in (req.include or []):
-        raise InvalidRequestError("logprobs are not supported by this server", param="include")
-    if req.top_logprobs:
-        raise InvalidRequestError("logprobs are not supported by this server", param="top_logprobs")
     if req.truncation == "auto":
         raise InvalidRequestError("truncation 'auto' is not supported (only 'disabled': an input over the context "
                                   "is an error)", param="truncation")
@@ -129,6 +128,11 @@ def chat_tools(req: ResponsesRequest) -> list[dict[str, Any]] | None:
             for tool in req.tools if isinstance(tool, FunctionTool)]
 
 
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    """Whether ``include`` asks for the output text's logprobs (chat's ``logprobs``; ``top_logprobs`` as chat's)."""
+    return LOGPROBS in (req.include or [])
+
+
 def chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> ChatCompletionRequest:
     """The chat request of ``req`` after the stored ``conversation`` (instructions first, then it, then the input)."""
     messages = ([{"role": "system", "content": req.instructions}] if req.instructions is not None else []) \
@@ -141,8 +145,8 @@ def chat_request(req: ResponsesRequest, conversation: list[dict[str, Any]]) -> C
         "tool_choice": {"type": "function", "function": {"name": choice.name}}
         if isinstance(choice, FunctionChoice) else choice,
         "parallel_tool_calls": req.parallel_tool_calls, "response_format": response_format(req),
-        "prompt_cache_key": req.prompt_cache_key,
-        "prompt_cache_retention": req.prompt_cache_retention, "cache_salt": req.cache_salt, "user": req.user,
+        "prompt_cache_key": req.prompt_cache_key, "logprobs": wants_logprobs(req) or None,
+        "top_logprobs": req.top_logprobs, "prompt_cache_retention": req.prompt_cache_retention, "cache_salt": req.cache_salt, "user": req.user,
         "prompt_cache_options": None if req.prompt_cache_options is None
         else req.prompt_cache_options.model_dump(exclude_none=True)}
     if not messages:
@@ -165,6 +169,8 @@ def param_of(param: str | None) -> str | None:
         return "input"
     if param in ("max_tokens", "max_completion_tokens"):
         return "max_output_tokens"
+    if param == "logprobs":
+        return "include"
     if param == "response_format" or param.startswith("response_format."):
         return "text.format" + param[len("response_format"):].replace(".json_schema", "", 1)
     return _TOOL_FIELD.sub(r"tools[\1]", param)

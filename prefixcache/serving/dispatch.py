@@ -9,6 +9,7 @@ serve) runs on the serial engine; the reason is logged.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -20,6 +21,7 @@ from transformers import GenerationConfig, StoppingCriteriaList
 from prefixcache.cache.scope import Scope
 from prefixcache.serving.blend import BLEND_LOST, BlendRequest
 from prefixcache.serving.engine import BatchEngine, BatchResult
+from prefixcache.serving.logprobs import RawLogits
 from prefixcache.serving.options import AnswerOptions, batch_params
 from prefixcache.serving.request import CallStats, Request, SamplingParams, finish_reason
 from prefixcache.serving.sampling import OpenAIPenalties, stop_string_check
@@ -102,7 +104,8 @@ class Dispatcher:
         """(new tokens, stats, finish reason); a stop string seen by ``stream`` halts the request. ``adjust``
         completes the stats before they are counted."""
         stream.put(torch.tensor(prompt))  # the stream skips the prompt, as with generate()
-        req = self.batcher.submit(prompt, scope, params, lambda t: stream.put(torch.tensor([t])), Halt(cancel, stream))
+        req = self.batcher.submit(prompt, scope, params, lambda t: stream.put(torch.tensor([t])), Halt(cancel, stream),
+                                  logprobs=stream.logprobs)
         res = self.wait(req, timeout, adjust)
         stream.end()
         return res.tokens, res.stats, res.finish_reason
@@ -156,10 +159,12 @@ class Dispatcher:
         # string it finds ends generation at that token, as on the batching engine (no per-request tables
         # for the stop strings, as ``stop_strings`` would build).
         criteria = StoppingCriteriaList(gen.pop("stopping_criteria", None) or [])
-        criteria.append(StreamCriteria(stream, Halt(options.cancel, stream)))
-        gen["stopping_criteria"] = criteria
         stream.put(torch.tensor(prompt))  # the stream skips the prompt, as with generate()
-        out, stats = self.serial(torch.tensor([prompt], device=device), scope, None, gen, blend)
+        with contextlib.ExitStack() as held:
+            raw = None if options.logprobs is None else held.enter_context(RawLogits(self.serial_engine.model))
+            criteria.append(StreamCriteria(stream, Halt(options.cancel, stream), raw, options.logprobs))
+            gen["stopping_criteria"] = criteria
+            out, stats = self.serial(torch.tensor([prompt], device=device), scope, None, gen, blend)
         stream.end()
         new = out[0, len(prompt):].tolist()
         eos = options.eos_ids(self.serial_engine.effective_config(None, options.extra))

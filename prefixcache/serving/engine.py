@@ -41,6 +41,7 @@ from prefixcache.model.hf_cache import Probe, check_cascade, enable_cascade_atte
 from prefixcache.model.layout import KVLayout
 from prefixcache.model.step_graphs import Capture, device_capture
 from prefixcache.model.threads import WorkerThreads
+from prefixcache.serving.logprobs import TokenLogprob, pack, token_logprobs, top_width, unpack
 from prefixcache.serving.model_runner import ModelRunner
 from prefixcache.serving.request import CallStats, Request, SamplingParams, Status, finish_reason
 from prefixcache.serving.sampling import Sampler, draw_rows, fresh_seed
@@ -146,6 +147,7 @@ class BatchResult:
     tokens: list[int]  # generated tokens only
     finish_reason: str  # "stop", "length" or "cancelled"
     stats: CallStats
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, where ``SamplingParams.logprobs`` asked
 
 
 class BatchEngine:
@@ -244,8 +246,11 @@ class BatchEngine:
 
     def submit(self, prompt: Sequence[int], scope: Scope, params: SamplingParams,
                on_token: Callable[[int], None] | None = None,
-               cancel: threading.Event | None = None, stop: Callable[[list[int]], bool] | None = None) -> Request:
-        """Queue one request; ``wait`` for its result. ``on_token`` and ``stop`` run on the loop's thread."""
+               cancel: threading.Event | None = None, stop: Callable[[list[int]], bool] | None = None,
+               logprobs: list[TokenLogprob] | None = None) -> Request:
+        """Queue one request; ``wait`` for its result. ``on_token`` and ``stop`` run on the loop's thread.
+        ``logprobs``: the list each token's ``TokenLogprob`` is appended to, before ``on_token`` sees the token
+        (where ``params.logprobs`` asks; default: a list of the request's own)."""
         if self.failure is not None:  # a fault (503, retry), not a request batching cannot serve
             raise self._stopped()
         reason = self.unservable(len(prompt), params)
@@ -253,6 +258,8 @@ class BatchEngine:
             raise UnsupportedModelError(reason)
         self._threads.release()  # the caller waits from here on; the loop's thread computes
         req = Request(list(prompt), scope, params, self._clock(), on_token, cancel, stop)
+        if logprobs is not None:
+            req.logprobs = logprobs
         sampler = Sampler(params, len(req.prompt))
         req.sampler = None if sampler.argmax_only else sampler  # None: the step's one batched argmax
         # Pin the longest cached prefix now: admission order needs its length. The last
@@ -293,7 +300,7 @@ class BatchEngine:
             raise
         if req.error is not None:
             raise req.error
-        return BatchResult(list(req.output), req.finish_reason or "length", req.stats)
+        return BatchResult(list(req.output), req.finish_reason or "length", req.stats, tuple(req.logprobs))
 
     def _stopped(self) -> EngineFaultError:
         return EngineFaultError(f"the batching loop stopped ({self.failure or 'no reason recorded'}); retry")
@@ -373,12 +380,14 @@ class BatchEngine:
         """logits: [K, V], one row per request of ``plan`` whose prompt is complete (in plan order)."""
         for req, n in plan:  # all first: a request leaving below may repack the pool to these lengths
             req.private.length += n
-        # Plain greedy rows: one argmax over the step's logits (first maximum, as ``torch.argmax``).
-        best = logits.argmax(dim=-1).tolist() if any(r.sampler is None and not r.prefilling for r, _ in plan) else None
+        rows = [r for r, _ in plan if not r.prefilling]
+        # Rows that ask for logprobs: their raw logits' log_softmax (``logprobs``), in one batched computation.
+        asking = [k for k, req in enumerate(rows) if req.params.logprobs is not None]
+        tops = [rows[k].params.logprobs for k in asking]
+        best, entries = _argmax(rows, logits, asking, tops)
         # Sampled rows: unseeded ones that only warp their logits drawn together where the logits are
         # (``draw_rows``; ``BatchConfig.draw_together``), the others' float32 scores to the host in one copy
         # (one synchronisation on a device), where each row's sampler draws.
-        rows = [r for r, _ in plan if not r.prefilling]
         together = self.config.draw_together
         together = logits.device.type != "cpu" if together is None else together
         warped = [k for k, r in enumerate(rows) if together and r.sampler is not None and r.sampler.warp is not None]
@@ -388,18 +397,26 @@ class BatchEngine:
                                            [rows[k].sampler.uniform(rows[k].generator) for k in warped]),
                          strict=True)) if warped else {}
         scores = iter(logits[hosted].float().cpu()) if hosted else iter(())
+        tokens = []
+        for k, req in enumerate(rows):
+            if req.sampler is None:
+                tokens.append(best[k])
+            elif k in drawn:
+                tokens.append(drawn[k])
+            else:
+                tokens.append(req.sampler.next_token(next(scores), req.prompt, req.output, req.generator))
+        if asking:
+            if entries is None:  # sampled rows among them: their tokens are known on the host only now
+                entries = token_logprobs(logits[asking], [tokens[k] for k in asking], tops)
+            for k, entry in zip(asking, entries, strict=True):
+                rows[k].logprobs.append(entry)
         k = 0
         for req, _ in plan:
             if req.prefilling:
                 if req.cancelled:
                     self._finish(req, "cancelled", None)
                 continue
-            if req.sampler is None:
-                token = best[k]
-            elif k in drawn:
-                token = drawn[k]
-            else:
-                token = req.sampler.next_token(next(scores), req.prompt, req.output, req.generator)
+            token = tokens[k]
             k += 1
             if not req.output:
                 self._publish_for_followers(req)
@@ -476,3 +493,20 @@ class BatchEngine:
         """Bring the KV ledger's private reservation in line with the running requests' pools."""
         with self._cv:
             _attempt("account private KV", lambda: self.store.ledger.force("private", self.scheduler.private_bound()))
+
+
+def _argmax(rows: list[Request], logits: torch.Tensor, asking: list[int],
+            tops: list[int]) -> tuple[list[int] | None, list[TokenLogprob] | None]:
+    """Plain greedy rows' tokens: one argmax over the step's logits ([K, V]; first maximum, as ``torch.argmax``),
+    None where no row is plain greedy. The rows ``asking`` for logprobs (``tops`` alternatives each) get theirs
+    in the same copy to the host when all of them are plain greedy (no second synchronisation), else None."""
+    if not any(r.sampler is None for r in rows):
+        return None, None
+    argmax = logits.argmax(dim=-1)  # [K]
+    if not asking or any(rows[k].sampler is not None for k in asking):
+        return argmax.tolist(), None
+    width = top_width(logits, tops)
+    host = torch.cat([argmax.double(), pack(logits[asking], argmax[asking], width).flatten()]).cpu().tolist()
+    best, cols = [int(t) for t in host[: len(rows)]], 1 + 2 * width
+    packed = [host[len(rows) + i * cols : len(rows) + (i + 1) * cols] for i in range(len(asking))]
+    return best, unpack(packed, [best[k] for k in asking], tops, width)

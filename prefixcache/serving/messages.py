@@ -12,6 +12,10 @@ block of the last message (the whole message when its content is a string). It i
 the ``MAX_BREAKPOINTS`` and follows the TTL order as any marker; on a block that carries its
 own ``cache_control`` it adds nothing (the block's marker, TTL included, stands).
 
+``output_config`` (``output_format``): ``format`` holds the answer to a JSON schema (``structured.py``);
+``effort`` is accepted only as "high", Anthropic's default, which changes nothing on a model that does not
+reason.
+
 A breakpoint's position is the number of leading tokens the prompt shares with the same
 request cut right after the marked block (encoded without a generation prompt): exactly
 the tokens every request that agrees up to that block starts with, whatever the chat
@@ -27,8 +31,13 @@ from typing import Any
 from prefixcache.errors import InvalidRequestError
 from prefixcache.serving.breakpoints import DEFAULT_TTL, Breakpoint, check_breakpoints
 from prefixcache.serving.canonicalize import CHUNK_FIELD, Canonicalizer
+from prefixcache.serving.structured import ResponseFormat, parse_output_format
 
 ROLES = ("user", "assistant")
+#: The ``output_config.effort`` levels honoured: Anthropic's default, the same as leaving it unset.
+EFFORTS = ("high",)
+#: Every level Anthropic defines (any other is no level at all).
+EFFORT_LEVELS = ("low", "medium", "high", "xhigh", "max")
 #: Where the cut of a breakpoint falls: ("tools", i), ("system", j) or ("messages", m, k).
 Cut = tuple
 
@@ -66,6 +75,39 @@ def encode_messages(canon: Canonicalizer, messages: Sequence[dict[str, Any]], sy
         floor = max(floor, _position(canon, full, messages, system, tools, cut, hide_tools))
         located.append(Breakpoint(bp.where, bp.ttl, floor))
     return MessagesPrompt(full, tuple(located), encoded.chunks, encoded.unplaced)
+
+
+def output_format(config: Any, messages: Sequence[Any] = (), tool_choice: Any = None) -> ResponseFormat | None:
+    """Anthropic's ``output_config``, checked: its ``format`` compiled (``structured.parse_output_format``; None:
+    the answer is text). ``effort`` other than "high" (the default) is refused: the model does not reason, so
+    no other level can be honoured. A format cannot continue a prefilled final assistant turn nor come with a
+    forced tool call (the answer's JSON starts at its first token). Raises ``InvalidRequestError`` (with
+    ``param``)."""
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        raise InvalidRequestError("output_config must be an object with format and/or effort", param="output_config")
+    unknown = sorted(set(config) - {"format", "effort"})
+    if unknown:
+        raise InvalidRequestError(f"output_config.{unknown[0]}: unknown field", param=f"output_config.{unknown[0]}")
+    effort = config.get("effort")
+    if effort is not None and effort not in EFFORTS:
+        known = effort in EFFORT_LEVELS
+        raise InvalidRequestError(f"output_config.effort {effort!r} is " + (
+            "not supported by this model (it does not reason): only 'high', the default, is accepted" if known
+            else f"not one of {', '.join(EFFORT_LEVELS)}"), param="output_config.effort")
+    fmt = parse_output_format(config.get("format"), "output_config.format")
+    if fmt is None:
+        return None
+    last = messages[-1] if isinstance(messages, (list, tuple)) and messages else None
+    if isinstance(last, dict) and last.get("role") == "assistant":
+        raise InvalidRequestError("output_config.format cannot be used with a prefilled assistant message (the "
+                                  "answer's JSON starts at its first token): end messages with a user turn",
+                                  param="output_config.format")
+    if isinstance(tool_choice, dict) and tool_choice.get("type") in ("any", "tool"):
+        raise InvalidRequestError("a forced tool call (tool_choice any or tool) cannot be made with "
+                                  "output_config.format (the answer is its JSON)", param="tool_choice")
+    return fmt
 
 
 def to_chat(messages: Sequence[Any], system: Any, tools: Sequence[Any]) -> tuple[list[dict], list[dict] | None]:

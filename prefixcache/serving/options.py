@@ -24,6 +24,7 @@ from transformers import GenerationConfig, GenerationMixin
 
 from prefixcache.errors import InvalidRequestError
 from prefixcache.serving.canonicalize import check_text
+from prefixcache.serving.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from prefixcache.serving.request import SamplingParams
 from prefixcache.serving.sampling import GREEDY_BELOW, as_id_set, openai_params, penalty_params
 from prefixcache.serving.structured import Constraint, ResponseFormat, parse_response_format
@@ -154,14 +155,14 @@ def _stop_strings_reason(config: GenerationConfig, kwargs: Mapping[str, Any]) ->
 
 def _params(config: GenerationConfig, prompt_len: int, *, max_new: int, temperature: float | None,
             top_p: float | None, top_k: int | None, seed: int | None, eos: frozenset[int],
-            constraint: Constraint | None = None, **penalties: Any) -> SamplingParams:
+            constraint: Constraint | None = None, logprobs: int | None = None, **penalties: Any) -> SamplingParams:
     """``SamplingParams`` of a call: what it sets, and from ``config`` what it leaves to the model."""
     min_new = config.min_new_tokens or max((config.min_length or 0) - prompt_len, 0)
     stops = config.stop_strings
     return SamplingParams(max_new_tokens=max_new, min_new_tokens=int(min_new), temperature=temperature,
                           top_p=top_p, top_k=top_k, repetition_penalty=config.repetition_penalty, seed=seed,
                           eos_token_ids=eos, stop_strings=(stops,) if isinstance(stops, str) else tuple(stops or ()),
-                          constraint=constraint, **penalties)
+                          constraint=constraint, logprobs=logprobs, **penalties)
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +196,8 @@ class AnswerOptions:
     unplaced: int = 0
     response_format: ResponseFormat | None = None
     constraint: Constraint | None = None
+    logprobs: int | None = None
+    on_logprobs: Callable[[list[TokenLogprob]], None] | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -205,7 +208,9 @@ class AnswerOptions:
               on_text: Callable[[str], None] | None = None, cancel: threading.Event | None = None,
               ignore_eos: bool = False, timeout_seconds: float | None = None,
               chunks: Sequence[tuple[int, int]] | None = None, blend: bool | float | None = None, unplaced: int = 0,
-              response_format: Mapping[str, Any] | ResponseFormat | None = None, **extra: Any) -> AnswerOptions:
+              response_format: Mapping[str, Any] | ResponseFormat | None = None, logprobs: bool | None = None,
+              top_logprobs: int | None = None, on_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
+              **extra: Any) -> AnswerOptions:
         """Check every option once; a bad one raises ``InvalidRequestError`` naming its parameter."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InvalidRequestError("max_new_tokens must be an integer >= 1", param="max_tokens")
@@ -221,6 +226,8 @@ class AnswerOptions:
         if on_text is not None and not callable(on_text):
             raise InvalidRequestError("on_text must be a function of the text delta", param="on_text")
         check_cancel(cancel)
+        if on_logprobs is not None and not callable(on_logprobs):
+            raise InvalidRequestError("on_logprobs must be a function of the tokens' logprobs", param="on_logprobs")
         for name in extra:  # anything else goes to generate(): a name it does not know would fail only there
             if not generate_option(name):
                 raise InvalidRequestError(f"unknown option {name!r}{_option_hint(name)}", param=name)
@@ -231,7 +238,7 @@ class AnswerOptions:
         return cls(max_new_tokens, **sampling, seed=seed, stop=tuple(stops), **penalties,
                    ignore_eos=bool(ignore_eos), timeout_seconds=timeout, on_text=on_text, cancel=cancel, chunks=chunks,
                    blend=blend, unplaced=unplaced, response_format=parse_response_format(response_format),
-                   extra=extra)
+                   logprobs=logprob_count(logprobs, top_logprobs), on_logprobs=on_logprobs, extra=extra)
 
     @property
     def cancelled(self) -> bool:
@@ -260,7 +267,8 @@ class AnswerOptions:
         return _params(config, prompt_len, max_new=self.max_new_tokens,
                        temperature=(1.0 if self.temperature is None else self.temperature) if sample else None,
                        top_p=self.top_p if sample else None, top_k=self.top_k if sample else None,
-                       seed=self.seed, eos=self.eos_ids(config), constraint=self.constraint, **self.penalties()), None
+                       seed=self.seed, eos=self.eos_ids(config), constraint=self.constraint, logprobs=self.logprobs,
+                       **self.penalties()), None
 
     def generate_kwargs(self) -> dict[str, Any]:
         """The call as ``generate()`` keyword arguments, for the serial engine."""
@@ -271,6 +279,19 @@ class AnswerOptions:
         if self.seed is not None:
             gen["seed"] = self.seed
         return gen
+
+
+def logprob_count(logprobs: Any, top_logprobs: Any) -> int | None:
+    """OpenAI's ``logprobs`` (true: report them) and ``top_logprobs`` (alternatives per token, 0-20, only with
+    ``logprobs``; 0 alone asks for nothing) as the alternatives to report, or None where none are asked for."""
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise InvalidRequestError("logprobs must be true or false", param="logprobs")
+    if top_logprobs is not None and (isinstance(top_logprobs, bool) or not isinstance(top_logprobs, int)
+                                     or not 0 <= top_logprobs <= MAX_TOP_LOGPROBS):
+        raise InvalidRequestError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}]", param="top_logprobs")
+    if top_logprobs and not logprobs:
+        raise InvalidRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
+    return (top_logprobs or 0) if logprobs else None
 
 
 def check_seed(seed: Any) -> None:

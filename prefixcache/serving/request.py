@@ -31,7 +31,8 @@ class SamplingParams:
     as OpenAI defines them (penalties over generated tokens only). ``min_new_tokens``: the
     end-of-sequence tokens are masked until that many tokens exist. ``stop_strings``: stop
     once the text ends in one of them, as ``generate(stop_strings=...)`` does (kept in the output).
-    ``constraint``: the answer's grammar (``structured.Constraint``; None: any text).
+    ``constraint``: the answer's grammar (``structured.Constraint``; None: any text). ``logprobs``:
+    report each token's log-probability and that many alternatives (``serving/logprobs.py``; None: none).
     """
 
     max_new_tokens: int = 16
@@ -47,6 +48,7 @@ class SamplingParams:
     eos_token_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()
     constraint: Any = None
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -117,6 +119,8 @@ class Request:
     generator: torch.Generator | None = None
     sampler: object | None = None  # the request's logits processors (``sampling.Sampler``), None: argmax
     output: list[int] = field(default_factory=list)
+    #: With ``params.logprobs``: each output token's ``TokenLogprob``, appended before ``on_token`` sees it.
+    logprobs: list[Any] = field(default_factory=list)
     finish_reason: str | None = None
     error: BaseException | None = None
     stats: CallStats = field(default_factory=CallStats)

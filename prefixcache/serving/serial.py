@@ -34,6 +34,7 @@ from prefixcache.serving.blend import (
     BlendTally,
     blended_scope,
 )
+from prefixcache.serving.logprobs import RawLogits, token_logprobs
 from prefixcache.serving.options import bypass_reason
 from prefixcache.serving.request import CallStats
 from prefixcache.serving.sampling import fresh_seed
@@ -46,13 +47,18 @@ PREWARM_CHUNK_TOKENS = 256
 class StreamCriteria(StoppingCriteria):
     """Hands each new token to ``stream`` (a ``TextStream``), then stops once ``halt.is_set()`` (a stop string the
     stream saw, or a cancel). generate() asks its stopping criteria before it feeds a streamer, so a stop string
-    found through a streamer would end generation one token late; here the stream sees the token first."""
+    found through a streamer would end generation one token late; here the stream sees the token first.
+    With ``raw`` (the forwards' raw logits, ``logprobs.RawLogits``), the token's ``TokenLogprob`` with ``top``
+    alternatives goes to ``stream.logprobs`` before the token goes to the stream."""
 
-    def __init__(self, stream: Any, halt: Any):
-        self.stream, self.halt = stream, halt
+    def __init__(self, stream: Any, halt: Any, raw: RawLogits | None = None, top: int | None = None):
+        self.stream, self.halt, self.raw, self.top = stream, halt, raw, top
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs) -> torch.BoolTensor:
-        self.stream.put(input_ids[0, -1:].cpu())
+        token = input_ids[0, -1:].cpu()
+        if self.raw is not None:
+            self.stream.logprobs.extend(token_logprobs(self.raw.last[None], token.tolist(), [self.top or 0]))
+        self.stream.put(token)
         return torch.full((input_ids.shape[0],), self.halt.is_set(), dtype=torch.bool, device=input_ids.device)
 
 

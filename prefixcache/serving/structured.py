@@ -5,6 +5,10 @@
 or None constrain nothing. A schema llguidance cannot compile is a 400 naming ``response_format.json_schema
 .schema``; a strict one follows OpenAI's strict-mode rules (``tool_schemas.check_strict_shape``).
 
+``parse_output_format`` does the same for Anthropic's ``output_config.format`` (``{"type": "json_schema",
+"schema"}``), whose schema follows Anthropic's rules (``tool_schemas.check_anthropic_shape``); its errors name
+``output_config.format.schema``.
+
 ``Vocabulary`` is llguidance's view of the tokenizer (built once, on the first constrained call: about a second
 for a vocabulary of tens of thousands). ``Constraint`` binds a format to it; each call gets its own
 ``GrammarLogits``, a logits processor that advances the grammar's matcher with the tokens chosen so far and sets
@@ -38,7 +42,14 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 from transformers import LogitsProcessor
 
 from prefixcache.errors import InvalidRequestError, OutputFormatError
-from prefixcache.serving.tool_schemas import OPENAI_FORMATS, check_strict_shape, compile_schema, first_mismatch
+from prefixcache.serving.tool_schemas import (
+    ANTHROPIC_FORMATS,
+    OPENAI_FORMATS,
+    check_anthropic_shape,
+    check_strict_shape,
+    compile_schema,
+    first_mismatch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +76,8 @@ class ResponseFormat:
 
     def check(self, text: str) -> None:
         """Raise ``OutputFormatError`` unless ``text`` is JSON that matches the schema."""
-        what = "a JSON object" if self.kind == "json_object" else f"response_format {self.name!r}"
+        what = "a JSON object" if self.kind == "json_object" else \
+            f"response_format {self.name!r}" if self.name is not None else "output_config.format's schema"
         try:
             value = json.loads(text)
         except ValueError as exc:
@@ -111,19 +123,58 @@ def parse_response_format(value: Any, param: str = "response_format") -> Respons
     return _compiled("json_schema", name, schema, bool(strict), f"{at}.schema")
 
 
-def _compiled(kind: str, name: str | None, schema: Any, strict: bool, at: str) -> ResponseFormat:
-    """The format's validator and grammar, or a 400 naming ``at``."""
-    validator = compile_schema(schema, at, formats=OPENAI_FORMATS if strict else ())
-    if strict:
+def parse_output_format(value: Any, param: str = "output_config.format") -> ResponseFormat | None:
+    """``value`` (Anthropic's ``output_config.format`` object, or a ``ResponseFormat``) checked and compiled;
+    None for None. Its schema follows Anthropic's rules (``check_anthropic_shape``: every object closed with
+    ``additionalProperties`` false, no numeric or length bounds, no recursion) and its string ``format``s are
+    asserted; ``"format": "text"`` (what the ``anthropic`` client's ``transform_schema`` writes on a plain
+    string) constrains nothing. A bad one raises ``InvalidRequestError`` naming where it is wrong."""
+    if value is None or isinstance(value, ResponseFormat):
+        return value
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"{param} must be an object such as {{'type': 'json_schema', 'schema': {{...}}}}",
+                                  param=param)
+    if value.get("type") != "json_schema":
+        raise InvalidRequestError(f"{param}.type must be 'json_schema', not {value.get('type')!r}",
+                                  param=f"{param}.type")
+    unknown = sorted(set(value) - {"type", "schema"})
+    if unknown:
+        raise InvalidRequestError(f"{param}.{unknown[0]}: unknown field", param=f"{param}.{unknown[0]}")
+    if value.get("schema") is None:
+        raise InvalidRequestError(f"{param}.schema is required (a JSON schema object)", param=f"{param}.schema")
+    return _compiled("json_schema", None, value["schema"], True, f"{param}.schema", anthropic=True)
+
+
+def _compiled(kind: str, name: str | None, schema: Any, strict: bool, at: str,
+              anthropic: bool = False) -> ResponseFormat:
+    """The format's validator and grammar, or a 400 naming ``at``; ``strict`` under OpenAI's strict-mode rules,
+    or ``anthropic``'s."""
+    validator = compile_schema(schema, at, formats=ANTHROPIC_FORMATS if anthropic else
+                               OPENAI_FORMATS if strict else ())
+    if anthropic:
+        check_anthropic_shape(schema, None, at, owner="output_config.format")
+    elif strict:
         check_strict_shape(schema, str(name), at, owner="response_format")
     try:
-        grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        grammar = LLMatcher.grammar_from_json_schema(_plain_text(schema) if anthropic else schema,
+                                                     defaults=JSON_OPTIONS)
         error = LLMatcher.validate_grammar(grammar)
     except (ValueError, TypeError) as exc:
         error = str(exc)
     if error:
         raise InvalidRequestError(f"{at} cannot be used to constrain the answer: {error}", param=at)
     return ResponseFormat(kind, name, schema, strict, grammar, validator)
+
+
+def _plain_text(node: Any) -> Any:
+    """``node`` without ``"format": "text"`` on its string schemas (a plain string, for llguidance, which knows
+    no such format)."""
+    if isinstance(node, list):
+        return [_plain_text(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    return {key: _plain_text(value) for key, value in node.items()
+            if not (key == "format" and value == "text" and node.get("type") == "string")}
 
 
 class Vocabulary:

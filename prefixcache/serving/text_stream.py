@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from prefixcache.serving.logprobs import TokenLogprob
+
 
 class TextStream(BaseStreamer):
     """Decodes new tokens incrementally and hands text deltas to ``on_text``.
@@ -19,10 +21,20 @@ class TextStream(BaseStreamer):
     a stop string's length before it. Text that could still turn into a stop string is held
     back, so a client never sees a stop sequence (OpenAI semantics); ``stopped`` once one
     appeared. ``text`` is what has been decoded so far.
+
+    ``logprobs``: each new token's ``TokenLogprob``, which the producer appends before it ``put``s the
+    token (where the call asks for them). ``on_logprobs`` receives those of the tokens decoded so far,
+    but special tokens (whose text the answer skips), just before ``on_text`` receives their text (the
+    last ones at ``end``, with or without text): in all, ``answer_logprobs``.
     """
 
-    def __init__(self, tokenizer, on_text: Callable[[str], None] | None, stop: Sequence[str]):
+    def __init__(self, tokenizer, on_text: Callable[[str], None] | None, stop: Sequence[str],
+                 on_logprobs: Callable[[list[TokenLogprob]], None] | None = None):
         self._tok, self._on_text, self._stop = tokenizer, on_text or (lambda _t: None), tuple(s for s in stop if s)
+        self._on_logprobs = on_logprobs
+        self._special = frozenset(getattr(tokenizer, "all_special_ids", ()))
+        self.logprobs: list[TokenLogprob] = []
+        self._reported = 0  # logprobs[:_reported] went to ``on_logprobs``
         self._longest = max((len(s) for s in self._stop), default=0)
         self._ids: list[int] = []
         self._prefix = self._read = 0  # ids[_prefix:_read] decode to the end of ``text``; later ids are pending
@@ -43,6 +55,20 @@ class TextStream(BaseStreamer):
     def end(self) -> None:
         self._decode(final=True)
         self._emit(final=True)
+        self._report(len(self.logprobs))
+
+    def answer_logprobs(self, tokens: int) -> tuple[TokenLogprob, ...]:
+        """The logprobs of the answer's first ``tokens`` tokens, but special tokens'."""
+        return tuple(e for e in self.logprobs[:tokens] if e.token not in self._special)
+
+    def _report(self, upto: int) -> None:
+        """Hand ``on_logprobs`` the logprobs after the last reported up to ``upto`` (none: nothing)."""
+        if self._on_logprobs is None or upto <= self._reported:
+            return
+        fresh = [e for e in self.logprobs[self._reported : upto] if e.token not in self._special]
+        self._reported = upto
+        if fresh:
+            self._on_logprobs(fresh)
 
     def _decode(self, final: bool) -> None:
         """Append the text the pending ids complete (all of it when ``final``)."""
@@ -73,6 +99,7 @@ class TextStream(BaseStreamer):
                         break
             text = text[:safe]
         if len(text) > self._sent:
+            self._report(min(self._read, len(self.logprobs)))
             self._on_text(text[self._sent :])
             self._sent = len(text)
 

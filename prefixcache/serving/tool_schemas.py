@@ -175,14 +175,17 @@ def check_strict_shape(schema: Any, name: str, at: str, where: str = "#", owner:
             check_strict_shape(schema[key], name, at, f"{where}/{key}", owner)
 
 
-def check_anthropic_shape(schema: dict[str, Any], name: str, at: str) -> None:
+def check_anthropic_shape(schema: dict[str, Any], name: str | None, at: str, owner: str = "strict tool") -> None:
     """Anthropic's rules for a strict tool's schema (its structured outputs' JSON schema limitations), whose
     breach it refuses with a 400: every object schema sets ``additionalProperties`` to false; no numeric bounds
     or ``multipleOf``, string lengths, ``maxItems``, ``uniqueItems`` or ``minItems`` past 1; ``enum`` values
     of no object or array; no recursion (a ``$ref`` into a schema holding it). ``schema`` is valid and its
-    ``$ref``s resolve inside it (``compile_schema``)."""
+    ``$ref``s resolve inside it (``compile_schema``). ``owner``: what the error calls the schema's owner (named
+    ``name``, if it has one)."""
+    subject = owner if name is None else f"{owner} {name!r}"
+
     def refuse(where: str, rule: str) -> InvalidRequestError:
-        return InvalidRequestError(f"Invalid schema for strict tool {name!r} at {where}: {rule}", param=at)
+        return InvalidRequestError(f"Invalid schema for {subject} at {where}: {rule}", param=at)
 
     for where, node in _subschemas(schema):
         kind = node.get("type")

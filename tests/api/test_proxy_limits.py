@@ -98,6 +98,20 @@ def test_chat_at_every_limit_is_served(http):
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize(("schema", "message"), [
+    ({"type": "string", "description": "d" * 400}, "output_config.format is 4"),
+    (nested(4), "output_config.format.schema nests 4 levels deep"),
+])
+def test_an_anthropic_output_format_over_a_limit_is_400_naming_it(http, schema, message):
+    body = {"model": MODEL, "messages": [user()], "output_config": {"format": {"type": "json_schema",
+                                                                              "schema": schema}}}
+    for path, more in (("/v1/messages", {"max_tokens": 2}), ("/v1/messages/count_tokens", {})):
+        r = http.post(path, json={**body, **more})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and message in error["message"] and "at most" in error["message"]
+
+
 @pytest.mark.parametrize("body,code", [
     ({"model": MODEL, "prompt": "x" * 2001}, "string_above_max_length"),
     ({"model": MODEL, "prompt": ["x" * 2001]}, "string_above_max_length"),

@@ -1,5 +1,7 @@
 """Structured outputs through a live proxy with the official ``openai`` client: ``response_format`` json_schema
-(``create`` and ``parse`` with a Pydantic model) and json_object, streamed and not, on both engines.
+(``create`` and ``parse`` with a Pydantic model) and json_object, streamed and not, on both engines; and with
+the official ``anthropic`` client: ``output_config.format`` (``create``, ``parse`` and ``stream``) and
+token counting.
 
 The model is a tiny random Llama: unconstrained it writes garbage, so answers that parse and match the schema
 show the constraint at work.
@@ -9,16 +11,18 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
+import anthropic
 import jsonschema
 import openai
 import pytest
 from prefixcache_api import create_app
+from prefixcache_api.anthropic.errors import anthropic_error
 from prefixcache_api.errors import map_exception
-from proxy_support import ALPHA, MODEL, live, settings
+from proxy_support import ALPHA, MODEL, anthropic_client, live, settings
 from pydantic import BaseModel, Field
 
 from prefixcache import CacheConfig, OutputFormatError, PrefixCache
-from tests.serving.test_structured import MESSAGES, PET, SCHEMA
+from tests.serving.test_structured import ANTHROPIC_SCHEMA, MESSAGES, PET, SCHEMA
 
 
 class Home(BaseModel):
@@ -161,3 +165,107 @@ def test_a_responses_text_format_that_cannot_be_honoured_is_a_400_naming_it(prox
     with pytest.raises(openai.BadRequestError) as err:
         respond(proxy.openai(ALPHA), text={"format": fmt})
     assert err.value.body["param"] == param
+
+
+# -- Anthropic's Messages API: output_config.format, the same constraint under Anthropic's schema rules ------------
+
+OUTPUT = {"format": {"type": "json_schema", "schema": ANTHROPIC_SCHEMA}}
+
+
+class Place(BaseModel):
+    city: Literal["Oslo", "Rome"]
+    indoor: bool
+
+
+class Animal(BaseModel):
+    """What the ``anthropic`` client's ``output_format`` sends as it is (its ``transform_schema`` moves bounds and
+    patterns into descriptions, so they would not be held: literals keep the random model's answer short)."""
+
+    kind: Literal["cat", "dog", "owl"]
+    home: Place
+
+
+def ask(client, max_tokens=200, temperature=0, **kwargs):
+    """The installed client has no ``temperature`` argument: it travels in the body."""
+    return client.messages.create(model=MODEL, system=MESSAGES[0]["content"], max_tokens=max_tokens,
+                                  messages=MESSAGES[1:], extra_body={"temperature": temperature}, **kwargs)
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_messages_output_format_streamed_and_not(proxy, temperature):
+    client = anthropic_client(proxy.url, ALPHA)
+    whole = ask(client, output_config=OUTPUT, temperature=temperature)
+    assert whole.stop_reason == "end_turn" and [block.type for block in whole.content] == ["text"]
+    jsonschema.validate(json.loads(whole.content[0].text), ANTHROPIC_SCHEMA)
+    with client.messages.stream(model=MODEL, system=MESSAGES[0]["content"], max_tokens=200, messages=MESSAGES[1:],
+                                output_config=OUTPUT, extra_body={"temperature": temperature}) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert final.stop_reason == "end_turn"
+    jsonschema.validate(json.loads(text), ANTHROPIC_SCHEMA)
+    if temperature == 0:
+        assert text == whole.content[0].text
+
+
+def test_messages_parse_and_stream_with_a_pydantic_model(proxy):
+    client = anthropic_client(proxy.url, ALPHA)
+    parsed = client.messages.parse(model=MODEL, system=MESSAGES[0]["content"], max_tokens=200,
+                                   messages=MESSAGES[1:], output_format=Animal, extra_body={"temperature": 0})
+    animal = parsed.parsed_output
+    assert isinstance(animal, Animal) and isinstance(animal.home, Place)
+    with client.messages.stream(model=MODEL, system=MESSAGES[0]["content"], max_tokens=200,
+                                messages=MESSAGES[1:], output_format=Animal, extra_body={"temperature": 0}) as stream:
+        final = stream.get_final_message()
+    assert final.parsed_output == animal
+
+
+def test_messages_cut_by_max_tokens_and_effort_high(proxy):
+    client = anthropic_client(proxy.url, ALPHA)
+    cut = ask(client, max_tokens=6, output_config=OUTPUT)
+    assert cut.stop_reason == "max_tokens" and cut.content[0].text.startswith('{"name":')
+    high = ask(client, output_config={**OUTPUT, "effort": "high"})  # the default: changes nothing
+    assert high.content[0].text == ask(client, output_config=OUTPUT).content[0].text
+    plain = ask(client, max_tokens=8, output_config={"effort": "high"})
+    assert plain.content[0].text == ask(client, max_tokens=8).content[0].text
+
+
+def test_count_tokens_takes_output_config(proxy):
+    client = anthropic_client(proxy.url, ALPHA)
+    counted = client.messages.count_tokens(model=MODEL, messages=MESSAGES[1:], output_config=OUTPUT)
+    assert counted.input_tokens == client.messages.count_tokens(model=MODEL, messages=MESSAGES[1:]).input_tokens
+    with pytest.raises(anthropic.BadRequestError, match="additionalProperties"):
+        client.messages.count_tokens(model=MODEL, messages=MESSAGES[1:], output_config={"format": {
+            "type": "json_schema", "schema": {"type": "object", "properties": {}}}})
+
+
+def _format(schema):
+    return {"output_config": {"format": {"type": "json_schema", "schema": schema}}}
+
+
+@pytest.mark.parametrize(("kwargs", "named"), [
+    (_format({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}), "additionalProperties"),
+    (_format({"type": "integer", "minimum": 1}), "'minimum' is not supported"),
+    (_format({"type": "array", "items": {"type": "string"}, "minItems": 2}), "minItems"),
+    (_format({"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}},
+                              "additionalProperties": False}}, "$ref": "#/$defs/n"}), "recursive"),
+    (_format({"type": 5}), "output_config.format.schema is not a valid JSON schema"),
+    (_format({"type": "string", "format": "no-such-format"}), "output_config.format.schema cannot be used"),
+    ({"output_config": {"effort": "low"}}, "output_config.effort 'low' is not supported"),
+    ({"output_config": {"format": {"type": "json_object", "schema": {}}}}, "output_config.format.type"),
+    ({**_format({"type": "string"}), "messages": [MESSAGES[1], {"role": "assistant", "content": "{"}]},
+     "prefilled assistant message"),
+    ({**_format({"type": "string"}), "tool_choice": {"type": "any"},
+      "tools": [{"name": "f", "input_schema": {"type": "object"}}]}, "forced tool call"),
+])
+def test_an_output_config_that_cannot_be_honoured_is_a_400_naming_it(proxy, kwargs, named):
+    body = {"messages": MESSAGES[1:], **kwargs}
+    with pytest.raises(anthropic.BadRequestError) as err:
+        anthropic_client(proxy.url, ALPHA).messages.create(model=MODEL, max_tokens=5, **body)
+    assert err.value.body["error"]["type"] == "invalid_request_error"
+    assert named in err.value.body["error"]["message"]
+
+
+def test_an_answer_that_breaks_its_output_format_is_an_api_error_never_served():
+    mapped = map_exception(OutputFormatError("the model's answer does not match output_config.format's schema"))
+    assert anthropic_error(mapped.status, mapped.detail.message) == (500, {"type": "error", "error": {
+        "type": "api_error", "message": "the model's answer does not match output_config.format's schema"}})

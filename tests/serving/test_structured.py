@@ -20,7 +20,7 @@ from prefixcache.config import CacheConfig
 from prefixcache.errors import InvalidRequestError, OutputFormatError
 from prefixcache.serving.engine import BatchConfig, BatchEngine
 from prefixcache.serving.request import SamplingParams
-from prefixcache.serving.structured import Vocabulary, parse_response_format
+from prefixcache.serving.structured import Vocabulary, parse_output_format, parse_response_format
 from tests.conftest import FakeClock
 
 SCHEMA = {
@@ -35,6 +35,22 @@ SCHEMA = {
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 1, "maxItems": 3},
     },
     "required": ["name", "kind", "age", "home", "tags"],
+    "additionalProperties": False,
+}
+#: Held under Anthropic's rules: no numeric or length bounds, no maxItems (a pattern and enums keep the random
+#: model's strings and numbers short; without maxItems its arrays would run on).
+ANTHROPIC_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z]{1,8}$"},
+        "kind": {"type": "string", "enum": ["cat", "dog", "owl"]},
+        "age": {"type": "integer", "enum": [1, 2, 3, 5, 8]},
+        "home": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo", "Rome"]},
+                                                  "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+                 "required": ["city", "zip"], "additionalProperties": False},
+        "friends": {"type": "boolean"},
+    },
+    "required": ["name", "kind", "age", "home", "friends"],
     "additionalProperties": False,
 }
 ANY = {"type": "json_object"}
@@ -193,3 +209,63 @@ def test_a_batched_step_mixes_constrained_and_free_rows(chat_llama, tokenizer):
         matches(tokenizer.decode(answer.tokens, skip_special_tokens=True))
     finally:
         engine.close()
+
+
+# -- Anthropic's output_config (``PrefixCache.messages``): the same constraint under Anthropic's schema rules ----
+OUTPUT = {"format": {"type": "json_schema", "schema": ANTHROPIC_SCHEMA}}
+
+
+@pytest.mark.parametrize("batching", [True, False], ids=["batched", "serial"])
+def test_messages_output_config_holds_the_answer_to_its_schema(new_cache, chat_llama, tokenizer, batching):
+    cache = new_cache(chat_llama, tokenizer, batching=batching)
+    asked = {"system": MESSAGES[0]["content"], "messages": MESSAGES[1:]}
+    free = cache.messages(**asked, max_tokens=40)
+    with pytest.raises(ValueError):  # unconstrained, the model writes no JSON
+        json.loads(free.text)
+    for sampling in SAMPLINGS:
+        result = cache.messages(**asked, max_tokens=200, output_config=OUTPUT, **sampling)
+        assert result.stats.executor == ("batched" if batching else "serial")
+        assert result.finish_reason == "stop", result.text
+        jsonschema.validate(json.loads(result.text), ANTHROPIC_SCHEMA)
+    high = cache.messages(**asked, max_tokens=200, output_config={**OUTPUT, "effort": "high"})
+    assert high.text == cache.messages(**asked, max_tokens=200, output_config=OUTPUT).text
+    cut = cache.messages(**asked, max_tokens=4, output_config=OUTPUT)
+    assert cut.finish_reason == "length" and cut.text.startswith('{"')
+    loose = dataclasses.replace(parse_output_format(OUTPUT["format"]), grammar=parse_response_format(ANY).grammar)
+    with pytest.raises(OutputFormatError, match=r"does not match output_config.format's schema at \$: 'name'"):
+        cache.messages(messages=MESSAGES[1:], max_tokens=40, output_config={"format": loose}, temperature=1.0, seed=7)
+
+
+@pytest.mark.parametrize(("config", "extra", "param", "message"), [
+    ({"format": {"type": "json_schema", "schema": {"type": "object", "properties": {}}}}, {},
+     "output_config.format.schema", "Invalid schema for output_config.format at #: For 'object' type, "
+     "'additionalProperties' must be explicitly set to false"),
+    ({"format": {"type": "json_schema", "schema": {"type": "string", "maxLength": 3}}}, {},
+     "output_config.format.schema", "'maxLength' is not supported"),
+    ({"format": {"type": "json_schema"}}, {}, "output_config.format.schema", "required"),
+    ({"format": {"type": "json_schema", "schema": {}, "strict": True}}, {}, "output_config.format.strict",
+     "unknown field"),
+    ({"format": "json"}, {}, "output_config.format", "an object"),
+    ({"effort": "max"}, {}, "output_config.effort", "does not reason"),
+    ({"effort": "huge"}, {}, "output_config.effort", "not one of low"),
+    ({"verbosity": 1}, {}, "output_config.verbosity", "unknown field"),
+    (OUTPUT, {"messages": [MESSAGES[1], {"role": "assistant", "content": "{"}]}, "output_config.format",
+     "prefilled assistant message"),
+    (OUTPUT, {"tool_choice": {"type": "tool", "name": "f"}, "tools": [{"name": "f", "input_schema": {
+        "type": "object"}}]}, "tool_choice", "forced tool call"),
+])
+def test_a_bad_output_config_is_refused_naming_where(new_cache, chat_llama, tokenizer, config, extra, param,
+                                                     message):
+    cache = new_cache(chat_llama, tokenizer)
+    with pytest.raises(InvalidRequestError, match=message) as err:
+        cache.messages(**{"messages": MESSAGES[1:], **extra}, max_tokens=5, output_config=config)
+    assert err.value.param == param
+
+
+def test_format_text_on_a_string_is_a_plain_string():
+    """The ``anthropic`` client's ``transform_schema`` writes ``"format": "text"`` on every plain string."""
+    fmt = parse_output_format({"type": "json_schema", "schema": {"type": "object", "properties": {"a": {
+        "type": "string", "format": "text"}}, "required": ["a"], "additionalProperties": False}})
+    fmt.check('{"a":"anything"}')
+    with pytest.raises(InvalidRequestError, match="cannot be used"):  # elsewhere an unknown format is no format
+        parse_output_format({"type": "json_schema", "schema": {"type": "string", "format": "nonsense"}})

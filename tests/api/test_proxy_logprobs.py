@@ -1,0 +1,189 @@
+"""Logprobs through the official ``openai`` client on live proxies (one per engine): chat, legacy completions and
+the Responses API, each equal to a log_softmax of the model's own logits computed here, streamed as unstreamed,
+cached as uncached."""
+from __future__ import annotations
+
+import copy
+
+import openai
+import pytest
+import torch
+from prefixcache_api import create_app
+from proxy_support import ALPHA, MODEL, live, settings
+
+from prefixcache import CacheConfig, PrefixCache
+from tests.conftest import untouched
+
+SYSTEM = "You grade short answers for a shipping company. " * 8
+MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Is parcel 7 late?"}]
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def engines(chat_llama, tokenizer):
+    """{"batched": server, "serial": server} over copies of one model, and that model untouched."""
+    caches = {"batched": PrefixCache(copy.deepcopy(chat_llama), tokenizer, CacheConfig(max_bytes=256 << 20)),
+              "serial": PrefixCache(copy.deepcopy(chat_llama), tokenizer, CacheConfig(max_bytes=256 << 20),
+                                    batching=False)}
+    reference = untouched(chat_llama)
+    with live(create_app(settings(), cache=caches["batched"])) as a, \
+            live(create_app(settings(), cache=caches["serial"])) as b:
+        yield {"batched": a, "serial": b}, reference
+    for cache in caches.values():
+        cache.close()
+
+
+def model_logprobs(reference, prompt: list[int], answer: list[int]) -> torch.Tensor:
+    """[len(answer), V]: log_softmax of the model's logits at each answer token's step, computed directly."""
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt + answer])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : len(prompt) - 1 + len(answer)]
+
+
+def check_chat(content, want: torch.Tensor, tokenizer, top: int) -> None:
+    for step, entry in enumerate(content):
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+        values, index = torch.topk(want[step], top)
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(values.tolist(), abs=TOL)
+        assert [t.token for t in entry.top_logprobs] == [tokenizer.decode([i]) for i in index.tolist()]
+        # greedy: the chosen token is the likeliest
+        assert entry.token == entry.top_logprobs[0].token and entry.logprob == pytest.approx(values[0].item(), abs=TOL)
+
+
+def ask_chat(server, stream: bool = False, **kwargs):
+    client = server.openai(ALPHA)
+    body = dict(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, top_logprobs=4,
+                extra_body={"ignore_eos": True}, **kwargs)
+    if not stream:
+        r = client.chat.completions.create(**body)
+        return r.choices[0].message.content, r.choices[0].logprobs.content, r
+    text, content, chunks = "", [], list(client.chat.completions.create(stream=True, **body))
+    for chunk in chunks:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            if chunk.choices[0].logprobs is not None:
+                content += chunk.choices[0].logprobs.content
+    return text, content, chunks
+
+
+def test_chat_logprobs_are_the_model_s_on_both_engines_streamed_or_not_cached_or_not(engines, tokenizer):
+    servers, reference = engines
+    seen = []
+    for name, server in servers.items():
+        server.cache.flush()
+        cold = ask_chat(server)
+        warm = ask_chat(server)
+        assert cold[2].usage.prompt_tokens_details.cached_tokens == 0
+        assert warm[2].usage.prompt_tokens_details.cached_tokens > 0
+        streamed = ask_chat(server, stream=True)
+        seen += [cold, warm, streamed]
+    prompt = servers["batched"].cache.encode_chat(MESSAGES)
+    text, content, _ = seen[0]
+    ids = [int(t) for t in servers["batched"].cache.answer(prompt, max_new_tokens=6, ignore_eos=True).token_ids]
+    assert "".join(c.token for c in content) == text == tokenizer.decode(ids, skip_special_tokens=True)
+    want = model_logprobs(reference, prompt, ids)
+    assert [c.logprob for c in content] == pytest.approx([want[i, t].item() for i, t in enumerate(ids)], abs=TOL)
+    check_chat(content, want, tokenizer, 4)
+    for other_text, other, _ in seen[1:]:
+        assert other_text == text
+        assert [c.token for c in other] == [c.token for c in content]
+        assert [c.logprob for c in other] == pytest.approx([c.logprob for c in content], abs=TOL)
+        assert [[t.token for t in c.top_logprobs] for c in other] == [[t.token for t in c.top_logprobs]
+                                                                      for c in content]
+
+
+def test_chat_stream_chunks_carry_their_own_tokens(engines):
+    servers, _ = engines
+    _, content, chunks = ask_chat(servers["batched"], stream=True)
+    with_text = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert with_text and all(c.choices[0].logprobs is not None for c in with_text)
+    for chunk in with_text:  # each delta's text is its tokens' (whole words for this vocabulary)
+        assert "".join(t.token for t in chunk.choices[0].logprobs.content) == chunk.choices[0].delta.content
+    assert chunks[0].choices[0].logprobs is None  # the role chunk
+
+
+def test_chat_without_logprobs_reports_none_and_limits_are_400s(engines):
+    server = engines[0]["batched"]
+    client = server.openai(ALPHA)
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for kwargs, param in (({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                          ({"top_logprobs": 2}, "top_logprobs"),
+                          ({"logprobs": True, "tools": [tool]}, "logprobs")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, **kwargs)
+        assert err.value.status_code == 400 and err.value.body["param"] == param, (kwargs, err.value.body)
+    # Tools the model does not see: logprobs as without them.
+    hidden = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0,
+                                            logprobs=True, tools=[tool], tool_choice="none")
+    assert len(hidden.choices[0].logprobs.content) == hidden.usage.completion_tokens
+
+
+def test_legacy_completions_logprobs(engines, tokenizer):
+    servers, reference = engines
+    prompt = "Parcel 7 left the depot on"
+    got = {}
+    for name, server in servers.items():
+        client = server.openai(ALPHA)
+        body = dict(model=MODEL, prompt=prompt, max_tokens=5, temperature=0, logprobs=3,
+                    extra_body={"ignore_eos": True})
+        whole = client.completions.create(**body).choices[0]
+        chunks = [c.choices[0] for c in client.completions.create(stream=True, **body) if c.choices]
+        lp = whole.logprobs
+        assert "".join(lp.tokens) == whole.text and lp.text_offset[0] == 0
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+        assert all(len(top) <= 4 and top[tok] == v for top, tok, v in zip(lp.top_logprobs, lp.tokens,
+                                                                          lp.token_logprobs, strict=True))
+        streamed = [c.logprobs for c in chunks if c.logprobs is not None and c.logprobs.tokens]
+        assert sum((s.tokens for s in streamed), []) == lp.tokens
+        assert sum((s.token_logprobs for s in streamed), []) == pytest.approx(lp.token_logprobs, abs=TOL)
+        assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+        got[name] = lp
+    ids = list(servers["batched"].cache.answer(servers["batched"].cache.encode_text(prompt), max_new_tokens=5,
+                                                ignore_eos=True).token_ids)
+    want = model_logprobs(reference, servers["batched"].cache.encode_text(prompt), ids)
+    assert got["batched"].token_logprobs == pytest.approx([want[i, t].item() for i, t in enumerate(ids)], abs=TOL)
+    assert got["serial"].token_logprobs == pytest.approx(got["batched"].token_logprobs, abs=TOL)
+    client = servers["batched"].openai(ALPHA)
+    for kwargs in ({"logprobs": 6}, {"logprobs": 2, "echo": True}):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, **kwargs)
+        assert err.value.status_code == 400 and err.value.body["param"] == "logprobs", kwargs
+
+
+def test_responses_output_text_logprobs(engines):
+    servers, _ = engines
+    server = servers["batched"]
+    client = server.openai(ALPHA)
+    body = dict(model=MODEL, instructions=SYSTEM, input="Is parcel 7 late?", max_output_tokens=6, temperature=0,
+                include=["message.output_text.logprobs"], top_logprobs=2)
+    whole = client.responses.create(**body)
+    part = whole.output[0].content[0]
+    assert len(part.logprobs) == whole.usage.output_tokens and whole.top_logprobs == 2
+    assert "".join(lp.token for lp in part.logprobs) == part.text
+    assert all(len(lp.top_logprobs) == 2 and lp.bytes == list(lp.token.encode()) for lp in part.logprobs)
+    events = list(client.responses.create(stream=True, **body))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    streamed = [lp for e in deltas for lp in e.logprobs]
+    assert [(lp.token, lp.logprob) for lp in streamed] == [(lp.token, lp.logprob) for lp in part.logprobs]
+    assert [[t.token for t in lp.top_logprobs] for lp in streamed] == [[t.token for t in lp.top_logprobs]
+                                                                        for lp in part.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [lp.logprob for lp in done.logprobs] == [lp.logprob for lp in part.logprobs]
+    final = next(e for e in events if e.type in ("response.completed", "response.incomplete")).response
+    assert final.output[0].content[0].logprobs == part.logprobs
+    assert client.responses.retrieve(whole.id, include=["message.output_text.logprobs"]).output[0].content[0] \
+        .logprobs == part.logprobs
+    # The stored conversation continues, and its output sent back as input is read as text.
+    after = client.responses.create(model=MODEL, previous_response_id=whole.id, input="And 8?", max_output_tokens=2)
+    assert after.status in ("completed", "incomplete")
+    resent = client.responses.create(model=MODEL, input=[*[o.model_dump() for o in whole.output],
+                                                         {"role": "user", "content": "And 8?"}], max_output_tokens=2)
+    assert resent.status in ("completed", "incomplete")
+    plain = client.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    assert plain.output[0].content[0].logprobs == []
+    for kwargs, param in (({"top_logprobs": 2}, "top_logprobs"), ({"top_logprobs": 21}, "top_logprobs")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, **kwargs)
+        assert err.value.body["param"] == param, (kwargs, err.value.body)
