@@ -187,3 +187,46 @@ def test_responses_output_text_logprobs(engines):
         with pytest.raises(openai.BadRequestError) as err:
             client.responses.create(model=MODEL, input="Hi", max_output_tokens=2, **kwargs)
         assert err.value.body["param"] == param, (kwargs, err.value.body)
+
+
+def test_each_of_n_choices_carries_its_own_logprobs_streamed_as_not(engines):
+    """n=2 greedy: each choice's logprobs are the one-choice answer's, under its own index, streamed (each chunk its
+    choice's tokens, completions' offsets from its choice's start) as not; chat and completions, both engines."""
+    servers, _ = engines
+    seen = {}
+    for name, server in servers.items():
+        client = server.openai(ALPHA)
+        _, one, _ = ask_chat(server)
+        both = ask_chat(server, n=2)[2]
+        assert [c.index for c in both.choices] == [0, 1]
+        streamed: list[list] = [[], []]
+        for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
+                                                    logprobs=True, top_logprobs=4, n=2, stream=True,
+                                                    extra_body={"ignore_eos": True}):
+            for c in chunk.choices:
+                if c.logprobs is not None:
+                    assert "".join(t.token for t in c.logprobs.content) == (c.delta.content or "")
+                    streamed[c.index] += c.logprobs.content
+        for got in [c.logprobs.content for c in both.choices] + streamed:
+            assert [t.token for t in got] == [t.token for t in one]
+            assert [t.logprob for t in got] == pytest.approx([t.logprob for t in one], abs=TOL)
+            assert [[t.token for t in c.top_logprobs] for c in got] == [[t.token for t in c.top_logprobs] for c in one]
+        assert [c.message.content for c in both.choices] == ["".join(t.token for t in one)] * 2
+
+        body = dict(model=MODEL, prompt="Parcel 7 left the depot on", max_tokens=5, temperature=0, logprobs=3,
+                    extra_body={"ignore_eos": True})
+        single = client.completions.create(**body).choices[0].logprobs
+        whole = client.completions.create(n=2, **body)
+        parts: list[list] = [[], []]
+        for chunk in client.completions.create(n=2, stream=True, **body):
+            for c in chunk.choices:
+                if c.logprobs is not None:
+                    parts[c.index].append(c.logprobs)
+        for lp, pieces in zip([c.logprobs for c in whole.choices], parts, strict=True):
+            assert lp.tokens == single.tokens and lp.text_offset == single.text_offset
+            assert lp.token_logprobs == pytest.approx(single.token_logprobs, abs=TOL)
+            assert sum((p.tokens for p in pieces), []) == lp.tokens
+            assert sum((p.text_offset for p in pieces), []) == lp.text_offset
+            assert sum((p.token_logprobs for p in pieces), []) == pytest.approx(lp.token_logprobs, abs=TOL)
+        seen[name] = one
+    assert [t.logprob for t in seen["serial"]] == pytest.approx([t.logprob for t in seen["batched"]], abs=TOL)
