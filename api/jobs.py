@@ -6,7 +6,9 @@ the chat template; the model's calls parsed in its template's syntax, ``tool_cal
 "none" (tools hidden), "auto", "required" and a named tool (an answer without the call is an error),
 parallel_tool_calls; prompt_cache_options and prompt_cache_breakpoint (``serving/prompt_cache.py``),
 prompt_cache_retention, and the diagnostics extension.
-Strict functions: their calls are validated against their schemas (``tool_schemas.py``). response_format
+Strict functions: their calls are validated against their schemas (``tool_schemas.py``); a forced call
+("required" or a named function) to strict functions only is constrained to them as well
+(``structured.tool_call_grammar``). response_format
 json_object / json_schema: the answer constrained to the schema (``structured.py``; a schema it cannot
 compile, or a strict one against OpenAI's rules, is a 400; not with continue_final_message, ignore_eos or a
 forced tool call).
@@ -31,6 +33,7 @@ from prefixcache.errors import ContextLengthExceededError, InvalidRequestError
 from prefixcache.serving.breakpoints import RETENTION_SECONDS
 from prefixcache.serving.options import AnswerOptions
 from prefixcache.serving.sampling import GREEDY_BELOW
+from prefixcache.serving.structured import ToolCallGrammar, tool_call_grammar
 from prefixcache.serving.tool_calls import ToolUse, openai_tool_use
 
 from .protocol import ChatCompletionRequest, CompletionRequest, GenerationFields, NamedToolChoice
@@ -164,9 +167,11 @@ def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_
     choice = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
     asked = req.model_dump(include={"tools", "tool_choice"}, exclude_none=True)
     reading = openai_tool_use(tool_family, asked.get("tools"), asked.get("tool_choice"), req.parallel_tool_calls)
+    # A forced call to strict functions is constrained to their schemas (not where it continues a final message).
+    forced = None if req.continue_final_message else tool_call_grammar(reading)
     options = _options(req, settings, vocab_size, blend=req.prefixcache_blend,
                        response_format=None if req.response_format is None else req.response_format.model_dump(),
-                       logprobs=req.logprobs, top_logprobs=req.top_logprobs)
+                       logprobs=req.logprobs, top_logprobs=req.top_logprobs, tool_grammar=forced)
     return Job("chat", tenant, messages=messages, tools=tools, max_tokens=limit_max_tokens(max_tokens, settings),
                options=options, cache_key=req.prompt_cache_key, continue_final=bool(req.continue_final_message),
                retention=req.prompt_cache_retention, cache_salt=req.cache_salt or None,
@@ -240,7 +245,8 @@ def server_temperature(temperature: float | None, settings: Settings) -> float:
 
 
 def _options(req: GenerationFields, settings: Settings, vocab_size: int, blend: bool | float | None = None,
-             response_format: dict[str, Any] | None = None, **logprobs: Any) -> AnswerOptions:
+             response_format: dict[str, Any] | None = None,
+             tool_grammar: ToolCallGrammar | None = None, **logprobs: Any) -> AnswerOptions:
     """``logprobs``: chat's ``logprobs`` and ``top_logprobs`` (``AnswerOptions.parse`` checks them)."""
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     return AnswerOptions.parse(temperature=server_temperature(req.temperature, settings), top_p=req.top_p,
@@ -248,7 +254,7 @@ def _options(req: GenerationFields, settings: Settings, vocab_size: int, blend: 
                                ignore_eos=bool(req.ignore_eos), presence_penalty=req.presence_penalty,
                                frequency_penalty=req.frequency_penalty,
                                logit_bias=_logit_bias(req.logit_bias, vocab_size) or None, blend=blend,
-                               response_format=response_format, **logprobs)
+                               response_format=response_format, tool_grammar=tool_grammar, **logprobs)
 
 
 def _retention_ttl(req: GenerationFields) -> float | None:

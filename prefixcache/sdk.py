@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,12 +38,12 @@ from prefixcache.serving.diagnostics import MissReason, PromptRecords, fingerpri
 from prefixcache.serving.dispatch import Dispatcher
 from prefixcache.serving.engine import BatchConfig, BatchEngine
 from prefixcache.serving.logprobs import TokenLogprob
-from prefixcache.serving.messages import MessagesPrompt, encode_messages, output_format, to_chat
+from prefixcache.serving.messages import MessagesPrompt, encode_messages, output_format, prefilled, to_chat
 from prefixcache.serving.options import AnswerOptions, check_cancel, check_seed, seconds
 from prefixcache.serving.request import CallStats
 from prefixcache.serving.serial import SerialEngine
 from prefixcache.serving.stats import CacheReport, ServerFigures
-from prefixcache.serving.structured import Vocabulary
+from prefixcache.serving.structured import Vocabulary, tool_call_grammar
 from prefixcache.serving.text_stream import TextStream, first_stop
 from prefixcache.serving.tool_calls import (
     ToolCall,
@@ -53,6 +54,8 @@ from prefixcache.serving.tool_calls import (
     text_of,
     tokenizer_family,
 )
+
+log = logging.getLogger(__name__)
 
 DEFAULT_TENANT = "default"
 #: Marks the namespace part that follows as a caller's ``cache_salt`` (a NUL: no name or id holds one).
@@ -319,6 +322,9 @@ class PrefixCache:
         could not reuse all of that prompt (``serving/diagnostics.py``; None: it could).
         """
         reading = openai_tool_use(self.tool_family, tools, tool_choice, parallel_tool_calls)
+        forced = tool_call_grammar(reading)  # a forced call to strict tools: constrained to their schemas
+        if forced is not None:
+            options["tool_grammar"] = forced
         shown = None if tool_choice == "none" else tools
         messages = with_documents(_message_list(messages), documents)
         prompt = self._canon().encode_chat(messages, tools=shown)
@@ -387,6 +393,9 @@ class PrefixCache:
                                  previous_id=previous_id, record_id=record_id)
         reading = anthropic_tool_use(self.tool_family, tools, tool_choice)  # strict tools' schemas checked
         reading = None if fmt is not None else reading  # the answer is the format's JSON: no call to read in it
+        forced = None if prefilled(messages) else tool_call_grammar(reading)
+        if forced is not None:  # a forced call to strict tools: constrained to their schemas
+            options["tool_grammar"] = forced
         result = self.answer_messages(prompt, max_new_tokens=max_tokens, stop=stop_sequences, **options)
         return _with_calls(_noted(result, miss), reading)
 
@@ -491,6 +500,8 @@ class PrefixCache:
         if options.response_format is not None:  # bound to the vocabulary here: the engines only apply it
             eos = options.eos_ids(self.serial.effective_config(None, options.extra))
             options = dataclasses.replace(options, constraint=self.vocabulary.constraint(options.response_format, eos))
+        elif options.tool_grammar is not None:
+            options = self._forced_call(options)
         stream = TextStream(self.tokenizer, options.on_text, options.stop, options.on_logprobs)
         params, _ = self.dispatcher.route_answer(len(prompt), options)
         if params is not None and plan is not None:
@@ -516,6 +527,16 @@ class PrefixCache:
         logprobs = None if options.logprobs is None else stream.answer_logprobs(len(new))
         return GenerationResult(text, tuple(new), reason, Usage(len(prompt), len(new), stats.cached_tokens), stats,
                                 logprobs=logprobs)
+
+    def _forced_call(self, options: AnswerOptions) -> AnswerOptions:
+        """``options`` with their forced call's grammar bound to the vocabulary, or as they are where it cannot
+        be (no end-of-sequence token, ``ignore_eos``, a slow tokenizer): the call is then only checked when done."""
+        eos = options.eos_ids(self.serial.effective_config(None, options.extra))
+        try:
+            return dataclasses.replace(options, constraint=self.vocabulary.constraint(options.tool_grammar, eos))
+        except InvalidRequestError as exc:
+            log.warning("forced tool call not constrained (only checked when done): %s", exc)
+            return options
 
     # -- cache management ----------------------------------------------------------
     def warm(self, prefix: str | Sequence[dict[str, Any]] | Sequence[int], *,

@@ -23,9 +23,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from prefixcache import CacheUsage, GenerationResult
-from prefixcache.serving.messages import MessagesPrompt, output_format
+from prefixcache.serving.messages import MessagesPrompt, output_format, prefilled
 from prefixcache.serving.options import AnswerOptions
 from prefixcache.serving.request import CallStats
+from prefixcache.serving.structured import tool_call_grammar
 from prefixcache.serving.tool_calls import Text, ToolUse, anthropic_tool_use
 
 from ..jobs import Job, limit_max_tokens, server_temperature
@@ -103,11 +104,13 @@ def messages_job(req: MessagesRequest, tenant: str, settings: Settings, tool_fam
     """``tool_family``: the syntax of the model's tool calls (``tool_calls.tokenizer_family``)."""
     prompt = req.prompt()
     fmt = output_format(req.output(), prompt["messages"], prompt["tool_choice"])
-    options = AnswerOptions.parse(temperature=server_temperature(req.temperature, settings), top_p=req.top_p,
-                                  top_k=req.top_k or None, stop=req.stop_sequences or None,
-                                  blend=req.prefixcache_blend, response_format=fmt)
     reading = anthropic_tool_use(tool_family, prompt["tools"], prompt["tool_choice"])  # strict tools checked
     reading = None if fmt is not None else reading  # the answer is the format's JSON: no call to read in it
+    # A forced call to strict tools is constrained to their schemas (not where it continues a prefill).
+    forced = None if prefilled(prompt["messages"]) else tool_call_grammar(reading)
+    options = AnswerOptions.parse(temperature=server_temperature(req.temperature, settings), top_p=req.top_p,
+                                  top_k=req.top_k or None, stop=req.stop_sequences or None,
+                                  blend=req.prefixcache_blend, response_format=fmt, tool_grammar=forced)
     return Job("messages", tenant, anthropic=prompt, max_tokens=limit_max_tokens(req.max_tokens, settings),
                options=options, cache_salt=req.cache_salt or None, diagnose=req.diagnostics is not None,
                previous_id=req.diagnostics.previous_message_id if req.diagnostics else None, tool_use=reading)

@@ -99,8 +99,7 @@ def output_format(config: Any, messages: Sequence[Any] = (), tool_choice: Any = 
     fmt = parse_output_format(config.get("format"), "output_config.format")
     if fmt is None:
         return None
-    last = messages[-1] if isinstance(messages, (list, tuple)) and messages else None
-    if isinstance(last, dict) and last.get("role") == "assistant":
+    if prefilled(messages):
         raise InvalidRequestError("output_config.format cannot be used with a prefilled assistant message (the "
                                   "answer's JSON starts at its first token): end messages with a user turn",
                                   param="output_config.format")
@@ -108,6 +107,12 @@ def output_format(config: Any, messages: Sequence[Any] = (), tool_choice: Any = 
         raise InvalidRequestError("a forced tool call (tool_choice any or tool) cannot be made with "
                                   "output_config.format (the answer is its JSON)", param="tool_choice")
     return fmt
+
+
+def prefilled(messages: Any) -> bool:
+    """Whether ``messages`` end with an assistant turn (a prefill: the answer continues it)."""
+    last = messages[-1] if isinstance(messages, (list, tuple)) and messages else None
+    return isinstance(last, dict) and last.get("role") == "assistant"
 
 
 def to_chat(messages: Sequence[Any], system: Any, tools: Sequence[Any]) -> tuple[list[dict], list[dict] | None]:

@@ -27,7 +27,7 @@ from prefixcache.serving.canonicalize import check_text
 from prefixcache.serving.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from prefixcache.serving.request import SamplingParams
 from prefixcache.serving.sampling import GREEDY_BELOW, as_id_set, openai_params, penalty_params
-from prefixcache.serving.structured import Constraint, ResponseFormat, parse_response_format
+from prefixcache.serving.structured import Constraint, ResponseFormat, ToolCallGrammar, parse_response_format
 
 
 def _always(_value: Any) -> bool:
@@ -173,8 +173,10 @@ class AnswerOptions:
     the serial engine). ``on_text`` receives text deltas; a set ``cancel`` ends the call at the next
     token; ``timeout_seconds`` bounds a call the batching engine serves. ``chunks``, ``blend`` and
     ``unplaced``: the prompt's marked chunks and how to reuse them (``blend.blend_plan`` checks them
-    against the prompt). ``response_format``: the answer's JSON format (``structured``; None: text), and
-    ``constraint`` that format bound to the model's vocabulary (``PrefixCache.run`` binds it).
+    against the prompt). ``response_format``: the answer's JSON format (``structured``; None: text);
+    ``tool_grammar``: the answer as a forced call to strict tools (``structured.tool_call_grammar``; set by
+    ``chat``, ``messages`` and the proxy); ``constraint`` either grammar bound to the model's vocabulary
+    (``PrefixCache.run`` binds it).
     """
 
     max_new_tokens: int = 256
@@ -195,6 +197,7 @@ class AnswerOptions:
     blend: bool | float | None = None
     unplaced: int = 0
     response_format: ResponseFormat | None = None
+    tool_grammar: ToolCallGrammar | None = None
     constraint: Constraint | None = None
     logprobs: int | None = None
     on_logprobs: Callable[[list[TokenLogprob]], None] | None = None
@@ -208,7 +211,8 @@ class AnswerOptions:
               on_text: Callable[[str], None] | None = None, cancel: threading.Event | None = None,
               ignore_eos: bool = False, timeout_seconds: float | None = None,
               chunks: Sequence[tuple[int, int]] | None = None, blend: bool | float | None = None, unplaced: int = 0,
-              response_format: Mapping[str, Any] | ResponseFormat | None = None, logprobs: bool | None = None,
+              response_format: Mapping[str, Any] | ResponseFormat | None = None,
+              tool_grammar: ToolCallGrammar | None = None, logprobs: bool | None = None,
               top_logprobs: int | None = None, on_logprobs: Callable[[list[TokenLogprob]], None] | None = None,
               **extra: Any) -> AnswerOptions:
         """Check every option once; a bad one raises ``InvalidRequestError`` naming its parameter."""
@@ -226,6 +230,8 @@ class AnswerOptions:
         if on_text is not None and not callable(on_text):
             raise InvalidRequestError("on_text must be a function of the text delta", param="on_text")
         check_cancel(cancel)
+        if tool_grammar is not None and not isinstance(tool_grammar, ToolCallGrammar):
+            raise InvalidRequestError("tool_grammar must be a structured.ToolCallGrammar", param="tool_grammar")
         if on_logprobs is not None and not callable(on_logprobs):
             raise InvalidRequestError("on_logprobs must be a function of the tokens' logprobs", param="on_logprobs")
         for name in extra:  # anything else goes to generate(): a name it does not know would fail only there
@@ -238,7 +244,8 @@ class AnswerOptions:
         return cls(max_new_tokens, **sampling, seed=seed, stop=tuple(stops), **penalties,
                    ignore_eos=bool(ignore_eos), timeout_seconds=timeout, on_text=on_text, cancel=cancel, chunks=chunks,
                    blend=blend, unplaced=unplaced, response_format=parse_response_format(response_format),
-                   logprobs=logprob_count(logprobs, top_logprobs), on_logprobs=on_logprobs, extra=extra)
+                   tool_grammar=tool_grammar, logprobs=logprob_count(logprobs, top_logprobs), on_logprobs=on_logprobs,
+                   extra=extra)
 
     @property
     def cancelled(self) -> bool:

@@ -19,6 +19,12 @@ cannot go on: the answer ends there. Both engines apply it: the serial engine in
 batching engine in the row's ``Sampler`` (rows without a format keep the step's one argmax or joint draw). It
 changes logits only, never the KV, so a cached answer stays the uncached one.
 
+``tool_call_grammar`` turns a request that forces a call to strict tools only (``tool_choice`` "required" or a
+named tool, every tool it may call strict) into a grammar of its own: the call(s) in the chat template family's
+syntax (``tool_calls.call_layout``), each ``{"name": ..., "arguments": <that tool's schema>}``, then the end of
+the answer. ``Constraint`` binds either grammar, and the engines apply it alike; the calls are still checked when
+parsed (``tool_calls``).
+
 After generation the answer's text is checked against the schema (``ResponseFormat.check``, the strict tools'
 jsonschema validator) as a safety net: a mismatch is ``OutputFormatError``, never served. An answer cut by
 ``max_tokens`` ends with the partial JSON, as OpenAI's does.
@@ -29,7 +35,7 @@ import json
 import logging
 import re
 import threading
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +48,7 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 from transformers import LogitsProcessor
 
 from prefixcache.errors import InvalidRequestError, OutputFormatError
+from prefixcache.serving.tool_calls import ToolUse, call_layout
 from prefixcache.serving.tool_schemas import (
     ANTHROPIC_FORMATS,
     OPENAI_FORMATS,
@@ -166,6 +173,85 @@ def _compiled(kind: str, name: str | None, schema: Any, strict: bool, at: str,
     return ResponseFormat(kind, name, schema, strict, grammar, validator)
 
 
+@dataclass(frozen=True, eq=False, slots=True)
+class ToolCallGrammar:
+    """A forced call to strict tools as a grammar (``tool_call_grammar``): the answer is the call(s), in the
+    template ``family``'s syntax, to one of ``names`` with arguments that match that tool's schema.
+
+    ``grammar`` spells the family's markers (``<tool_call>``) in text; ``bound`` lets a marker that is one token
+    of the vocabulary be that token too (llguidance will not spell a token it holds special, such as an added
+    ``<tool_call>``, in text, and a model writes the marker as its token)."""
+
+    family: str
+    names: tuple[str, ...]
+    parallel: bool  # one call or more; else exactly one
+    markers: tuple[str, ...]
+    lark: Callable[[Mapping[str, int]], str]  # the grammar in lark, each marker in the map also its token
+    grammar: str
+
+    def bound(self, tokens: Mapping[str, int]) -> str:
+        """The grammar, each marker in ``tokens`` written as its text or as that token id."""
+        return LLMatcher.grammar_from_lark(self.lark(tokens))
+
+
+def tool_call_grammar(use: ToolUse | None) -> ToolCallGrammar | None:
+    """The grammar of the answer to a request that forces a call (``tool_choice`` "required" or a tool's name)
+    when every tool it may call is strict: exactly one call (``use.parallel``: one or more) in ``use.family``'s
+    syntax (``tool_calls.call_layout``), each ``{"name": <a tool it may call>, <arguments>: <that tool's schema>}``,
+    then the end of the answer. None where nothing is forced, a tool it may call is not strict, or a schema
+    cannot be compiled to a grammar (its calls are then only checked after generation, as ever)."""
+    if use is None or use.choice in ("auto", "none"):
+        return None
+    names = tuple(sorted(use.names)) if use.choice == "required" else (use.choice,)
+    if not names or not all(name in use.strict for name in names):
+        return None
+    (opening, separator, closing), key, markers = call_layout(use.family)
+    rules = []
+    for i, name in enumerate(names):
+        schema = getattr(use.strict[name], "schema", None)
+        if not isinstance(schema, dict):
+            return None
+        schema = {**_plain_text(schema), "x-guidance": JSON_OPTIONS}
+        head = f'{{"name": {json.dumps(name, ensure_ascii=False)}, "{key}": '
+        rules.append(f"call_{i}: {_literal(head)} %json {json.dumps(schema)} {_literal('}')}")
+    call = " | ".join(f"call_{i}" for i in range(len(names)))
+
+    def lark(tokens: Mapping[str, int]) -> str:
+        def text(part: str) -> str:
+            return _spelled(part, markers, tokens)
+        calls = f"({call}) ({text(separator)} ({call}))*" if use.parallel else f"({call})"
+        start = " ".join(part for part in (text(opening), calls, text(closing)) if part)
+        return "\n".join(["%llguidance {}", f"start: {start}", *rules, ""])
+
+    try:
+        grammar = LLMatcher.grammar_from_lark(lark({}))
+        error = LLMatcher.validate_grammar(grammar)
+    except (ValueError, TypeError) as exc:
+        error = str(exc)
+    if error:
+        log.warning("forced call to %s not constrained (only checked when done): %s", ", ".join(names),
+                    error.strip().splitlines()[0] if error.strip() else error)
+        return None
+    return ToolCallGrammar(use.family, names, use.parallel, markers, lark, grammar)
+
+
+def _spelled(text: str, markers: Sequence[str], tokens: Mapping[str, int]) -> str:
+    """``text`` as a lark sequence ("" for none): string literals, each of ``markers`` it holds that has an id
+    in ``tokens`` either its text or that token."""
+    for marker in markers:
+        if marker in tokens and marker in text:
+            before, _, after = text.partition(marker)
+            either = f"({_literal(marker)} | <[{tokens[marker]}]>)"
+            return " ".join(p for p in (_spelled(before, markers, tokens), either,
+                                        _spelled(after, markers, tokens)) if p)
+    return _literal(text)
+
+
+def _literal(text: str) -> str:
+    """``text`` as a lark string literal ("" for none)."""
+    return json.dumps(text) if text else ""
+
+
 def _plain_text(node: Any) -> Any:
     """``node`` without ``"format": "text"`` on its string schemas (a plain string, for llguidance, which knows
     no such format)."""
@@ -186,8 +272,9 @@ class Vocabulary:
         self._built: dict[frozenset[int], LLTokenizer] = {}
         self._lock = threading.Lock()
 
-    def constraint(self, fmt: ResponseFormat, eos_ids: Collection[int]) -> Constraint:
-        """``fmt`` bound to this vocabulary, its answer ending at one of ``eos_ids`` (a 400 if there are none)."""
+    def constraint(self, fmt: ResponseFormat | ToolCallGrammar, eos_ids: Collection[int]) -> Constraint:
+        """``fmt``'s grammar bound to this vocabulary, its answer ending at one of ``eos_ids`` (a 400 if there are
+        none, or a forced call's marker this vocabulary cannot write)."""
         eos = frozenset(eos_ids)
         if not eos:
             raise InvalidRequestError("response_format needs the answer to end at an end-of-sequence token: the "
@@ -202,14 +289,32 @@ class Vocabulary:
                     raise InvalidRequestError(f"response_format needs a fast (Rust-backed) tokenizer: {exc}",
                                               param="response_format") from exc
                 self._built[eos] = built
-        return Constraint(fmt, built, self.width)
+        if isinstance(fmt, ResponseFormat):
+            return Constraint(fmt.grammar, built, self.width)
+        return Constraint(fmt.bound(self._marker_tokens(fmt.markers, built)), built, self.width)
+
+    def _marker_tokens(self, markers: Sequence[str], built: LLTokenizer) -> dict[str, int]:
+        """The ``markers`` that are one token llguidance holds special, with their ids; ``InvalidRequestError``
+        where such a token is special to the tokenizer too (decoded text would lose the marker)."""
+        out = {}
+        for marker in markers:
+            token = self.tokenizer.convert_tokens_to_ids(marker)
+            if not isinstance(token, int) or not 0 <= token < self.width or \
+                    self.tokenizer.convert_ids_to_tokens(token) != marker or not built.is_special_token(token):
+                continue
+            if token in self.tokenizer.all_special_ids:
+                raise InvalidRequestError(f"the tool-call marker {marker} is a special token of this tokenizer: "
+                                          "left out of the answer's text, so a call cannot be constrained")
+            out[marker] = token
+        return out
 
 
 @dataclass(frozen=True, eq=False, slots=True)
 class Constraint:
-    """A response format bound to a vocabulary: what a call's ``SamplingParams`` carry."""
+    """A grammar (a response format's, or a forced tool call's) bound to a vocabulary: what a call's
+    ``SamplingParams`` carry."""
 
-    format: ResponseFormat
+    grammar: str  # llguidance's
     tokenizer: LLTokenizer
     width: int  # the logits' width
 
@@ -227,7 +332,7 @@ class GrammarLogits(LogitsProcessor):
     the end-of-sequence tokens get score 0: the answer ends with its JSON, and a step always has a token to draw."""
 
     def __init__(self, constraint: Constraint, prompt_len: int):
-        self.matcher = LLMatcher(constraint.tokenizer, constraint.format.grammar, log_level=0)  # errors: below
+        self.matcher = LLMatcher(constraint.tokenizer, constraint.grammar, log_level=0)  # errors: below
         self.prompt_len, self.seen, self.width = prompt_len, 0, constraint.width
         self.eos = [t for t in constraint.tokenizer.eos_tokens if t < constraint.width]
         self._bits = allocate_token_bitmask(1, constraint.tokenizer.vocab_size)

@@ -72,13 +72,18 @@ class _Syntax:
     start: str  # the marker that opens the calls
     end: str | None  # the marker that closes one call; None: the calls run to the end of the answer
     bare: str | None  # what opens calls written without the marker, at the very start of an answer
-    arguments: tuple[str, ...]  # the keys that may hold a call's arguments
+    arguments: tuple[str, ...]  # the keys that may hold a call's arguments; the first is the template's
+    #: How a forced call is written (``structured.tool_call_grammar``): what opens the calls, what separates two,
+    #: what closes them. Llama's and Mistral's markers are special tokens: left out, as this parser reads calls
+    #: without them.
+    forced: tuple[str, str, str]
 
 
 _SYNTAX = {
-    "hermes": _Syntax("<tool_call>", "</tool_call>", None, ("arguments",)),
-    "llama3_json": _Syntax("<|python_tag|>", None, "{", ("parameters", "arguments")),
-    "mistral": _Syntax("[TOOL_CALLS]", None, "[", ("arguments",)),
+    "hermes": _Syntax("<tool_call>", "</tool_call>", None, ("arguments",),
+                      ("<tool_call>\n", "\n</tool_call>\n<tool_call>\n", "\n</tool_call>")),
+    "llama3_json": _Syntax("<|python_tag|>", None, "{", ("parameters", "arguments"), ("", "; ", "")),
+    "mistral": _Syntax("[TOOL_CALLS]", None, "[", ("arguments",), ("[", ", ", "]")),
 }
 
 
@@ -93,6 +98,13 @@ def family_of(template: str | None) -> str | None:
     if "<|python_tag|>" in template or ("<|start_header_id|>" in template and '"parameters"' in template):
         return "llama3_json"
     return None
+
+
+def call_layout(family: str) -> tuple[tuple[str, str, str], str, tuple[str, ...]]:
+    """How ``family`` writes forced calls: (what opens them, what separates two, what closes them), the key of a
+    call's arguments (each call is ``{"name": ..., <key>: {...}}``) and the family's markers."""
+    syntax = _SYNTAX[family]
+    return syntax.forced, syntax.arguments[0], tuple(m for m in (syntax.start, syntax.end) if m is not None)
 
 
 def tokenizer_family(tokenizer: Any) -> str | None:

@@ -1,9 +1,9 @@
 """Strict tools: their JSON schemas checked when a request declares them, and each call's arguments against them.
 
 A strict tool (OpenAI's ``function.strict``, Anthropic's ``strict``) promises arguments that match its
-schema. OpenAI constrains sampling to the schema; nothing does here, so a call's arguments are validated
-as they are parsed (``tool_calls.ToolCallParser``) and a mismatch is ``ToolArgumentsError``, never an
-answer. The request side follows OpenAI's: a strict function's schema must have ``additionalProperties:
+schema. Sampling is constrained to it only where a request forces a call to strict tools only
+(``structured.tool_call_grammar``), so a call's arguments are validated as they are parsed
+(``tool_calls.ToolCallParser``) and a mismatch is ``ToolArgumentsError``, never an answer. The request side follows OpenAI's: a strict function's schema must have ``additionalProperties:
 false`` on every object and list every property in ``required``, or the request is refused (400); an
 Anthropic strict tool's follows Anthropic's (``check_anthropic_shape``). Every schema must be a valid JSON
 schema whose ``$ref``s point inside it (nothing is fetched). The string ``format``s each API's strict mode

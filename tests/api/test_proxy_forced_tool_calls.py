@@ -1,0 +1,122 @@
+"""A forced call to strict tools is constrained to their schemas: through a live proxy, with the official ``openai``
+client (``tool_choice`` "required" and a named function) and ``anthropic`` client (``any`` and ``tool``), for each
+template family, on both engines, greedy and sampled.
+
+The model is a tiny random Llama: unconstrained it writes garbage, so a call that parses in the family's syntax and
+matches its schema shows the constraint at work.
+"""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import torch
+from prefixcache_api import create_app
+from proxy_support import ALPHA, MODEL, anthropic_client, live, settings
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from prefixcache import CacheConfig, PrefixCache
+from tests.support.tool_templates import family_tokenizer
+
+FAMILIES = ("hermes", "llama3_json", "mistral")
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "London"]},
+                                            "detailed": {"type": "boolean"}},
+           "required": ["city", "detailed"], "additionalProperties": False}
+CLOCK = {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+         "required": ["zone"], "additionalProperties": False}
+SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
+TOOLS = [{"type": "function", "function": {"name": name, "strict": True, "parameters": schema}}
+         for name, schema in SCHEMAS.items()]
+ANTHROPIC_TOOLS = [{"name": name, "strict": True, "input_schema": schema} for name, schema in SCHEMAS.items()]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_time"}}
+SAMPLINGS = [{"temperature": 0}, {"temperature": 1.0, "seed": 5}]
+
+
+def random_model(tok) -> torch.nn.Module:
+    """A tiny random Llama over ``tok``'s vocabulary (its added tokens included)."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048)).eval()
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    return model
+
+
+@pytest.fixture(scope="module", params=[(f, b) for f in FAMILIES for b in (True, False)],
+                ids=[f"{f}-{'batched' if b else 'serial'}" for f in FAMILIES for b in (True, False)])
+def proxy(request, tokenizer):
+    family, batching = request.param
+    tok = family_tokenizer(tokenizer, family)
+    cache = PrefixCache(random_model(tok), tok, CacheConfig(max_bytes=256 << 20), batching=batching)
+    with live(create_app(settings(), cache=cache)) as srv:
+        yield srv
+    cache.close()
+
+
+def checked(calls: list[tuple[str, dict]], names: set[str]) -> list[tuple[str, dict]]:
+    """``calls``, each to one of ``names`` with arguments that match its schema."""
+    assert calls
+    for name, arguments in calls:
+        assert name in names
+        jsonschema.validate(arguments, SCHEMAS[name])
+    return calls
+
+
+def openai_calls(response) -> list[tuple[str, dict]]:
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    return [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "sampled"])
+@pytest.mark.parametrize("choice", ["required", NAMED], ids=["required", "named"])
+def test_openai_forced_strict_call_matches_its_schema_and_the_cached_answer_is_the_same(proxy, choice, sampling):
+    client = proxy.openai(ALPHA)
+    proxy.cache.flush()
+    body = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
+                max_tokens=200, **sampling)
+    first = client.chat.completions.create(**body)
+    names = set(SCHEMAS) if choice == "required" else {"get_time"}
+    calls = checked(openai_calls(first), names)
+    assert len(calls) == 1
+    again = client.chat.completions.create(**body)  # its prompt read from the cache
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert openai_calls(again) == calls
+    streamed = {}
+    for chunk in client.chat.completions.create(**body, stream=True):
+        for delta in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            entry = streamed.setdefault(delta.index, {"name": "", "arguments": ""})
+            entry["name"] += delta.function.name or ""
+            entry["arguments"] += delta.function.arguments or ""
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == calls
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 1.0}], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_time"}], ids=["any", "tool"])
+def test_anthropic_forced_strict_call_matches_its_schema_and_the_cached_answer_is_the_same(proxy, choice, sampling):
+    claude = anthropic_client(proxy.url, ALPHA)
+    proxy.cache.flush()
+    body = dict(model=MODEL, max_tokens=200, messages=ASK, tools=ANTHROPIC_TOOLS,
+                tool_choice={**choice, "disable_parallel_tool_use": True},
+                extra_body={**sampling, "cache_control": {"type": "ephemeral"}})
+    first = claude.messages.create(**body)
+    assert first.stop_reason == "tool_use" and [b.type for b in first.content] == ["tool_use"]
+    names = set(SCHEMAS) if choice["type"] == "any" else {"get_time"}
+    calls = checked([(b.name, b.input) for b in first.content], names)
+    again = claude.messages.create(**body)
+    assert again.usage.cache_read_input_tokens > 0  # its prompt read from the cache
+    assert again.stop_reason == "tool_use"
+    again_calls = checked([(b.name, b.input) for b in again.content], names)
+    if not sampling["temperature"]:  # Anthropic's API takes no seed: only a greedy answer is the same
+        assert again_calls == calls
+
+
+def test_parallel_calls_each_match_their_schema(proxy):
+    """With parallel calls allowed the answer is one call or more, each held to its tool's schema."""
+    client = proxy.openai(ALPHA)
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                                       max_tokens=600, temperature=1.0, seed=5)
+    checked(openai_calls(r), set(SCHEMAS))
