@@ -121,6 +121,7 @@ def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_
     choice = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
     asked = req.model_dump(include={"tools", "tool_choice"}, exclude_none=True)
     reading = openai_tool_use(tool_family, asked.get("tools"), asked.get("tool_choice"), req.parallel_tool_calls)
+    reading = None if structured else reading  # the answer is the format's JSON: no call to read in it
     options = _options(req, settings, vocab_size, blend=req.prefixcache_blend,
                        response_format=None if req.response_format is None else req.response_format.model_dump(),
                        logprobs=req.logprobs, top_logprobs=req.top_logprobs)
