@@ -175,6 +175,14 @@ def test_with_a_response_format_and_auto_tools_the_answer_is_the_json_not_a_call
     got = client.responses.create(model=MODEL, input=ASK[0]["content"], text={"format": fmt}, max_output_tokens=60,
                                   tools=[{"type": "function", **WEATHER["function"]}])
     assert [item.type for item in got.output] == ["message"] and got.output_text == want
+    # All of it is content, so its logprobs are reported (without a format, tools the model sees refuse them).
+    asked = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], response_format=CALL_SHAPED,
+                                           max_tokens=60, logprobs=True, top_logprobs=1)
+    assert "".join(entry.token for entry in asked.choices[0].logprobs.content) == want
+    got = client.responses.create(model=MODEL, input=ASK[0]["content"], text={"format": fmt}, max_output_tokens=60,
+                                  tools=[{"type": "function", **WEATHER["function"]}],
+                                  include=["message.output_text.logprobs"])
+    assert "".join(entry.token for entry in got.output[0].content[0].logprobs) == want
 
 
 class GetWeather(pydantic.BaseModel):
