@@ -150,9 +150,9 @@ def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_
     if structured and req.tools and req.tool_choice not in (None, "none", "auto"):
         raise InvalidRequestError("a forced tool call cannot be made with response_format json_object / json_schema "
                                   "(the answer is the JSON)", param="tool_choice")
-    if req.logprobs and req.tools and req.tool_choice != "none":
+    if req.logprobs and req.tools and req.tool_choice != "none" and not structured:
         # OpenAI's logprobs are the content's; which tokens are content is known here only once a parser has read
-        # the whole answer, so a streamed answer could not attach them to its deltas
+        # the whole answer, so a streamed answer could not attach them to its deltas (a format's JSON is all content)
         raise InvalidRequestError("logprobs are not reported for an answer that may call tools (send tool_choice "
                                   "none, or no tools)", param="logprobs")
     if req.max_tokens is not None and req.max_completion_tokens is not None \
@@ -167,6 +167,7 @@ def chat_job(req: ChatCompletionRequest, tenant: str, settings: Settings, vocab_
     choice = req.tool_choice.function.name if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
     asked = req.model_dump(include={"tools", "tool_choice"}, exclude_none=True)
     reading = openai_tool_use(tool_family, asked.get("tools"), asked.get("tool_choice"), req.parallel_tool_calls)
+    reading = None if structured else reading  # the answer is the format's JSON: no call to read in it
     # A forced call to strict functions is constrained to their schemas (not where it continues a final message).
     forced = None if req.continue_final_message else tool_call_grammar(reading)
     options = _options(req, settings, vocab_size, blend=req.prefixcache_blend,

@@ -174,6 +174,42 @@ def test_required_and_named_calls_the_model_makes_are_served(family_server):
     assert r.stop_reason == "tool_use"
 
 
+#: A response format whose JSON is shaped as a llama3_json call: the answer is its JSON all the same.
+CALL_SHAPED = {"type": "json_schema", "json_schema": {"name": "call", "strict": True, "schema": {
+    "type": "object", "properties": {
+        "name": {"type": "string", "enum": ["get_weather"]},
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris"]}},
+                       "required": ["city"], "additionalProperties": False}},
+    "required": ["name", "parameters"], "additionalProperties": False}}}
+
+
+def test_with_a_response_format_and_auto_tools_the_answer_is_the_json_not_a_call(family_server):
+    """The format holds the answer to its JSON from the first token, so it is the content (finish_reason stop),
+    never read for tool calls, even where it looks like one; streamed as not; the Responses API's output_text."""
+    _, _, srv = family_server
+    client = openai_client(srv)
+    want = '{"name":"get_weather","parameters":{"city":"Paris"}}'
+    for tools in ([WEATHER], [strict(WEATHER)]):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, tool_choice="auto",
+                                           response_format=CALL_SHAPED, max_tokens=60)
+        choice = r.choices[0]
+        assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (want, None, "stop")
+        assert streamed_chat(client, messages=ASK, tools=tools, response_format=CALL_SHAPED,
+                             max_tokens=60) == (want, [], "stop")
+    fmt = {"type": "json_schema", **CALL_SHAPED["json_schema"]}
+    got = client.responses.create(model=MODEL, input=ASK[0]["content"], text={"format": fmt}, max_output_tokens=60,
+                                  tools=[{"type": "function", **WEATHER["function"]}])
+    assert [item.type for item in got.output] == ["message"] and got.output_text == want
+    # All of it is content, so its logprobs are reported (without a format, tools the model sees refuse them).
+    asked = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], response_format=CALL_SHAPED,
+                                           max_tokens=60, logprobs=True, top_logprobs=1)
+    assert "".join(entry.token for entry in asked.choices[0].logprobs.content) == want
+    got = client.responses.create(model=MODEL, input=ASK[0]["content"], text={"format": fmt}, max_output_tokens=60,
+                                  tools=[{"type": "function", **WEATHER["function"]}],
+                                  include=["message.output_text.logprobs"])
+    assert "".join(entry.token for entry in got.output[0].content[0].logprobs) == want
+
+
 class GetWeather(pydantic.BaseModel):
     city: str
 
