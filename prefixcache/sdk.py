@@ -89,7 +89,8 @@ class GenerationResult:
     #: ``chat()`` / ``messages()`` with tools: the calls parsed out of the answer (``text`` is what is left).
     tool_calls: tuple[ToolCall, ...] = ()
     #: With ``logprobs=True``: each answer token's log-probability and its ``top_logprobs`` likeliest
-    #: alternatives (``serving/logprobs.py``), special tokens left out (None: not asked for).
+    #: alternatives (``serving/logprobs.py``), special tokens left out (None: not asked for); stopped by a
+    #: ``stop`` string, those up to the token in which ``text`` ends (the stop string may begin inside it).
     logprobs: tuple[TokenLogprob, ...] | None = None
 
 
@@ -517,14 +518,15 @@ class PrefixCache:
         stats.blend_reason = stats.blend_reason or why_not
         self._local.last = stats
         text = self.tokenizer.decode(new, skip_special_tokens=True)
-        cut = first_stop(text, options.stop)
+        cut, tokens = first_stop(text, options.stop), len(new)
         if cut is not None or stream.stopped:  # OpenAI: the text ends before the stop string
             text, reason = text[:cut], "stop"
+            tokens = min(tokens, stream.covering(len(text)))  # logprobs: the tokens of the text returned
         elif options.cancelled and reason != "stop":
             reason = "cancelled"
         elif options.response_format is not None and reason == "stop":  # ended where its grammar did
             options.response_format.check(text)
-        logprobs = None if options.logprobs is None else stream.answer_logprobs(len(new))
+        logprobs = None if options.logprobs is None else stream.answer_logprobs(tokens)
         return GenerationResult(text, tuple(new), reason, Usage(len(prompt), len(new), stats.cached_tokens), stats,
                                 logprobs=logprobs)
 

@@ -1,6 +1,7 @@
 """Generated tokens to text deltas, holding back what could still become a stop string."""
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -23,9 +24,11 @@ class TextStream(BaseStreamer):
     appeared. ``text`` is what has been decoded so far.
 
     ``logprobs``: each new token's ``TokenLogprob``, which the producer appends before it ``put``s the
-    token (where the call asks for them). ``on_logprobs`` receives those of the tokens decoded so far,
-    but special tokens (whose text the answer skips), just before ``on_text`` receives their text (the
-    last ones at ``end``, with or without text): in all, ``answer_logprobs``.
+    token (where the call asks for them). ``on_logprobs`` receives those of the tokens whose text
+    ``on_text`` receives next (all of it or its start, the rest held back), but special tokens (whose
+    text the answer skips), just before ``on_text`` receives that text; at ``end`` those of the tokens
+    left (with or without text), but once stopped only up to the one in which the answer's text ends
+    (``covering``): in all, ``answer_logprobs``.
     """
 
     def __init__(self, tokenizer, on_text: Callable[[str], None] | None, stop: Sequence[str],
@@ -38,6 +41,8 @@ class TextStream(BaseStreamer):
         self._longest = max((len(s) for s in self._stop), default=0)
         self._ids: list[int] = []
         self._prefix = self._read = 0  # ids[_prefix:_read] decode to the end of ``text``; later ids are pending
+        # ids[:_reads[i]] decode to text[:_lengths[i]], ids[_starts[i]:_reads[i]] the window that decoded its end
+        self._reads, self._lengths, self._starts = [0], [0], [0]
         self.text = ""
         self._scanned = 0  # stop strings were searched in text[:_scanned]
         self._sent = 0
@@ -55,7 +60,22 @@ class TextStream(BaseStreamer):
     def end(self) -> None:
         self._decode(final=True)
         self._emit(final=True)
-        self._report(len(self.logprobs))
+        self._report(self.covering(self._sent) if self.stopped else len(self.logprobs))
+
+    def covering(self, length: int) -> int:
+        """How many of the first ids it takes to decode ``text[:length]``: up to and including the one in which
+        that text ends (a stop string may begin inside it); all the ids decoded where ``text`` is shorter."""
+        at = bisect.bisect_left(self._lengths, length)
+        if at == 0 or at == len(self._reads):
+            return 0 if at == 0 else self._read
+        low, high, start = self._reads[at - 1], self._reads[at], self._starts[at]
+        if high - low > 1:  # ids decoded together (a character split across them): the first the text reaches
+            before = self._tok.decode(self._ids[start:low], skip_special_tokens=True)
+            for upto in range(low + 1, high):
+                after = self._tok.decode(self._ids[start:upto], skip_special_tokens=True).rstrip("\ufffd")
+                if self._lengths[at - 1] + len(after) - len(os.path.commonprefix([before, after])) >= length:
+                    return upto
+        return high
 
     def answer_logprobs(self, tokens: int) -> tuple[TokenLogprob, ...]:
         """The logprobs of the answer's first ``tokens`` tokens, but special tokens'."""
@@ -79,7 +99,10 @@ class TextStream(BaseStreamer):
         if not final and (len(after) <= len(before) or not after.startswith(before) or after.endswith("\ufffd")):
             return  # the new ids do not extend the text yet (e.g. half a character): wait for more
         self.text += after[len(os.path.commonprefix([before, after])) :]
+        self._starts.append(self._prefix)
         self._prefix, self._read = self._read, len(self._ids)
+        self._reads.append(self._read)
+        self._lengths.append(len(self.text))
 
     def _emit(self, final: bool) -> None:
         if self.stopped:
@@ -99,7 +122,7 @@ class TextStream(BaseStreamer):
                         break
             text = text[:safe]
         if len(text) > self._sent:
-            self._report(min(self._read, len(self.logprobs)))
+            self._report(min(self.covering(len(text)), len(self.logprobs)))
             self._on_text(text[self._sent :])
             self._sent = len(text)
 

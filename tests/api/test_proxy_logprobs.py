@@ -230,3 +230,43 @@ def test_each_of_n_choices_carries_its_own_logprobs_streamed_as_not(engines):
             assert sum((p.token_logprobs for p in pieces), []) == pytest.approx(lp.token_logprobs, abs=TOL)
         seen[name] = one
     assert [t.logprob for t in seen["serial"]] == pytest.approx([t.logprob for t in seen["batched"]], abs=TOL)
+
+
+def test_a_stop_string_s_tokens_are_left_out_of_the_logprobs_streamed_as_not(engines):
+    """With a stop string the logprobs are those of the tokens whose text the answer returns: their texts join to
+    the content (a stop string at a token boundary) or to it and the rest of the token the stop string begins inside;
+    streamed as not, every chunk's tokens its own text's; completions' text_offset within the text; both engines."""
+    servers, _ = engines
+    for name, server in servers.items():
+        client = server.openai(ALPHA)
+        _, free, _ = ask_chat(server)
+        texts = [t.token for t in free]
+        assert len(texts[2]) > 1, texts
+        at_boundary, inside = texts[3] + texts[4], texts[2][1:] + texts[3] + texts[4]
+        for stop, content in ((at_boundary, "".join(texts[:3])), (inside, "".join(texts[:2]) + texts[2][:1])):
+            whole_text, whole, r = ask_chat(server, stop=[stop])
+            assert r.choices[0].finish_reason == "stop" and whole_text == content, name
+            assert [t.token for t in whole] == texts[:3], (name, stop)
+            streamed_text, streamed, chunks = ask_chat(server, stream=True, stop=[stop])
+            assert streamed_text == content and [t.token for t in streamed] == texts[:3], (name, stop)
+            assert [t.logprob for t in streamed] == pytest.approx([t.logprob for t in whole], abs=TOL)
+            joined = "".join(t.token for t in whole)
+            assert joined.startswith(content) and len(joined) - len(whole[-1].token) < len(content)
+            assert (joined == content) == (stop == at_boundary)
+            assert all(c.delta.content for chunk in chunks for c in chunk.choices  # no chunk of tokens without text
+                       if c.logprobs is not None and c.logprobs.content), name
+
+        prompt = "Parcel 7 left the depot on"
+        body = dict(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=2,
+                    extra_body={"ignore_eos": True})
+        tokens = client.completions.create(**body).choices[0].logprobs.tokens
+        assert len(tokens[2]) > 1, tokens
+        for stop in (tokens[3] + tokens[4], tokens[2][1:] + tokens[3] + tokens[4]):
+            whole = client.completions.create(stop=[stop], **body).choices[0]
+            lp = whole.logprobs
+            assert whole.finish_reason == "stop" and lp.tokens == tokens[:3], (name, stop)
+            assert "".join(lp.tokens).startswith(whole.text) and all(o < len(whole.text) for o in lp.text_offset)
+            pieces = [c.choices[0].logprobs for c in client.completions.create(stream=True, stop=[stop], **body)
+                      if c.choices and c.choices[0].logprobs is not None]
+            assert sum((p.tokens for p in pieces), []) == lp.tokens
+            assert sum((p.text_offset for p in pieces), []) == lp.text_offset

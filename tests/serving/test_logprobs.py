@@ -94,14 +94,22 @@ def test_streamed_logprobs_come_with_their_text_and_add_up_to_the_answer_s(chat_
     assert "".join(t for kind, t in events if kind == "text") == result.text
 
 
-def test_a_stopped_answer_reports_the_tokens_it_generated_but_the_special_ones(chat_llama, tokenizer, new_cache, ids):
-    cache = new_cache(chat_llama, tokenizer, start_sweeper=False)
+@pytest.mark.parametrize("batching", [True, False])
+def test_a_stopped_answer_reports_the_tokens_of_its_text_but_the_special_ones(chat_llama, tokenizer, new_cache, ids,
+                                                                             batching):
+    cache = new_cache(chat_llama, tokenizer, batching=batching, start_sweeper=False)
     free = cache.answer(ids, max_new_tokens=8, ignore_eos=True)
-    stop = tokenizer.decode(free.token_ids[3:4])
-    got = []
-    cut = cache.answer(ids, max_new_tokens=8, ignore_eos=True, stop=[stop], logprobs=True, on_logprobs=got.extend)
-    assert cut.finish_reason == "stop" and tuple(got) == cut.logprobs
-    assert [e.token for e in cut.logprobs] == list(cut.token_ids)
+    stop = tokenizer.decode(free.token_ids[3:5])  # two tokens long, at a token boundary
+    got, texts = [], []
+    cut = cache.answer(ids, max_new_tokens=8, ignore_eos=True, stop=[stop], logprobs=True, on_logprobs=got.extend,
+                       on_text=texts.append)
+    assert cut.finish_reason == "stop" and cut.text == tokenizer.decode(free.token_ids[:3])
+    assert tuple(got) == cut.logprobs and "".join(texts) == cut.text
+    assert [e.token for e in cut.logprobs] == list(free.token_ids[:3]) != list(cut.token_ids)
+    inside = tokenizer.decode(free.token_ids[2:3])[1:] + stop  # begins inside the third token
+    partly = cache.answer(ids, max_new_tokens=8, ignore_eos=True, stop=[inside], logprobs=True)
+    assert partly.text == cut.text[: len(cut.text) - len(inside) + len(stop)]
+    assert [e.token for e in partly.logprobs] == list(free.token_ids[:3])  # the third's text partly returned
     eos = tokenizer.eos_token_id
     ended = cache.answer(ids, max_new_tokens=3, logprobs=True, logit_bias={eos: 100.0})
     assert ended.token_ids == (eos,) and ended.logprobs == ()
