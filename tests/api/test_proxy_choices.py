@@ -10,7 +10,7 @@ import openai
 import pytest
 import torch
 from prefixcache_api import create_app
-from proxy_support import ALPHA, MODEL, auth, live, make_cache, settings, wait_until
+from proxy_support import ALPHA, MODEL, auth, live, make_cache, metric_samples, settings, wait_until
 
 from prefixcache import CacheConfig, PrefixCache
 from tests.api.test_proxy_abnormal_ends import CHAT, SERVED, WORD, assert_idle_and_exact, errors, totals
@@ -271,3 +271,18 @@ def test_choices_need_as_many_free_places_of_the_key(tiny_model, tokenizer):
             wait_until(lambda: srv.serving.admission.in_flight("alpha") == 0, timeout=10)
     finally:
         cache.close()
+
+
+def test_the_request_counters_count_the_choices_as_one_request(own):
+    """/metrics' request counters: a request of three choices on a fresh prompt is one request, a miss (its one
+    prefill ahead read nothing), its prompt counted once and the choices' completions summed, as its usage."""
+    before = totals(own)
+    many = chat(own.openai(ALPHA), n=3, temperature=0)
+    after = totals(own)
+    moved = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in SERVED}
+    assert moved == {"prefixcache_requests_total": 1, "prefixcache_prompt_tokens_total": many.usage.prompt_tokens,
+                     "prefixcache_cached_tokens_total": 0,
+                     "prefixcache_completion_tokens_total": many.usage.completion_tokens,
+                     "prefixcache_executor_requests_total": 1}
+    assert metric_samples(own)[("prefixcache_requests_total",
+                                (("endpoint", "chat"), ("outcome", "miss"), ("tenant", "alpha")))] == 1
