@@ -392,14 +392,16 @@ class Serving:
 
     def _observe(self, job: Job, stats: CallStats) -> None:
         """Worker thread: count a served generation in the request counters. A request's choices count as one
-        request: choice 0 with the prompt, by what its one prefill ahead read (when prefilled ahead: what the
-        request's usage reports), the others with their completion tokens only."""
+        request, once all are served (one cut short leaves it to its error's count, never both): choice 0's
+        stats with the prompt, by what its one prefill ahead read (when prefilled ahead: what the request's
+        usage reports), and the choices' completion tokens summed."""
         shared = job.shared
-        if shared is not None and job.choice > 0:
-            self.metrics.completion_tokens.labels(job.tenant).inc(stats.completion_tokens)
-            return
-        if shared is not None and shared.read is not None:
-            stats = dataclasses.replace(stats, cached_tokens=shared.read)
+        if shared is not None:
+            every = shared.served(job.choice, stats)
+            if every is None:
+                return
+            stats = every[0] if shared.read is None else dataclasses.replace(every[0], cached_tokens=shared.read)
+            self.metrics.completion_tokens.labels(job.tenant).inc(sum(s.completion_tokens for s in every[1:]))
         self.metrics.observe(job.label, job.tenant, stats)
         self.metrics.observe_cache_hints(job.tenant, job.cache_key, job.retention, stats)
 
