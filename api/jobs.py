@@ -32,6 +32,7 @@ import xxhash
 from prefixcache.errors import ContextLengthExceededError, InvalidRequestError
 from prefixcache.serving.breakpoints import RETENTION_SECONDS
 from prefixcache.serving.options import AnswerOptions
+from prefixcache.serving.request import CallStats
 from prefixcache.serving.sampling import GREEDY_BELOW
 from prefixcache.serving.structured import ToolCallGrammar, tool_call_grammar
 from prefixcache.serving.tool_calls import ToolUse, openai_tool_use
@@ -107,10 +108,22 @@ class SharedPrompt:
     supplied to that prefill and ``written`` what it stored (None: not prefilled ahead; each choice's own
     reading counts)."""
 
-    def __init__(self) -> None:
+    def __init__(self, choices: int) -> None:
         self.ready = threading.Event()
         self.read: int | None = None
         self.written = 0
+        self._choices = choices
+        self._lock = threading.Lock()
+        self._served: dict[int, CallStats] = {}
+
+    def served(self, choice: int, stats: CallStats) -> list[CallStats] | None:
+        """Note ``choice`` served; once every choice is, their stats by index (the request is then counted as
+        served, once), else None (a choice cut short leaves the request to its error's count)."""
+        with self._lock:
+            self._served[choice] = stats
+            if len(self._served) < self._choices:
+                return None
+            return [self._served[i] for i in range(self._choices)]
 
 
 def choices(job: Job, n: int | None, settings: Settings) -> list[Job]:
@@ -121,7 +134,7 @@ def choices(job: Job, n: int | None, settings: Settings) -> list[Job]:
         raise InvalidRequestError(f"n is {n}; this server allows at most {settings.max_n} choices", param="n")
     if n == 1:
         return [job]
-    shared, seed = SharedPrompt(), job.options.seed
+    shared, seed = SharedPrompt(n), job.options.seed
     return [dataclasses.replace(job, choice=i, shared=shared, diagnose=job.diagnose and i == 0,
                                 options=dataclasses.replace(job.options, seed=choice_seed(seed, i)))
             for i in range(n)]

@@ -28,6 +28,7 @@ from prefixcache.serving.diagnostics import MissReason
 from prefixcache.serving.messages import MessagesPrompt, to_chat
 from prefixcache.serving.options import seconds
 from prefixcache.serving.prompt_cache import text_breakpoints
+from prefixcache.serving.request import CallStats
 from prefixcache.serving.stats import CacheReport
 
 from .admission import Admission, Place, Skipped
@@ -381,14 +382,28 @@ class Serving:
         # A generation cut short (timeout, client gone, shutdown) is counted by its error status only, as when
         # the engine's own timer ends it first: the served-generation counters hold answers delivered.
         if result.finish_reason != "cancelled" and (counted is None or counted.claim(SERVED)):
-            self.metrics.observe(job.label, job.tenant, result.stats)
-            self.metrics.observe_cache_hints(job.tenant, job.cache_key, job.retention, result.stats)
+            self._observe(job, result.stats)
         if self.request_log is not None:
             self.request_log.record(job.tenant, ids, result.token_ids, result.stats.cached_tokens,
                                     self._held_tokens(len(ids), result))
         if result.finish_reason == "cancelled" and self.closing:  # cut short by shutdown: not an answer
             raise UnavailableError("the server is shutting down; the generation was cancelled", code="shutting_down")
         return result
+
+    def _observe(self, job: Job, stats: CallStats) -> None:
+        """Worker thread: count a served generation in the request counters. A request's choices count as one
+        request, once all are served (one cut short leaves it to its error's count, never both): choice 0's
+        stats with the prompt, by what its one prefill ahead read (when prefilled ahead: what the request's
+        usage reports), and the choices' completion tokens summed."""
+        shared = job.shared
+        if shared is not None:
+            every = shared.served(job.choice, stats)
+            if every is None:
+                return
+            stats = every[0] if shared.read is None else dataclasses.replace(every[0], cached_tokens=shared.read)
+            self.metrics.completion_tokens.labels(job.tenant).inc(sum(s.completion_tokens for s in every[1:]))
+        self.metrics.observe(job.label, job.tenant, stats)
+        self.metrics.observe_cache_hints(job.tenant, job.cache_key, job.retention, stats)
 
     def _share_prompt(self, job: Job, ids: list[int], scope: Scope, warmable: bool, cancel: threading.Event) -> None:
         """Worker thread, a choice of a request asking for several: the first prefills the prompt once and

@@ -10,7 +10,8 @@ import openai
 import pytest
 import torch
 from prefixcache_api import create_app
-from proxy_support import ALPHA, MODEL, auth, live, make_cache, settings, wait_until
+from prefixcache_api.jobs import choice_seed
+from proxy_support import ALPHA, MODEL, auth, live, make_cache, metric_samples, settings, wait_until
 
 from prefixcache import CacheConfig, PrefixCache
 from tests.api.test_proxy_abnormal_ends import CHAT, SERVED, WORD, assert_idle_and_exact, errors, totals
@@ -270,4 +271,48 @@ def test_choices_need_as_many_free_places_of_the_key(tiny_model, tokenizer):
             stream.close()
             wait_until(lambda: srv.serving.admission.in_flight("alpha") == 0, timeout=10)
     finally:
+        cache.close()
+
+
+def test_the_request_counters_count_the_choices_as_one_request(own):
+    """/metrics' request counters: a request of three choices on a fresh prompt is one request, a miss (its one
+    prefill ahead read nothing), its prompt counted once and the choices' completions summed, as its usage."""
+    before = totals(own)
+    many = chat(own.openai(ALPHA), n=3, temperature=0)
+    after = totals(own)
+    moved = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in SERVED}
+    assert moved == {"prefixcache_requests_total": 1, "prefixcache_prompt_tokens_total": many.usage.prompt_tokens,
+                     "prefixcache_cached_tokens_total": 0,
+                     "prefixcache_completion_tokens_total": many.usage.completion_tokens,
+                     "prefixcache_executor_requests_total": 1}
+    assert metric_samples(own)[("prefixcache_requests_total",
+                                (("endpoint", "chat"), ("outcome", "miss"), ("tenant", "alpha")))] == 1
+
+
+def test_a_request_timed_out_after_one_choice_was_served_counts_once_as_its_504(tiny_model, tokenizer):
+    """One worker: choice 0 is served, then choice 1 is held mid-answer until the timeout cancels it. The request
+    is a 504, counted once as that: none of /metrics' served counters moves."""
+    cache = make_cache(tiny_model, tokenizer)
+    runner, held_seed = cache.batcher.runner, choice_seed(7, 1)
+    run = runner.run
+
+    def held(plan):  # choice 1's steps, once it has its first token, wait for its cancel
+        deadline = time.monotonic() + HOLD_LIMIT
+        while any(req.params.seed == held_seed and req.output for req, _ in plan) \
+                and not any(req.cancelled for req, _ in plan) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return run(plan)
+    runner.run = held
+    try:
+        with live(create_app(settings(workers=1, request_timeout_seconds=2.0), cache=cache)) as srv:
+            before = totals(srv)
+            with pytest.raises(openai.InternalServerError) as info:
+                chat(srv.openai(ALPHA).with_options(max_retries=0), n=2, max_tokens=30, seed=7, temperature=1.0)
+            assert info.value.status_code == 504
+            wait_until(lambda: srv.serving.queue() == (0, 0), timeout=10)
+            after = totals(srv)
+            assert {name: after.get(name, 0.0) for name in SERVED} == {name: before.get(name, 0.0) for name in SERVED}
+            assert errors(srv, CHAT, 504) == 1
+    finally:
+        del runner.run
         cache.close()
