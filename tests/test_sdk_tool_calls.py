@@ -131,3 +131,11 @@ def test_a_forced_strict_call_quoting_the_end_marker_is_read_back(random_hermes)
         fmt = cache.chat(ASK, response_format={"type": "json_schema", "json_schema": {"name": "tag", "schema": quoted}},
                          max_new_tokens=60)
         assert fmt.finish_reason == "stop" and fmt.text == '{"tag":"</tool_call> \\"x\\"\\\\"}'
+
+
+def test_a_constrained_forced_call_is_not_cut_by_a_stop_string(random_hermes):
+    """The answer is the call alone: a stop string its JSON holds ends no text, so the call is served whole."""
+    for cache in random_hermes:
+        r = cache.chat(ASK, tools=[CLOCK], tool_choice="required", parallel_tool_calls=False, max_new_tokens=60,
+                       stop=["}", '"zone"'])
+        assert r.finish_reason == "tool_calls" and r.tool_calls[0].input["zone"] in ("UTC", "CET")
