@@ -532,10 +532,12 @@ class PrefixCache:
 
     def _forced_call(self, options: AnswerOptions) -> AnswerOptions:
         """``options`` with their forced call's grammar bound to the vocabulary, or as they are where it cannot
-        be (no end-of-sequence token, ``ignore_eos``, a slow tokenizer): the call is then only checked when done."""
+        be (no end-of-sequence token, ``ignore_eos``, a slow tokenizer): the call is then only checked when done.
+        Bound, the answer is the call alone, no text: the stop strings, which end text, do not cut it."""
         eos = options.eos_ids(self.serial.effective_config(None, options.extra))
         try:
-            return dataclasses.replace(options, constraint=self.vocabulary.constraint(options.tool_grammar, eos))
+            return dataclasses.replace(options, constraint=self.vocabulary.constraint(options.tool_grammar, eos),
+                                       stop=())
         except InvalidRequestError as exc:
             log.warning("forced tool call not constrained (only checked when done): %s", exc)
             return options

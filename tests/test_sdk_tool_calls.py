@@ -116,3 +116,26 @@ def test_a_forced_strict_call_that_cannot_be_constrained_is_checked_as_before(ra
     (no call: ToolCallError), never a new refusal."""
     with pytest.raises(ToolCallError, match="tool_choice"):
         random_hermes[1].chat(ASK, tools=[CLOCK], tool_choice="required", ignore_eos=True, max_new_tokens=8)
+
+
+def test_a_forced_strict_call_quoting_the_end_marker_is_read_back(random_hermes):
+    """The grammar lets a string argument hold ``</tool_call>`` (an added token, which llguidance holds special and
+    so spells in ordinary tokens there): that marker is the string's, not the call's end. A response format's
+    string is spelled alike."""
+    quoted = {"type": "object", "properties": {"tag": {"type": "string", "enum": ['</tool_call> "x"\\']}},
+              "required": ["tag"], "additionalProperties": False}
+    tool = {"type": "function", "function": {"name": "tag", "strict": True, "parameters": quoted}}
+    for cache in random_hermes:
+        r = cache.chat(ASK, tools=[tool], tool_choice="required", parallel_tool_calls=False, max_new_tokens=60)
+        assert r.finish_reason == "tool_calls" and r.tool_calls[0].input == {"tag": '</tool_call> "x"\\'}
+        fmt = cache.chat(ASK, response_format={"type": "json_schema", "json_schema": {"name": "tag", "schema": quoted}},
+                         max_new_tokens=60)
+        assert fmt.finish_reason == "stop" and fmt.text == '{"tag":"</tool_call> \\"x\\"\\\\"}'
+
+
+def test_a_constrained_forced_call_is_not_cut_by_a_stop_string(random_hermes):
+    """The answer is the call alone: a stop string its JSON holds ends no text, so the call is served whole."""
+    for cache in random_hermes:
+        r = cache.chat(ASK, tools=[CLOCK], tool_choice="required", parallel_tool_calls=False, max_new_tokens=60,
+                       stop=["}", '"zone"'])
+        assert r.finish_reason == "tool_calls" and r.tool_calls[0].input["zone"] in ("UTC", "CET")

@@ -270,6 +270,7 @@ class Vocabulary:
     def __init__(self, tokenizer: Any, width: int):
         self.tokenizer, self.width = tokenizer, width
         self._built: dict[frozenset[int], LLTokenizer] = {}
+        self._special: dict[frozenset[int], tuple[int, ...]] = {}
         self._lock = threading.Lock()
 
     def constraint(self, fmt: ResponseFormat | ToolCallGrammar, eos_ids: Collection[int]) -> Constraint:
@@ -289,9 +290,12 @@ class Vocabulary:
                     raise InvalidRequestError(f"response_format needs a fast (Rust-backed) tokenizer: {exc}",
                                               param="response_format") from exc
                 self._built[eos] = built
+                self._special[eos] = tuple(t for t in range(min(built.vocab_size, self.width))
+                                           if built.is_special_token(t) and t not in eos)
+            special = self._special[eos]
         if isinstance(fmt, ResponseFormat):
-            return Constraint(fmt.grammar, built, self.width)
-        return Constraint(fmt.bound(self._marker_tokens(fmt.markers, built)), built, self.width)
+            return Constraint(fmt.grammar, built, self.width, special)
+        return Constraint(fmt.bound(self._marker_tokens(fmt.markers, built)), built, self.width, special)
 
     def _marker_tokens(self, markers: Sequence[str], built: LLTokenizer) -> dict[str, int]:
         """The ``markers`` that are one token llguidance holds special, with their ids; ``InvalidRequestError``
@@ -317,6 +321,7 @@ class Constraint:
     grammar: str  # llguidance's
     tokenizer: LLTokenizer
     width: int  # the logits' width
+    special: tuple[int, ...] = ()  # the tokens llguidance holds special, less the end-of-sequence ones
 
     def processor(self, prompt_len: int) -> GrammarLogits:
         """A fresh matcher for one call whose prompt is ``prompt_len`` tokens long."""
@@ -329,12 +334,17 @@ class GrammarLogits(LogitsProcessor):
     scores: [1, V]. A matcher in error (a limit of llguidance's reached) allows only the end-of-sequence
     tokens, so the call ends and the final check reports it. Where the processors before it left none of the
     tokens it allows (``min_new_tokens`` masks the end-of-sequence tokens, the only ones a complete JSON allows),
-    the end-of-sequence tokens get score 0: the answer ends with its JSON, and a step always has a token to draw."""
+    the end-of-sequence tokens get score 0: the answer ends with its JSON, and a step always has a token to draw.
+
+    Where the grammar forces text that a token llguidance holds special spells (an added ``</tool_call>`` in an
+    ``enum`` string), llguidance's mask offers that token and its matcher then refuses it: such a token is taken
+    out of the allowed ones, and the forced text is spelled with ordinary tokens instead."""
 
     def __init__(self, constraint: Constraint, prompt_len: int):
         self.matcher = LLMatcher(constraint.tokenizer, constraint.grammar, log_level=0)  # errors: below
         self.prompt_len, self.seen, self.width = prompt_len, 0, constraint.width
         self.eos = [t for t in constraint.tokenizer.eos_tokens if t < constraint.width]
+        self.tokenizer, self.special = constraint.tokenizer, np.asarray(constraint.special, dtype=np.int64)
         self._bits = allocate_token_bitmask(1, constraint.tokenizer.vocab_size)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
@@ -353,6 +363,7 @@ class GrammarLogits(LogitsProcessor):
         if not self.matcher.is_error():
             fill_next_token_bitmask(self.matcher, self._bits)
             allowed = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.width].view(bool)
+            self._refuse_special(allowed)
             if allowed.any():
                 return allowed
         log.warning("the grammar of a structured answer failed (%s): the answer ends here",
@@ -360,3 +371,23 @@ class GrammarLogits(LogitsProcessor):
         allowed = np.zeros(self.width, dtype=bool)
         allowed[self.eos] = True
         return allowed
+
+    def _refuse_special(self, allowed: np.ndarray) -> None:
+        """Take out of ``allowed`` the special tokens in it that the matcher refuses; where that leaves none,
+        allow the first ordinary token of the text the grammar forces."""
+        refused = [t for t in self.special[allowed[self.special]].tolist() if not self.matcher.validate_tokens([t])]
+        if not refused:
+            return
+        allowed[refused] = False
+        if allowed.any():
+            return
+        forced = self.matcher.compute_ff_bytes()
+        for cut in range(len(forced), max(len(forced) - 4, 0), -1):  # the forced bytes may end inside a character
+            try:
+                text = forced[:cut].decode()
+            except UnicodeDecodeError:
+                continue
+            first = self.tokenizer.greedy_tokenize(text)[:1]
+            if first and first[0] < self.width and self.matcher.validate_tokens(first):
+                allowed[first[0]] = True
+            return

@@ -147,6 +147,13 @@ class ToolCallParser:
     def finish(self) -> list[Piece]:
         """The pieces left at the end of the answer."""
         out: list[Piece] = []
+        end = self._syntax.end
+        if self._inside and end is not None and end in self._buffer:  # each marker was inside a string never
+            body, _, self._buffer = self._buffer.partition(end)  # closed: the call ends at the first, as a
+            self._close(body, end, out)  # call the model broke
+            while self._step(out):
+                pass
+            return merge_texts(out + self.finish())
         if self._inside:
             self._close(self._buffer, "", out)
         elif self._buffer and not self._after_call:
@@ -158,9 +165,10 @@ class ToolCallParser:
         """Release what the buffer decides; True if it may decide more."""
         syntax = self._syntax
         if self._inside:
-            if syntax.end is None or syntax.end not in self._buffer:
+            at = -1 if syntax.end is None else _end_of_call(self._buffer, syntax.end)
+            if at < 0:
                 return False
-            body, _, self._buffer = self._buffer.partition(syntax.end)
+            body, self._buffer = self._buffer[:at], self._buffer[at + len(syntax.end):]
             self._close(body, syntax.end, out)
             return True
         if self._after_call:
@@ -424,6 +432,24 @@ def _json_values(body: str) -> list[Any]:
         except RecursionError:
             raise ValueError("nested deeper than this server parses") from None
         values.append(value)
+
+
+#: A JSON string (to its closing quote, or the end of the text), or anything else that is no quote.
+_STRING_OR_NOT = re.compile(r'"(?:[^"\\]|\\.)*(?:"|\\?\Z)|[^"]+', re.DOTALL)
+
+
+def _end_of_call(body: str, end: str) -> int:
+    """Where the first ``end`` marker in ``body`` (a call's body so far) outside a JSON string begins; -1 for
+    none (a marker inside a string, as an argument that quotes it, is the string's)."""
+    if end not in body:
+        return -1
+    for match in _STRING_OR_NOT.finditer(body):
+        if match.group().startswith('"'):
+            continue
+        at = match.group().find(end)
+        if at >= 0:
+            return match.start() + at
+    return -1
 
 
 def _held(text: str, marker: str) -> int:

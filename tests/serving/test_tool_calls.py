@@ -47,6 +47,13 @@ CASES = [
     ("mistral", 'Checking. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
      '{"name": "get_time", "arguments": {"zone": "UTC"}}]', [Text("Checking."), PARIS, NOON]),
     ("mistral", '[{"name": "get_weather", "arguments": {"city": "Paris"}}]', [PARIS]),  # the marker skipped
+    # The end marker inside a JSON string is the string's: the call ends at the marker after it.
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "a\\"</tool_call>"}}</tool_call> Done.',
+     [ToolCall("get_weather", '{"city": "a\\"</tool_call>"}'), Text("Done.")]),
+    # A call that never closes its string ends at its first marker all the same; the call after it is read.
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Pa}</tool_call>\n<tool_call>'
+     '{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>',
+     [Text('<tool_call>{"name": "get_weather", "arguments": {"city": "Pa}</tool_call>'), NOON]),
 ]
 
 
