@@ -116,7 +116,8 @@ class Metrics:
         r = self.registry
         self.requests = Counter(REQUESTS, "Generations served, by cache outcome: hit (the whole prompt but at most "
                                 "its last token came from the cache), partial (some of it did), miss (none did) or "
-                                "bypass (the cache was not used).", ["endpoint", "tenant", "outcome"],
+                                "bypass (the cache was not used). A request of `n` choices counts once, by what its "
+                                "one prefill of the prompt read.", ["endpoint", "tenant", "outcome"],
                                 registry=r)
         self.executor = Counter(EXECUTOR, "Generations served, by engine: batched (shared steps) or serial.",
                                 ["executor"], registry=r)
