@@ -1,11 +1,13 @@
 """Token logprobs (``prefixcache.serving.logprobs``) in the shapes of OpenAI's APIs.
 
 A token's ``token`` is its own text (``tokenizer.decode`` of it alone: part of a character reads as
-U+FFFD) and ``bytes`` that text's UTF-8 bytes; a log-probability too small for a float is
-OpenAI's -9999.0 (JSON has no -inf).
+U+FFFD) and ``bytes`` the bytes it stands for (part of a character: that part, so consecutive tokens'
+bytes join to the text); a log-probability too small for a float is OpenAI's -9999.0 (JSON has no -inf).
 """
 from __future__ import annotations
 
+import codecs
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,12 +17,40 @@ from prefixcache.serving.logprobs import TokenLogprob
 UNLIKELY = -9999.0
 
 
+#: A SentencePiece byte-fallback token, one byte: ``<0xE2>``.
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's (GPT-2's) printable stand-in of each byte, to that byte."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    alphabet, extra = {chr(b): b for b in kept}, 0
+    for b in range(256):
+        if b not in kept:
+            alphabet[chr(256 + extra)] = b
+            extra += 1
+    return alphabet
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` is a fast byte-level BPE one, its tokens spelling their bytes in ``_BYTE_LEVEL``."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    return type(decoder).__name__ == "ByteLevel"
+
+
 class TokenText:
-    """Token ids to their text, each decoded once per tokenizer."""
+    """Token ids to their text and bytes, each worked out once per tokenizer."""
 
     def __init__(self, tokenizer: Any):
         self._tok = tokenizer
         self._seen: dict[int, str] = {}
+        self._bytes: dict[int, bytes] = {}
+        self._byte_level = _is_byte_level(tokenizer)
+        self._added = set(getattr(tokenizer, "added_tokens_decoder", None) or ())
 
     def __call__(self, token: int) -> str:
         text = self._seen.get(token)
@@ -28,16 +58,49 @@ class TokenText:
             text = self._seen[token] = self._tok.decode([token], skip_special_tokens=False)
         return text
 
+    def bytes(self, token: int) -> bytes:
+        """The bytes ``token`` stands for: its piece's bytes where it is a byte-level or byte-fallback one (part
+        of a character: that part), else its text's UTF-8."""
+        raw = self._bytes.get(token)
+        if raw is None:
+            raw = self._bytes[token] = self._raw(token)
+        return raw
+
+    def _raw(self, token: int) -> bytes:
+        if token not in self._added:
+            piece = self._tok.convert_ids_to_tokens(token)
+            if isinstance(piece, str):
+                if (byte := _BYTE_PIECE.fullmatch(piece)) is not None:
+                    return bytes([int(byte.group(1), 16)])
+                if self._byte_level and piece and all(c in _BYTE_LEVEL for c in piece):
+                    return bytes(_BYTE_LEVEL[c] for c in piece)
+        return self(token).encode("utf-8")
+
+
+class TextOffsets:
+    """Completions' ``text_offset``: each token's offset in its answer's text, counted in characters over the
+    tokens' bytes (``TokenText.bytes``), so tokens that each hold part of a character count it once. A token
+    starting inside a character has that character's offset."""
+
+    def __init__(self, start: int = 0):
+        self.at = start
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def take(self, raw: bytes) -> int:
+        """The offset of a token of bytes ``raw`` coming next; moves past it."""
+        offset = self.at
+        self.at += len(self._decoder.decode(raw))
+        return offset
+
 
 def _value(logprob: float) -> float:
     return logprob if logprob > UNLIKELY else UNLIKELY
 
 
 def _one(text: TokenText, token: int, logprob: float, with_bytes: bool = True) -> dict[str, Any]:
-    s = text(token)
-    out: dict[str, Any] = {"token": s, "logprob": _value(logprob)}
+    out: dict[str, Any] = {"token": text(token), "logprob": _value(logprob)}
     if with_bytes:
-        out["bytes"] = list(s.encode("utf-8"))
+        out["bytes"] = list(text.bytes(token))
     return out
 
 
@@ -48,14 +111,11 @@ def chat_content(entries: Sequence[TokenLogprob], text: TokenText, with_bytes: b
              "top_logprobs": [_one(text, t, v, with_bytes) for t, v in e.top]} for e in entries]
 
 
-def completion_logprobs(entries: Sequence[TokenLogprob], text: TokenText, offset: int) -> dict[str, Any]:
+def completion_logprobs(entries: Sequence[TokenLogprob], text: TokenText, offsets: TextOffsets) -> dict[str, Any]:
     """Legacy completions' ``logprobs``: tokens, their logprobs, each position's alternatives with the chosen
-    token among them (up to ``logprobs`` + 1, as OpenAI's), and each token's offset in the text from ``offset``."""
+    token among them (up to ``logprobs`` + 1, as OpenAI's), and each token's offset in the text (``offsets``, moved
+    past them: a stream's chunks share one)."""
     tokens = [text(e.token) for e in entries]
-    offsets = []
-    for s in tokens:
-        offsets.append(offset)
-        offset += len(s)
     tops = [{**{text(t): _value(v) for t, v in e.top}, text(e.token): _value(e.logprob)} for e in entries]
     return {"tokens": tokens, "token_logprobs": [_value(e.logprob) for e in entries], "top_logprobs": tops,
-            "text_offset": offsets}
+            "text_offset": [offsets.take(text.bytes(e.token)) for e in entries]}

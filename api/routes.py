@@ -40,7 +40,7 @@ from .errors import (
 from .fairness import InvalidBudget, retry_after_seconds
 from .jobs import Job, chat_job, choices, completion_job
 from .limits import NOT_JSON, check_chat, check_completion, check_counts, check_prewarm, read_body, utf8_text
-from .logprobs import TokenText, chat_content, completion_logprobs
+from .logprobs import TextOffsets, TokenText, chat_content, completion_logprobs
 from .metrics import CONTENT_TYPE
 from .protocol import (
     CacheDiagnostics,
@@ -319,7 +319,7 @@ async def completions(body: CompletionRequest, request: Request, who: Caller, sr
         names = TokenText(srv.cache.tokenizer)
         return Completion(**meta.fields(), usage=_usage_of(results, jobs, srv), choices=[CompletionChoice(
             index=i, text=(echo or "") + result.text, finish_reason=_finish(result),
-            logprobs=None if result.logprobs is None else completion_logprobs(result.logprobs, names, 0))
+            logprobs=None if result.logprobs is None else completion_logprobs(result.logprobs, names, TextOffsets()))
             for i, result in enumerate(results)])
     usage_chunk = _usage_chunk(body)
     return await respond_choices(jobs, bool(body.stream), request, srv, "cmpl", answer,
@@ -580,14 +580,12 @@ async def _completion_events(streams: list[GenerationStream], meta: Meta, usage_
     names = TokenText(srv.cache.tokenizer) if asked else None
 
     async def one(index: int, stream: GenerationStream) -> AsyncIterator[dict[str, Any]]:
-        offset = 0
+        offsets = TextOffsets()
 
         def choice(text: str, finish: str | None = None) -> dict[str, Any]:
-            nonlocal offset
             logprobs = None
             if names is not None and finish is None:
-                logprobs = completion_logprobs(stream.take_logprobs(), names, offset)
-                offset += sum(len(t) for t in logprobs["tokens"])
+                logprobs = completion_logprobs(stream.take_logprobs(), names, offsets)
             return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
         if echo:

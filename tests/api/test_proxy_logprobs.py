@@ -270,3 +270,25 @@ def test_a_stop_string_s_tokens_are_left_out_of_the_logprobs_streamed_as_not(eng
                       if c.choices and c.choices[0].logprobs is not None]
             assert sum((p.tokens for p in pieces), []) == lp.tokens
             assert sum((p.text_offset for p in pieces), []) == lp.text_offset
+
+
+def test_token_bytes_and_text_offsets_of_tokens_holding_parts_of_characters(tokenizer):
+    """A byte-level token holding part of a character: ``bytes`` its part (the tokens' bytes join to the text, as
+    OpenAI's), its ``token`` U+FFFD; completions' ``text_offset`` counts each character once, within the text."""
+    from prefixcache_api.logprobs import TextOffsets, TokenText, chat_content, completion_logprobs
+
+    from prefixcache.serving.logprobs import TokenLogprob
+
+    ids = tokenizer.encode("x \U0001fae0\U0001d518\ua66e y")
+    text = tokenizer.decode(ids)
+    entries = [TokenLogprob(t, -0.5) for t in ids]
+    names = TokenText(tokenizer)
+    content = chat_content(entries, names)
+    assert any(e["token"] == "\ufffd" for e in content)  # the emoji is split over tokens
+    assert b"".join(bytes(e["bytes"]) for e in content).decode("utf-8") == text
+    offsets = completion_logprobs(entries, names, TextOffsets())["text_offset"]
+    assert offsets == sorted(offsets) and offsets[-1] < len(text)
+    assert text[offsets[-1]:] == " y" and text[offsets[1]:offsets[1] + 2] == " \U0001fae0"
+    streamed = TextOffsets()
+    halves = [completion_logprobs(part, names, streamed)["text_offset"] for part in (entries[:3], entries[3:])]
+    assert halves[0] + halves[1] == offsets
