@@ -26,8 +26,8 @@ MAX_TOP_LOGPROBS = 20
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
     """One generated token's log-probability, and the ``top`` likeliest tokens of its step as
-    (token id, log-probability), likeliest first (as many as the call asked; the chosen token is
-    among them only if it is that likely)."""
+    (token id, log-probability), likeliest first, equally likely ones by id (as many as the call asked; the
+    chosen token is among them only if it is that likely)."""
 
     token: int
     logprob: float
@@ -54,6 +54,10 @@ def pack(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
     parts = [lp.gather(1, tokens[:, None]).double()]
     if k:
         values, index = torch.topk(lp, k, dim=1)  # [R, k], likeliest first
+        if k > 1:  # equally likely tokens by id, as argmax (greedy) picks the first maximum: it heads the list
+            index, order = index.sort(dim=1)
+            values, order = values.gather(1, order).sort(dim=1, descending=True, stable=True)
+            index = index.gather(1, order)
         parts += [values.double(), index.double()]
     return torch.cat(parts, dim=1)
 

@@ -140,6 +140,16 @@ def test_rows_report_their_own_number_of_alternatives():
     assert second.logprob == pytest.approx(float(lp[1, 0]))
 
 
+def test_equally_likely_alternatives_come_by_id_so_a_greedy_token_heads_them():
+    logits = torch.zeros(2, 100)
+    logits[0, [5, 7]] = 1.0
+    logits[1, [3, 40, 60]] = 2.0
+    greedy = logits.argmax(dim=-1).tolist()  # the first maximum: 5 and 3
+    first, second = token_logprobs(logits, greedy, [2, 3])
+    assert [t for t, _ in first.top] == [5, 7] and [t for t, _ in second.top] == [3, 40, 60]
+    assert first.top[0][1] == first.top[1][1] == first.logprob
+
+
 @pytest.mark.parametrize(("options", "param"), [
     (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
     (dict(logprobs=True, top_logprobs=-1), "top_logprobs"),
