@@ -367,6 +367,8 @@ class Serving:
                                           lambda entries: emit("logprobs", entries)), **chunks)
         if job.shared is not None:
             self._share_prompt(job, ids, scope, prompt is None and not chunks, cancel)
+            if job.shared.read is not None:  # each choice counted by the one prefill's read, as one choice would be
+                options = dataclasses.replace(options, counted_cached_tokens=job.shared.read)
         # The ids encoded above: no second encoding.
         if prompt is None:
             held = cache.breakpoints.held(scope, ids)

@@ -507,10 +507,12 @@ class PrefixCache:
         params, _ = self.dispatcher.route_answer(len(prompt), options)
         if params is not None and plan is not None:
             new, stats, reason = self.dispatcher.answer_blended(prompt, plan, params, scope, stream, options.cancel,
-                                                                options.timeout_seconds)
+                                                                options.timeout_seconds,
+                                                                counted=options.counted_cached_tokens)
         elif params is not None:
             new, stats, reason = self.dispatcher.answer_batched(prompt, params, scope, stream, options.cancel,
-                                                                options.timeout_seconds)
+                                                                options.timeout_seconds,
+                                                                counted=options.counted_cached_tokens)
         else:
             new, stats, reason = self.dispatcher.answer_serial(prompt, options, stream, scope,
                                                                next(self.model.parameters()).device,

@@ -100,19 +100,20 @@ class Dispatcher:
 
     def answer_batched(self, prompt: list[int], params: SamplingParams, scope: Scope, stream: TextStream,
                        cancel: threading.Event | None, timeout: float | None = None,
-                       adjust: Callable[[CallStats], None] | None = None) -> tuple[list[int], CallStats, str]:
+                       adjust: Callable[[CallStats], None] | None = None,
+                       counted: int | None = None) -> tuple[list[int], CallStats, str]:
         """(new tokens, stats, finish reason); a stop string seen by ``stream`` halts the request. ``adjust``
-        completes the stats before they are counted."""
+        completes the stats before they are counted; ``counted``: the cached tokens counted (``wait``)."""
         stream.put(torch.tensor(prompt))  # the stream skips the prompt, as with generate()
         req = self.batcher.submit(prompt, scope, params, lambda t: stream.put(torch.tensor([t])), Halt(cancel, stream),
                                   logprobs=stream.logprobs)
-        res = self.wait(req, timeout, adjust)
+        res = self.wait(req, timeout, adjust, counted)
         stream.end()
         return res.tokens, res.stats, res.finish_reason
 
     def answer_blended(self, prompt: list[int], blend: BlendRequest, params: SamplingParams, scope: Scope,
-                       stream: TextStream, cancel: threading.Event | None,
-                       timeout: float | None = None) -> tuple[list[int], CallStats, str]:
+                       stream: TextStream, cancel: threading.Event | None, timeout: float | None = None,
+                       counted: int | None = None) -> tuple[list[int], CallStats, str]:
         """A blending call on the batching engine: the serial engine blends the prompt's KV and stores it in
         the prompt's blended scope (``SerialEngine.blend_ahead``), the batching engine answers from there in
         its shared steps. Stats as the serial engine reports a blended call (cached = exact tokens reused)."""
@@ -139,7 +140,7 @@ class Dispatcher:
                 ahead.chunk_recomputed_tokens
             stats.chunk_stored_tokens, stats.blend_reason = ahead.chunk_stored_tokens, ahead.blend_reason
 
-        return self.answer_batched(prompt, params, served_in, stream, cancel, timeout, adjust)
+        return self.answer_batched(prompt, params, served_in, stream, cancel, timeout, adjust, counted)
 
     def answer_serial(self, prompt: list[int], options: AnswerOptions, stream: TextStream, scope: Scope,
                       device: torch.device, pad_id: int,
@@ -164,7 +165,8 @@ class Dispatcher:
             raw = None if options.logprobs is None else held.enter_context(RawLogits(self.serial_engine.model))
             criteria.append(StreamCriteria(stream, Halt(options.cancel, stream), raw, options.logprobs))
             gen["stopping_criteria"] = criteria
-            out, stats = self.serial(torch.tensor([prompt], device=device), scope, None, gen, blend)
+            out, stats = self.serial(torch.tensor([prompt], device=device), scope, None, gen, blend,
+                                     options.counted_cached_tokens)
         stream.end()
         new = out[0, len(prompt):].tolist()
         eos = options.eos_ids(self.serial_engine.effective_config(None, options.extra))
@@ -172,19 +174,21 @@ class Dispatcher:
         return new, stats, finish_reason(new, params, False, options.cancelled)
 
     def serial(self, ids: torch.Tensor, scope: Scope, generation_config: GenerationConfig | None,
-               kwargs: dict[str, Any], blend: BlendRequest | None = None) -> tuple[Any, CallStats]:
+               kwargs: dict[str, Any], blend: BlendRequest | None = None,
+               counted: int | None = None) -> tuple[Any, CallStats]:
         """``generate()`` on the serial engine for one prompt ``ids``: [1, n] (with ``blend``, its marked chunks
-        reused)."""
+        reused); ``counted``: the cached tokens counted (``wait``)."""
         out, stats = self.serial_engine.generate(ids, scope, generation_config, kwargs, self.cache_generated, blend)
-        self.counters.record(scope.tenant, stats)
+        self.counters.record(scope.tenant, stats, counted)
         return out, stats
 
     def wait(self, req: Request, timeout: float | None,
-             adjust: Callable[[CallStats], None] | None = None) -> BatchResult:
+             adjust: Callable[[CallStats], None] | None = None, counted: int | None = None) -> BatchResult:
         """The batched request's result (``BatchEngine.wait``: a timeout or fault raises, typed); ``adjust``
-        completes its stats before they are counted."""
+        completes its stats before they are counted; ``counted``: the cached tokens the counters record
+        instead of those it read (``AnswerOptions.counted_cached_tokens``), its stats left as they are."""
         res = self.batcher.wait(req, timeout)
         if adjust is not None:
             adjust(res.stats)
-        self.counters.record(req.scope.tenant, res.stats)
+        self.counters.record(req.scope.tenant, res.stats, counted)
         return res

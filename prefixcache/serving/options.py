@@ -176,7 +176,10 @@ class AnswerOptions:
     against the prompt). ``response_format``: the answer's JSON format (``structured``; None: text);
     ``tool_grammar``: the answer as a forced call to strict tools (``structured.tool_call_grammar``; set by
     ``chat``, ``messages`` and the proxy); ``constraint`` either grammar bound to the model's vocabulary
-    (``PrefixCache.run`` binds it).
+    (``PrefixCache.run`` binds it). ``counted_cached_tokens``: the cached tokens the engine's counters
+    (``PrefixCache.stats``) record for the call (None: what it read), as the proxy records each of a
+    request's choices by what the prompt's one prefill ahead read; the call's own stats and usage keep
+    what it read.
     """
 
     max_new_tokens: int = 256
@@ -201,6 +204,7 @@ class AnswerOptions:
     constraint: Constraint | None = None
     logprobs: int | None = None
     on_logprobs: Callable[[list[TokenLogprob]], None] | None = None
+    counted_cached_tokens: int | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod

@@ -55,8 +55,11 @@ class HitCounters:
         self._lock = threading.Lock()
         self._by_tenant: dict[str, Counter[str]] = {}
 
-    def record(self, tenant: str, stats: CallStats) -> None:
-        """Count one finished call in the tenant's counters."""
+    def record(self, tenant: str, stats: CallStats, cached: int | None = None) -> None:
+        """Count one finished call in the tenant's counters; ``cached``: the cached tokens counted for it
+        (None: those it read)."""
+        if cached is not None:
+            stats = dataclasses.replace(stats, cached_tokens=cached)
         with self._lock:
             c = self._by_tenant.setdefault(tenant, Counter())
             c["queries"] += 1

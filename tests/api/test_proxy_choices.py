@@ -72,11 +72,45 @@ def test_greedy_choices_are_equal_and_the_prompt_is_counted_and_prefilled_once(p
     assert many.usage.completion_tokens == 3 * one.usage.completion_tokens
     assert many.usage.total_tokens == prompt + many.usage.completion_tokens
     assert many.usage.prompt_tokens_details.cached_tokens == 0  # a fresh prompt: its one prefill read nothing
-    # Every choice read the prompt from the cache (all but its last token, always recomputed); the n=1 call too.
-    assert cached_read(proxy) - before == 4 * (prompt - 1)
+    # Each choice counted by what the one prefill read (nothing), as one choice would be; the n=1 call read it.
+    assert cached_read(proxy) - before == prompt - 1
     again = chat(client, n=3, temperature=0)
     assert again.usage.prompt_tokens_details.cached_tokens == prompt - 1
     assert [c.message.content for c in again.choices] == [c.message.content for c in many.choices]
+
+
+COUNTS = ("queries", "hits", "partial_hits", "misses", "prompt_tokens", "cached_tokens")
+
+
+def counts(srv) -> dict[str, int]:
+    """The key's generation counters (the cache's stats)."""
+    stats = srv.client(ALPHA).get("/v1/cache/stats").json()
+    return {name: stats[name] for name in COUNTS}
+
+
+def counted(srv, **kwargs) -> tuple[dict[str, int], object]:
+    """(how far the counters moved, the answer) of one chat on a prompt the cache does not hold."""
+    srv.cache.flush()
+    before = counts(srv)
+    answer = chat(srv.openai(ALPHA), temperature=0, **kwargs)
+    after = counts(srv)
+    return {name: after[name] - before[name] for name in COUNTS}, answer
+
+
+def test_the_cache_stats_count_each_choice_as_one_choice_would_be(proxy):
+    """/v1/cache/stats (and ``prefixcache_hit_ratio``) count each choice a generation, by what the prompt's one
+    prefill ahead read: a fresh prompt's three choices are three misses, as three requests of one choice would
+    be, not hits on the prompt that prefill stored; a prompt held before, three hits."""
+    one, _ = counted(proxy)
+    assert one["queries"] == 1 and one["misses"] == 1
+    many, answer = counted(proxy, n=3)
+    assert many == {name: 3 * value for name, value in one.items()}
+    assert many["hits"] == many["cached_tokens"] == 0
+    before = counts(proxy)
+    chat(proxy.openai(ALPHA), n=3, temperature=0)
+    moved = {name: value - before[name] for name, value in counts(proxy).items()}
+    assert moved == {"queries": 3, "hits": 3, "partial_hits": 0, "misses": 0, "prompt_tokens": 3 * answer.usage.prompt_tokens,
+                     "cached_tokens": 3 * (answer.usage.prompt_tokens - 1)}
 
 
 def test_seeded_choices_are_reproducible_and_differ(proxy):
