@@ -152,8 +152,7 @@ def check_strict_shape(schema: Any, name: str, at: str, where: str = "#", owner:
         return
     if not isinstance(schema, dict):
         return
-    kind = schema.get("type")
-    if kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in schema:
+    if _is_object(schema):
         if schema.get("additionalProperties") is not False:
             raise InvalidRequestError(f"Invalid schema for {owner} {name!r} at {where}: "
                                       "'additionalProperties' is required to be supplied and to be false", param=at)
@@ -189,8 +188,7 @@ def check_anthropic_shape(schema: dict[str, Any], name: str | None, at: str, own
 
     for where, node in _subschemas(schema):
         kind = node.get("type")
-        if (kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in node) \
-                and node.get("additionalProperties") is not False:
+        if _is_object(node) and node.get("additionalProperties") is not False:
             raise refuse(where, "For 'object' type, 'additionalProperties' must be explicitly set to false")
         for key, named in ANTHROPIC_UNSUPPORTED.items():
             if key in node and not (key == "uniqueItems" and node[key] is False):
@@ -301,6 +299,12 @@ def _multiple_of(validator: Validator, by: Any, instance: Any, schema: dict[str,
 
 def _exact(number: int | float) -> Fraction:
     return Fraction(number) if isinstance(number, int) else Fraction(Decimal(repr(number)))
+
+
+def _is_object(schema: dict[str, Any]) -> bool:
+    """Whether ``schema`` describes an object: its type is (or includes) ``object``, or it lists ``properties``."""
+    kind = schema.get("type")
+    return kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in schema
 
 
 def _has_key(node: Any, key: str) -> bool:
