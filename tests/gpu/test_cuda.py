@@ -303,3 +303,126 @@ def test_documents_blend_on_cuda():
             assert list(full.token_ids) == want and full.stats.chunk_reused_tokens == 0
             assert full.stats.chunk_recomputed_tokens == 85 - full.stats.cached_tokens  # every document token after it
     assert got[True] == got[False]
+
+
+def _word_tokenizer(vocab_size: int):
+    """A whitespace word-level tokenizer over ``w0 .. w{vocab_size-1}``: built here, nothing to load on the device."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=words)
+
+
+def _byte_tokenizer():
+    """A byte-level BPE tokenizer with no merges (256 byte tokens and ``<eos>`` as 256): a fast tokenizer llguidance
+    reads, built here."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)} | {"<eos>": len(alphabet)}
+    bpe = Tokenizer(models.BPE(vocab, []))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>", pad_token="<eos>")
+
+
+@pytest.mark.parametrize("batching", [True, False], ids=["batched", "serial"])
+def test_logprobs_on_cuda_are_the_model_s_own(batching):
+    """float32 on CUDA: greedy and sampled answers' logprobs, cold and cached and from concurrent callers, equal
+    the untouched model's log_softmax (the chosen token's and the top 4's, in order)."""
+    import threading
+
+    model = build_tiny("llama-gqa").to("cuda")
+    ref = untouched(model).to("cuda")
+    prompts = [[5 + (i * 7 + j) % 250 for j in range(40 + 3 * i)] for i in range(3)]
+    options = ({}, {"temperature": 0.9, "seed": 4}, {"temperature": 1.1})
+
+    def check(prompt, result):
+        with torch.no_grad():
+            logits = ref(torch.tensor([prompt + list(result.token_ids)], device="cuda")).logits[0].float()
+        want = torch.log_softmax(logits, -1)[len(prompt) - 1: len(prompt) - 1 + len(result.token_ids)].cpu()
+        assert len(result.logprobs) == len(result.token_ids) == 6
+        for step, entry in enumerate(result.logprobs):
+            assert entry.token == result.token_ids[step]
+            assert abs(entry.logprob - float(want[step, entry.token])) <= 1e-4
+            values, index = torch.topk(want[step], 4)
+            assert [t for t, _ in entry.top] == index.tolist()
+            assert [v for _, v in entry.top] == pytest.approx(values.tolist(), abs=1e-4)
+
+    with PrefixCache(model, _word_tokenizer(model.config.vocab_size), start_sweeper=False,
+                     batching=batching) as pc:
+        for _ in range(2):  # cold, then cached
+            for prompt, option in zip(prompts, options):
+                result = pc.answer(prompt, max_new_tokens=6, ignore_eos=True, logprobs=True, top_logprobs=4, **option)
+                assert result.stats.executor == ("batched" if batching else "serial")
+                check(prompt, result)
+        got: list = [None] * 3
+
+        def client(i):
+            asked = {"logprobs": True, "top_logprobs": 4} if i != 2 else {}
+            got[i] = pc.answer(prompts[i], max_new_tokens=6, ignore_eos=True, **asked, **options[i])
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for prompt, result in zip(prompts[:2], got[:2]):
+            check(prompt, result)
+        assert got[2].logprobs is None
+        if batching:
+            assert pc.batching_disabled_reason is None and pc.batcher.failure is None
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
+def test_structured_outputs_on_cuda_match_the_schema(dtype):
+    """response_format on CUDA: greedy, seeded and unseeded answers of a random model, served concurrently on the
+    batching engine beside a free row, parse and match the schema; greedy ones equal the serial engine's."""
+    import json
+    import threading
+
+    import jsonschema
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    schema = {"type": "object", "properties": {
+        "kind": {"type": "string", "enum": ["cat", "dog", "owl"]},
+        "age": {"type": "integer", "minimum": 0, "maximum": 30},
+        "name": {"type": "string", "maxLength": 6},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "minItems": 1, "maxItems": 2}},
+        "required": ["kind", "age", "name", "tags"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "pet", "schema": schema, "strict": True}}
+    tokenizer = _byte_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         max_position_embeddings=1024)).eval()
+    model.generation_config.eos_token_id = model.generation_config.pad_token_id = tokenizer.eos_token_id
+    model = model.to("cuda", dtype)
+    samplings = ({}, {"temperature": 0.8, "seed": 3}, {"temperature": 1.0, "top_p": 0.9})
+    prompt = "Describe a pet as JSON: "
+    answers: dict = {}
+    for batching in (True, False):
+        with PrefixCache(model, tokenizer, start_sweeper=False, batching=batching) as pc:
+            got: list = [None] * 4
+
+            def client(i):
+                if i == 3:  # a free row in the same steps
+                    got[i] = pc.complete("Once upon a time", max_new_tokens=20)
+                else:
+                    got[i] = pc.complete(prompt, response_format=fmt, max_new_tokens=120, **samplings[i])
+            threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            for result in got[:3]:
+                assert result.stats.executor == ("batched" if batching else "serial")
+                assert result.finish_reason == "stop", result.text
+                jsonschema.validate(json.loads(result.text), schema)
+            assert got[3].finish_reason == "length"
+            answers[batching] = got[0].token_ids
+            if batching:
+                assert pc.batching_disabled_reason is None and pc.batcher.failure is None
+    assert answers[True] == answers[False]
