@@ -44,7 +44,7 @@ from prefixcache.model.threads import WorkerThreads
 from prefixcache.serving.logprobs import TokenLogprob, pack, token_logprobs, top_width, unpack
 from prefixcache.serving.model_runner import ModelRunner
 from prefixcache.serving.request import CallStats, Request, SamplingParams, Status, finish_reason
-from prefixcache.serving.sampling import Sampler, draw_rows, fresh_seed
+from prefixcache.serving.sampling import Sampler, draw_rows, draw_seeded, fresh_seed
 from prefixcache.serving.scheduler import Scheduler, release_private
 
 log = logging.getLogger(__name__)
@@ -94,9 +94,10 @@ class BatchConfig:
     step_graphs: bool = True
     #: Captured step shapes kept (the most recently used): each holds one step's activations.
     captured_steps: int = 8
-    #: Draw a step's unseeded sampled rows that only warp their logits (temperature, top-k, top-p)
-    #: together, where the logits are (a few kernels for all rows instead of a copy to the host and a
-    #: dozen host operations each). None: on an accelerator, not on a CPU.
+    #: Draw a step's sampled rows that only warp their logits (temperature, top-k, top-p) where the
+    #: logits are: unseeded ones together (a few kernels for all rows instead of a copy to the host and a
+    #: dozen host operations each), seeded ones each from a generator of its own there, as ``generate()``
+    #: draws on that device. None: on an accelerator, not on a CPU.
     draw_together: bool | None = None
 
     def __post_init__(self) -> None:
@@ -385,17 +386,24 @@ class BatchEngine:
         asking = [k for k, req in enumerate(rows) if req.params.logprobs is not None]
         tops = [rows[k].params.logprobs for k in asking]
         best, entries = _argmax(rows, logits, asking, tops)
-        # Sampled rows: unseeded ones that only warp their logits drawn together where the logits are
-        # (``draw_rows``; ``BatchConfig.draw_together``), the others' float32 scores to the host in one copy
-        # (one synchronisation on a device), where each row's sampler draws.
+        # Sampled rows that only warp their logits drawn where the logits are (``BatchConfig.draw_together``):
+        # unseeded ones together (``draw_rows``), seeded ones each from its generator there, as ``generate()``
+        # draws (``draw_seeded``); the others' float32 scores to the host in one copy (one synchronisation on
+        # a device), where each row's sampler draws.
         together = self.config.draw_together
         together = logits.device.type != "cpu" if together is None else together
         warped = [k for k, r in enumerate(rows) if together and r.sampler is not None and r.sampler.warp is not None]
-        taken = set(warped)
+        seeded = [k for k, r in enumerate(rows) if together and r.sampler is not None
+                  and r.sampler.seeded_warps is not None]
+        taken = set(warped) | set(seeded)
         hosted = [k for k, r in enumerate(rows) if r.sampler is not None and k not in taken]
         drawn = dict(zip(warped, draw_rows(logits[warped].float(), [rows[k].sampler.warp for k in warped],
                                            [rows[k].sampler.uniform(rows[k].generator) for k in warped]),
                          strict=True)) if warped else {}
+        if seeded:
+            drawn.update(zip(seeded, draw_seeded(logits[seeded].float(), [rows[k].sampler for k in seeded],
+                                                 [self._device_generator(rows[k], logits.device) for k in seeded]),
+                             strict=True))
         scores = iter(logits[hosted].float().cpu()) if hosted else iter(())
         tokens = []
         for k, req in enumerate(rows):
@@ -449,6 +457,13 @@ class BatchEngine:
         self.scheduler.rebase(req, followers)
 
     # -- leaving -------------------------------------------------------------------
+    @staticmethod
+    def _device_generator(req: Request, device: torch.device) -> torch.Generator:
+        """The generator a seeded request draws from on ``device``, seeded with its seed at its first draw there."""
+        if req.device_generator is None:
+            req.device_generator = torch.Generator(device=device).manual_seed(req.params.seed)
+        return req.device_generator
+
     def _finish(self, req: Request, reason: str | None, error: BaseException | None) -> None:
         """Insert prompt + answer KV, release the lease and private KV, wake the caller. Idempotent.
 

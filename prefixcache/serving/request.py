@@ -117,6 +117,8 @@ class Request:
     lease: Lease | None = None
     private: PrivateKV | None = None
     generator: torch.Generator | None = None
+    #: A seeded request drawn where its logits are (``sampling.draw_seeded``): its generator there.
+    device_generator: torch.Generator | None = None
     sampler: object | None = None  # the request's logits processors (``sampling.Sampler``), None: argmax
     output: list[int] = field(default_factory=list)
     #: With ``params.logprobs``: each output token's ``TokenLogprob``, appended before ``on_token`` sees it.

@@ -151,11 +151,18 @@ class Sampler:
         #: (temperature, top-k or 0, top-p) of an unseeded request that reads nothing but its logits: drawn
         #: together with the step's other such rows, on the logits' device (``draw_rows``); else None.
         self.warp: tuple[float, int, float] | None = None
-        if not params.greedy and params.seed is None and all(
+        #: The same of a seeded request that reads nothing but its logits: it can draw where they are, as
+        #: ``generate()`` draws there (``draw_seeded``), instead of on the host; else None.
+        self.seeded_warps: tuple[float, int, float] | None = None
+        if not params.greedy and all(
                 isinstance(p, (TemperatureLogitsWarper, TopKLogitsWarper, FiniteTopP, TopPLogitsWarper))
                 for p in processors):
             top_p = float(params.top_p) if params.top_p is not None and params.top_p < 1.0 else 1.0
-            self.warp = (float(params.temperature), int(params.top_k or 0), top_p)
+            warps = (float(params.temperature), int(params.top_k or 0), top_p)
+            if self.as_generate:
+                self.seeded_warps = warps
+            else:
+                self.warp = warps
         # The processors' input_ids: prompt and output so far, grown in place (not rebuilt every step).
         self._ids = torch.empty((1, 0), dtype=torch.long)
         self._filled = 0
@@ -279,6 +286,31 @@ def draw_rows(scores: torch.Tensor, warps: Sequence[tuple[float, int, float]], u
     if -1 in tokens:
         raise RuntimeError(NOT_A_DISTRIBUTION)
     return tokens
+
+
+def draw_seeded(scores: torch.Tensor, samplers: Sequence[Sampler], generators: Sequence[torch.Generator]) -> list[int]:
+    """One token for each row of ``scores`` ([S, V] float32, on any device) as a seeded ``generate()`` draws it
+    on that device: the row's warpers (``Sampler.seeded_warps``: they read no token ids; applied at once to the
+    rows that have the same), a softmax and ``torch.multinomial`` from the row's own generator (on that device,
+    seeded with the request's seed). A row that is no distribution raises ``RuntimeError`` (its draw ran on a
+    stand-in: a device never sees it). One copy to the host for all rows."""
+    none = torch.empty((1, 0), dtype=torch.long, device=scores.device)
+    groups: dict[tuple, list[int]] = {}
+    for i, sampler in enumerate(samplers):
+        groups.setdefault(sampler.seeded_warps, []).append(i)
+    warped = scores.clone()
+    for rows in groups.values():
+        index = torch.tensor(rows, device=scores.device)
+        warped[index] = samplers[rows[0]].processors(none, scores[index])
+    probs = torch.softmax(warped, dim=-1)
+    valid = torch.isfinite(probs).all(dim=1) & (probs.sum(dim=1) > 0)
+    probs = torch.where(valid[:, None], probs, 1.0)
+    picks = [torch.multinomial(probs[i : i + 1], 1, generator=generator)[0]
+             for i, generator in enumerate(generators)]
+    drawn = torch.cat([*picks, valid.long()]).tolist()
+    if not all(drawn[len(picks):]):
+        raise RuntimeError(NOT_A_DISTRIBUTION)
+    return drawn[: len(picks)]
 
 
 def _draw_sorted(values: torch.Tensor, index: torch.Tensor, drop: torch.Tensor, u: torch.Tensor,

@@ -139,7 +139,7 @@ def test_float32_answers_equal_generate_serially_and_concurrently(arch):
 
 
 def test_a_sampled_request_batched_with_greedy_ones_is_served_on_cuda():
-    """A sampled request draws on the host from its own generator: beside greedy requests in the same steps it
+    """A seeded sampled request draws from its own generator: beside greedy requests in the same steps it
     neither fails nor changes their answers, and its seed gives the same draws twice."""
     import threading
 
@@ -206,7 +206,8 @@ def test_unseeded_sampled_rows_are_drawn_together_on_cuda_from_their_distributio
             assert pc.batcher.failure is None
             return out
     together, apart = served(True), served(False)
-    assert together[1:3] == apart[1:3]
+    assert together[2] == apart[2]  # greedy
+    assert served(True)[1] == together[1]  # seeded: drawn on the device, the same tokens again
     assert all(len(a) == 8 and all(0 <= t < model.config.vocab_size for t in a) for a in together)
 
 
@@ -219,6 +220,45 @@ def test_reduced_precision_layers_measured(dtype, capsys):
         for i, e in enumerate(m.layers):
             print(f"\n{dtype} layer {i}: cascade {e.cascade:.3g} plain {e.plain:.3g} scale {e.scale:.3g}")
     assert m.exact < 1e-4
+
+
+def test_seeded_rows_on_cuda_draw_what_a_seeded_generate_draws_there():
+    """float32 on CUDA: seeded requests drawn on the device (``draw_seeded``, the default there) get the tokens
+    ``generate()`` draws after ``torch.manual_seed`` on that device, alone and beside each other (warped at
+    once), unseeded and greedy requests; a seeded row with a penalty draws on the host, the same seed the same
+    tokens again."""
+    import threading
+
+    model = build_tiny("llama-gqa").to("cuda")
+    ref = untouched(model).to("cuda")
+    prompts = [[5 + (i * 7 + j) % 300 for j in range(30 + 2 * i)] for i in range(4)]
+    for warps in ({"temperature": 1.2, "top_k": 0}, {"temperature": 0.9, "top_k": 20, "top_p": 0.9}):
+        want = {}
+        for seed, i in ((3, 0), (5, 3)):
+            torch.manual_seed(seed)
+            want[i] = ref.generate(torch.tensor([prompts[i]], device="cuda"), max_new_tokens=8, do_sample=True,
+                                   **warps)[0].tolist()
+        with PrefixCache(model, start_sweeper=False) as pc:
+            alone = pc.generate([prompts[0]], max_new_tokens=8, do_sample=True, seed=3, **warps)[0].tolist()
+            assert alone == want[0]
+            got: list = [None] * 5
+            options = ({"do_sample": True, "seed": 3, **warps}, {"do_sample": True, "temperature": 1.1, "top_p": 0.8},
+                       {"do_sample": False}, {"do_sample": True, "seed": 5, **warps},
+                       {"do_sample": True, "seed": 3, "repetition_penalty": 1.3, **warps})
+
+            def client(i):
+                got[i] = pc.generate([prompts[i % 4]], max_new_tokens=8, **options[i])[0].tolist()
+            penalised = []
+            for _ in range(2):
+                threads = [threading.Thread(target=client, args=(i,)) for i in range(5)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                assert got[0] == want[0] and got[3] == want[3]
+                penalised.append(got[4])
+            assert penalised[0] == penalised[1]
+            assert pc.batching_disabled_reason is None and pc.batcher.failure is None
 
 
 def _decode_burst(engine, prompts, news):

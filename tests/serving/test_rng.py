@@ -127,6 +127,38 @@ def test_rows_drawn_together_leave_the_seeded_and_greedy_rows_of_their_step_as_t
     assert all(0 <= t < model.config.vocab_size for t in together[0] + together[3])
 
 
+@pytest.mark.parametrize("together", [True, False], ids=["where-the-logits-are", "host"])
+def test_seeded_rows_draw_what_a_seeded_generate_draws_beside_other_rows(together):
+    """A seeded row that only warps its logits draws as ``generate()`` after ``torch.manual_seed`` does, drawn
+    where its logits are (``draw_together``: its own generator there; rows of the same warps warped at once) or
+    on the host, alone or in steps shared with other seeded, unseeded (top-p) and greedy rows."""
+    model = build_tiny("llama-gqa")
+    ref = copy.deepcopy(model)
+    clock = FakeClock()
+    warps = dict(temperature=1.3, top_k=20, top_p=0.9)
+    prompts = {9: PROMPT, 4: PROMPT[3:] + [7, 8]}
+    want = {}
+    for seed, prompt in prompts.items():
+        torch.manual_seed(seed)
+        want[seed] = ref.generate(torch.tensor([prompt]), max_new_tokens=10, eos_token_id=None, pad_token_id=0,
+                                  do_sample=True, **warps)[0, len(prompt):].tolist()
+    others = [SamplingParams(max_new_tokens=10, temperature=1.1, top_p=0.8), SamplingParams(max_new_tokens=10),
+              SamplingParams(max_new_tokens=10, temperature=0.7, seed=4)]
+    batcher = BatchEngine(model, KVStore(CacheConfig(block_size=8), BlockHasher(1), clock), clock,
+                          BatchConfig(draw_together=together), entropy=lambda: 5)
+    try:
+        alone = batcher.submit(PROMPT, SCOPE, SamplingParams(max_new_tokens=10, seed=9, **warps))
+        assert batcher.wait(alone, 30).tokens == want[9]
+        shared = [batcher.submit(prompt, SCOPE, SamplingParams(max_new_tokens=10, seed=seed, **warps))
+                  for seed, prompt in prompts.items()]
+        shared += [batcher.submit(PROMPT[:20 + i], SCOPE, p) for i, p in enumerate(others)]
+        assert [batcher.wait(r, 30).tokens for r in shared][:2] == [want[9], want[4]]
+        # Where they drew: a generator on the logits' device, or the host's.
+        assert all((r.device_generator is not None) == together for r in [alone, *shared[:2], shared[-1]])
+    finally:
+        batcher.close()
+
+
 def test_each_row_of_a_mixed_step_gets_its_own_token_while_other_prompts_prefill():
     """Greedy rows, rows drawn together, rows drawn on the host and seeded rows in the same steps, with
     prompts still prefilling beside them (small chunks): a top-k of 1 draws its own row's argmax wherever it
@@ -166,7 +198,8 @@ def test_logits_that_are_no_distribution_fail_the_step_drawn_together_or_not(tog
     saved = weight[5].clone()
     try:
         for params in (SamplingParams(max_new_tokens=3, temperature=1.0),
-                       SamplingParams(max_new_tokens=3, temperature=0.8, top_k=5, top_p=0.9)):
+                       SamplingParams(max_new_tokens=3, temperature=0.8, top_k=5, top_p=0.9),
+                       SamplingParams(max_new_tokens=3, temperature=0.8, top_p=0.9, seed=2)):
             with torch.no_grad():
                 weight[5] = float("nan")
             with pytest.raises(EngineFaultError, match="probability"):
