@@ -222,6 +222,12 @@ def test_reduced_precision_layers_measured(dtype, capsys):
     assert m.exact < 1e-4
 
 
+def test_seeded_rows_drawn_at_once_on_cuda_draw_what_multinomial_draws_row_by_row():
+    from tests.serving.test_sampler import seeded_against_multinomial
+
+    seeded_against_multinomial("cuda")
+
+
 def test_seeded_rows_on_cuda_draw_what_a_seeded_generate_draws_there():
     """float32 on CUDA: seeded requests drawn on the device (``draw_seeded``, the default there) get the tokens
     ``generate()`` draws after ``torch.manual_seed`` on that device, alone and beside each other (warped at

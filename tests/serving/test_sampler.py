@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from transformers import TopKLogitsWarper, TopPLogitsWarper
 
 from prefixcache.serving.request import SamplingParams
-from prefixcache.serving.sampling import FiniteTopP, Sampler, draw_inverse, draw_rows
+from prefixcache.serving.sampling import FiniteTopP, Sampler, draw_inverse, draw_rows, draw_seeded
 
 
 def test_inverse_draws_follow_the_distribution_and_never_a_zero_probability_token():
@@ -221,3 +221,35 @@ def test_a_uniform_variate_never_comes_from_the_global_rng():
         Sampler.uniform(None)
     assert torch.equal(torch.get_rng_state(), state)
     assert 0.0 <= Sampler.uniform(torch.Generator().manual_seed(1)) < 1.0
+
+
+def seeded_against_multinomial(device: str) -> None:
+    """``draw_seeded`` on ``device`` against ``torch.multinomial`` row by row after each row's warpers, from
+    generators seeded alike, over many seeds and rows of three different warps: the same tokens, and the
+    generators left in the same state."""
+    vocab, seeds = 500, range(40)
+    options = [SamplingParams(temperature=0.7, top_k=30, seed=1), SamplingParams(temperature=1.3, top_p=0.8, seed=1),
+               SamplingParams(temperature=1.0, seed=1)]
+    samplers = [Sampler(options[i % 3], 1) for i in range(6)]
+    assert all(s.seeded_warps is not None for s in samplers)
+    scores = (torch.randn(6, vocab, generator=torch.Generator().manual_seed(0)) * 3).to(device)
+    for seed in seeds:
+        ours = [torch.Generator(device=device).manual_seed(seed + i) for i in range(6)]
+        theirs = [torch.Generator(device=device).manual_seed(seed + i) for i in range(6)]
+        for _ in range(2):  # a second draw from the generators the first advanced
+            got = draw_seeded(scores, samplers, ours)
+            want = [int(torch.multinomial(torch.softmax(s.processors(None, scores[i:i + 1]), dim=-1), 1,
+                                          generator=theirs[i])) for i, s in enumerate(samplers)]
+            assert got == want
+
+
+def test_seeded_rows_drawn_at_once_draw_what_multinomial_draws_row_by_row():
+    seeded_against_multinomial("cpu")
+
+
+def test_a_seeded_row_that_is_no_distribution_is_refused_and_the_others_drawn_on_a_stand_in():
+    samplers = [Sampler(SamplingParams(temperature=1.0, seed=1), 1)] * 2
+    scores = torch.zeros(2, 50)
+    scores[1, 3] = float("nan")
+    with pytest.raises(RuntimeError, match="probability tensor"):
+        draw_seeded(scores, samplers, [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)])
