@@ -50,7 +50,7 @@ from .protocol import (
     ResponseUsage,
 )
 from .store import ResponseStore, StoredResponse
-from .translate import chat_request, input_messages, output_messages, param_of, refuse
+from .translate import chat_request, check_call_outputs, input_messages, output_messages, param_of, refuse
 
 router = APIRouter(route_class=GuardedRoute, tags=["openai"])
 
@@ -76,7 +76,9 @@ async def create_response(body: ResponsesRequest, request: Request, who: Caller,
                 raise PreviousResponseNotFoundError(f"Previous response with id '{body.previous_response_id}' not "
                                                     "found.", param="previous_response_id")
         own = input_messages(body)
-        conversation = (found.conversation() if found is not None else []) + own
+        earlier = found.conversation() if found is not None else []
+        check_call_outputs(body, earlier)
+        conversation = earlier + own
         chat = chat_request(body, conversation)
         check_chat(chat, srv.settings)
         job = chat_job(chat, who.tenant, srv.settings, srv.vocab_size, srv.tool_family)

@@ -602,3 +602,21 @@ def test_a_stored_answer_continues_as_its_items_sent_back():
     assert output_messages(output) == input_messages(sent_back)
     assert [m["role"] for m in output_messages(output)] == ["assistant", "assistant"]
 
+
+def test_a_function_call_output_must_answer_a_call_of_the_conversation(hermes):
+    """A function_call_output whose call_id matches no function_call of the input or of the previous responses'
+    conversation is OpenAI's 400 naming it; one answering a call sent or stored earlier is served."""
+    client = hermes.openai(ALPHA)
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    answered = [{"role": "user", "content": ASK}, call, {"type": "function_call_output", "call_id": "call_1",
+                                                        "output": "18 C"}]
+    first = client.responses.create(model=MODEL, input=answered, max_output_tokens=1)
+    again = client.responses.create(model=MODEL, input=[answered[2]], max_output_tokens=1,
+                                    previous_response_id=first.id)  # the call is in the stored conversation
+    for body in (dict(input=[answered[0], {**answered[2], "call_id": "call_nowhere"}]),
+                 dict(input=[{"role": "user", "content": "Hi"}, {**answered[2], "call_id": "call_nowhere"}],
+                      previous_response_id=again.id)):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.create(model=MODEL, max_output_tokens=1, **body)
+        assert err.value.body["message"] == "No tool call found for function call output with call_id call_nowhere."
+        assert (err.value.body["type"], err.value.body["param"]) == ("invalid_request_error", "input[1].call_id")
