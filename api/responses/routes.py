@@ -49,8 +49,8 @@ from .protocol import (
     ResponsesRequest,
     ResponseUsage,
 )
-from .store import ResponseStore
-from .translate import chat_request, input_messages, output_messages, param_of, refuse
+from .store import ResponseStore, StoredResponse
+from .translate import chat_request, check_call_outputs, input_messages, output_messages, param_of, refuse
 
 router = APIRouter(route_class=GuardedRoute, tags=["openai"])
 
@@ -69,14 +69,16 @@ async def create_response(body: ResponsesRequest, request: Request, who: Caller,
     store: ResponseStore = request.app.state.responses
     with _named_as_responses():
         refuse(body)
-        earlier: list[dict[str, Any]] = []
+        found: StoredResponse | None = None
         if body.previous_response_id is not None:
             found = store.get(who.tenant, body.previous_response_id)
             if found is None:
                 raise PreviousResponseNotFoundError(f"Previous response with id '{body.previous_response_id}' not "
                                                     "found.", param="previous_response_id")
-            earlier = found.conversation
-        conversation = earlier + input_messages(body)
+        own = input_messages(body)
+        earlier = found.conversation() if found is not None else []
+        check_call_outputs(body, earlier)
+        conversation = earlier + own
         chat = chat_request(body, conversation)
         check_chat(chat, srv.settings)
         job = chat_job(chat, who.tenant, srv.settings, srv.vocab_size, srv.tool_family)
@@ -87,7 +89,7 @@ async def create_response(body: ResponsesRequest, request: Request, who: Caller,
     def finish(result: GenerationResult, meta: Meta, output: list[Any]) -> ResponseObject:
         response = shape.response(meta, output, result)
         if keep:
-            store.put(tenant, response.model_dump(), conversation + output_messages(output))
+            store.put(tenant, response.model_dump(), own + output_messages(output), previous=found)
         return response
 
     def answer(result: GenerationResult, meta: Meta) -> ResponseObject:

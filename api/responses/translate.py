@@ -67,6 +67,19 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     return _item_messages(req.input)
 
 
+def check_call_outputs(req: ResponsesRequest, earlier: list[dict[str, Any]]) -> None:
+    """Refuse a ``function_call_output`` whose ``call_id`` answers no ``function_call`` of the conversation (the
+    input's items, or the calls of the ``earlier`` conversation it continues), with OpenAI's message."""
+    if isinstance(req.input, str):
+        return
+    calls = {call["id"] for message in earlier for call in message.get("tool_calls") or ()}
+    calls.update(item.call_id for item in req.input if isinstance(item, FunctionCallItem))
+    for i, item in enumerate(req.input):
+        if isinstance(item, FunctionCallOutputItem) and item.call_id not in calls:
+            raise InvalidRequestError(f"No tool call found for function call output with call_id {item.call_id}.",
+                                      param=f"input[{i}].call_id")
+
+
 def output_messages(output: list[BaseModel]) -> list[dict[str, Any]]:
     """An answer's output items as the chat messages it continues as: those the same items sent back as ``input``
     make, so ``previous_response_id`` and the whole conversation sent as items give one prompt."""

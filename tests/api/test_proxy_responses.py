@@ -137,7 +137,120 @@ def test_the_store_bounds_bytes_and_tenants(clock):
     assert store.get("t2", "resp_large") is not None and store.get("t2", "resp_b") is None
     assert store.get("t3", "resp_1") is None and store.get("t3", "resp_2") is not None and store.nbytes <= 2000
     assert store.delete("t2", "resp_large") and not store.delete("t2", "resp_large")
-    assert store.nbytes == sum(r.nbytes for ids in store._records.values() for _, r in ids.values())
+    store.check_integrity()
+
+
+def chain(store: ResponseStore, tenant: str, turns: int, text: str = "x", start: int = 0) -> list[str]:
+    """Store ``turns`` responses for ``tenant``, each continuing the one before: one user message of ``text`` and
+    an answer each."""
+    ids, previous = [], None
+    for i in range(start, start + turns):
+        response = {"id": f"resp_{tenant}{i}", "output": [{"type": "message", "content": [{"text": f"ok {i}"}]}]}
+        store.put(tenant, response, [{"role": "user", "content": text}, {"role": "assistant", "content": f"ok {i}"}],
+                  previous=previous)
+        ids.append(response["id"])
+        previous = store.get(tenant, response["id"])
+    return ids
+
+
+def test_a_chain_counts_each_turn_once(clock):
+    """100 turns of 10 KB: a stored response holds its own turn and a link to the one it continued, so the chain
+    counts each turn's bytes once (linear), where storing each turn's whole conversation counted ~50 MB."""
+    text = "x" * 10_000
+    linked = ResponseStore(clock)
+    ids = chain(linked, "t", 100, text)
+    one = ResponseStore(clock)
+    chain(one, "t", 1, text, start=99)
+    copied, conversation = ResponseStore(clock), []  # as if each response held its whole conversation
+    for i in range(100):
+        conversation = conversation + [{"role": "user", "content": text}, {"role": "assistant", "content": f"ok {i}"}]
+        copied.put("t", {"id": f"resp_t{i}", "output": []}, conversation)
+    print(f"100-turn chain of 10 KB turns: {linked.nbytes:,} bytes counted linked, {copied.nbytes:,} copied")
+    assert 100 * 10_000 < linked.nbytes <= 100 * one.nbytes < 1.1e6 and copied.nbytes > 50e6
+    whole = linked.get("t", ids[-1]).conversation()
+    assert len(whole) == 200 and [m["content"] for m in whole[1::2]] == [f"ok {i}" for i in range(100)]
+    linked.check_integrity()
+
+
+def test_a_dropped_response_stays_in_the_conversations_that_continue_it(clock):
+    """A response continued by others is pinned by them: deleted, expired or pushed out it can no longer be read or
+    continued, but every response after it keeps its whole conversation (never a shorter one), and its bytes count
+    until the last of them goes."""
+    store = ResponseStore(clock, per_tenant=2, retain_seconds=60)
+    first, second, third = chain(store, "t", 3)  # the third pushes the first out
+    full = store.get("t", third).conversation()
+    assert store.get("t", first) is None and [m["content"] for m in full[1::2]] == ["ok 0", "ok 1", "ok 2"]
+    assert store.delete("t", second) and store.get("t", second) is None
+    assert store.get("t", third).conversation() == full
+    store.check_integrity()  # the first two are counted, held by the third
+    fork = chain(store, "t", 2, start=10)  # another chain: the third, oldest, is pushed out, and its turns with it
+    assert store.get("t", third) is None and store.nbytes == sum(store.get("t", i).nbytes for i in fork)
+    store.check_integrity()
+    store.delete("t", fork[1])
+    # A branch continued from a response that is dropped while the request runs: its turn is counted again.
+    kept = store.get("t", fork[0])
+    store.delete("t", fork[0])
+    assert store.nbytes == 0
+    store.put("t", {"id": "resp_branch", "output": []}, [{"role": "user", "content": "more"}], previous=kept)
+    assert store.get("t", "resp_branch").conversation()[:2] == kept.conversation()
+    assert store.nbytes == kept.nbytes + store.get("t", "resp_branch").nbytes
+    store.check_integrity()
+    clock.advance(61)  # the whole chain expires with its last response
+    assert store.get("t", "resp_branch") is None and store.nbytes == 0
+    store.check_integrity()
+
+
+def test_the_byte_budget_never_drops_the_conversation_being_stored(clock):
+    """Over the bytes, the storing tenant loses its oldest response outside the conversation being stored (whose
+    turns it could not free), and a conversation larger than the whole budget is not kept."""
+    store = ResponseStore(clock, max_bytes=2000)
+    ids = chain(store, "t", 3, "y" * 300)  # about 460 bytes a turn
+    other = chain(store, "t", 1, "z" * 100, start=10)
+    own = chain(store, "t", 1, "z" * 100, start=11)  # about 1,900 bytes held
+    previous = store.get("t", ids[2])
+    store.put("t", {"id": "resp_next", "output": []}, [{"role": "user", "content": "y" * 200}], previous=previous)
+    assert store.get("t", "resp_next").conversation()[:6] == previous.conversation()
+    assert store.get("t", other[0]) is None and store.nbytes <= 2000  # the oldest outside the conversation
+    assert all(store.get("t", i) is not None for i in ids + own)
+    store.check_integrity()
+    store.put("t", {"id": "resp_huge", "output": []}, [{"role": "user", "content": "y" * 800}],
+              previous=store.get("t", "resp_next"))
+    assert store.get("t", "resp_huge") is None and store.get("t", "resp_next") is not None
+    store.check_integrity()
+
+
+def test_each_turn_of_a_chain_adds_only_its_own_bytes(tiny_model, tokenizer, clock):
+    """Continued by previous_response_id, each stored turn counts its own input and output, not the conversation
+    before it again: the store grows by about the same bytes a turn however long the chain, and a chain whose
+    first turn is deleted still continues as its whole conversation."""
+    cache = make_cache(tiny_model, tokenizer)
+    app = create_app(proxy_settings(), cache=cache, clock=clock)
+    store = app.state.responses = ResponseStore(clock)
+    text = "Tell me more about the weather in Paris today. " * 6
+    try:
+        with live(app) as server:
+            client = server.openai(ALPHA)
+            counted, turns, previous = [], [], None
+            for _ in range(5):
+                turns.append(client.responses.create(model=MODEL, input=text, max_output_tokens=1, temperature=0,
+                                                     previous_response_id=previous))
+                counted.append(store.nbytes)
+                previous = turns[-1].id
+            added = [b - a for a, b in zip(counted, counted[1:])]
+            assert max(added) - min(added) < len(text), counted  # storing whole conversations adds a turn each
+            store.check_integrity()
+            client.responses.delete(turns[0].id)
+            last = client.responses.create(model=MODEL, input="And tomorrow?", max_output_tokens=2, temperature=0,
+                                           previous_response_id=previous)
+            whole = client.responses.create(model=MODEL, max_output_tokens=2, temperature=0, store=False, input=[
+                *[m for r in turns for m in ({"role": "user", "content": text},
+                                             {"role": "assistant", "content": r.output_text})],
+                {"role": "user", "content": "And tomorrow?"}])
+            assert (last.output_text, last.usage.input_tokens) == (whole.output_text, whole.usage.input_tokens)
+            with pytest.raises(openai.BadRequestError, match="not found"):
+                client.responses.create(model=MODEL, input="Hi", previous_response_id=turns[0].id)
+    finally:
+        cache.close()
 
 
 def test_stored_responses_are_per_tenant_and_store_false_keeps_nothing(rsrv, client):
@@ -488,3 +601,22 @@ def test_a_stored_answer_continues_as_its_items_sent_back():
     sent_back = ResponsesRequest.model_validate({"model": MODEL, "input": [item.model_dump() for item in output]})
     assert output_messages(output) == input_messages(sent_back)
     assert [m["role"] for m in output_messages(output)] == ["assistant", "assistant"]
+
+
+def test_a_function_call_output_must_answer_a_call_of_the_conversation(hermes):
+    """A function_call_output whose call_id matches no function_call of the input or of the previous responses'
+    conversation is OpenAI's 400 naming it; one answering a call sent or stored earlier is served."""
+    client = hermes.openai(ALPHA)
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    answered = [{"role": "user", "content": ASK}, call, {"type": "function_call_output", "call_id": "call_1",
+                                                        "output": "18 C"}]
+    first = client.responses.create(model=MODEL, input=answered, max_output_tokens=1)
+    again = client.responses.create(model=MODEL, input=[answered[2]], max_output_tokens=1,
+                                    previous_response_id=first.id)  # the call is in the stored conversation
+    for body in (dict(input=[answered[0], {**answered[2], "call_id": "call_nowhere"}]),
+                 dict(input=[{"role": "user", "content": "Hi"}, {**answered[2], "call_id": "call_nowhere"}],
+                      previous_response_id=again.id)):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.create(model=MODEL, max_output_tokens=1, **body)
+        assert err.value.body["message"] == "No tool call found for function call output with call_id call_nowhere."
+        assert (err.value.body["type"], err.value.body["param"]) == ("invalid_request_error", "input[1].call_id")
