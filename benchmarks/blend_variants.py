@@ -13,7 +13,9 @@ Variants (every one re-rotates each document's KV, computed alone, to its place 
 - ``oracle``: the share deviating most summed over all layers, against a full prefill: the best any
   per-token choice of that size can do (it needs the full prefill it saves, so it only bounds the others);
 - ``sink``: each document computed after a fixed head (the tokenizer's BOS, or the chat template's user
-  header) instead of nothing, so its first token is not the attention sink;
+  header) instead of nothing, so its first token is not the attention sink; ``after the system prompt`` and
+  ``as first seen``: after the prompt's system prompt, or after it and another document (the KV a store would
+  keep from the prompt the document first came in);
 - ``normalized``: the deviation of keys and of values each divided by its mean square on that layer and KV head
   (``oracle 15%, normalized``: the same summed over all layers against a full prefill, a bound);
 - ``attention``: deviation weighted by the attention the question's last 48 tokens pay each token on layer L;
@@ -61,7 +63,7 @@ class Variant:
     layer: int = 1
     score: str = "deviation"  # deviation | oracle | attention
     normalized: bool = False  # keys' and values' squared change each over their mean square on that layer and head
-    head: str = ""  # "" | bos | user: what each document is computed after
+    head: str = ""  # "" | bos | user | system | seen: what each document is computed after
     exact: int | None = None  # layers 0..exact recomputed for every token (share unused)
     lead: int = 0  # each document's first ``lead`` tokens always among those recomputed (within the share)
     reuse_below: int | None = None  # bound: the full prefill's KV, but documents' layers < this as computed alone
@@ -75,6 +77,8 @@ VARIANTS = {v.name: v for v in [
     Variant("layer 3", layer=3), Variant("layer 6", layer=6),
     Variant("oracle 15%", score="oracle"), Variant("oracle 30%", share=0.30, score="oracle"),
     Variant("sink bos", head="bos"), Variant("sink user header", head="user"),
+    Variant("after the system prompt", head="system"), Variant("as first seen", head="seen"),
+    Variant("as first seen, 30%", head="seen", share=0.30), Variant("as first seen, 0%", head="seen", share=0.0),
     Variant("attention", score="attention"), Variant("exact 0-14", exact=14), Variant("exact 0-21", exact=21),
     Variant("lead 16", lead=16),
     Variant("normalized", normalized=True), Variant("oracle 15%, normalized", score="oracle", normalized=True),
@@ -140,11 +144,21 @@ class Lab:
         self.heads = {"": [], "bos": [tokenizer.bos_token_id],
                       "user": tokenizer("<|im_start|>user\n", add_special_tokens=False)["input_ids"]}
         self._alone: dict[tuple, torch.Tensor] = {}
+        self.pool: list[list[int]] = []  # every document of the prompts (``seen``'s other documents)
 
-    def document(self, tokens: list[int], head: str) -> tuple[torch.Tensor, int]:
-        """A document's KV computed after ``head`` (not included) and where its first token sat."""
-        before = self.heads[head]
-        key = (tuple(tokens), head)
+    def document(self, tokens: list[int], head: str, p: RagPrompt) -> tuple[torch.Tensor, int]:
+        """A document's KV computed after ``head`` (not included) and where its first token sat: ``system``
+        after ``p``'s system prompt, ``seen`` after it and another document (as a store would keep the KV of
+        the prompt it first came in)."""
+        system = p.ids[: p.chunks[0][0]]
+        if head == "system":
+            before = system
+        elif head == "seen":
+            other = next(d for d in self.pool[len(tokens) % len(self.pool):] + self.pool if d != tokens)
+            before = system + other
+        else:
+            before = self.heads[head]
+        key = (tuple(tokens), head, tuple(before))
         if key not in self._alone:
             self._alone[key] = compute_alone(self.model, self.layout, before + tokens).slice(len(before),
                                                                                              len(before) + len(tokens))
@@ -157,7 +171,7 @@ class Lab:
         buf[:, :, :, :first] = compute_alone(self.model, layout, ids[:first]).slice(0, first)
         reused = torch.zeros(end, dtype=torch.bool)
         for s, e in p.chunks:
-            kv, at = self.document(ids[s:e], v.head)
+            kv, at = self.document(ids[s:e], v.head, p)
             rerotate(kv, s - at, self.blender.shift, out=buf[:, :, :, s:e])
             reused[s:e] = True
         if v.reuse_below is not None:
@@ -278,6 +292,8 @@ def main(argv: list[str] | None = None) -> None:
             torch.no_grad():
         dev = prompts(cache, documents(tokenizer, spec, 0)[spec.documents :], args.prompts, spec, "dev")
         lab = Lab(cache, tokenizer)
+        lab.pool = [d for d in {tuple(p.ids[s:e]): None for p in dev for s, e in p.chunks}]
+        lab.pool = [list(d) for d in lab.pool]
         references = []
         for p in dev:
             answer, _, logits = _generate(model, p.ids, args.answer_tokens, time.perf_counter)
