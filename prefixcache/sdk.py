@@ -50,6 +50,7 @@ from prefixcache.serving.tool_calls import (
     ToolUse,
     anthropic_tool_use,
     calls_of,
+    cut_short,
     openai_tool_use,
     text_of,
     tokenizer_family,
@@ -86,7 +87,8 @@ class GenerationResult:
     stats: CallStats
     #: ``messages()``: the input tokens as Anthropic counts them (read, written at breakpoints, the rest).
     cache: CacheUsage | None = None
-    #: ``chat()`` / ``messages()`` with tools: the calls parsed out of the answer (``text`` is what is left).
+    #: ``chat()`` / ``messages()`` with tools: the calls parsed out of the answer (``text`` is what is left); a
+    #: last call cut by ``max_tokens`` is incomplete (``ToolCall.complete``), and ``finish_reason`` "length".
     tool_calls: tuple[ToolCall, ...] = ()
     #: With ``logprobs=True``: each answer token's log-probability and its ``top_logprobs`` likeliest
     #: alternatives (``serving/logprobs.py``), special tokens left out (None: not asked for); stopped by a
@@ -775,11 +777,12 @@ def _with_calls(result: GenerationResult, reading: ToolUse | None) -> Generation
     """``result`` with its tool calls parsed out (``reading``: how; None: unchanged)."""
     if reading is None:
         return result
-    pieces = reading.read(result.text)
+    pieces = reading.read(result.text, result.finish_reason == "length")
     calls = tuple(calls_of(pieces))
     if not calls:
         return dataclasses.replace(result, text=text_of(pieces))
-    return dataclasses.replace(result, text=text_of(pieces), tool_calls=calls, finish_reason="tool_calls")
+    finish = "length" if cut_short(pieces) else "tool_calls"  # a last call cut by max_tokens is incomplete
+    return dataclasses.replace(result, text=text_of(pieces), tool_calls=calls, finish_reason=finish)
 
 
 def _message_list(messages: Any) -> list[Any]:
