@@ -225,6 +225,24 @@ def test_anthropic_strict_schemas_anthropic_takes_are_served():
         anthropic_strict(anthropic_tool({**CLOSED, "patternProperties": {"^x": {}}}))
 
 
+def test_only_patternproperties_as_a_keyword_is_refused_not_as_a_name_or_data():
+    """A property named patternProperties (or pattern), or the word inside const data, is no keyword:
+    served. The keyword is refused wherever validation applies it, a $defs entry or a $ref's target included."""
+    named = {**CLOSED, "properties": {"patternProperties": {"type": "string"},
+                                      "pattern": {"type": "string"}, "c": {"const": {"patternProperties": {}}}},
+             "required": ["patternProperties", "pattern", "c"]}
+    for tools in (anthropic_tool(named), [{"type": "function", "function": {"name": "g", "strict": True,
+                                                                            "parameters": named}}]):
+        strict = anthropic_strict(tools) if "input_schema" in tools[0] else openai_strict(tools)
+        check_arguments("g", {"patternProperties": "x", "pattern": "y", "c": {"patternProperties": {}}},
+                        strict["g"])
+    hidden = {**CLOSED, "properties": {"a": {"$ref": "#/x-defs/A"}}, "required": ["a"],
+              "x-defs": {"A": {**CLOSED, "patternProperties": {"^x": {}}}}}
+    for schema in (hidden, {**CLOSED, "$defs": {"A": {**CLOSED, "patternProperties": {"^x": {}}}}}):
+        with pytest.raises(InvalidRequestError, match="patternProperties"):
+            anthropic_strict(anthropic_tool(schema))
+
+
 def test_a_pattern_that_backtracks_without_end_is_given_up_not_waited_for():
     """The caller's pattern meets the model's text on the event loop: past its time bound the call is not served."""
     validator = anthropic_strict(anthropic_tool({**CLOSED, "properties": {
