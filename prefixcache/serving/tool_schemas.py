@@ -308,6 +308,12 @@ def _is_object(schema: dict[str, Any]) -> bool:
     return kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in schema
 
 
+def schema_objects(schema: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Every schema object validation may apply in ``schema`` (a valid JSON schema), as ``_applied``: their keys
+    are keywords, never a property's name or data."""
+    return _applied(schema, _resolver(schema))
+
+
 def _applied(schema: dict[str, Any], resolver: Any) -> Iterator[dict[str, Any]]:
     """Every schema object validation may apply: ``schema``, those inside it (``_subschemas``) and those its
     ``$ref``s reach, wherever they lie, each once. Their keys are keywords; a property's name (a key of

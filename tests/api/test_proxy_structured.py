@@ -113,6 +113,23 @@ def test_a_format_that_cannot_be_honoured_is_a_400_naming_it(proxy, kwargs, para
     assert err.value.body["param"] == param
 
 
+def test_an_unknown_format_in_a_schema_that_is_not_strict_is_an_annotation(proxy):
+    """strict false: a string format the grammar does not know is no 400; the answer matches the rest of the
+    schema, on chat and the Responses API."""
+    schema = {"type": "object", "properties": {"code": {"type": "string", "format": "my-custom",
+                                                        "pattern": "^[a-z]{1,6}$"}},
+              "required": ["code"], "additionalProperties": False}
+    client = proxy.openai(ALPHA)
+    chat = create(client, response_format={"type": "json_schema", "json_schema": {
+        "name": "code", "schema": schema, "strict": False}})
+    assert chat.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(chat.choices[0].message.content), schema)
+    r = client.responses.create(model=MODEL, input=MESSAGES, max_output_tokens=200, text={"format": {
+        "type": "json_schema", "name": "code", "schema": schema, "strict": False}})
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), schema)
+
+
 def test_an_answer_that_breaks_its_schema_is_a_500_never_served():
     mapped = map_exception(OutputFormatError("the model's answer does not match response_format 'pet' at $.age"))
     assert (mapped.status, mapped.detail.type, mapped.detail.code) == (500, "server_error", "response_format_invalid")
