@@ -15,11 +15,13 @@ import anthropic
 import jsonschema
 import openai
 import pytest
+import torch
 from prefixcache_api import create_app
 from prefixcache_api.anthropic.errors import anthropic_error
 from prefixcache_api.errors import map_exception
 from proxy_support import ALPHA, MODEL, anthropic_client, live, settings
 from pydantic import BaseModel, Field
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from prefixcache import CacheConfig, OutputFormatError, PrefixCache
 from tests.serving.test_structured import ANTHROPIC_SCHEMA, MESSAGES, PET, SCHEMA
@@ -128,6 +130,29 @@ def test_an_unknown_format_in_a_schema_that_is_not_strict_is_an_annotation(proxy
         "type": "json_schema", "name": "code", "schema": schema, "strict": False}})
     assert r.status == "completed"
     jsonschema.validate(json.loads(r.output_text), schema)
+
+
+def test_a_format_the_model_cannot_end_is_a_400_before_a_stream_begins(tokenizer):
+    """A model without an end-of-sequence id cannot end a structured answer: a 400 naming response_format, streamed
+    or not, before the stream's 200 (not an error event after it); on the Responses API too."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)).eval()
+    model.generation_config.eos_token_id = None
+    cache = PrefixCache(model, tokenizer, CacheConfig(max_bytes=64 << 20))
+    try:
+        with live(create_app(settings(), cache=cache)) as srv:
+            client = srv.openai(ALPHA)
+            for stream in (False, True):
+                with pytest.raises(openai.BadRequestError, match="end-of-sequence") as err:
+                    create(client, max_tokens=5, response_format=PET, stream=stream)
+                assert err.value.body["param"] == "response_format"
+                with pytest.raises(openai.BadRequestError, match="end-of-sequence"):
+                    client.responses.create(model=MODEL, input=MESSAGES, max_output_tokens=5, stream=stream,
+                                            text={"format": {"type": "json_object"}})
+            assert create(client, max_tokens=3).choices[0].finish_reason == "length"  # no format: served
+    finally:
+        cache.close()
 
 
 def test_an_answer_that_breaks_its_schema_is_a_500_never_served():
