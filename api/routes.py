@@ -25,7 +25,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from prefixcache import GenerationResult
 from prefixcache.errors import InvalidRequestError
-from prefixcache.serving.tool_calls import Text, ToolUse, calls_of, text_of
+from prefixcache.serving.tool_calls import Text, ToolUse, calls_of, cut_short, text_of
 
 from .admission import Place
 from .auth import Principal
@@ -294,7 +294,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, who: C
         logprobs = None if result.logprobs is None else {
             "content": chat_content(result.logprobs, TokenText(srv.cache.tokenizer))}
         return ChatChoice(index=index, message=message, logprobs=logprobs,
-                          finish_reason="tool_calls" if calls else _finish(result))
+                          finish_reason=_finish(result, bool(calls), cut_short(parts)))
 
     def answer(results: list[GenerationResult], meta: Meta) -> ChatCompletion:
         first = results[0]
@@ -501,7 +501,11 @@ def _choice_id(meta: Meta, index: int) -> str:
     return meta.id if index == 0 else f"{meta.id}/{index}"
 
 
-def _finish(result: GenerationResult) -> str:
+def _finish(result: GenerationResult, calls: bool = False, cut: bool = False) -> str:
+    """OpenAI's ``finish_reason``: "tool_calls" where the answer holds ``calls``, unless its last was ``cut`` by
+    ``max_tokens`` ("length", as OpenAI reports a call cut short)."""
+    if calls and not cut:
+        return "tool_calls"
     return "length" if result.finish_reason == "length" else "stop"
 
 
@@ -524,7 +528,7 @@ async def _chat_events(streams: list[GenerationStream], meta: Meta, usage_chunk:
             logprobs = None if names is None or entries is None else {"content": chat_content(entries, names)}
             return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
-        calls, ids = 0, _choice_id(meta, index)
+        calls, cut, ids = 0, False, _choice_id(meta, index)
         yield choice({"role": "assistant", "content": ""})
         async for piece in pieces(stream, tools):
             if isinstance(piece, Text):
@@ -535,11 +539,11 @@ async def _chat_events(streams: list[GenerationStream], meta: Meta, usage_chunk:
                     "function": {"name": piece.name, "arguments": ""}}
             yield choice({"tool_calls": [call]})
             yield choice({"tool_calls": [{"index": calls, "function": {"arguments": piece.arguments}}]})
-            calls += 1
+            calls, cut = calls + 1, not piece.complete
         if rest := stream.take_logprobs():  # tokens whose text came earlier, or had none
             yield choice({"content": ""}, entries=rest)
         assert stream.result is not None  # set once its texts ended
-        yield choice({}, "tool_calls" if calls else _finish(stream.result))
+        yield choice({}, _finish(stream.result, bool(calls), cut))
 
     kind = "chat.completion.chunk"
     miss = streams[0].miss  # cache diagnostics ride on the first chunk, known before generation

@@ -356,15 +356,18 @@ class Serving:
         max_new = job.max_new_tokens(len(ids), cache.max_context, self.settings.default_max_tokens)
         miss = self._diagnose(job, ids) if job.diagnose else None
         scope = cache.scope(job.tenant, job.cache_salt, job.ttl_seconds)
-        if emit is not None:  # a messages stream reports its cache usage up front, as Anthropic's does
-            predicted = None if prompt is None else cache.breakpoints.predict(scope, ids, prompt.breakpoints)
-            emit("started", (len(ids), predicted, miss))
         # The timeout bounds this worker thread too: a generation still running then is cancelled.
         options = dataclasses.replace(job.options, max_new_tokens=max_new, cancel=cancel,
                                       timeout_seconds=seconds(self.settings.request_timeout_seconds, "timeout"),
                                       on_text=None if emit is None else (lambda text: emit("text", text)),
                                       on_logprobs=None if emit is None or job.options.logprobs is None else (
                                           lambda entries: emit("logprobs", entries)), **chunks)
+        # Checked (a response format bound to the vocabulary) before a stream says it has begun: what cannot be
+        # answered is a 400, not an error event after the 200.
+        options = cache.checked(ids, options)
+        if emit is not None:  # a messages stream reports its cache usage up front, as Anthropic's does
+            predicted = None if prompt is None else cache.breakpoints.predict(scope, ids, prompt.breakpoints)
+            emit("started", (len(ids), predicted, miss))
         if job.shared is not None:
             self._share_prompt(job, ids, scope, prompt is None and not chunks, cancel)
             if job.shared.read is not None:  # each choice counted by the one prefill's read, as one choice would be

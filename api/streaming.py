@@ -89,7 +89,8 @@ class ReportedError(Exception):
 
 async def pieces(stream: GenerationStream, tools: ToolUse | None) -> AsyncIterator[Piece]:
     """The answer as it streams: text deltas, and its calls once each is complete (``tools``: how they are read;
-    None: all text). At the end a call ``tool_choice`` required and did not get raises ``ToolCallError``."""
+    None: all text). At the end a call ``tool_choice`` required and did not get raises ``ToolCallError``, unless
+    ``max_tokens`` cut the answer (which may end inside a call: an incomplete one, ``tool_calls.ToolCall``)."""
     if tools is None:
         async for text in stream.texts():
             if text:
@@ -100,10 +101,12 @@ async def pieces(stream: GenerationStream, tools: ToolUse | None) -> AsyncIterat
         for piece in parser.feed(text):
             seen.append(piece)
             yield piece
-    for piece in parser.finish():
+    assert stream.result is not None  # set once its texts ended
+    cut = stream.result.finish_reason == "length"
+    for piece in parser.finish(cut):
         seen.append(piece)
         yield piece
-    tools.check(seen)
+    tools.check(seen, cut)
 
 
 async def merged(iterators: list[AsyncIterator[T]]) -> AsyncIterator[T]:
@@ -143,7 +146,7 @@ async def merged(iterators: list[AsyncIterator[T]]) -> AsyncIterator[T]:
 
 def read(result: GenerationResult, tools: ToolUse | None) -> list[Piece]:
     """The whole answer's pieces, as ``pieces`` streams them (adjacent texts joined)."""
-    return [Text(result.text)] if tools is None else tools.read(result.text)
+    return [Text(result.text)] if tools is None else tools.read(result.text, result.finish_reason == "length")
 
 
 def call_id(response_id: str, index: int, tools: ToolUse, prefix: str) -> str:

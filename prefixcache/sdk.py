@@ -50,6 +50,7 @@ from prefixcache.serving.tool_calls import (
     ToolUse,
     anthropic_tool_use,
     calls_of,
+    cut_short,
     openai_tool_use,
     text_of,
     tokenizer_family,
@@ -86,7 +87,8 @@ class GenerationResult:
     stats: CallStats
     #: ``messages()``: the input tokens as Anthropic counts them (read, written at breakpoints, the rest).
     cache: CacheUsage | None = None
-    #: ``chat()`` / ``messages()`` with tools: the calls parsed out of the answer (``text`` is what is left).
+    #: ``chat()`` / ``messages()`` with tools: the calls parsed out of the answer (``text`` is what is left); a
+    #: last call cut by ``max_tokens`` is incomplete (``ToolCall.complete``), and ``finish_reason`` "length".
     tool_calls: tuple[ToolCall, ...] = ()
     #: With ``logprobs=True``: each answer token's log-probability and its ``top_logprobs`` likeliest
     #: alternatives (``serving/logprobs.py``), special tokens left out (None: not asked for); stopped by a
@@ -482,8 +484,11 @@ class PrefixCache:
             raise InvalidRequestError(f"prompt must be a list of token ids in [0, {vocab})", param="prompt")
         return self.run(list(prompt), AnswerOptions.parse(**options), scope)
 
-    def run(self, prompt: list[int], options: AnswerOptions, scope: Scope) -> GenerationResult:
-        """Answer prompt ids with checked ``options`` in ``scope`` (what ``answer`` does once it parsed them)."""
+    def checked(self, prompt: list[int], options: AnswerOptions) -> AnswerOptions:
+        """``options`` for ``prompt``, checked as ``run`` checks them before anything runs, with a response
+        format's (or forced call's) grammar bound to the vocabulary: a format the model cannot end (no
+        end-of-sequence id) or that needs a fast tokenizer raises ``InvalidRequestError`` here. A server calls it
+        before it says a stream has begun, so such a request is refused, not ended by an error event."""
         self._check_open()
         if self.tokenizer is None:
             raise InvalidRequestError("answering needs a tokenizer for the answer's text: PrefixCache(model, "
@@ -493,16 +498,23 @@ class PrefixCache:
         # Checked here, not where a batched step would fail on it (every request of that step with it).
         if any(token >= self.vocab_size for token, _ in options.logit_bias):
             raise InvalidRequestError(f"logit_bias keys must be token ids below {self.vocab_size}", param="logit_bias")
-        plan, why_not = blend_plan(options.chunks, options.blend, len(prompt), self.config, options.unplaced)
         if len(prompt) + options.max_new_tokens > self.max_context:
             raise ContextLengthExceededError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({options.max_new_tokens}) exceeds the model's "
                 f"context of {self.max_context} tokens", param="messages")
+        if options.constraint is not None:  # bound already
+            return options
         if options.response_format is not None:  # bound to the vocabulary here: the engines only apply it
             eos = options.eos_ids(self.serial.effective_config(None, options.extra))
-            options = dataclasses.replace(options, constraint=self.vocabulary.constraint(options.response_format, eos))
-        elif options.tool_grammar is not None:
-            options = self._forced_call(options)
+            return dataclasses.replace(options, constraint=self.vocabulary.constraint(options.response_format, eos))
+        if options.tool_grammar is not None:
+            return self._forced_call(options)
+        return options
+
+    def run(self, prompt: list[int], options: AnswerOptions, scope: Scope) -> GenerationResult:
+        """Answer prompt ids with checked ``options`` in ``scope`` (what ``answer`` does once it parsed them)."""
+        options = self.checked(prompt, options)
+        plan, why_not = blend_plan(options.chunks, options.blend, len(prompt), self.config, options.unplaced)
         stream = TextStream(self.tokenizer, options.on_text, options.stop, options.on_logprobs)
         params, _ = self.dispatcher.route_answer(len(prompt), options)
         if params is not None and plan is not None:
@@ -775,11 +787,12 @@ def _with_calls(result: GenerationResult, reading: ToolUse | None) -> Generation
     """``result`` with its tool calls parsed out (``reading``: how; None: unchanged)."""
     if reading is None:
         return result
-    pieces = reading.read(result.text)
+    pieces = reading.read(result.text, result.finish_reason == "length")
     calls = tuple(calls_of(pieces))
     if not calls:
         return dataclasses.replace(result, text=text_of(pieces))
-    return dataclasses.replace(result, text=text_of(pieces), tool_calls=calls, finish_reason="tool_calls")
+    finish = "length" if cut_short(pieces) else "tool_calls"  # a last call cut by max_tokens is incomplete
+    return dataclasses.replace(result, text=text_of(pieces), tool_calls=calls, finish_reason=finish)
 
 
 def _message_list(messages: Any) -> list[Any]:

@@ -27,7 +27,7 @@ from prefixcache.serving.messages import MessagesPrompt, output_format, prefille
 from prefixcache.serving.options import AnswerOptions
 from prefixcache.serving.request import CallStats
 from prefixcache.serving.structured import tool_call_grammar
-from prefixcache.serving.tool_calls import Text, ToolUse, anthropic_tool_use
+from prefixcache.serving.tool_calls import Text, ToolUse, anthropic_tool_use, cut_short
 
 from ..jobs import Job, limit_max_tokens, server_temperature
 from ..limits import check_anthropic
@@ -70,15 +70,16 @@ async def messages(body: MessagesRequest, request: Request, who: Caller, srv: Se
 
     def answer(result: GenerationResult, meta: Meta) -> Message:
         content: list[ResponseText | ResponseToolUse] = []
-        for piece in read(result, job.tool_use):
+        answer = read(result, job.tool_use)
+        for piece in answer:
             if isinstance(piece, Text):
                 content.append(ResponseText(text=piece.text))
             else:
                 content.append(ResponseToolUse(id=_use_id(meta, len(content), job.tool_use), name=piece.name,
                                                input=piece.input))
         reason, sequence = stop_reason(result, stops, srv)
-        if any(isinstance(block, ResponseToolUse) for block in content):
-            reason, sequence = "tool_use", None
+        if any(isinstance(block, ResponseToolUse) for block in content) and not cut_short(answer):
+            reason, sequence = "tool_use", None  # a call cut by max_tokens: "max_tokens", as Anthropic's
         return Message(id=meta.id, content=content or [ResponseText(text="")], model=meta.model, stop_reason=reason,
                        stop_sequence=sequence, usage=usage(result.cache, result.usage.completion_tokens, srv,
                                                                        result.stats),
@@ -155,7 +156,7 @@ async def _events(stream: GenerationStream, meta: Meta, stops: list[str], tools:
         "id": meta.id, "type": "message", "role": "assistant", "content": [], "model": meta.model,
         "stop_reason": None, "stop_sequence": None, "usage": start, "diagnostics": _diagnostics(stream)}},
         "message_start")
-    blocks, text_open, calls = 0, False, 0  # blocks started; whether the last is a text block still open
+    blocks, text_open, calls, cut = 0, False, 0, False  # blocks started; whether the last is a text block still open
 
     def begin(block: dict[str, Any]) -> list[str]:
         opened = [event({"index": blocks, "content_block": block}, "content_block_start")]
@@ -177,7 +178,7 @@ async def _events(stream: GenerationStream, meta: Meta, stops: list[str], tools:
         yield event({"index": blocks, "delta": {"type": "input_json_delta", "partial_json": piece.arguments}},
                     "content_block_delta")
         yield event({"index": blocks}, "content_block_stop")
-        blocks, text_open, calls = blocks + 1, False, calls + 1
+        blocks, text_open, calls, cut = blocks + 1, False, calls + 1, not piece.complete
     if blocks == 0:  # an empty answer is one empty text block, as unstreamed
         for item in begin({"type": "text", "text": ""}):
             yield item
@@ -185,7 +186,7 @@ async def _events(stream: GenerationStream, meta: Meta, stops: list[str], tools:
     if text_open:
         yield event({"index": blocks - 1}, "content_block_stop")
     result = stream.result
-    reason, sequence = ("tool_use", None) if calls else stop_reason(result, stops, srv)
+    reason, sequence = ("tool_use", None) if calls and not cut else stop_reason(result, stops, srv)
     final = usage(result.cache, result.usage.completion_tokens, srv, result.stats).model_dump()
     yield event({"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": final}, "message_delta")
     yield event({}, "message_stop")

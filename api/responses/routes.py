@@ -195,8 +195,8 @@ def _message(meta: Meta, index: int, text: str, status: str) -> OutputMessage:
 
 def _call(meta: Meta, index: int, calls: int, call: ToolCall, tools: ToolUse | None) -> OutputFunctionCall:
     assert tools is not None  # calls are parsed only where tools were declared
-    return OutputFunctionCall(id=_item_id(meta, "fc", index), status="completed", name=call.name,
-                              arguments=call.arguments, call_id=call_id(meta.id, calls, tools, "call_"))
+    return OutputFunctionCall(id=_item_id(meta, "fc", index), status="completed" if call.complete else "incomplete",
+                              name=call.name, arguments=call.arguments, call_id=call_id(meta.id, calls, tools, "call_"))
 
 
 def _items(answer: list[Piece], meta: Meta, tools: ToolUse | None, status: str) -> list[Any]:

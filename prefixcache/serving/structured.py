@@ -3,7 +3,8 @@
 ``parse_response_format`` checks a call's format once: ``{"type": "json_schema", "json_schema": {"name", "schema",
 "strict"}}`` (the answer is JSON matching ``schema``) or ``{"type": "json_object"}`` (any JSON object); "text"
 or None constrain nothing. A schema llguidance cannot compile is a 400 naming ``response_format.json_schema
-.schema``; a strict one follows OpenAI's strict-mode rules (``tool_schemas.check_strict_shape``).
+.schema``; a strict one follows OpenAI's strict-mode rules (``tool_schemas.check_strict_shape``). Not strict, a
+string ``format`` llguidance does not know is an annotation, left out of the grammar (``_known_formats``).
 
 ``parse_output_format`` does the same for Anthropic's ``output_config.format`` (``{"type": "json_schema",
 "schema"}``), whose schema follows Anthropic's rules (``tool_schemas.check_anthropic_shape``); its errors name
@@ -31,6 +32,8 @@ jsonschema validator) as a safety net: a mismatch is ``OutputFormatError``, neve
 """
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import logging
 import re
@@ -56,6 +59,7 @@ from prefixcache.serving.tool_schemas import (
     check_strict_shape,
     compile_schema,
     first_mismatch,
+    schema_objects,
 )
 
 log = logging.getLogger(__name__)
@@ -163,7 +167,8 @@ def _compiled(kind: str, name: str | None, schema: Any, strict: bool, at: str,
     elif strict:
         check_strict_shape(schema, str(name), at, owner="response_format")
     try:
-        grammar = LLMatcher.grammar_from_json_schema(_plain_text(schema) if anthropic else schema,
+        grammar = LLMatcher.grammar_from_json_schema(_plain_text(schema) if anthropic else
+                                                     schema if strict else _known_formats(schema),
                                                      defaults=JSON_OPTIONS)
         error = LLMatcher.validate_grammar(grammar)
     except (ValueError, TypeError) as exc:
@@ -250,6 +255,31 @@ def _spelled(text: str, markers: Sequence[str], tokens: Mapping[str, int]) -> st
 def _literal(text: str) -> str:
     """``text`` as a lark string literal ("" for none)."""
     return json.dumps(text) if text else ""
+
+
+def _known_formats(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` (a valid JSON schema) without the string ``format``s llguidance does not know: in a schema that
+    is not strict an unknown ``format`` is an annotation, as JSON schema has it (its validator asserts none), so
+    the grammar leaves it out rather than refusing the schema."""
+    unknown = [node for node in schema_objects(schema)
+               if isinstance(node.get("format"), str) and not _grammar_knows(node["format"])]
+    if not unknown:
+        return schema
+    plain = copy.deepcopy(schema)
+    for node in schema_objects(plain):
+        if isinstance(node.get("format"), str) and not _grammar_knows(node["format"]):
+            del node["format"]
+    return plain
+
+
+@functools.lru_cache(maxsize=256)
+def _grammar_knows(string_format: str) -> bool:
+    """Whether llguidance constrains a string to ``string_format`` (it refuses a schema with one it does not)."""
+    try:
+        return not LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(
+            {"type": "string", "format": string_format}))
+    except (ValueError, TypeError):
+        return False
 
 
 def _plain_text(node: Any) -> Any:

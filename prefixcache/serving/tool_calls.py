@@ -22,7 +22,13 @@ request did not declare, is returned as the text the model wrote, and the reason
 A call to a strict tool is checked against its schema as it is parsed, before it is returned (or
 streamed): arguments that do not match, or are not a JSON object, raise ``ToolArgumentsError``
 (``tool_schemas.py``), and so does a call whose JSON does not parse when it names a strict tool.
-Calls dropped past ``limit`` are not checked. JSON here is JSON: ``NaN``, ``Infinity`` and numbers
+Calls dropped past ``limit`` are not checked.
+
+An answer cut by ``max_tokens`` (``finish(cut=True)``) may end inside a call: once its name is written it is
+returned as an incomplete call (``ToolCall.complete`` false) whose ``arguments`` are the text the model wrote of
+them, as OpenAI returns a call cut by the limit; it is not checked (strict or not), and the complete calls before
+it are kept (and checked). A call cut before its name is the text the model wrote, as a call that does not parse.
+JSON here is JSON: ``NaN``, ``Infinity`` and numbers
 past a float's range do not parse (they would be written back as no JSON), nor does nesting deeper
 than Python's stack.
 """
@@ -53,15 +59,17 @@ class Text:
 
 @dataclass(frozen=True, slots=True)
 class ToolCall:
-    """One call: the tool's ``name`` and its ``arguments``, a JSON object as compact text."""
+    """One call: the tool's ``name`` and its ``arguments``, a JSON object as compact text; a call cut by
+    ``max_tokens`` is not ``complete``, its ``arguments`` the text written of them (no JSON, or not all of it)."""
 
     name: str
     arguments: str
+    complete: bool = True
 
     @property
     def input(self) -> dict[str, Any]:
-        """The arguments as a dict (Anthropic's ``input``)."""
-        return json.loads(self.arguments)
+        """The arguments as a dict (Anthropic's ``input``); of an incomplete call, its members written whole."""
+        return json.loads(self.arguments) if self.complete else _whole_members(self.arguments)
 
 
 Piece = Text | ToolCall
@@ -144,8 +152,8 @@ class ToolCallParser:
             pass
         return out
 
-    def finish(self) -> list[Piece]:
-        """The pieces left at the end of the answer."""
+    def finish(self, cut: bool = False) -> list[Piece]:
+        """The pieces left at the end of the answer (``cut``: by ``max_tokens``, so a call may be incomplete)."""
         out: list[Piece] = []
         end = self._syntax.end
         if self._inside and end is not None and end in self._buffer:  # each marker was inside a string never
@@ -153,9 +161,9 @@ class ToolCallParser:
             self._close(body, end, out)  # call the model broke
             while self._step(out):
                 pass
-            return merge_texts(out + self.finish())
+            return merge_texts(out + self.finish(cut))
         if self._inside:
-            self._close(self._buffer, "", out)
+            self._close(self._buffer, "", out, cut)
         elif self._buffer and not self._after_call:
             out.append(Text(self._buffer))
         self._buffer = ""
@@ -203,11 +211,14 @@ class ToolCallParser:
     def _open(self, marker: str, rest: str) -> None:
         self._inside, self._opened, self._buffer, self._started = True, marker, rest, True
 
-    def _close(self, body: str, end: str, out: list[Piece]) -> None:
-        """A call's body is complete: its calls, or (invalid) the text the model wrote."""
+    def _close(self, body: str, end: str, out: list[Piece], cut: bool = False) -> None:
+        """A call's body is complete (``cut``: or ends where ``max_tokens`` cut it): its calls, or (invalid) the
+        text the model wrote."""
         self._inside = False
         room = None if self._limit is None else max(self._limit - self._calls, 0)
-        calls, reason = self._parse(body, room)
+        calls, reason = self._parse_cut(body, room) if cut else ([], "")
+        if not calls:
+            calls, reason = self._parse(body, room)
         if calls:
             room = len(calls) if room is None else room
             if room < len(calls):
@@ -231,13 +242,37 @@ class ToolCallParser:
         objects = [item for value in values for item in (value if isinstance(value, list) else [value])]
         if not objects:
             return [], "no call in the tool-call syntax"
+        return self._read_calls(objects, room)
+
+    def _read_calls(self, objects: list[Any], room: int | None) -> tuple[list[ToolCall], str]:
+        """The calls ``objects`` make, the first ``room`` (None: all) checked; ([], why) if one is no call."""
         calls = []
         for i, obj in enumerate(objects):
-            call = self._call(obj, room is None or i < room)
+            call = obj if isinstance(obj, ToolCall) else self._call(obj, room is None or i < room)
             if isinstance(call, str):
                 return [], call
             calls.append(call)
         return calls, ""
+
+    def _parse_cut(self, body: str, room: int | None) -> tuple[list[ToolCall], str]:
+        """The calls in ``body``, which ``max_tokens`` cut: those written whole (checked, as ``_parse``), then
+        the call it cut once its name is written (incomplete, not checked). ([], why) where no call in it is
+        whole and the cut one names no declared tool yet (``_parse`` then reads ``body``)."""
+        objects, rest = _whole_values(body)
+        cut = _CUT_CALL.match(rest)
+        name = None if cut is None else _string(cut.group("name"))
+        if cut is not None and name in self._tools:
+            arguments = (cut.group("arguments") or "").strip()
+            try:  # the arguments are whole, only the call's own end is missing: a whole call
+                objects.append({"name": name, "arguments": _loads(arguments)})
+            except ValueError:
+                objects.append(ToolCall(name, arguments, complete=False))
+        elif not objects:
+            return [], "cut before a call's name"
+        elif rest.strip():
+            log.warning("what max_tokens left of a call after %d whole one(s) is dropped: %r", len(objects),
+                        rest[:200])
+        return self._read_calls(objects, room)
 
     def _unparsed(self, body: str, exc: ValueError) -> None:
         """Raise ``ToolArgumentsError`` if ``body``, which does not parse, names a strict tool."""
@@ -292,15 +327,15 @@ class ToolUse:
     def parser(self) -> ToolCallParser:
         return ToolCallParser(self.family, self.names, None if self.parallel else 1, self.strict)
 
-    def check(self, pieces: list[Piece]) -> list[Piece]:
-        """``pieces``, once ``check_choice`` accepts their calls."""
-        check_choice(calls_of(pieces), self.choice)
+    def check(self, pieces: list[Piece], cut: bool = False) -> list[Piece]:
+        """``pieces``, once ``check_choice`` accepts their calls (``cut``: the answer was cut by ``max_tokens``)."""
+        check_choice(calls_of(pieces), self.choice, cut)
         return pieces
 
-    def read(self, text: str) -> list[Piece]:
-        """The checked pieces of a whole answer."""
+    def read(self, text: str, cut: bool = False) -> list[Piece]:
+        """The checked pieces of a whole answer (``cut``: by ``max_tokens``; its last call may be incomplete)."""
         parser = self.parser()
-        return self.check(merge_texts(parser.feed(text) + parser.finish()))
+        return self.check(merge_texts(parser.feed(text) + parser.finish(cut)), cut)
 
 
 def tool_use(family: str | None, names: Collection[str], choice: str | None, parallel: bool = True,
@@ -378,10 +413,18 @@ def text_of(pieces: list[Piece]) -> str:
     return "".join(p.text for p in pieces if isinstance(p, Text))
 
 
-def check_choice(calls: list[ToolCall], choice: str | None) -> None:
+def cut_short(pieces: list[Piece]) -> bool:
+    """Whether ``max_tokens`` cut the answer inside a call (its last call is incomplete)."""
+    return any(isinstance(p, ToolCall) and not p.complete for p in pieces)
+
+
+def check_choice(calls: list[ToolCall], choice: str | None, cut: bool = False) -> None:
     """Raise ``ToolCallError`` if the answer's calls break ``choice``: "required" (at least one call) or a
-    tool's name (a call, every one to that tool). None, "auto" and "none" accept anything."""
+    tool's name (a call, every one to that tool). None, "auto" and "none" accept anything. An answer ``cut``
+    by ``max_tokens`` may lack its call: it ended before it."""
     if choice in (None, "auto", "none"):
+        return
+    if not calls and cut:
         return
     if not calls:
         wanted = "a tool call" if choice == "required" else f"a call to {choice!r}"
@@ -432,6 +475,68 @@ def _json_values(body: str) -> list[Any]:
         except RecursionError:
             raise ValueError("nested deeper than this server parses") from None
         values.append(value)
+
+
+#: What ``max_tokens`` left of a call: its name, and what was written of its arguments (once their key was).
+_CUT_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")\s*'
+                       r'(?:,\s*(?:"(?:arguments|parameters)"\s*:(?P<arguments>.*)|"?[a-z]*"?\s*))?\Z', re.DOTALL)
+
+
+def _string(quoted: str) -> str | None:
+    try:
+        value = json.loads(quoted)
+    except ValueError:
+        return None
+    return value if isinstance(value, str) else None
+
+
+def _whole_values(body: str) -> tuple[list[Any], str]:
+    """The JSON values ``body`` (a call body cut by ``max_tokens``) holds whole, lists flattened (Mistral's
+    ``[...]`` of calls may be cut before it closes), and the rest, which does not parse."""
+    values: list[Any] = []
+    at = len(body) - len(body.lstrip())
+    if body.startswith("[", at):
+        try:
+            _DECODER.raw_decode(body, at)
+        except (ValueError, RecursionError):
+            at += 1  # a list of calls cut before it closes: its items one by one
+    while True:
+        while at < len(body) and (body[at].isspace() or body[at] in ";,"):
+            at += 1
+        try:
+            value, end = _DECODER.raw_decode(body, at)
+        except (ValueError, RecursionError):
+            return values, body[at:]
+        values.extend(value if isinstance(value, list) else [value])
+        at = end
+
+
+def _whole_members(text: str) -> dict[str, Any]:
+    """The members of a JSON object cut short (``text``) that were written whole."""
+    members: dict[str, Any] = {}
+    at = len(text) - len(text.lstrip())
+    if not text.startswith("{", at):
+        return members
+    at += 1
+    while True:
+        while at < len(text) and (text[at].isspace() or text[at] == ","):
+            at += 1
+        try:
+            key, at = _DECODER.raw_decode(text, at)
+            while at < len(text) and text[at].isspace():
+                at += 1
+            if not isinstance(key, str) or not text.startswith(":", at):
+                return members
+            at += 1
+            while at < len(text) and text[at].isspace():
+                at += 1
+            value, end = _DECODER.raw_decode(text, at)
+        except (ValueError, RecursionError):
+            return members
+        if not text[end:].strip() and isinstance(value, int | float) and not isinstance(value, bool):
+            return members  # a number at the very end may be cut itself
+        members[key] = value
+        at = end
 
 
 #: A JSON string (to its closing quote, or the end of the text), or anything else that is no quote.

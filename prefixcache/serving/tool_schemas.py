@@ -12,7 +12,8 @@ supports are asserted (``string_formats``); any other ``format`` is an annotatio
 Validation runs on the event loop, on text the model wrote, with patterns the caller wrote: a pattern
 that backtracks without end would hold every request up. So the ``pattern``s met in checking one call
 share one time bound (``regex``'s timeout; past it the call is not served), and ``patternProperties``,
-whose patterns jsonschema matches in several places with ``re``, is refused. ``uniqueItems`` is checked
+whose patterns jsonschema matches in several places with ``re``, is refused as a keyword of any schema validation
+applies (``_applied``; a property of that name is data). ``uniqueItems`` is checked
 in time linear in the array (jsonschema's compares every pair of unhashable items) and ``multipleOf``
 exactly on the numbers as written (jsonschema divides floats: 19.99 would not be a multiple of 0.01).
 """
@@ -100,9 +101,6 @@ def compile_schema(schema: Any, at: str, patterns: Patterns | None = None,
         kind.check_schema(schema)
     except SchemaError as exc:
         raise InvalidRequestError(f"{at} is not a valid JSON schema: {exc.message}", param=at) from exc
-    if _has_key(schema, "patternProperties"):
-        raise InvalidRequestError(f"{at}: patternProperties is not supported in a strict tool's schema (its "
-                                  "patterns cannot be bounded in time)", param=at)
     resolver = _resolver(schema)
     for ref in _refs(schema):
         try:
@@ -110,6 +108,9 @@ def compile_schema(schema: Any, at: str, patterns: Patterns | None = None,
         except Unresolvable as exc:
             raise InvalidRequestError(f"{at}: $ref {ref!r} does not resolve inside the schema (only references "
                                       "within it, such as #/$defs/..., are supported)", param=at) from exc
+    if any("patternProperties" in node for node in _applied(schema, resolver)):
+        raise InvalidRequestError(f"{at}: patternProperties is not supported in a strict tool's schema (its "
+                                  "patterns cannot be bounded in time)", param=at)
     # The registry is empty: a $ref outside fails instead of being fetched.
     return _bounded(kind)(schema, registry=Registry(), format_checker=patterns or Patterns(formats=formats))
 
@@ -307,10 +308,34 @@ def _is_object(schema: dict[str, Any]) -> bool:
     return kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in schema
 
 
-def _has_key(node: Any, key: str) -> bool:
-    if isinstance(node, list):
-        return any(_has_key(item, key) for item in node)
-    return isinstance(node, dict) and (key in node or any(_has_key(value, key) for value in node.values()))
+def schema_objects(schema: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Every schema object validation may apply in ``schema`` (a valid JSON schema), as ``_applied``: their keys
+    are keywords, never a property's name or data."""
+    return _applied(schema, _resolver(schema))
+
+
+def _applied(schema: dict[str, Any], resolver: Any) -> Iterator[dict[str, Any]]:
+    """Every schema object validation may apply: ``schema``, those inside it (``_subschemas``) and those its
+    ``$ref``s reach, wherever they lie, each once. Their keys are keywords; a property's name (a key of
+    ``properties``) or a key inside ``const``, ``enum`` or ``default`` is data, never met here."""
+    seen: set[int] = set()
+    todo = [(schema, resolver)]
+    while todo:
+        node, at = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        for _, sub in _subschemas(node):
+            yield sub
+            ref = sub.get("$ref")
+            if not isinstance(ref, str):
+                continue
+            try:
+                resolved = at.lookup(ref)
+            except Unresolvable:  # a base changed by a nested $id this walk does not follow
+                continue
+            if isinstance(resolved.contents, dict):
+                todo.append((resolved.contents, resolved.resolver))
 
 
 def _refs(node: Any) -> list[str]:
@@ -329,7 +354,7 @@ def _resolver(schema: dict[str, Any]) -> Any:
     return Registry().resolver_with_root(specification_with(kind.META_SCHEMA["$schema"]).create_resource(schema))
 
 
-_SCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas", "patternProperties")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "dependentSchemas", "dependencies", "patternProperties")
 _SCHEMA_LISTS = ("prefixItems", "anyOf", "allOf", "oneOf", "items")
 _SCHEMA_ONES = ("items", "additionalItems", "additionalProperties", "unevaluatedItems", "unevaluatedProperties",
                 "contains", "propertyNames", "not", "if", "then", "else")

@@ -120,3 +120,81 @@ def test_parallel_calls_each_match_their_schema(proxy):
     r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
                                        max_tokens=600, temperature=1.0, seed=5)
     checked(openai_calls(r), set(SCHEMAS))
+
+
+def cut_at(create, whole_tokens: int, cut):
+    """``create(limit)`` for the largest limit under ``whole_tokens`` (the whole answer's) whose answer ``cut``
+    says ends inside its call, the call's name written: the answer, greedy, is the whole one cut short."""
+    for limit in range(whole_tokens - 1, 0, -1):
+        answer = create(limit)
+        if cut(answer):
+            return limit, answer
+    raise AssertionError("no limit cut the call after its name")
+
+
+def test_openai_forced_call_cut_by_max_tokens_is_served_with_its_partial_arguments(proxy):
+    """As OpenAI serves a call max_tokens cut: a 200, finish_reason "length", the call with the arguments written
+    so far (no JSON yet), streamed or not; not a server error, though every tool is strict."""
+    client = proxy.openai(ALPHA)
+    body = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                temperature=0)
+    whole = client.chat.completions.create(**body, max_tokens=200)
+    [(name, _)] = openai_calls(whole)
+    limit, cut = cut_at(lambda limit: client.chat.completions.create(**body, max_tokens=limit),
+                        whole.usage.completion_tokens,
+                        lambda r: r.choices[0].finish_reason == "length" and r.choices[0].message.tool_calls)
+    [call] = cut.choices[0].message.tool_calls
+    assert call.function.name == name and not cut.choices[0].message.content
+    with pytest.raises(ValueError):
+        json.loads(call.function.arguments)
+    streamed, finish = {}, None
+    for chunk in client.chat.completions.create(**body, max_tokens=limit, stream=True):
+        for delta in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            entry = streamed.setdefault(delta.index, {"name": "", "arguments": ""})
+            entry["name"] += delta.function.name or ""
+            entry["arguments"] += delta.function.arguments or ""
+        finish = chunk.choices[0].finish_reason if chunk.choices else finish
+    assert finish == "length"
+    assert list(streamed.values()) == [{"name": name, "arguments": call.function.arguments}]
+
+
+def test_anthropic_forced_call_cut_by_max_tokens_is_an_incomplete_tool_use_block(proxy):
+    """As Anthropic serves it: stop_reason "max_tokens", the tool_use block cut short (its input the members
+    written whole), streamed or not."""
+    claude = anthropic_client(proxy.url, ALPHA)
+    body = dict(model=MODEL, messages=ASK, tools=ANTHROPIC_TOOLS, extra_body={"temperature": 0},
+                tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True})
+    whole = claude.messages.create(**body, max_tokens=200)
+    assert whole.stop_reason == "tool_use"
+    limit, cut = cut_at(lambda limit: claude.messages.create(**body, max_tokens=limit), whole.usage.output_tokens,
+                        lambda m: m.stop_reason == "max_tokens" and m.content and m.content[-1].type == "tool_use")
+    [block] = cut.content
+    assert block.name == "get_weather" and set(block.input) <= set(WEATHER["properties"])
+    with claude.messages.stream(**body, max_tokens=limit) as stream:
+        streamed = stream.get_final_message()
+    assert streamed.stop_reason == "max_tokens"
+    assert [(b.type, b.name, b.input) for b in streamed.content] == [("tool_use", block.name, block.input)]
+
+
+def test_responses_forced_call_cut_by_max_output_tokens_is_an_incomplete_response(proxy):
+    """The Responses API's: status "incomplete" (max_output_tokens), the function_call item incomplete with the
+    arguments written so far, streamed or not."""
+    client = proxy.openai(ALPHA)
+    tools = [{"type": "function", "name": t["function"]["name"], "strict": True,
+              "parameters": t["function"]["parameters"]} for t in TOOLS]
+    body = dict(model=MODEL, input=ASK, tools=tools, tool_choice="required", parallel_tool_calls=False,
+                temperature=0)
+    whole = client.responses.create(**body, max_output_tokens=200)
+    assert whole.status == "completed" and [item.type for item in whole.output] == ["function_call"]
+    limit, cut = cut_at(lambda limit: client.responses.create(**body, max_output_tokens=limit),
+                        whole.usage.output_tokens,
+                        lambda r: r.output[-1].type == "function_call" and r.output[-1].status == "incomplete")
+    assert (cut.status, cut.incomplete_details.reason) == ("incomplete", "max_output_tokens")
+    [item] = cut.output
+    assert item.name == whole.output[0].name
+    with pytest.raises(ValueError):
+        json.loads(item.arguments)
+    events = list(client.responses.create(**body, max_output_tokens=limit, stream=True))
+    assert events[-1].type == "response.incomplete"
+    [streamed] = events[-1].response.output
+    assert (streamed.name, streamed.status, streamed.arguments) == (item.name, "incomplete", item.arguments)

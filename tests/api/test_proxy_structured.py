@@ -15,11 +15,13 @@ import anthropic
 import jsonschema
 import openai
 import pytest
+import torch
 from prefixcache_api import create_app
 from prefixcache_api.anthropic.errors import anthropic_error
 from prefixcache_api.errors import map_exception
 from proxy_support import ALPHA, MODEL, anthropic_client, live, settings
 from pydantic import BaseModel, Field
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from prefixcache import CacheConfig, OutputFormatError, PrefixCache
 from tests.serving.test_structured import ANTHROPIC_SCHEMA, MESSAGES, PET, SCHEMA
@@ -111,6 +113,46 @@ def test_a_format_that_cannot_be_honoured_is_a_400_naming_it(proxy, kwargs, para
     with pytest.raises(openai.BadRequestError) as err:
         srv.openai(ALPHA).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, **kwargs)
     assert err.value.body["param"] == param
+
+
+def test_an_unknown_format_in_a_schema_that_is_not_strict_is_an_annotation(proxy):
+    """strict false: a string format the grammar does not know is no 400; the answer matches the rest of the
+    schema, on chat and the Responses API."""
+    schema = {"type": "object", "properties": {"code": {"type": "string", "format": "my-custom",
+                                                        "pattern": "^[a-z]{1,6}$"}},
+              "required": ["code"], "additionalProperties": False}
+    client = proxy.openai(ALPHA)
+    chat = create(client, response_format={"type": "json_schema", "json_schema": {
+        "name": "code", "schema": schema, "strict": False}})
+    assert chat.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(chat.choices[0].message.content), schema)
+    r = client.responses.create(model=MODEL, input=MESSAGES, max_output_tokens=200, text={"format": {
+        "type": "json_schema", "name": "code", "schema": schema, "strict": False}})
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), schema)
+
+
+def test_a_format_the_model_cannot_end_is_a_400_before_a_stream_begins(tokenizer):
+    """A model without an end-of-sequence id cannot end a structured answer: a 400 naming response_format, streamed
+    or not, before the stream's 200 (not an error event after it); on the Responses API too."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)).eval()
+    model.generation_config.eos_token_id = None
+    cache = PrefixCache(model, tokenizer, CacheConfig(max_bytes=64 << 20))
+    try:
+        with live(create_app(settings(), cache=cache)) as srv:
+            client = srv.openai(ALPHA)
+            for stream in (False, True):
+                with pytest.raises(openai.BadRequestError, match="end-of-sequence") as err:
+                    create(client, max_tokens=5, response_format=PET, stream=stream)
+                assert err.value.body["param"] == "response_format"
+                with pytest.raises(openai.BadRequestError, match="end-of-sequence"):
+                    client.responses.create(model=MODEL, input=MESSAGES, max_output_tokens=5, stream=stream,
+                                            text={"format": {"type": "json_object"}})
+            assert create(client, max_tokens=3).choices[0].finish_reason == "length"  # no format: served
+    finally:
+        cache.close()
 
 
 def test_an_answer_that_breaks_its_schema_is_a_500_never_served():

@@ -152,6 +152,23 @@ def test_a_bad_format_is_refused_naming_where(fmt, param, message):
     assert err.value.param == param
 
 
+def test_an_unknown_format_is_an_annotation_unless_strict():
+    """Not strict, a string ``format`` llguidance does not know is left out of the grammar (the validator asserts
+    none), a known one kept, a property named ``format`` kept; strict (OpenAI's or Anthropic's rules), a 400."""
+    schema = {"type": "object", "properties": {"id": {"type": "string", "format": "my-custom"},
+                                               "format": {"type": "string", "format": "date"}},
+              "required": ["id", "format"], "additionalProperties": False}
+    loose = parse_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert json.loads(loose.grammar)["grammars"][0]["json_schema"]["properties"] == {
+        "id": {"type": "string"}, "format": {"type": "string", "format": "date"}}
+    assert loose.schema == schema  # the schema itself is the caller's
+    loose.check('{"id": "anything", "format": "2026-01-31"}')
+    with pytest.raises(InvalidRequestError, match="Unknown format: my-custom"):
+        parse_response_format({"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": schema}})
+    with pytest.raises(InvalidRequestError, match="Unknown format: my-custom"):
+        parse_output_format({"type": "json_schema", "schema": schema})
+
+
 def test_text_is_no_format_and_ignore_eos_cannot_end_one(new_cache, chat_llama, tokenizer):
     assert parse_response_format({"type": "text"}) is None
     cache = new_cache(chat_llama, tokenizer)

@@ -225,6 +225,24 @@ def test_anthropic_strict_schemas_anthropic_takes_are_served():
         anthropic_strict(anthropic_tool({**CLOSED, "patternProperties": {"^x": {}}}))
 
 
+def test_only_patternproperties_as_a_keyword_is_refused_not_as_a_name_or_data():
+    """A property named patternProperties (or pattern), or the word inside const data, is no keyword:
+    served. The keyword is refused wherever validation applies it, a $defs entry or a $ref's target included."""
+    named = {**CLOSED, "properties": {"patternProperties": {"type": "string"},
+                                      "pattern": {"type": "string"}, "c": {"const": {"patternProperties": {}}}},
+             "required": ["patternProperties", "pattern", "c"]}
+    for tools in (anthropic_tool(named), [{"type": "function", "function": {"name": "g", "strict": True,
+                                                                            "parameters": named}}]):
+        strict = anthropic_strict(tools) if "input_schema" in tools[0] else openai_strict(tools)
+        check_arguments("g", {"patternProperties": "x", "pattern": "y", "c": {"patternProperties": {}}},
+                        strict["g"])
+    hidden = {**CLOSED, "properties": {"a": {"$ref": "#/x-defs/A"}}, "required": ["a"],
+              "x-defs": {"A": {**CLOSED, "patternProperties": {"^x": {}}}}}
+    for schema in (hidden, {**CLOSED, "$defs": {"A": {**CLOSED, "patternProperties": {"^x": {}}}}}):
+        with pytest.raises(InvalidRequestError, match="patternProperties"):
+            anthropic_strict(anthropic_tool(schema))
+
+
 def test_a_pattern_that_backtracks_without_end_is_given_up_not_waited_for():
     """The caller's pattern meets the model's text on the event loop: past its time bound the call is not served."""
     validator = anthropic_strict(anthropic_tool({**CLOSED, "properties": {
@@ -354,3 +372,37 @@ def test_a_strict_tool_asserts_exactly_the_formats_its_api_supports(api, name):
 
 def test_the_formats_asserted_are_the_apis_lists():
     assert set(OPENAI_FORMATS) == set(NOT_OF) - {"uri"} and set(ANTHROPIC_FORMATS) == set(NOT_OF)
+
+
+@pytest.mark.parametrize("family", ["hermes", "llama3_json", "mistral"])
+def test_a_call_cut_by_max_tokens_is_incomplete_and_the_whole_calls_before_it_are_kept(family):
+    """A call max_tokens cut is served with what was written of its arguments, unchecked (as OpenAI serves it);
+    the whole call before it is kept and checked. Ended otherwise, the same text is an error (strict)."""
+    tools = strict_weather({"type": "string"}) + [{"type": "function", "function": {
+        "name": "get_time", "strict": True, "parameters": {"type": "object", "properties": {
+            "zone": {"type": "string"}, "hour": {"type": "integer"}}, "required": ["zone", "hour"],
+            "additionalProperties": False}}}]
+    cut = '{"name": "get_time", "arguments": {"zone": "UTC", "hour": 1'
+    text = {"hermes": f"<tool_call>{PARIS_CALL}</tool_call>\n<tool_call>{cut}",
+            "llama3_json": f"{PARIS_CALL}; {cut}", "mistral": f"[TOOL_CALLS][{PARIS_CALL}, {cut}"}[family]
+    partial = ToolCall("get_time", '{"zone": "UTC", "hour": 1', complete=False)
+    for size in (len(text), 3):
+        use = openai_tool_use(family, tools, "required")
+        parser = use.parser()
+        pieces = [p for at in range(0, len(text), size) for p in parser.feed(text[at:at + size])]
+        assert use.check(merge_texts(pieces + parser.finish(cut=True)), cut=True) == [PARIS, partial]
+    assert partial.input == {"zone": "UTC"}  # the members written whole (the number may go on)
+    with pytest.raises(ToolArgumentsError, match="is not JSON"):
+        openai_tool_use(family, tools, "required").read(text)  # ended by the model: a broken call
+    bad = text.replace('"Paris"', "1")  # a whole call that breaks its schema is still refused
+    with pytest.raises(ToolArgumentsError, match=r"\$\.city"):
+        openai_tool_use(family, tools, "required").read(bad, cut=True)
+
+
+def test_an_answer_cut_before_its_call_is_named_keeps_its_text_and_breaks_no_tool_choice():
+    use = openai_tool_use("hermes", strict_weather({"type": "string"}), "required")
+    assert use.read('<tool_call>{"na', cut=True) == [Text('<tool_call>{"na')]
+    assert use.read('<tool_call>{"name": "get_weather", "argu', cut=True) == [
+        ToolCall("get_weather", "", complete=False)]
+    with pytest.raises(ToolCallError, match="answered without one"):
+        use.read('<tool_call>{"na')
