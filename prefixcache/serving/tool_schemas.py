@@ -144,35 +144,23 @@ def first_mismatch(instance: Any, validator: Validator) -> ValidationError | Non
 
 
 def check_strict_shape(schema: Any, name: str, at: str, where: str = "#", owner: str = "strict function") -> None:
-    """OpenAI's strict-mode rules, whose breach it refuses with a 400: every object schema in ``schema``
-    sets ``additionalProperties`` to false and lists each of its ``properties`` in ``required``. ``owner``:
-    what the error calls the schema's owner (named ``name``)."""
-    if isinstance(schema, list):
-        for i, item in enumerate(schema):
-            check_strict_shape(item, name, at, f"{where}/{i}", owner)
-        return
-    if not isinstance(schema, dict):
-        return
-    if _is_object(schema):
-        if schema.get("additionalProperties") is not False:
-            raise InvalidRequestError(f"Invalid schema for {owner} {name!r} at {where}: "
+    """OpenAI's strict-mode rules, whose breach it refuses with a 400: every object schema in ``schema`` (wherever
+    a keyword holds schemas, ``_subschemas``) sets ``additionalProperties`` to false and lists each of its
+    ``properties`` in ``required``. ``owner``: what the error calls the schema's owner (named ``name``)."""
+    for path, node in _subschemas(schema, where):
+        if not _is_object(node):
+            continue
+        if node.get("additionalProperties") is not False:
+            raise InvalidRequestError(f"Invalid schema for {owner} {name!r} at {path}: "
                                       "'additionalProperties' is required to be supplied and to be false", param=at)
-        required = schema.get("required")
-        properties = schema.get("properties")
+        required = node.get("required")
+        properties = node.get("properties")
         missing = [key for key in properties or {} if not isinstance(required, list) or key not in required] \
             if isinstance(properties, dict) else []
         if missing:
-            raise InvalidRequestError(f"Invalid schema for {owner} {name!r} at {where}: 'required' is "
+            raise InvalidRequestError(f"Invalid schema for {owner} {name!r} at {path}: 'required' is "
                                       "required to be supplied and to be an array including every key in "
                                       f"properties; missing {missing[0]!r}", param=at)
-    for key in ("properties", "$defs", "definitions"):
-        children = schema.get(key)
-        if isinstance(children, dict):
-            for child, sub in children.items():
-                check_strict_shape(sub, name, at, f"{where}/{key}/{child}", owner)
-    for key in ("items", "prefixItems", "anyOf", "allOf", "oneOf", "not"):
-        if key in schema:
-            check_strict_shape(schema[key], name, at, f"{where}/{key}", owner)
 
 
 def check_anthropic_shape(schema: dict[str, Any], name: str | None, at: str, owner: str = "strict tool") -> None:

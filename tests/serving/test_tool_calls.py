@@ -165,6 +165,24 @@ def test_openai_strict_schemas_follow_openais_rules():
         check_arguments("g", {}, looping["g"])
 
 
+@pytest.mark.parametrize("key", ["contains", "if", "then", "else", "not", "additionalItems", "dependentSchemas"])
+def test_openai_strict_rules_hold_for_objects_under_every_keyword_that_holds_schemas(key):
+    """An open object schema anywhere validation applies one (here under ``key``) is refused, named by its path;
+    closed, it passes."""
+    def under(inner: dict) -> dict:
+        holder = {"dependentSchemas": {"a": inner}}.get(key, inner)
+        return {"type": "object", "properties": {"a": {"type": "array", key: holder}}, "required": ["a"],
+                "additionalProperties": False}
+    open_object = {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}
+    tools = [{"type": "function", "function": {"name": "f", "strict": True, "parameters": under(open_object)}}]
+    path = f"#/properties/a/{key}/a" if key == "dependentSchemas" else f"#/properties/a/{key}"
+    with pytest.raises(InvalidRequestError, match=f"{path}: 'additionalProperties'"):
+        openai_tool_use("hermes", tools, None)
+    closed = {**open_object, "additionalProperties": False}
+    tools[0]["function"]["parameters"] = under(closed)
+    openai_tool_use("hermes", tools, None)
+
+
 def anthropic_tool(schema: dict) -> list[dict]:
     return [{"name": "g", "strict": True, "input_schema": schema}]
 
