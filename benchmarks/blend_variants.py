@@ -154,7 +154,8 @@ class Lab:
         if head == "system":
             before = system
         elif head == "seen":
-            other = next(d for d in self.pool[len(tokens) % len(self.pool):] + self.pool if d != tokens)
+            pool = self.pool or [p.ids[s:e] for s, e in p.chunks]  # without a pool, the prompt's other documents
+            other = next(d for d in pool[len(tokens) % len(pool):] + pool if d != tokens)
             before = system + other
         else:
             before = self.heads[head]
