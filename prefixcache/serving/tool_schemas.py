@@ -101,14 +101,12 @@ def compile_schema(schema: Any, at: str, patterns: Patterns | None = None,
         kind.check_schema(schema)
     except SchemaError as exc:
         raise InvalidRequestError(f"{at} is not a valid JSON schema: {exc.message}", param=at) from exc
-    resolver = _resolver(schema)
-    for ref in _refs(schema):
-        try:
-            resolver.lookup(ref)
-        except Unresolvable as exc:
-            raise InvalidRequestError(f"{at}: $ref {ref!r} does not resolve inside the schema (only references "
-                                      "within it, such as #/$defs/..., are supported)", param=at) from exc
-    if any("patternProperties" in node for node in _applied(schema, resolver)):
+    unresolved: list[str] = []
+    applied = list(_applied(schema, _resolver(schema), unresolved))
+    if unresolved:
+        raise InvalidRequestError(f"{at}: $ref {unresolved[0]!r} does not resolve inside the schema (only "
+                                  "references within it, such as #/$defs/..., are supported)", param=at)
+    if any("patternProperties" in node for node in applied):
         raise InvalidRequestError(f"{at}: patternProperties is not supported in a strict tool's schema (its "
                                   "patterns cannot be bounded in time)", param=at)
     # The registry is empty: a $ref outside fails instead of being fetched.
@@ -302,10 +300,11 @@ def schema_objects(schema: dict[str, Any]) -> Iterator[dict[str, Any]]:
     return _applied(schema, _resolver(schema))
 
 
-def _applied(schema: dict[str, Any], resolver: Any) -> Iterator[dict[str, Any]]:
+def _applied(schema: dict[str, Any], resolver: Any, unresolved: list[str] | None = None) -> Iterator[dict[str, Any]]:
     """Every schema object validation may apply: ``schema``, those inside it (``_subschemas``) and those its
     ``$ref``s reach, wherever they lie, each once. Their keys are keywords; a property's name (a key of
-    ``properties``) or a key inside ``const``, ``enum`` or ``default`` is data, never met here."""
+    ``properties``) or a key inside ``const``, ``enum`` or ``default`` is data, never met here. A ``$ref`` that
+    does not resolve is skipped, and added to ``unresolved`` when given."""
     seen: set[int] = set()
     todo = [(schema, resolver)]
     while todo:
@@ -320,20 +319,12 @@ def _applied(schema: dict[str, Any], resolver: Any) -> Iterator[dict[str, Any]]:
                 continue
             try:
                 resolved = at.lookup(ref)
-            except Unresolvable:  # a base changed by a nested $id this walk does not follow
+            except Unresolvable:  # outside the schema, or a base changed by a nested $id this walk does not follow
+                if unresolved is not None:
+                    unresolved.append(ref)
                 continue
             if isinstance(resolved.contents, dict):
                 todo.append((resolved.contents, resolved.resolver))
-
-
-def _refs(node: Any) -> list[str]:
-    """Every ``$ref`` string in ``node``."""
-    if isinstance(node, list):
-        return [ref for item in node for ref in _refs(item)]
-    if not isinstance(node, dict):
-        return []
-    own = [node["$ref"]] if isinstance(node.get("$ref"), str) else []
-    return own + [ref for value in node.values() for ref in _refs(value)]
 
 
 def _resolver(schema: dict[str, Any]) -> Any:

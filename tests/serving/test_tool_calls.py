@@ -261,6 +261,21 @@ def test_only_patternproperties_as_a_keyword_is_refused_not_as_a_name_or_data():
             anthropic_strict(anthropic_tool(schema))
 
 
+def test_only_ref_as_a_keyword_must_resolve_not_as_a_name_or_data():
+    """A "$ref" key in const, enum or default data, or a property named $ref, is no reference: served. A $ref
+    keyword that does not resolve is refused wherever validation would apply it (behind another $ref too)."""
+    data = {**CLOSED, "properties": {"$ref": {"type": "string"}, "c": {"const": {"$ref": "#/nowhere"}},
+                                     "e": {"enum": [{"$ref": "#/x"}, 1]}},
+            "required": ["$ref", "c", "e"]}
+    strict = openai_strict([{"type": "function", "function": {"name": "g", "strict": True, "parameters": data}}])
+    check_arguments("g", {"$ref": "x", "c": {"$ref": "#/nowhere"}, "e": 1}, strict["g"])
+    behind = {**CLOSED, "properties": {"a": {"$ref": "#/x-defs/A"}}, "required": ["a"],
+              "x-defs": {"A": {"$ref": "#/nowhere"}}}
+    for schema in (behind, {**CLOSED, "properties": {"a": {"items": {"$ref": "#/$defs/B"}}}, "required": ["a"]}):
+        with pytest.raises(InvalidRequestError, match="does not resolve"):
+            openai_strict([{"type": "function", "function": {"name": "g", "strict": True, "parameters": schema}}])
+
+
 def test_a_pattern_that_backtracks_without_end_is_given_up_not_waited_for():
     """The caller's pattern meets the model's text on the event loop: past its time bound the call is not served."""
     validator = anthropic_strict(anthropic_tool({**CLOSED, "properties": {
