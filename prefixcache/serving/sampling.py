@@ -293,7 +293,8 @@ def draw_seeded(scores: torch.Tensor, samplers: Sequence[Sampler], generators: S
     on that device: the row's warpers (``Sampler.seeded_warps``: they read no token ids; applied at once to the
     rows that have the same), a softmax and ``torch.multinomial`` from the row's own generator (on that device,
     seeded with the request's seed). A row that is no distribution raises ``RuntimeError`` (its draw ran on a
-    stand-in: a device never sees it). One copy to the host for all rows."""
+    stand-in, so ``torch.multinomial`` never refuses it on the device). ``torch.multinomial`` checks its input on
+    the host, waiting for the device twice a row; the tokens and the rows' validity come back in one copy."""
     none = torch.empty((1, 0), dtype=torch.long, device=scores.device)
     groups: dict[tuple, list[int]] = {}
     for i, sampler in enumerate(samplers):
