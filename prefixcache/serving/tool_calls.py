@@ -156,9 +156,12 @@ class ToolCallParser:
         """The pieces left at the end of the answer (``cut``: by ``max_tokens``, so a call may be incomplete)."""
         out: list[Piece] = []
         end = self._syntax.end
-        if self._inside and end is not None and end in self._buffer:  # each marker was inside a string never
-            body, _, self._buffer = self._buffer.partition(end)  # closed: the call ends at the first, as a
-            self._close(body, end, out)  # call the model broke
+        # Each marker was inside a string never closed: the call ends at the first, as a call the model broke;
+        # unless max_tokens cut that very string (the markers are an argument's, the call cut: read below).
+        if self._inside and end is not None and end in self._buffer and not (
+                cut and _cut_in_string(self._buffer, end)):
+            body, _, self._buffer = self._buffer.partition(end)
+            self._close(body, end, out)
             while self._step(out):
                 pass
             return merge_texts(out + self.finish(cut))
@@ -533,14 +536,27 @@ def _whole_members(text: str) -> dict[str, Any]:
             value, end = _DECODER.raw_decode(text, at)
         except (ValueError, RecursionError):
             return members
-        if not text[end:].strip() and isinstance(value, int | float) and not isinstance(value, bool):
-            return members  # a number at the very end may be cut itself
+        if isinstance(value, int | float) and not isinstance(value, bool) and not text[end:end + 1].isspace() \
+                and not text.startswith((",", "}"), end):
+            return members  # a number the cut may have ended in (``1e``, ``1.``: read as 1), or at the very end
         members[key] = value
         at = end
 
 
 #: A JSON string (to its closing quote, or the end of the text), or anything else that is no quote.
 _STRING_OR_NOT = re.compile(r'"(?:[^"\\]|\\.)*(?:"|\\?\Z)|[^"]+', re.DOTALL)
+#: A JSON string closed by its quote.
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
+def _cut_in_string(body: str, end: str) -> bool:
+    """Whether the first ``end`` marker in ``body`` (a call's body, cut by ``max_tokens``) is inside the string the
+    cut left open: the marker is that string's (an argument quoting it), not the end of a call the model broke."""
+    last = None
+    for last in _STRING_OR_NOT.finditer(body):
+        pass
+    return last is not None and last.group().startswith('"') and _STRING.fullmatch(last.group()) is None \
+        and last.start() < body.find(end)
 
 
 def _end_of_call(body: str, end: str) -> int:

@@ -417,6 +417,34 @@ def test_a_call_cut_by_max_tokens_is_incomplete_and_the_whole_calls_before_it_ar
         openai_tool_use(family, tools, "required").read(bad, cut=True)
 
 
+def test_a_call_cut_inside_a_string_quoting_the_end_marker_is_incomplete_not_broken():
+    """max_tokens cut a string holding </tool_call>: the marker is the argument's, the call cut (incomplete, its
+    whole text), not a broken call (an error for a strict tool); a string that closes after the marker is still
+    a call the model broke, and the call after it is read."""
+    cut = '<tool_call>{"name": "get_weather", "arguments": {"city": "a</tool_call> b'
+    use = openai_tool_use("hermes", strict_weather({"type": "string"}), "required")
+    for size in (len(cut), 3):
+        parser = use.parser()
+        pieces = [p for at in range(0, len(cut), size) for p in parser.feed(cut[at:at + size])]
+        assert merge_texts(pieces + parser.finish(cut=True)) == [
+            ToolCall("get_weather", '{"city": "a</tool_call> b', complete=False)]
+    with pytest.raises(ToolArgumentsError, match="is not JSON"):
+        use.read(cut)  # ended by the model: a broken call
+    broken, expected = CASES[-1][1:]
+    assert openai_tool_use("hermes", [{"function": {"name": n}} for n in TOOLS], "auto").read(broken, cut=True) \
+        == expected
+
+
+@pytest.mark.parametrize(("arguments", "members"), [
+    ('{"n": 1e', {}), ('{"n": 1.', {}), ('{"n": 2.5E-', {}), ('{"n": -', {}), ('{"n": 12', {}),
+    ('{"n": 12 ', {"n": 12}), ('{"n": 1, "m": 1e', {"n": 1}), ('{"n": 1.5}', {"n": 1.5}), ('{"n": tru', {}),
+    ('{"n": true', {"n": True}), ('{"n": [1, 2', {}), ('{"n": {"m": 1}, "s": "\\u00', {"n": {"m": 1}})])
+def test_the_input_of_a_cut_call_holds_only_the_members_written_whole(arguments, members):
+    """A number the cut may have ended in is not whole: ``1e`` or ``1.`` is no 1 (the model was writing 1e5 or
+    1.5), nor is one at the very end."""
+    assert ToolCall("get_time", arguments, complete=False).input == members
+
+
 def test_an_answer_cut_before_its_call_is_named_keeps_its_text_and_breaks_no_tool_choice():
     use = openai_tool_use("hermes", strict_weather({"type": "string"}), "required")
     assert use.read('<tool_call>{"na', cut=True) == [Text('<tool_call>{"na')]
