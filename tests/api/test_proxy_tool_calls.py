@@ -551,3 +551,33 @@ def test_fuzzed_anthropic_tool_fields_are_never_a_5xx_and_streams_agree(family_s
     blocks = [(b.type, getattr(b, "text", ""), getattr(b, "name", None), getattr(b, "input", None))
               for b in message.content]
     assert anthropic_stream_answer(streamed.text) == (blocks, message.stop_reason)
+
+
+
+#: A call whose arguments grow a nested list, then stop being JSON: cut after each piece, a different cut.
+CUT_SCRIPT = ["<tool_call>", '{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2', '], "note": x',
+              "y}}", "</tool_call>"]
+
+
+@pytest.fixture(scope="module")
+def cut_server(tokenizer):
+    tok = family_tokenizer(tokenizer, "hermes", CUT_SCRIPT)
+    cache = make_cache(scripted_model(tok, "hermes", script=CUT_SCRIPT), tok)
+    with live(create_app(proxy_settings(default_max_tokens=16), cache=cache)) as srv:
+        yield srv
+    cache.close()
+
+
+def test_a_call_cut_by_max_tokens_streams_the_tool_use_input_the_unstreamed_block_has(cut_server):
+    """Cut inside a nested list, or after arguments that stopped being JSON: the streamed tool_use block's input
+    (as the official client accumulates its input_json_delta) is the unstreamed block's, the members written
+    whole, and the client's accumulator never fails on the partial JSON."""
+    claude = anthropic_client(cut_server)
+    for cut, whole in ((2, {"city": "Paris"}), (3, {"city": "Paris", "days": [1, 2]})):
+        body = dict(model=MODEL, max_tokens=cut, tools=ANTHROPIC_TOOLS, messages=ASK)
+        unstreamed = claude.messages.create(**body)
+        with claude.messages.stream(**body) as stream:
+            streamed = stream.get_final_message()
+        for message in (unstreamed, streamed):
+            assert message.stop_reason == "max_tokens"
+            assert [(b.type, b.name, b.input) for b in message.content] == [("tool_use", "get_weather", whole)]
