@@ -27,7 +27,8 @@ Calls dropped past ``limit`` are not checked.
 An answer cut by ``max_tokens`` (``finish(cut=True)``) may end inside a call: once its name is written it is
 returned as an incomplete call (``ToolCall.complete`` false) whose ``arguments`` are the text the model wrote of
 them, as OpenAI returns a call cut by the limit; it is not checked (strict or not), and the complete calls before
-it are kept (and checked). A call cut before its name is the text the model wrote, as a call that does not parse.
+it are kept (and checked). A call cut before its name is the text the model wrote, as a call that does not parse
+(one naming a strict tool too: the cut broke its JSON, not the model).
 JSON here is JSON: ``NaN``, ``Infinity`` and numbers
 past a float's range do not parse (they would be written back as no JSON), nor does nesting deeper
 than Python's stack.
@@ -221,7 +222,7 @@ class ToolCallParser:
         room = None if self._limit is None else max(self._limit - self._calls, 0)
         calls, reason = self._parse_cut(body, room) if cut else ([], "")
         if not calls:
-            calls, reason = self._parse(body, room)
+            calls, reason = self._parse(body, room, cut)
         if calls:
             room = len(calls) if room is None else room
             if room < len(calls):
@@ -234,12 +235,13 @@ class ToolCallParser:
             log.warning("tool call returned as text: %s", reason)
             out.append(Text(self._opened + body + end))
 
-    def _parse(self, body: str, room: int | None) -> tuple[list[ToolCall], str]:
-        """The calls in ``body``, or ([], why not); only the first ``room`` (None: all) are kept, and checked."""
+    def _parse(self, body: str, room: int | None, cut: bool = False) -> tuple[list[ToolCall], str]:
+        """The calls in ``body``, or ([], why not); only the first ``room`` (None: all) are kept, and checked. A
+        body ``max_tokens`` cut that does not parse is no broken call: text, whatever tool it names."""
         try:
             values = _json_values(body)
         except ValueError as exc:
-            if room != 0:
+            if room != 0 and not cut:
                 self._unparsed(body, exc)
             return [], f"not JSON ({exc}): {body[:200]!r}"
         objects = [item for value in values for item in (value if isinstance(value, list) else [value])]

@@ -435,6 +435,16 @@ def test_a_call_cut_inside_a_string_quoting_the_end_marker_is_incomplete_not_bro
         == expected
 
 
+def test_a_cut_answer_that_makes_no_calls_is_its_text_as_the_whole_answer_is():
+    """A call to an undeclared tool before a strict tool's call max_tokens cut: the answer is its text, as the
+    same answer written whole is, not a strict tool's broken call (a server error for a client's small limit)."""
+    use = openai_tool_use("mistral", strict_weather({"type": "string"}), "auto")
+    whole = '[TOOL_CALLS][{"name": "nope", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    assert use.read(whole) == [Text(whole)]
+    cut = whole[:whole.index("Paris") + 2]
+    assert use.read(cut, cut=True) == [Text(cut)]
+
+
 @pytest.mark.parametrize(("arguments", "members"), [
     ('{"n": 1e', {}), ('{"n": 1.', {}), ('{"n": 2.5E-', {}), ('{"n": -', {}), ('{"n": 12', {}),
     ('{"n": 12 ', {"n": 12}), ('{"n": 1, "m": 1e', {"n": 1}), ('{"n": 1.5}', {"n": 1.5}), ('{"n": tru', {}),
