@@ -268,8 +268,9 @@ class ToolCallParser:
         name = None if cut is None else _string(cut.group("name"))
         if cut is not None and name in self._tools:
             arguments = (cut.group("arguments") or "").strip()
-            try:  # the arguments are whole, only the call's own end is missing: a whole call
-                objects.append({"name": name, "arguments": _loads(arguments)})
+            try:  # the arguments are whole, only the rest of the call is missing (its end, or a member after them,
+                # as the "id" Mistral's template writes): a whole call
+                objects.append({"name": name, "arguments": _leading_value(arguments)})
             except ValueError:
                 objects.append(ToolCall(name, arguments, complete=False))
         elif not objects:
@@ -493,6 +494,19 @@ def _string(quoted: str) -> str | None:
     except ValueError:
         return None
     return value if isinstance(value, str) else None
+
+
+def _leading_value(text: str) -> Any:
+    """The JSON value ``text`` (a member's value onward, cut by ``max_tokens``) begins with, whole, where what
+    follows it is nothing or the object's next member; ValueError otherwise."""
+    try:
+        value, end = _DECODER.raw_decode(text)
+    except RecursionError:
+        raise ValueError("nested deeper than this server parses") from None
+    rest = text[end:].strip()
+    if rest and not rest.startswith(","):
+        raise ValueError(f"{rest[:20]!r} after a value")
+    return value
 
 
 def _whole_values(body: str) -> tuple[list[Any], str]:

@@ -445,6 +445,16 @@ def test_a_cut_answer_that_makes_no_calls_is_its_text_as_the_whole_answer_is():
     assert use.read(cut, cut=True) == [Text(cut)]
 
 
+def test_a_call_cut_after_its_arguments_is_a_whole_call_and_checked():
+    """Mistral's template writes a call's "id" after its arguments: cut inside it, the arguments are whole, so the
+    call is (checked against its strict schema), not an incomplete one whose arguments run into the id."""
+    use = openai_tool_use("mistral", strict_weather({"type": "string"}), "auto")
+    text = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "a1b2'
+    assert use.read(text, cut=True) == [PARIS]
+    with pytest.raises(ToolArgumentsError, match=r"\$\.city"):
+        use.read(text.replace('"Paris"', "1"), cut=True)
+
+
 @pytest.mark.parametrize(("arguments", "members"), [
     ('{"n": 1e', {}), ('{"n": 1.', {}), ('{"n": 2.5E-', {}), ('{"n": -', {}), ('{"n": 12', {}),
     ('{"n": 12 ', {"n": 12}), ('{"n": 1, "m": 1e', {"n": 1}), ('{"n": 1.5}', {"n": 1.5}), ('{"n": tru', {}),
