@@ -30,8 +30,8 @@ them, as OpenAI returns a call cut by the limit; it is not checked (strict or no
 it are kept (and checked). A call cut before its name is the text the model wrote, as a call that does not parse
 (one naming a strict tool too: the cut broke its JSON, not the model).
 JSON here is JSON: ``NaN``, ``Infinity`` and numbers
-past a float's range do not parse (they would be written back as no JSON), nor does nesting deeper
-than Python's stack.
+past a float's range do not parse (they would be written back as no JSON), nor does a string holding a lone
+surrogate escape (``"\\ud83d"``: no UTF-8 answer carries it), nor nesting deeper than Python's stack.
 """
 from __future__ import annotations
 
@@ -457,6 +457,30 @@ def _no_constant(text: str) -> Any:
 
 
 _DECODER = json.JSONDecoder(parse_float=_finite, parse_constant=_no_constant)
+#: The escape of a UTF-16 surrogate (``\ud83d``): JSON allows it alone, UTF-8 cannot write it.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _decode(text: str, at: int = 0) -> tuple[Any, int]:
+    """``_DECODER.raw_decode``, and ValueError for a string (or key) holding a lone surrogate escape
+    (``"\\ud83d"``): as ``NaN``, it could not be written back (no UTF-8 text holds it; the answer would fail)."""
+    value, end = _DECODER.raw_decode(text, at)
+    if _SURROGATE_ESCAPE.search(text, at, end) is None:
+        return value, end
+    todo = [value]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, str):
+            try:
+                node.encode()
+            except UnicodeEncodeError:
+                raise ValueError("a string holds a lone surrogate escape (no Unicode text)") from None
+        elif isinstance(node, dict):
+            todo.extend(node)
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    return value, end
 
 
 def _loads(text: str) -> Any:
@@ -477,7 +501,7 @@ def _json_values(body: str) -> list[Any]:
         if at == len(body):
             return values
         try:
-            value, at = _DECODER.raw_decode(body, at)
+            value, at = _decode(body, at)
         except RecursionError:
             raise ValueError("nested deeper than this server parses") from None
         values.append(value)
@@ -500,7 +524,7 @@ def _leading_value(text: str) -> Any:
     """The JSON value ``text`` (a member's value onward, cut by ``max_tokens``) begins with, whole, where what
     follows it is nothing or the object's next member; ValueError otherwise."""
     try:
-        value, end = _DECODER.raw_decode(text)
+        value, end = _decode(text)
     except RecursionError:
         raise ValueError("nested deeper than this server parses") from None
     rest = text[end:].strip()
@@ -516,14 +540,14 @@ def _whole_values(body: str) -> tuple[list[Any], str]:
     at = len(body) - len(body.lstrip())
     if body.startswith("[", at):
         try:
-            _DECODER.raw_decode(body, at)
+            _decode(body, at)
         except (ValueError, RecursionError):
             at += 1  # a list of calls cut before it closes: its items one by one
     while True:
         while at < len(body) and (body[at].isspace() or body[at] in ";,"):
             at += 1
         try:
-            value, end = _DECODER.raw_decode(body, at)
+            value, end = _decode(body, at)
         except (ValueError, RecursionError):
             return values, body[at:]
         values.extend(value if isinstance(value, list) else [value])
@@ -541,7 +565,7 @@ def _whole_members(text: str) -> dict[str, Any]:
         while at < len(text) and (text[at].isspace() or text[at] == ","):
             at += 1
         try:
-            key, at = _DECODER.raw_decode(text, at)
+            key, at = _decode(text, at)
             while at < len(text) and text[at].isspace():
                 at += 1
             if not isinstance(key, str) or not text.startswith(":", at):
@@ -549,7 +573,7 @@ def _whole_members(text: str) -> dict[str, Any]:
             at += 1
             while at < len(text) and text[at].isspace():
                 at += 1
-            value, end = _DECODER.raw_decode(text, at)
+            value, end = _decode(text, at)
         except (ValueError, RecursionError):
             return members
         if isinstance(value, int | float) and not isinstance(value, bool) and not text[end:end + 1].isspace() \

@@ -455,6 +455,19 @@ def test_a_call_cut_after_its_arguments_is_a_whole_call_and_checked():
         use.read(text.replace('"Paris"', "1"), cut=True)
 
 
+def test_a_lone_surrogate_escape_is_no_json_as_nan_is_not():
+    """"\\ud83d" alone parses as JSON but no UTF-8 text holds it (the answer would fail to encode): a loose tool's
+    call is its text, a strict one's an error, a cut call's input leaves the member out; a whole pair is a
+    character."""
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "\\ud83d"}}</tool_call>'
+    assert parse("hermes", TOOLS, call) == [Text(call)]
+    assert parse("hermes", TOOLS, call.replace("ud83d", "ud83d\\ude00")) == [
+        ToolCall("get_weather", '{"city": "\U0001f600"}')]
+    with pytest.raises(ToolArgumentsError, match="is not JSON"):
+        openai_tool_use("hermes", strict_weather({"type": "string"}), "auto").read(call)
+    assert ToolCall("get_weather", '{"n": 1, "\\udc00": 2, "m": 3', complete=False).input == {"n": 1}
+
+
 @pytest.mark.parametrize(("arguments", "members"), [
     ('{"n": 1e', {}), ('{"n": 1.', {}), ('{"n": 2.5E-', {}), ('{"n": -', {}), ('{"n": 12', {}),
     ('{"n": 12 ', {"n": 12}), ('{"n": 1, "m": 1e', {"n": 1}), ('{"n": 1.5}', {"n": 1.5}), ('{"n": tru', {}),
