@@ -157,10 +157,11 @@ class ToolCallParser:
         """The pieces left at the end of the answer (``cut``: by ``max_tokens``, so a call may be incomplete)."""
         out: list[Piece] = []
         end = self._syntax.end
-        # Each marker was inside a string never closed: the call ends at the first, as a call the model broke;
-        # unless max_tokens cut that very string (the markers are an argument's, the call cut: read below).
+        # Each marker was inside a string (none outside): the call ends at the first, as a call the model broke;
+        # unless the whole body is JSON (the markers its strings', the last tag never closed) or, cut by
+        # max_tokens, the beginning of JSON (the markers its strings', the call cut): read below.
         if self._inside and end is not None and end in self._buffer and not (
-                cut and _cut_in_string(self._buffer, end)):
+                _json_prefix(self._buffer) if cut else _json_whole(self._buffer)):
             body, _, self._buffer = self._buffer.partition(end)
             self._close(body, end, out)
             while self._step(out):
@@ -585,18 +586,41 @@ def _whole_members(text: str) -> dict[str, Any]:
 
 #: A JSON string (to its closing quote, or the end of the text), or anything else that is no quote.
 _STRING_OR_NOT = re.compile(r'"(?:[^"\\]|\\.)*(?:"|\\?\Z)|[^"]+', re.DOTALL)
-#: A JSON string closed by its quote.
-_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
 
 
-def _cut_in_string(body: str, end: str) -> bool:
-    """Whether the first ``end`` marker in ``body`` (a call's body, cut by ``max_tokens``) is inside the string the
-    cut left open: the marker is that string's (an argument quoting it), not the end of a call the model broke."""
-    last = None
-    for last in _STRING_OR_NOT.finditer(body):
-        pass
-    return last is not None and last.group().startswith('"') and _STRING.fullmatch(last.group()) is None \
-        and last.start() < body.find(end)
+def _json_whole(body: str) -> bool:
+    """Whether ``body`` is JSON values (``_json_values``)."""
+    try:
+        _json_values(body)
+    except ValueError:
+        return False
+    return True
+
+
+#: What a cut may leave unfinished where JSON stops parsing: an open string (an escape begun at its end), a
+#: literal or a number begun, or a ``\uXXXX`` escape begun (where the decoder reports it).
+_UNFINISHED = re.compile(r'\s*(?:"(?:[^"\\]|\\.)*\\?|t(?:r(?:ue?)?)?|f(?:a(?:l(?:se?)?)?)?|n(?:u(?:ll?)?)?'
+                         r'|-?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d*)?)?|u[0-9a-fA-F]{0,3})', re.DOTALL)
+
+
+def _json_prefix(body: str) -> bool:
+    """Whether ``body`` (a call's body, cut by ``max_tokens``) is the beginning of JSON values: JSON up to the cut,
+    not JSON the model broke before it."""
+    at = 0
+    while True:
+        while at < len(body) and (body[at].isspace() or body[at] in ";,"):
+            at += 1
+        if at == len(body):
+            return True
+        try:
+            _, at = _decode(body, at)
+        except json.JSONDecodeError as exc:
+            begun = exc.pos
+            while begun > 0 and body[begun - 1] in "0123456789.eE+-":  # a number it read short (1 of 1e)
+                begun -= 1
+            return any(_UNFINISHED.fullmatch(body, stop) is not None for stop in (exc.pos, begun))
+        except (ValueError, RecursionError):
+            return False
 
 
 def _end_of_call(body: str, end: str) -> int:

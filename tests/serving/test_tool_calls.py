@@ -417,22 +417,34 @@ def test_a_call_cut_by_max_tokens_is_incomplete_and_the_whole_calls_before_it_ar
         openai_tool_use(family, tools, "required").read(bad, cut=True)
 
 
-def test_a_call_cut_inside_a_string_quoting_the_end_marker_is_incomplete_not_broken():
-    """max_tokens cut a string holding </tool_call>: the marker is the argument's, the call cut (incomplete, its
-    whole text), not a broken call (an error for a strict tool); a string that closes after the marker is still
-    a call the model broke, and the call after it is read."""
-    cut = '<tool_call>{"name": "get_weather", "arguments": {"city": "a</tool_call> b'
+@pytest.mark.parametrize("cut", [
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "a</tool_call> b',
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "a</tool_call>", "zone": "U',
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "a</tool_call>", "ok": true',
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "a</tool_call>", "n": 1e'])
+def test_a_call_cut_after_a_string_quoting_the_end_marker_is_incomplete_not_broken(cut):
+    """max_tokens cut a call after (or inside) a string holding </tool_call>: the marker is the argument's, the
+    call cut (incomplete, its whole text), not a broken call (an error for a strict tool); a string that closes
+    after the marker into what is no JSON is still a call the model broke, and the call after it is read."""
     use = openai_tool_use("hermes", strict_weather({"type": "string"}), "required")
     for size in (len(cut), 3):
         parser = use.parser()
         pieces = [p for at in range(0, len(cut), size) for p in parser.feed(cut[at:at + size])]
         assert merge_texts(pieces + parser.finish(cut=True)) == [
-            ToolCall("get_weather", '{"city": "a</tool_call> b', complete=False)]
+            ToolCall("get_weather", cut[cut.index('{"city'):], complete=False)]
     with pytest.raises(ToolArgumentsError, match="is not JSON"):
         use.read(cut)  # ended by the model: a broken call
     broken, expected = CASES[-1][1:]
     assert openai_tool_use("hermes", [{"function": {"name": n}} for n in TOOLS], "auto").read(broken, cut=True) \
         == expected
+
+
+def test_a_last_call_never_closed_whose_argument_quotes_the_end_marker_is_read_whole():
+    """The model ended its answer after a call's JSON without </tool_call> (which counts, its JSON parsing), an
+    argument quoting the marker: the call is read whole, not split at the quoted marker as a broken call."""
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "a</tool_call>b"}}'
+    use = openai_tool_use("hermes", strict_weather({"type": "string"}), "required")
+    assert use.read(call) == [ToolCall("get_weather", '{"city": "a</tool_call>b"}')]
 
 
 def test_a_cut_answer_that_makes_no_calls_is_its_text_as_the_whole_answer_is():
