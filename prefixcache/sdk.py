@@ -545,8 +545,9 @@ class PrefixCache:
                                 logprobs=logprobs)
 
     def _forced_call(self, options: AnswerOptions) -> AnswerOptions:
-        """``options`` with their forced call's grammar bound to the vocabulary, or as they are where it cannot
-        be (no end-of-sequence token, ``ignore_eos``, a slow tokenizer): the call is then only checked when done.
+        """``options`` with their forced call's grammar bound to the vocabulary, or without it where it cannot
+        be (no end-of-sequence token, ``ignore_eos``, a slow tokenizer): the call is then only checked when done,
+        and ``checked`` again (``run`` after a server's worker) neither binds it again nor logs it twice.
         Bound, the answer is the call alone, no text: the stop strings, which end text, do not cut it."""
         eos = options.eos_ids(self.serial.effective_config(None, options.extra))
         try:
@@ -554,7 +555,7 @@ class PrefixCache:
                                        stop=())
         except InvalidRequestError as exc:
             log.warning("forced tool call not constrained (only checked when done): %s", exc)
-            return options
+            return dataclasses.replace(options, tool_grammar=None)
 
     # -- cache management ----------------------------------------------------------
     def warm(self, prefix: str | Sequence[dict[str, Any]] | Sequence[int], *,

@@ -17,6 +17,7 @@ tokens and the settled input figures, cumulative as Anthropic's, ``cache_creatio
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -175,7 +176,10 @@ async def _events(stream: GenerationStream, meta: Meta, stops: list[str], tools:
             yield event({"index": blocks - 1}, "content_block_stop")
         for item in begin({"type": "tool_use", "id": _use_id(meta, blocks, tools), "name": piece.name, "input": {}}):
             yield item
-        yield event({"index": blocks, "delta": {"type": "input_json_delta", "partial_json": piece.arguments}},
+        # A call max_tokens cut streams the members written whole, the input its unstreamed block has: what was
+        # written of its arguments may be no JSON a client's accumulator reads.
+        written = piece.arguments if piece.complete else json.dumps(piece.input, ensure_ascii=False)
+        yield event({"index": blocks, "delta": {"type": "input_json_delta", "partial_json": written}},
                     "content_block_delta")
         yield event({"index": blocks}, "content_block_stop")
         blocks, text_open, calls, cut = blocks + 1, False, calls + 1, not piece.complete

@@ -27,10 +27,11 @@ Calls dropped past ``limit`` are not checked.
 An answer cut by ``max_tokens`` (``finish(cut=True)``) may end inside a call: once its name is written it is
 returned as an incomplete call (``ToolCall.complete`` false) whose ``arguments`` are the text the model wrote of
 them, as OpenAI returns a call cut by the limit; it is not checked (strict or not), and the complete calls before
-it are kept (and checked). A call cut before its name is the text the model wrote, as a call that does not parse.
+it are kept (and checked). A call cut before its name is the text the model wrote, as a call that does not parse
+(one naming a strict tool too: the cut broke its JSON, not the model).
 JSON here is JSON: ``NaN``, ``Infinity`` and numbers
-past a float's range do not parse (they would be written back as no JSON), nor does nesting deeper
-than Python's stack.
+past a float's range do not parse (they would be written back as no JSON), nor does a string holding a lone
+surrogate escape (``"\\ud83d"``: no UTF-8 answer carries it), nor nesting deeper than Python's stack.
 """
 from __future__ import annotations
 
@@ -156,9 +157,13 @@ class ToolCallParser:
         """The pieces left at the end of the answer (``cut``: by ``max_tokens``, so a call may be incomplete)."""
         out: list[Piece] = []
         end = self._syntax.end
-        if self._inside and end is not None and end in self._buffer:  # each marker was inside a string never
-            body, _, self._buffer = self._buffer.partition(end)  # closed: the call ends at the first, as a
-            self._close(body, end, out)  # call the model broke
+        # Each marker was inside a string (none outside): the call ends at the first, as a call the model broke;
+        # unless the whole body is JSON (the markers its strings', the last tag never closed) or, cut by
+        # max_tokens, the beginning of JSON (the markers its strings', the call cut): read below.
+        if self._inside and end is not None and end in self._buffer and not (
+                _json_prefix(self._buffer) if cut else _json_whole(self._buffer)):
+            body, _, self._buffer = self._buffer.partition(end)
+            self._close(body, end, out)
             while self._step(out):
                 pass
             return merge_texts(out + self.finish(cut))
@@ -218,7 +223,7 @@ class ToolCallParser:
         room = None if self._limit is None else max(self._limit - self._calls, 0)
         calls, reason = self._parse_cut(body, room) if cut else ([], "")
         if not calls:
-            calls, reason = self._parse(body, room)
+            calls, reason = self._parse(body, room, cut)
         if calls:
             room = len(calls) if room is None else room
             if room < len(calls):
@@ -231,12 +236,13 @@ class ToolCallParser:
             log.warning("tool call returned as text: %s", reason)
             out.append(Text(self._opened + body + end))
 
-    def _parse(self, body: str, room: int | None) -> tuple[list[ToolCall], str]:
-        """The calls in ``body``, or ([], why not); only the first ``room`` (None: all) are kept, and checked."""
+    def _parse(self, body: str, room: int | None, cut: bool = False) -> tuple[list[ToolCall], str]:
+        """The calls in ``body``, or ([], why not); only the first ``room`` (None: all) are kept, and checked. A
+        body ``max_tokens`` cut that does not parse is no broken call: text, whatever tool it names."""
         try:
             values = _json_values(body)
         except ValueError as exc:
-            if room != 0:
+            if room != 0 and not cut:
                 self._unparsed(body, exc)
             return [], f"not JSON ({exc}): {body[:200]!r}"
         objects = [item for value in values for item in (value if isinstance(value, list) else [value])]
@@ -263,8 +269,9 @@ class ToolCallParser:
         name = None if cut is None else _string(cut.group("name"))
         if cut is not None and name in self._tools:
             arguments = (cut.group("arguments") or "").strip()
-            try:  # the arguments are whole, only the call's own end is missing: a whole call
-                objects.append({"name": name, "arguments": _loads(arguments)})
+            try:  # the arguments are whole, only the rest of the call is missing (its end, or a member after them,
+                # as the "id" Mistral's template writes): a whole call
+                objects.append({"name": name, "arguments": _leading_value(arguments)})
             except ValueError:
                 objects.append(ToolCall(name, arguments, complete=False))
         elif not objects:
@@ -451,6 +458,30 @@ def _no_constant(text: str) -> Any:
 
 
 _DECODER = json.JSONDecoder(parse_float=_finite, parse_constant=_no_constant)
+#: The escape of a UTF-16 surrogate (``\ud83d``): JSON allows it alone, UTF-8 cannot write it.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _decode(text: str, at: int = 0) -> tuple[Any, int]:
+    """``_DECODER.raw_decode``, and ValueError for a string (or key) holding a lone surrogate escape
+    (``"\\ud83d"``): as ``NaN``, it could not be written back (no UTF-8 text holds it; the answer would fail)."""
+    value, end = _DECODER.raw_decode(text, at)
+    if _SURROGATE_ESCAPE.search(text, at, end) is None:
+        return value, end
+    todo = [value]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, str):
+            try:
+                node.encode()
+            except UnicodeEncodeError:
+                raise ValueError("a string holds a lone surrogate escape (no Unicode text)") from None
+        elif isinstance(node, dict):
+            todo.extend(node)
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    return value, end
 
 
 def _loads(text: str) -> Any:
@@ -471,7 +502,7 @@ def _json_values(body: str) -> list[Any]:
         if at == len(body):
             return values
         try:
-            value, at = _DECODER.raw_decode(body, at)
+            value, at = _decode(body, at)
         except RecursionError:
             raise ValueError("nested deeper than this server parses") from None
         values.append(value)
@@ -490,6 +521,19 @@ def _string(quoted: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _leading_value(text: str) -> Any:
+    """The JSON value ``text`` (a member's value onward, cut by ``max_tokens``) begins with, whole, where what
+    follows it is nothing or the object's next member; ValueError otherwise."""
+    try:
+        value, end = _decode(text)
+    except RecursionError:
+        raise ValueError("nested deeper than this server parses") from None
+    rest = text[end:].strip()
+    if rest and not rest.startswith(","):
+        raise ValueError(f"{rest[:20]!r} after a value")
+    return value
+
+
 def _whole_values(body: str) -> tuple[list[Any], str]:
     """The JSON values ``body`` (a call body cut by ``max_tokens``) holds whole, lists flattened (Mistral's
     ``[...]`` of calls may be cut before it closes), and the rest, which does not parse."""
@@ -497,14 +541,14 @@ def _whole_values(body: str) -> tuple[list[Any], str]:
     at = len(body) - len(body.lstrip())
     if body.startswith("[", at):
         try:
-            _DECODER.raw_decode(body, at)
+            _decode(body, at)
         except (ValueError, RecursionError):
             at += 1  # a list of calls cut before it closes: its items one by one
     while True:
         while at < len(body) and (body[at].isspace() or body[at] in ";,"):
             at += 1
         try:
-            value, end = _DECODER.raw_decode(body, at)
+            value, end = _decode(body, at)
         except (ValueError, RecursionError):
             return values, body[at:]
         values.extend(value if isinstance(value, list) else [value])
@@ -522,7 +566,7 @@ def _whole_members(text: str) -> dict[str, Any]:
         while at < len(text) and (text[at].isspace() or text[at] == ","):
             at += 1
         try:
-            key, at = _DECODER.raw_decode(text, at)
+            key, at = _decode(text, at)
             while at < len(text) and text[at].isspace():
                 at += 1
             if not isinstance(key, str) or not text.startswith(":", at):
@@ -530,17 +574,53 @@ def _whole_members(text: str) -> dict[str, Any]:
             at += 1
             while at < len(text) and text[at].isspace():
                 at += 1
-            value, end = _DECODER.raw_decode(text, at)
+            value, end = _decode(text, at)
         except (ValueError, RecursionError):
             return members
-        if not text[end:].strip() and isinstance(value, int | float) and not isinstance(value, bool):
-            return members  # a number at the very end may be cut itself
+        if isinstance(value, int | float) and not isinstance(value, bool) and not text[end:end + 1].isspace() \
+                and not text.startswith((",", "}"), end):
+            return members  # a number the cut may have ended in (``1e``, ``1.``: read as 1), or at the very end
         members[key] = value
         at = end
 
 
 #: A JSON string (to its closing quote, or the end of the text), or anything else that is no quote.
 _STRING_OR_NOT = re.compile(r'"(?:[^"\\]|\\.)*(?:"|\\?\Z)|[^"]+', re.DOTALL)
+
+
+def _json_whole(body: str) -> bool:
+    """Whether ``body`` is JSON values (``_json_values``)."""
+    try:
+        _json_values(body)
+    except ValueError:
+        return False
+    return True
+
+
+#: What a cut may leave unfinished where JSON stops parsing: an open string (an escape begun at its end), a
+#: literal or a number begun, or a ``\uXXXX`` escape begun (where the decoder reports it).
+_UNFINISHED = re.compile(r'\s*(?:"(?:[^"\\]|\\.)*\\?|t(?:r(?:ue?)?)?|f(?:a(?:l(?:se?)?)?)?|n(?:u(?:ll?)?)?'
+                         r'|-?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d*)?)?|u[0-9a-fA-F]{0,3})', re.DOTALL)
+
+
+def _json_prefix(body: str) -> bool:
+    """Whether ``body`` (a call's body, cut by ``max_tokens``) is the beginning of JSON values: JSON up to the cut,
+    not JSON the model broke before it."""
+    at = 0
+    while True:
+        while at < len(body) and (body[at].isspace() or body[at] in ";,"):
+            at += 1
+        if at == len(body):
+            return True
+        try:
+            _, at = _decode(body, at)
+        except json.JSONDecodeError as exc:
+            begun = exc.pos
+            while begun > 0 and body[begun - 1] in "0123456789.eE+-":  # a number it read short (1 of 1e)
+                begun -= 1
+            return any(_UNFINISHED.fullmatch(body, stop) is not None for stop in (exc.pos, begun))
+        except (ValueError, RecursionError):
+            return False
 
 
 def _end_of_call(body: str, end: str) -> int:

@@ -8,6 +8,7 @@ matches its schema shows the constraint at work.
 from __future__ import annotations
 
 import json
+import logging
 
 import jsonschema
 import pytest
@@ -198,3 +199,13 @@ def test_responses_forced_call_cut_by_max_output_tokens_is_an_incomplete_respons
     assert events[-1].type == "response.incomplete"
     [streamed] = events[-1].response.output
     assert (streamed.name, streamed.status, streamed.arguments) == (item.name, "incomplete", item.arguments)
+
+
+def test_a_forced_call_that_cannot_be_constrained_is_bound_and_logged_once(proxy, caplog):
+    """ignore_eos leaves the grammar no end: the request's options are checked before its stream would begin and
+    again as it runs, and the binding that fails is tried, and logged, once."""
+    client = proxy.openai(ALPHA)
+    with caplog.at_level(logging.WARNING, logger="prefixcache.sdk"):
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=4,
+                                       extra_body={"ignore_eos": True})
+    assert sum("forced tool call not constrained" in r.getMessage() for r in caplog.records) == 1

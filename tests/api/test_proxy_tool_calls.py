@@ -551,3 +551,66 @@ def test_fuzzed_anthropic_tool_fields_are_never_a_5xx_and_streams_agree(family_s
     blocks = [(b.type, getattr(b, "text", ""), getattr(b, "name", None), getattr(b, "input", None))
               for b in message.content]
     assert anthropic_stream_answer(streamed.text) == (blocks, message.stop_reason)
+
+
+
+#: A call whose arguments grow a nested list, then stop being JSON: cut after each piece, a different cut.
+CUT_SCRIPT = ["<tool_call>", '{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2', '], "note": x',
+              "y}}", "</tool_call>"]
+
+
+def scripted_server(tokenizer, script: list[str]):
+    """A live server whose hermes model answers ``script``."""
+    tok = family_tokenizer(tokenizer, "hermes", script)
+    cache = make_cache(scripted_model(tok, "hermes", script=script), tok)
+    with live(create_app(proxy_settings(default_max_tokens=16), cache=cache)) as srv:
+        yield srv
+    cache.close()
+
+
+@pytest.fixture(scope="module")
+def cut_server(tokenizer):
+    yield from scripted_server(tokenizer, CUT_SCRIPT)
+
+
+def test_a_call_cut_by_max_tokens_streams_the_tool_use_input_the_unstreamed_block_has(cut_server):
+    """Cut inside a nested list, or after arguments that stopped being JSON: the streamed tool_use block's input
+    (as the official client accumulates its input_json_delta) is the unstreamed block's, the members written
+    whole, and the client's accumulator never fails on the partial JSON."""
+    claude = anthropic_client(cut_server)
+    for cut, whole in ((2, {"city": "Paris"}), (3, {"city": "Paris", "days": [1, 2]})):
+        body = dict(model=MODEL, max_tokens=cut, tools=ANTHROPIC_TOOLS, messages=ASK)
+        unstreamed = claude.messages.create(**body)
+        with claude.messages.stream(**body) as stream:
+            streamed = stream.get_final_message()
+        for message in (unstreamed, streamed):
+            assert message.stop_reason == "max_tokens"
+            assert [(b.type, b.name, b.input) for b in message.content] == [("tool_use", "get_weather", whole)]
+
+
+#: A call whose argument is a lone surrogate escape: valid JSON, no Unicode text.
+SURROGATE_SCRIPT = ["<tool_call>", '{"name": "get_weather", "arguments": {"city": "\\ud83d", "n": 1', "}}",
+                    "</tool_call>"]
+
+
+@pytest.fixture(scope="module")
+def surrogate_server(tokenizer):
+    yield from scripted_server(tokenizer, SURROGATE_SCRIPT)
+
+
+def test_a_call_holding_a_lone_surrogate_escape_is_served_as_text_not_a_500(surrogate_server):
+    """The model's arguments hold "\\ud83d" alone, which no UTF-8 answer can carry decoded: whole, the call is the
+    text the model wrote (as a call with NaN); cut, its input leaves that member out. Streamed and not, on both
+    APIs, never an internal error or a broken stream."""
+    client, claude = openai_client(surrogate_server), anthropic_client(surrogate_server)
+    whole = "".join(SURROGATE_SCRIPT)
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS)
+    assert (r.choices[0].message.content, r.choices[0].message.tool_calls) == (whole, None)
+    assert streamed_chat(client, messages=ASK, tools=TOOLS)[:2] == (whole, [])
+    body = dict(model=MODEL, tools=ANTHROPIC_TOOLS, messages=ASK)
+    assert [b.text for b in claude.messages.create(**body, max_tokens=16).content] == [whole]
+    unstreamed = claude.messages.create(**body, max_tokens=2)
+    with claude.messages.stream(**body, max_tokens=2) as stream:
+        streamed = stream.get_final_message()
+    for message in (unstreamed, streamed):
+        assert [(b.type, b.name, b.input) for b in message.content] == [("tool_use", "get_weather", {})]

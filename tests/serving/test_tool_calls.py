@@ -432,6 +432,79 @@ def test_a_call_cut_by_max_tokens_is_incomplete_and_the_whole_calls_before_it_ar
         openai_tool_use(family, tools, "required").read(bad, cut=True)
 
 
+@pytest.mark.parametrize("cut", [
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "a</tool_call> b',
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "a</tool_call>", "zone": "U',
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "a</tool_call>", "ok": true',
+    '<tool_call>{"name": "get_weather", "arguments": {"city": "a</tool_call>", "n": 1e'])
+def test_a_call_cut_after_a_string_quoting_the_end_marker_is_incomplete_not_broken(cut):
+    """max_tokens cut a call after (or inside) a string holding </tool_call>: the marker is the argument's, the
+    call cut (incomplete, its whole text), not a broken call (an error for a strict tool); a string that closes
+    after the marker into what is no JSON is still a call the model broke, and the call after it is read."""
+    use = openai_tool_use("hermes", strict_weather({"type": "string"}), "required")
+    for size in (len(cut), 3):
+        parser = use.parser()
+        pieces = [p for at in range(0, len(cut), size) for p in parser.feed(cut[at:at + size])]
+        assert merge_texts(pieces + parser.finish(cut=True)) == [
+            ToolCall("get_weather", cut[cut.index('{"city'):], complete=False)]
+    with pytest.raises(ToolArgumentsError, match="is not JSON"):
+        use.read(cut)  # ended by the model: a broken call
+    broken, expected = CASES[-1][1:]
+    assert openai_tool_use("hermes", [{"function": {"name": n}} for n in TOOLS], "auto").read(broken, cut=True) \
+        == expected
+
+
+def test_a_last_call_never_closed_whose_argument_quotes_the_end_marker_is_read_whole():
+    """The model ended its answer after a call's JSON without </tool_call> (which counts, its JSON parsing), an
+    argument quoting the marker: the call is read whole, not split at the quoted marker as a broken call."""
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "a</tool_call>b"}}'
+    use = openai_tool_use("hermes", strict_weather({"type": "string"}), "required")
+    assert use.read(call) == [ToolCall("get_weather", '{"city": "a</tool_call>b"}')]
+
+
+def test_a_cut_answer_that_makes_no_calls_is_its_text_as_the_whole_answer_is():
+    """A call to an undeclared tool before a strict tool's call max_tokens cut: the answer is its text, as the
+    same answer written whole is, not a strict tool's broken call (a server error for a client's small limit)."""
+    use = openai_tool_use("mistral", strict_weather({"type": "string"}), "auto")
+    whole = '[TOOL_CALLS][{"name": "nope", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    assert use.read(whole) == [Text(whole)]
+    cut = whole[:whole.index("Paris") + 2]
+    assert use.read(cut, cut=True) == [Text(cut)]
+
+
+def test_a_call_cut_after_its_arguments_is_a_whole_call_and_checked():
+    """Mistral's template writes a call's "id" after its arguments: cut inside it, the arguments are whole, so the
+    call is (checked against its strict schema), not an incomplete one whose arguments run into the id."""
+    use = openai_tool_use("mistral", strict_weather({"type": "string"}), "auto")
+    text = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "a1b2'
+    assert use.read(text, cut=True) == [PARIS]
+    with pytest.raises(ToolArgumentsError, match=r"\$\.city"):
+        use.read(text.replace('"Paris"', "1"), cut=True)
+
+
+def test_a_lone_surrogate_escape_is_no_json_as_nan_is_not():
+    """"\\ud83d" alone parses as JSON but no UTF-8 text holds it (the answer would fail to encode): a loose tool's
+    call is its text, a strict one's an error, a cut call's input leaves the member out; a whole pair is a
+    character."""
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "\\ud83d"}}</tool_call>'
+    assert parse("hermes", TOOLS, call) == [Text(call)]
+    assert parse("hermes", TOOLS, call.replace("ud83d", "ud83d\\ude00")) == [
+        ToolCall("get_weather", '{"city": "\U0001f600"}')]
+    with pytest.raises(ToolArgumentsError, match="is not JSON"):
+        openai_tool_use("hermes", strict_weather({"type": "string"}), "auto").read(call)
+    assert ToolCall("get_weather", '{"n": 1, "\\udc00": 2, "m": 3', complete=False).input == {"n": 1}
+
+
+@pytest.mark.parametrize(("arguments", "members"), [
+    ('{"n": 1e', {}), ('{"n": 1.', {}), ('{"n": 2.5E-', {}), ('{"n": -', {}), ('{"n": 12', {}),
+    ('{"n": 12 ', {"n": 12}), ('{"n": 1, "m": 1e', {"n": 1}), ('{"n": 1.5}', {"n": 1.5}), ('{"n": tru', {}),
+    ('{"n": true', {"n": True}), ('{"n": [1, 2', {}), ('{"n": {"m": 1}, "s": "\\u00', {"n": {"m": 1}})])
+def test_the_input_of_a_cut_call_holds_only_the_members_written_whole(arguments, members):
+    """A number the cut may have ended in is not whole: ``1e`` or ``1.`` is no 1 (the model was writing 1e5 or
+    1.5), nor is one at the very end."""
+    assert ToolCall("get_time", arguments, complete=False).input == members
+
+
 def test_an_answer_cut_before_its_call_is_named_keeps_its_text_and_breaks_no_tool_choice():
     use = openai_tool_use("hermes", strict_weather({"type": "string"}), "required")
     assert use.read('<tool_call>{"na', cut=True) == [Text('<tool_call>{"na')]

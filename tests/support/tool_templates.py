@@ -183,23 +183,25 @@ CALL_START = {"hermes": "\n<tool_call>", "llama3_json": '{"name"', "mistral": " 
 TEXT_BEFORE = {"hermes": "Let me check.", "llama3_json": "", "mistral": "Checking."}
 
 
-def family_tokenizer(base, family: str):
-    """``base`` with the family's template and the scripts' pieces as added (not special) tokens."""
+def family_tokenizer(base, family: str, script: list[str] | None = None):
+    """``base`` with the family's template and the scripts' pieces as added (not special) tokens (``script``:
+    the answer's pieces instead of ``SCRIPTS[family]``)."""
     tok = copy.deepcopy(base)
     tok.chat_template = TEMPLATES[family]
-    tok.add_tokens([AddedToken(p, normalized=False, special=False) for p in SCRIPTS[family] + BROKEN[family]])
+    pieces = (script or SCRIPTS[family]) + BROKEN[family]
+    tok.add_tokens([AddedToken(p, normalized=False, special=False) for p in pieces])
     return tok
 
 
-def scripted_model(tok, family: str, hidden: int = 64) -> torch.nn.Module:
-    """A 1-layer Llama whose greedy answer to any prompt is ``SCRIPTS[family]`` then EOS (``BROKEN[family]``
-    with a +100 ``logit_bias`` on its first token)."""
+def scripted_model(tok, family: str, hidden: int = 64, script: list[str] | None = None) -> torch.nn.Module:
+    """A 1-layer Llama whose greedy answer to any prompt is ``SCRIPTS[family]`` (or ``script``) then EOS
+    (``BROKEN[family]`` with a +100 ``logit_bias`` on its first token)."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=False,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)).eval()
-    chains = [tok.convert_tokens_to_ids(SCRIPTS[family]), tok.convert_tokens_to_ids(BROKEN[family])]
+    chains = [tok.convert_tokens_to_ids(script or SCRIPTS[family]), tok.convert_tokens_to_ids(BROKEN[family])]
     with torch.no_grad():
         for layer in model.model.layers:  # each position's output is its own embedding
             layer.self_attn.o_proj.weight.zero_()
