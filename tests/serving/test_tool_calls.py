@@ -454,6 +454,21 @@ def test_a_call_cut_after_a_string_quoting_the_end_marker_is_incomplete_not_brok
         == expected
 
 
+@pytest.mark.parametrize("tail", ["\n<", "\n</tool_c", " </tool_call"])
+def test_a_whole_call_quoting_the_end_marker_cut_inside_its_closing_tag_is_read_whole(tail):
+    """max_tokens cut a call's closing tag after its whole JSON, an argument quoting </tool_call>: the call is
+    read whole and checked (what the cut left of the tag is the tag's), not split at the quoted marker as a
+    broken call (an error for a strict tool, the text of a loose one)."""
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "a</tool_call>b"}}' + tail
+    use = openai_tool_use("hermes", strict_weather({"type": "string"}), "required")
+    for size in (len(call), 3):
+        parser = use.parser()
+        pieces = [p for at in range(0, len(call), size) for p in parser.feed(call[at:at + size])]
+        assert merge_texts(pieces + parser.finish(cut=True)) == [ToolCall("get_weather", '{"city": "a</tool_call>b"}')]
+    with pytest.raises(ToolArgumentsError, match="do not match"):
+        openai_tool_use("hermes", strict_weather({"type": "integer"}), "required").read(call, cut=True)
+
+
 def test_a_last_call_never_closed_whose_argument_quotes_the_end_marker_is_read_whole():
     """The model ended its answer after a call's JSON without </tool_call> (which counts, its JSON parsing), an
     argument quoting the marker: the call is read whole, not split at the quoted marker as a broken call."""
