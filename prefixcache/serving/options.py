@@ -140,8 +140,9 @@ def batch_params(config: GenerationConfig, kwargs: Mapping[str, Any],
             return None, f"max_length={max_length} not above the prompt's {prompt_len} tokens (generate() raises): " \
                          "served by the serial engine"
         max_new = max_length - prompt_len
-    # What generate() uses where neither the call nor the model sets it: transformers' defaults (top_k 50).
-    top_k = config.top_k if config.top_k is not None else _GENERATE_DEFAULTS.get("top_k")
+    # What generate() uses where neither the call nor the model sets it: transformers' defaults (top_k 50). A
+    # call's own top_k=None is set: generate() applies it after those defaults (no top-k), as the serial engine does.
+    top_k = config.top_k if config.top_k is not None or "top_k" in kwargs else _GENERATE_DEFAULTS.get("top_k")
     return _params(config, prompt_len, max_new=int(max_new), temperature=float(temperature) if sample else None,
                    top_p=config.top_p if sample else None, top_k=top_k if sample else None,
                    seed=kwargs.get("seed"), eos=frozenset(as_id_set(config.eos_token_id))), None

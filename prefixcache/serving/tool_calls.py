@@ -159,9 +159,11 @@ class ToolCallParser:
         end = self._syntax.end
         # Each marker was inside a string (none outside): the call ends at the first, as a call the model broke;
         # unless the whole body is JSON (the markers its strings', the last tag never closed) or, cut by
-        # max_tokens, the beginning of JSON (the markers its strings', the call cut): read below.
+        # max_tokens, the beginning of JSON, the closing tag the cut may have begun after it left out (the markers
+        # its strings', the call cut): read below.
         if self._inside and end is not None and end in self._buffer and not (
-                _json_prefix(self._buffer) if cut else _json_whole(self._buffer)):
+                _json_prefix(self._buffer[:len(self._buffer) - _held(self._buffer, end)]) if cut
+                else _json_whole(self._buffer)):
             body, _, self._buffer = self._buffer.partition(end)
             self._close(body, end, out)
             while self._step(out):

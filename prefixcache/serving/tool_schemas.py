@@ -102,9 +102,9 @@ def compile_schema(schema: Any, at: str, patterns: Patterns | None = None,
     except SchemaError as exc:
         raise InvalidRequestError(f"{at} is not a valid JSON schema: {exc.message}", param=at) from exc
     unresolved: list[str] = []
-    applied = list(_applied(schema, _resolver(schema), unresolved))
+    applied = list(_applied(schema, unresolved))
     if unresolved:
-        raise InvalidRequestError(f"{at}: $ref {unresolved[0]!r} does not resolve inside the schema (only "
+        raise InvalidRequestError(f"{at}: {unresolved[0]} does not resolve inside the schema (only "
                                   "references within it, such as #/$defs/..., are supported)", param=at)
     if any("patternProperties" in node for node in applied):
         raise InvalidRequestError(f"{at}: patternProperties is not supported in a strict tool's schema (its "
@@ -185,9 +185,9 @@ def check_anthropic_shape(schema: dict[str, Any], name: str | None, at: str, own
             raise refuse(where, "For 'array' type, 'minItems' values other than 0 and 1 are not supported")
         if any(isinstance(value, dict | list) for value in node.get("enum") or ()):
             raise refuse(where, "'enum' values must be strings, numbers, booleans or null")
-    ref = _recursive_ref(schema, _resolver(schema))
+    ref = _recursive_ref(schema)
     if ref is not None:
-        raise refuse("#", f"recursive schemas are not supported ($ref {ref!r} leads back into a schema holding it)")
+        raise refuse("#", f"recursive schemas are not supported ({ref} leads back into a schema holding it)")
 
 
 class _OutOfTime(Exception):
@@ -297,34 +297,56 @@ def _is_object(schema: dict[str, Any]) -> bool:
 def schema_objects(schema: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """Every schema object validation may apply in ``schema`` (a valid JSON schema), as ``_applied``: their keys
     are keywords, never a property's name or data."""
-    return _applied(schema, _resolver(schema))
+    return _applied(schema)
 
 
-def _applied(schema: dict[str, Any], resolver: Any, unresolved: list[str] | None = None) -> Iterator[dict[str, Any]]:
+def _applied(schema: dict[str, Any], unresolved: list[str] | None = None) -> Iterator[dict[str, Any]]:
     """Every schema object validation may apply: ``schema``, those inside it (``_subschemas``) and those its
-    ``$ref``s reach, wherever they lie, each once. Their keys are keywords; a property's name (a key of
-    ``properties``) or a key inside ``const``, ``enum`` or ``default`` is data, never met here. A ``$ref`` that
-    does not resolve is skipped, and added to ``unresolved`` when given."""
+    references (``_references``) reach, wherever they lie, each once. Their keys are keywords; a property's name
+    (a key of ``properties``) or a key inside ``const``, ``enum`` or ``default`` is data, never met here. A
+    reference that does not resolve is skipped, and added to ``unresolved`` when given."""
     seen: set[int] = set()
-    todo = [(schema, resolver)]
+    todo = [(schema, _resolver(schema))]
     while todo:
         node, at = todo.pop()
         if id(node) in seen:
             continue
         seen.add(id(node))
-        for _, sub in _subschemas(node):
-            yield sub
-            ref = sub.get("$ref")
-            if not isinstance(ref, str):
-                continue
-            try:
-                resolved = at.lookup(ref)
-            except Unresolvable:  # outside the schema, or a base changed by a nested $id this walk does not follow
+        for sub, key, ref, resolved in _references(node, at, schema):
+            if key is None:
+                yield sub
+            elif resolved is None:
                 if unresolved is not None:
-                    unresolved.append(ref)
-                continue
-            if isinstance(resolved.contents, dict):
+                    unresolved.append(f"{key} {ref!r}")
+            elif isinstance(resolved.contents, dict):
                 todo.append((resolved.contents, resolved.resolver))
+
+
+def _references(node: dict[str, Any], resolver: Any,
+                root: dict[str, Any]) -> Iterator[tuple[dict[str, Any], str | None, str | None, Any]]:
+    """Each schema object in ``node`` (``_subschemas``) as (it, None, None, None), then each of its references
+    (``$ref``, and ``$dynamicRef`` where ``root``'s draft has it) as (it, the keyword, the reference, what it
+    resolves to, or None where it does not). ``resolver``: ``node``'s (the root's, or a reference's target's);
+    each reference resolves against the base of the resource it lies in, a nested ``$id`` changing it, as the
+    validator resolves it."""
+    kind = validators.validator_for(root, default=validators.Draft202012Validator)
+    keywords = [key for key in ("$ref", "$dynamicRef") if key in kind.VALIDATORS]
+    specification = specification_with(kind.META_SCHEMA["$schema"])
+
+    def walk(sub: dict[str, Any], at: Any) -> Iterator[tuple[dict[str, Any], str | None, str | None, Any]]:
+        yield sub, None, None, None
+        for key in keywords:
+            ref = sub.get(key)
+            if isinstance(ref, str):
+                try:
+                    yield sub, key, ref, at.lookup(ref)
+                except Unresolvable:
+                    yield sub, key, ref, None
+        for _, child in _children(sub):
+            if isinstance(child, dict):
+                yield from walk(child, at.in_subresource(specification.create_resource(child)))
+
+    yield from walk(node, resolver)
 
 
 def _resolver(schema: dict[str, Any]) -> Any:
@@ -345,35 +367,38 @@ def _subschemas(node: Any, where: str = "#") -> Iterator[tuple[str, dict[str, An
     if not isinstance(node, dict):
         return
     yield where, node
+    for path, child in _children(node, where):
+        yield from _subschemas(child, path)
+
+
+def _children(node: dict[str, Any], where: str = "#") -> Iterator[tuple[str, Any]]:
+    """What ``node``'s keywords that hold schemas hold (schema objects, booleans, or other values where the schema
+    is not valid), each with its JSON pointer."""
     for key in _SCHEMA_MAPS:
         if isinstance(node.get(key), dict):
             for child, sub in node[key].items():
-                yield from _subschemas(sub, f"{where}/{key}/{child}")
+                yield f"{where}/{key}/{child}", sub
     for key in _SCHEMA_LISTS:
         if isinstance(node.get(key), list):
             for i, sub in enumerate(node[key]):
-                yield from _subschemas(sub, f"{where}/{key}/{i}")
+                yield f"{where}/{key}/{i}", sub
     for key in _SCHEMA_ONES:
-        yield from _subschemas(node.get(key), f"{where}/{key}")
+        if key in node:
+            yield f"{where}/{key}", node[key]
 
 
-def _recursive_ref(schema: dict[str, Any], resolver: Any) -> str | None:
-    """The first ``$ref`` met in ``schema`` that leads back into a schema it lies inside of (following
-    ``$ref``s), else None. Each schema a ``$ref`` reaches is walked once."""
-    cleared: set[int] = set()  # reached by a $ref and walked without meeting a way back
+def _recursive_ref(schema: dict[str, Any]) -> str | None:
+    """The first reference (``_references``: keyword and reference) met in ``schema`` that leads back into a schema
+    it lies inside of (following references), else None. Each schema a reference reaches is walked once."""
+    cleared: set[int] = set()  # reached by a reference and walked without meeting a way back
 
     def walk(node: dict[str, Any], resolver: Any, inside: tuple[int, ...]) -> str | None:
-        for _, sub in _subschemas(node):
-            ref = sub.get("$ref")
-            if not isinstance(ref, str):
-                continue
-            try:
-                resolved = resolver.lookup(ref)
-            except Unresolvable:  # a base changed by a nested $id this walk does not follow: no recursion seen
+        for _, key, ref, resolved in _references(node, resolver, schema):
+            if resolved is None:  # no reference, or one compile_schema let through: no recursion seen
                 continue
             target = resolved.contents
             if id(target) in inside:
-                return ref
+                return f"{key} {ref!r}"
             if id(target) in cleared or not isinstance(target, dict):
                 continue
             found = walk(target, resolved.resolver, (*inside, id(target)))
@@ -382,4 +407,4 @@ def _recursive_ref(schema: dict[str, Any], resolver: Any) -> str | None:
             cleared.add(id(target))
         return None
 
-    return walk(schema, resolver, (id(schema),))
+    return walk(schema, _resolver(schema), (id(schema),))

@@ -78,6 +78,26 @@ def test_a_seeded_call_draws_what_a_seeded_generate_draws(batching):
     assert got == want
 
 
+@pytest.mark.parametrize("batching", [False, True], ids=["serial", "batched"])
+def test_a_seeded_call_with_top_k_none_draws_what_generate_draws_with_it(batching):
+    """generate(top_k=None) samples without a top-k (the call's None comes after transformers' default of 50); the
+    batching engine draws those tokens too, as the serial engine does, and 50 where the call leaves top_k out."""
+    model = build_tiny("llama-gqa")
+    ref = copy.deepcopy(model)
+    options = dict(max_new_tokens=10, do_sample=True, temperature=1.0)
+    want = {}
+    for name, extra in (("none", {"top_k": None}), ("unset", {})):
+        torch.manual_seed(3)
+        want[name] = ref.generate(torch.tensor([PROMPT]), **options, **extra)[0, len(PROMPT):].tolist()
+    assert want["none"] != want["unset"]
+    with PrefixCache(model, None, CacheConfig(block_size=8, ttl_seconds=None), start_sweeper=False,
+                     batching=batching) as cache:
+        for name, extra in (("none", {"top_k": None}), ("unset", {})):
+            got = cache.generate(torch.tensor([PROMPT]), **options, **extra, seed=3)[0, len(PROMPT):].tolist()
+            assert cache.last_call.executor == ("batched" if batching else "serial")
+            assert got == want[name]
+
+
 def test_an_unseeded_request_is_seeded_from_the_engines_entropy_on_both_engines():
     """Unseeded draws come from a generator of their own, seeded by the injected entropy source."""
     model = build_tiny("llama-gqa")

@@ -276,6 +276,40 @@ def test_only_ref_as_a_keyword_must_resolve_not_as_a_name_or_data():
             openai_strict([{"type": "function", "function": {"name": "g", "strict": True, "parameters": schema}}])
 
 
+def test_refs_resolve_against_the_base_a_nested_id_sets_as_the_validator_resolves_them():
+    """A $ref inside an embedded resource (a nested $id) resolves against that resource, as the validator resolves
+    it: served and applied, not refused as a reference outside the schema; one that resolves nowhere is refused."""
+    inner = {**CLOSED, "$id": "https://example.com/inner", "properties": {"x": {"$ref": "#/$defs/B"}},
+             "required": ["x"], "$defs": {"B": {"type": "integer"}}}
+    nested = {**CLOSED, "properties": {"p": {"$ref": "https://example.com/inner"}, "q": {"$id": "q/", **inner}},
+              "required": ["p", "q"], "$defs": {"A": inner}}
+    tools = [{"type": "function", "function": {"name": "g", "strict": True, "parameters": nested}}]
+    for strict in (openai_strict(tools), anthropic_strict(anthropic_tool(nested))):
+        check_arguments("g", {"p": {"x": 1}, "q": {"x": 2}}, strict["g"])
+        with pytest.raises(ToolArgumentsError, match=r"at \$\.q\.x"):
+            check_arguments("g", {"p": {"x": 1}, "q": {"x": "2"}}, strict["g"])
+    broken = {**nested, "$defs": {"A": {**inner, "properties": {"x": {"$ref": "#/$defs/C"}}}}}
+    with pytest.raises(InvalidRequestError, match="does not resolve"):
+        openai_strict([{"type": "function", "function": {"name": "g", "strict": True, "parameters": broken}}])
+
+
+def test_a_dynamic_ref_must_resolve_and_counts_as_recursion_where_its_draft_has_it():
+    """$dynamicRef (2020-12) resolves as $ref does: one that resolves nowhere is refused with the schema (a call
+    checked against it failed on the reference, a server error), one that leads back is Anthropic's recursion. In
+    a draft without the keyword it is an unknown one, applied nowhere."""
+    lost = {**CLOSED, "properties": {"a": {"$dynamicRef": "#nowhere"}}, "required": ["a"]}
+    for refuse in (lambda s: openai_strict([{"type": "function", "function": {"name": "g", "strict": True,
+                                                                                "parameters": s}}]),
+                   lambda s: anthropic_strict(anthropic_tool(s))):
+        with pytest.raises(InvalidRequestError, match="#nowhere.*does not resolve"):
+            refuse(lost)
+    looped = {**CLOSED, "$dynamicAnchor": "node", "properties": {"a": {"$dynamicRef": "#node"}}, "required": ["a"]}
+    with pytest.raises(InvalidRequestError, match="recursive"):
+        anthropic_strict(anthropic_tool(looped))
+    draft7 = {**lost, "$schema": "http://json-schema.org/draft-07/schema#"}
+    check_arguments("g", {"a": 1}, anthropic_strict(anthropic_tool(draft7))["g"])
+
+
 def test_a_pattern_that_backtracks_without_end_is_given_up_not_waited_for():
     """The caller's pattern meets the model's text on the event loop: past its time bound the call is not served."""
     validator = anthropic_strict(anthropic_tool({**CLOSED, "properties": {
@@ -452,6 +486,21 @@ def test_a_call_cut_after_a_string_quoting_the_end_marker_is_incomplete_not_brok
     broken, expected = CASES[-1][1:]
     assert openai_tool_use("hermes", [{"function": {"name": n}} for n in TOOLS], "auto").read(broken, cut=True) \
         == expected
+
+
+@pytest.mark.parametrize("tail", ["\n<", "\n</tool_c", " </tool_call"])
+def test_a_whole_call_quoting_the_end_marker_cut_inside_its_closing_tag_is_read_whole(tail):
+    """max_tokens cut a call's closing tag after its whole JSON, an argument quoting </tool_call>: the call is
+    read whole and checked (what the cut left of the tag is the tag's), not split at the quoted marker as a
+    broken call (an error for a strict tool, the text of a loose one)."""
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "a</tool_call>b"}}' + tail
+    use = openai_tool_use("hermes", strict_weather({"type": "string"}), "required")
+    for size in (len(call), 3):
+        parser = use.parser()
+        pieces = [p for at in range(0, len(call), size) for p in parser.feed(call[at:at + size])]
+        assert merge_texts(pieces + parser.finish(cut=True)) == [ToolCall("get_weather", '{"city": "a</tool_call>b"}')]
+    with pytest.raises(ToolArgumentsError, match="do not match"):
+        openai_tool_use("hermes", strict_weather({"type": "integer"}), "required").read(call, cut=True)
 
 
 def test_a_last_call_never_closed_whose_argument_quotes_the_end_marker_is_read_whole():
