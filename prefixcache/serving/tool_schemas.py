@@ -66,8 +66,8 @@ def openai_strict(tools: Sequence[Any] | None) -> dict[str, Validator]:
         at = f"tools[{i}].function.parameters"
         schema = function.get("parameters")
         schema = NO_ARGUMENTS if schema is None else schema
-        check_strict_shape(schema, str(function.get("name")), at)
         out[function.get("name")] = compile_schema(schema, at, formats=OPENAI_FORMATS)
+        check_strict_shape(schema, str(function.get("name")), at)
     return out
 
 
@@ -142,10 +142,10 @@ def first_mismatch(instance: Any, validator: Validator) -> ValidationError | Non
 
 
 def check_strict_shape(schema: Any, name: str, at: str, where: str = "#", owner: str = "strict function") -> None:
-    """OpenAI's strict-mode rules, whose breach it refuses with a 400: every object schema in ``schema`` (wherever
-    a keyword holds schemas, ``_subschemas``) sets ``additionalProperties`` to false and lists each of its
+    """OpenAI's strict-mode rules, whose breach it refuses with a 400: every object schema validation may apply in
+    ``schema`` (``_shaped``: a valid schema) sets ``additionalProperties`` to false and lists each of its
     ``properties`` in ``required``. ``owner``: what the error calls the schema's owner (named ``name``)."""
-    for path, node in _subschemas(schema, where):
+    for path, node in _shaped(schema, where):
         if not _is_object(node):
             continue
         if node.get("additionalProperties") is not False:
@@ -173,7 +173,7 @@ def check_anthropic_shape(schema: dict[str, Any], name: str | None, at: str, own
     def refuse(where: str, rule: str) -> InvalidRequestError:
         return InvalidRequestError(f"Invalid schema for {subject} at {where}: {rule}", param=at)
 
-    for where, node in _subschemas(schema):
+    for where, node in _shaped(schema):
         kind = node.get("type")
         if _is_object(node) and node.get("additionalProperties") is not False:
             raise refuse(where, "For 'object' type, 'additionalProperties' must be explicitly set to false")
@@ -320,6 +320,35 @@ def _applied(schema: dict[str, Any], unresolved: list[str] | None = None) -> Ite
                     unresolved.append(f"{key} {ref!r}")
             elif isinstance(resolved.contents, dict):
                 todo.append((resolved.contents, resolved.resolver))
+
+
+def _shaped(schema: Any, where: str = "#") -> Iterator[tuple[str, dict[str, Any]]]:
+    """The schema objects a strict schema's rules hold for, each with its JSON pointer: those inside ``schema``
+    (``_subschemas``), then those only a reference reaches (a ``$ref`` into a place no keyword holds schemas, as
+    an unknown keyword's value), each once."""
+    seen: set[int] = set()
+    for path, node in _subschemas(schema, where):
+        seen.add(id(node))
+        yield path, node
+    if not isinstance(schema, dict):
+        return
+    for node in _applied(schema):
+        if id(node) not in seen:
+            seen.add(id(node))
+            yield _pointer(schema, node, where) or f"{where} (a $ref's target)", node
+
+
+def _pointer(node: Any, target: Any, where: str) -> str | None:
+    """The JSON pointer of ``target`` (by identity) inside ``node`` at ``where``, or None."""
+    if node is target:
+        return where
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        if isinstance(value, dict | list):
+            found = _pointer(value, target, f"{where}/{str(key).replace('~', '~0').replace('/', '~1')}")
+            if found is not None:
+                return found
+    return None
 
 
 def _references(node: dict[str, Any], resolver: Any,

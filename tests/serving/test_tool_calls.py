@@ -310,6 +310,25 @@ def test_a_dynamic_ref_must_resolve_and_counts_as_recursion_where_its_draft_has_
     check_arguments("g", {"a": 1}, anthropic_strict(anthropic_tool(draft7))["g"])
 
 
+def test_strict_rules_hold_for_an_object_only_a_ref_reaches():
+    """An object schema under an unknown keyword is applied when a $ref reaches it: OpenAI's and Anthropic's strict
+    rules hold for it, named by its pointer; closed, it is served."""
+    def reaching(target: dict) -> dict:
+        return {**CLOSED, "properties": {"a": {"$ref": "#/x-extra/a"}}, "required": ["a"], "x-extra": {"a": target}}
+    open_object = {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}
+    openai = [{"type": "function", "function": {"name": "g", "strict": True, "parameters": reaching(open_object)}}]
+    with pytest.raises(InvalidRequestError, match="#/x-extra/a: 'additionalProperties'"):
+        openai_strict(openai)
+    with pytest.raises(InvalidRequestError, match="#/x-extra/a: For 'object' type, 'additionalProperties'"):
+        anthropic_strict(anthropic_tool(reaching(open_object)))
+    closed = {**open_object, "additionalProperties": False}
+    openai[0]["function"]["parameters"] = reaching(closed)
+    validator = openai_strict(openai)["g"]
+    with pytest.raises(ToolArgumentsError):
+        check_arguments("g", {"a": {"x": "y", "extra": 1}}, validator)
+    check_arguments("g", {"a": {"x": "y"}}, anthropic_strict(anthropic_tool(reaching(closed)))["g"])
+
+
 def test_a_pattern_that_backtracks_without_end_is_given_up_not_waited_for():
     """The caller's pattern meets the model's text on the event loop: past its time bound the call is not served."""
     validator = anthropic_strict(anthropic_tool({**CLOSED, "properties": {
