@@ -57,6 +57,7 @@ TIER_BYTES = "prefixcache_tier_bytes"  # gauge{tier}
 TIER_BUDGET = "prefixcache_tier_budget_bytes"  # gauge{tier}
 TIER_ENTRIES = "prefixcache_tier_entries"  # gauge{tier}
 TIER_DEGRADED = "prefixcache_tier_degraded"  # gauge{tier}: 1 while unreachable (Redis) or full (disk)
+TIER_QUEUED = "prefixcache_tier_queued_bytes"  # gauge{tier}: the writer's backlog (shared by the tiers)
 TIER_HITS = "prefixcache_tier_hits"  # counter{tier}
 TIER_MISSES = "prefixcache_tier_misses"  # counter{tier}
 TIER_RESTORES = "prefixcache_tier_restores"  # counter{tier}
@@ -84,6 +85,9 @@ _TIER_GAUGES = (
     (TIER_ENTRIES, "entries", "Blocks a tier holds."),
     (TIER_DEGRADED, "degraded", "1 while a tier is degraded (Redis unreachable or slow: requests recompute and it "
      "is retried with backoff; disk full: writes stop, reads go on)."),
+    (TIER_QUEUED, "queued_bytes", "Bytes of blocks queued for the tiers (written through, evicted or pinned) and not "
+     "yet written: the one writer's backlog, the same for every tier; a replica reads from a shared tier only "
+     "what has been written."),
 )
 
 COUNTERS = (REQUESTS, EXECUTOR, ERRORS, PROMPT_TOKENS, CACHED_TOKENS, COMPLETION_TOKENS, CHUNK_TOKENS, BLENDS,

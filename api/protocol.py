@@ -461,6 +461,7 @@ class TierInfo(BaseModel):
     budget_bytes: int
     entries: int
     degraded: int  # 1 while unreachable (Redis) or full (disk)
+    queued_bytes: int = 0  # blocks queued for the tiers below, not yet written (the writer's backlog, shared)
     hits: int
     misses: int
     restores: int

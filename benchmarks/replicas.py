@@ -20,7 +20,7 @@ import json
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 
@@ -140,8 +140,10 @@ def send(client: httpx.Client, url: str, call: Call, key: str) -> Answer:
     return answer
 
 
-def drive(url: str, calls: Sequence[Call], stagger: float = 0.05, timeout: float = 120.0) -> list[Answer]:
-    """One thread per group sends its calls in order; group g starts ``g * stagger`` s after the first."""
+def drive(url: str, calls: Sequence[Call], stagger: float = 0.05, timeout: float = 120.0,
+          settle: Callable[[], None] | None = None) -> list[Answer]:
+    """One thread per group sends its calls in order; group g starts ``g * stagger`` s after the first.
+    ``settle``: called after each answer, before the group's next call (``written_through``)."""
     groups = sorted({c.group for c in calls})
     keys = {g: f"sk-group-{g}" for g in groups}
     answers: list[Answer] = []
@@ -154,6 +156,8 @@ def drive(url: str, calls: Sequence[Call], stagger: float = 0.05, timeout: float
                 result = send(client, url, call, keys[g])
                 with lock:
                     answers.append(result)
+                if settle is not None:
+                    settle()
 
     threads = [threading.Thread(target=run, args=(g,), name=f"prefixcache-bench-group-{g}") for g in groups]
     for t in threads:
@@ -163,9 +167,12 @@ def drive(url: str, calls: Sequence[Call], stagger: float = 0.05, timeout: float
     return sorted(answers, key=lambda a: (a.group, a.index))
 
 
-def measure(running: Fleet, url: str, name: str, calls: Sequence[Call], tier: SharedTier = SharedTier()
-            ) -> RunResult:
-    """Flush every replica (and ``tier``), drive ``calls`` at ``url``, then read where each group ran."""
+def measure(running: Fleet, url: str, name: str, calls: Sequence[Call], tier: SharedTier = SharedTier(),
+            settle: bool = False) -> RunResult:
+    """Flush every replica (and ``tier``), drive ``calls`` at ``url``, then read where each group ran. ``settle``
+    (with a shared tier): each group's next call waits until every replica's tier writes have landed
+    (``written_through``), so a replica new to the group finds what another wrote through; without it a call
+    may come before the write, and misses."""
     groups = sorted({c.group for c in calls})
     with FanOut(running.urls, ADMIN_KEY) as fan:
         if not fan.flush()["ok"]:
@@ -173,7 +180,8 @@ def measure(running: Fleet, url: str, name: str, calls: Sequence[Call], tier: Sh
         tier.clear()
         before = [fan.stats(f"group-{g}")["replicas"] for g in groups]
         restored = tier_restores(fan)
-        result = RunResult(name, drive(url, calls))
+        wait = (lambda: written_through(fan)) if settle and tier.server is not None else None
+        result = RunResult(name, drive(url, calls, settle=wait))
         after = [fan.stats(f"group-{g}")["replicas"] for g in groups]
         if tier.server is not None:
             result.tier_restores = [n - m for n, m in zip(tier_restores(fan), restored, strict=True)]
@@ -183,6 +191,20 @@ def measure(running: Fleet, url: str, name: str, calls: Sequence[Call], tier: Sh
     return result
 
 
+def written_through(fan: FanOut, timeout: float = 30.0) -> None:
+    """Wait until no replica has tier writes queued (``queued_bytes``: written through, not yet in the tier)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        answers = fan.stats()["replicas"]
+        queued = sum(figures.get("queued_bytes", 0) for u in fan.replicas
+                     for figures in (answers[u].get("tiers") or {}).values())
+        if not queued:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{queued} bytes of tier writes still queued after {timeout} s")
+        time.sleep(0.01)
+
+
 def tier_restores(fan: FanOut) -> list[int]:
     """Each replica's count of prefixes restored from its Redis tier so far (0 without one)."""
     answers = fan.stats()["replicas"]
@@ -190,14 +212,15 @@ def tier_restores(fan: FanOut) -> list[int]:
 
 
 def compare(running: Fleet, calls: Sequence[Call], policies: Sequence[str] = ("cache_aware", "round_robin"),
-            tier: SharedTier = SharedTier(), reference: bool = True) -> list[RunResult]:
+            tier: SharedTier = SharedTier(), reference: bool = True, settle: bool = False) -> list[RunResult]:
     """The single-replica reference (unless ``reference`` is false), then each routing policy, in one run
-    on one fleet; ``tier`` is what the fleet's replicas share (its name is added to the runs' names)."""
+    on one fleet; ``tier`` is what the fleet's replicas share (its name is added to the runs' names);
+    ``settle``: as ``measure``'s."""
     suffix = "" if tier.server is None else f" + shared {tier.name.capitalize()} tier"
-    results = [measure(running, running.urls[0], "one replica" + suffix, calls, tier)] if reference else []
+    results = [measure(running, running.urls[0], "one replica" + suffix, calls, tier, settle)] if reference else []
     for policy in policies:
         router = running.router(policy)
-        results.append(measure(running, router.url, f"router: {policy}{suffix}", calls, tier))
+        results.append(measure(running, router.url, f"router: {policy}{suffix}", calls, tier, settle))
         router.server.stop()
     return results
 

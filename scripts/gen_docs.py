@@ -199,7 +199,7 @@ def _example_report() -> object:
     from prefixcache.serving.stats import CacheReport, HitCounts, ServerFigures
 
     one = {"example": 1}
-    tier = {**TierStats().snapshot(), "bytes": 1, "budget_bytes": 1, "entries": 1, "degraded": 0}
+    tier = {**TierStats().snapshot(), "bytes": 1, "budget_bytes": 1, "entries": 1, "degraded": 0, "queued_bytes": 0}
     server = ServerFigures(kv_bytes=one, kv_total_bytes=1, batching_enabled=True, batching_disabled_reason=None,
                            tiers={"example": tier})
     counts = HitCounts(*[1] * len(dataclasses.fields(HitCounts)))

@@ -328,6 +328,21 @@ def test_a_full_queue_drops_and_counts_without_blocking(tmp_path, clock):
     chain.close()
 
 
+def test_queued_bytes_is_the_writers_backlog_until_written(tmp_path, clock):
+    """``queued_bytes``: blocks queued and not yet written (a replica sharing the tier cannot read them yet)."""
+    store = make_store(clock, blocks_budget=100)
+    chain = disk_chain(tmp_path, policy="write-through")
+    store.attach(chain)
+    assert chain.flush_writes(5) and chain.stats()["disk"]["queued_bytes"] == 0
+    with chain._cv:  # hold the writer: the six blocks wait in its queue
+        insert(store, "a", SEQ)
+        queued = chain.stats()["disk"]["queued_bytes"]
+    assert queued > 0 and queued % 6 == 0  # six blocks of one size
+    assert chain.flush_writes(5) and chain.stats()["disk"]["queued_bytes"] == 0
+    assert chain.stats()["disk"]["write_backs"] == 6
+    chain.close()
+
+
 def test_a_full_disk_stops_writes_and_reads_go_on(tmp_path, clock, monkeypatch):
     store = make_store(clock, blocks_budget=100)
     chain = disk_chain(tmp_path, policy="write-through")

@@ -247,7 +247,10 @@ class TierChain:
         return deleted
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        """Per tier: gauges (bytes, budget, entries, degraded) and counters (``TierStats``). Never raises."""
+        """Per tier: gauges (bytes, budget, entries, degraded; ``queued_bytes``, the writer's backlog, which every
+        tier shares) and counters (``TierStats``). Never raises."""
+        with self._cv:
+            queued = self._pending
         out = {}
         for tier in self.tiers:
             try:
@@ -255,7 +258,7 @@ class TierChain:
             except Exception as exc:  # noqa: BLE001 - a scrape must not fail on a tier: report it degraded
                 log.warning("tier %s: figures failed: %s", tier.name, exc)
                 figures = {"bytes": 0, "budget_bytes": 0, "entries": 0, "degraded": 1}
-            out[tier.name] = {**figures, **tier.stats.snapshot()}
+            out[tier.name] = {**figures, "queued_bytes": queued, **tier.stats.snapshot()}
         return out
 
     def close(self) -> None:
