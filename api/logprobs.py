@@ -11,6 +11,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
 from prefixcache.serving.logprobs import TokenLogprob
 
 #: What OpenAI reports for a token of probability zero.
@@ -21,19 +23,8 @@ UNLIKELY = -9999.0
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-def _byte_level_alphabet() -> dict[str, int]:
-    """Byte-level BPE's (GPT-2's) printable stand-in of each byte, to that byte."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-            *range(ord("\u00ae"), ord("\u00ff") + 1)]
-    alphabet, extra = {chr(b): b for b in kept}, 0
-    for b in range(256):
-        if b not in kept:
-            alphabet[chr(256 + extra)] = b
-            extra += 1
-    return alphabet
-
-
-_BYTE_LEVEL = _byte_level_alphabet()
+#: Byte-level BPE's (GPT-2's) printable stand-in of each byte, to that byte.
+_BYTE_LEVEL = {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 def _is_byte_level(tokenizer: Any) -> bool:

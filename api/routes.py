@@ -40,7 +40,7 @@ from .errors import (
 from .fairness import InvalidBudget, retry_after_seconds
 from .jobs import Job, chat_job, choices, completion_job
 from .limits import NOT_JSON, check_chat, check_completion, check_counts, check_prewarm, read_body, utf8_text
-from .logprobs import TextOffsets, TokenText, chat_content, completion_logprobs
+from .logprobs import TextOffsets, chat_content, completion_logprobs
 from .metrics import CONTENT_TYPE
 from .protocol import (
     CacheDiagnostics,
@@ -292,7 +292,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, who: C
             name=call.name, arguments=call.arguments)) for i, call in enumerate(calls_of(parts))]
         message = ResponseMessage(content=text_of(parts) or (None if calls else ""), tool_calls=calls or None)
         logprobs = None if result.logprobs is None else {
-            "content": chat_content(result.logprobs, TokenText(srv.cache.tokenizer))}
+            "content": chat_content(result.logprobs, srv.token_text)}
         return ChatChoice(index=index, message=message, logprobs=logprobs,
                           finish_reason=_finish(result, bool(calls), cut_short(parts)))
 
@@ -316,7 +316,7 @@ async def completions(body: CompletionRequest, request: Request, who: Caller, sr
     echo = job.prompt if job.echo else None
 
     def answer(results: list[GenerationResult], meta: Meta) -> Completion:
-        names = TokenText(srv.cache.tokenizer)
+        names = srv.token_text
         return Completion(**meta.fields(), usage=_usage_of(results, jobs, srv), choices=[CompletionChoice(
             index=i, text=(echo or "") + result.text, finish_reason=_finish(result),
             logprobs=None if result.logprobs is None else completion_logprobs(result.logprobs, names, TextOffsets()))
@@ -521,7 +521,7 @@ async def _chat_events(streams: list[GenerationStream], meta: Meta, usage_chunk:
     choice's to finish), so every response reports ``cached_tokens``; with it, a last chunk with
     empty choices carries it. Choices stream side by side, each chunk one choice's, by its index.
     """
-    names = TokenText(srv.cache.tokenizer) if asked else None
+    names = srv.token_text if asked else None
 
     async def one(index: int, stream: GenerationStream) -> AsyncIterator[dict[str, Any]]:
         def choice(delta: dict[str, Any], finish: str | None = None, entries: list | None = None) -> dict[str, Any]:
@@ -581,7 +581,7 @@ async def _completion_events(streams: list[GenerationStream], meta: Meta, usage_
                              srv: Serving, jobs: list[Job], asked: bool = False) -> AsyncIterator[str]:
     """``asked``: the request asked for logprobs; each text delta carries its tokens' (as ``_chat_events``), their
     offsets counted over its choice's whole answer."""
-    names = TokenText(srv.cache.tokenizer) if asked else None
+    names = srv.token_text if asked else None
 
     async def one(index: int, stream: GenerationStream) -> AsyncIterator[dict[str, Any]]:
         offsets = TextOffsets()

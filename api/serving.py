@@ -34,6 +34,7 @@ from prefixcache.serving.stats import CacheReport
 from .admission import Admission, Place, Skipped
 from .errors import ClientClosedError, RequestTimeoutError, UnavailableError
 from .jobs import Job
+from .logprobs import TokenText
 from .metrics import Metrics
 from .settings import LOCAL_TENANT, Settings
 
@@ -63,6 +64,8 @@ class Serving:
         self.system_fingerprint = "fp_" + xxhash.xxh64_hexdigest(repr(cache.namespace("")).encode())[:12]
         self.created = int(time.time())
         self.tool_family = cache.tool_family
+        #: Token ids to their text and bytes for logprobs, worked out once each for the server's tokenizer.
+        self.token_text = TokenText(cache.tokenizer)
 
     # -- state ---------------------------------------------------------------------
     def queue(self) -> tuple[int, int]:

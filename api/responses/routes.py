@@ -95,10 +95,10 @@ async def create_response(body: ResponsesRequest, request: Request, who: Caller,
     def answer(result: GenerationResult, meta: Meta) -> ResponseObject:
         output = _items(read(result, job.tool_use), meta, job.tool_use, _status(result))
         if result.logprobs is not None:  # with logprobs asked, no tools: the answer is one message
-            output[0].content[0].logprobs = chat_content(result.logprobs, TokenText(srv.cache.tokenizer))
+            output[0].content[0].logprobs = chat_content(result.logprobs, srv.token_text)
         return finish(result, meta, output)
 
-    names = None if job.options.logprobs is None else TokenText(srv.cache.tokenizer)
+    names = None if job.options.logprobs is None else srv.token_text
     with _named_as_responses():
         return await respond(job, bool(body.stream), request, srv, "resp_", answer,
                              lambda stream, meta: _events(stream, meta, shape, job.tool_use, finish, names))
