@@ -13,7 +13,7 @@ Validation runs on the event loop, on text the model wrote, with patterns the ca
 that backtracks without end would hold every request up. So the ``pattern``s met in checking one call
 share one time bound (``regex``'s timeout; past it the call is not served), and ``patternProperties``,
 whose patterns jsonschema matches in several places with ``re``, is refused as a keyword of any schema validation
-applies (``_applied``; a property of that name is data). ``uniqueItems`` is checked
+applies (``schema_objects``; a property of that name is data). ``uniqueItems`` is checked
 in time linear in the array (jsonschema's compares every pair of unhashable items) and ``multipleOf``
 exactly on the numbers as written (jsonschema divides floats: 19.99 would not be a multiple of 0.01).
 """
@@ -102,7 +102,7 @@ def compile_schema(schema: Any, at: str, patterns: Patterns | None = None,
     except SchemaError as exc:
         raise InvalidRequestError(f"{at} is not a valid JSON schema: {exc.message}", param=at) from exc
     unresolved: list[str] = []
-    applied = list(_applied(schema, unresolved))
+    applied = list(schema_objects(schema, unresolved))
     if unresolved:
         raise InvalidRequestError(f"{at}: {unresolved[0]} does not resolve inside the schema (only "
                                   "references within it, such as #/$defs/..., are supported)", param=at)
@@ -294,15 +294,9 @@ def _is_object(schema: dict[str, Any]) -> bool:
     return kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in schema
 
 
-def schema_objects(schema: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """Every schema object validation may apply in ``schema`` (a valid JSON schema), as ``_applied``: their keys
-    are keywords, never a property's name or data."""
-    return _applied(schema)
-
-
-def _applied(schema: dict[str, Any], unresolved: list[str] | None = None) -> Iterator[dict[str, Any]]:
-    """Every schema object validation may apply: ``schema``, those inside it (``_subschemas``) and those its
-    references (``_references``) reach, wherever they lie, each once. Their keys are keywords; a property's name
+def schema_objects(schema: dict[str, Any], unresolved: list[str] | None = None) -> Iterator[dict[str, Any]]:
+    """Every schema object validation may apply in ``schema`` (a valid JSON schema): it, those inside it
+    (``_subschemas``) and those its references (``_references``) reach, wherever they lie, each once. Their keys are keywords; a property's name
     (a key of ``properties``) or a key inside ``const``, ``enum`` or ``default`` is data, never met here. A
     reference that does not resolve is skipped, and added to ``unresolved`` when given."""
     seen: set[int] = set()
@@ -332,7 +326,7 @@ def _shaped(schema: Any, where: str = "#") -> Iterator[tuple[str, dict[str, Any]
         yield path, node
     if not isinstance(schema, dict):
         return
-    for node in _applied(schema):
+    for node in schema_objects(schema):
         if id(node) not in seen:
             seen.add(id(node))
             yield _pointer(schema, node, where) or f"{where} (a $ref's target)", node
