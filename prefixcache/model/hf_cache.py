@@ -276,12 +276,13 @@ class CascadeCache(Cache):
                        [(snap[:, 0, :, :used], snap[:, 1, :, :used]) for snap, used in segments])
                       for members, segments in self.groups]
 
-    def step_key(self) -> tuple | None:
+    def step_key(self, own: bool = False) -> tuple | None:
         """What fixes every shape and address a forward over this cache reads, or None when it is not a
-        step of pooled decodes only. Two caches with equal keys run the same kernels on the same tensors
-        (stored snapshots, pool slabs) and differ only in ``step_inputs()``: a step captured over one
-        replays for the other once those are copied over."""
-        if self.own or not self.decoding:
+        step of pooled decodes only (``own``: or of rows writing their private KV, as a staged prompt's:
+        their slabs, slots and positions are in the key). Two caches with equal keys run the same kernels
+        on the same tensors (stored snapshots, pool slabs) and differ only in ``step_inputs()``: a step
+        captured over one replays for the other once those are copied over."""
+        if (self.own and not own) or not (self.decoding or self.own):
             return None
         total = self.spans[-1][1]
 
@@ -292,7 +293,8 @@ class CascadeCache(Cache):
                        for members, segments in self.groups)
         # The slab each group was built over (a view of it in the template: the pool may have moved on since).
         decoding = tuple((d.template.keys.data_ptr(), tuple(d.shape), d.slots, d.rows, d.end) for d in self.decoding)
-        return total, groups, decoding
+        owned = tuple((s, e, where(row.private.pool.slab), row.private.slot, row.start) for s, e, row in self.own)
+        return total, groups, decoding, owned
 
     def step_inputs(self) -> list[torch.Tensor]:
         """The tensors whose values change from step to step under one ``step_key``: the pooled decodes'

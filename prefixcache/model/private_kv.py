@@ -181,10 +181,14 @@ class PrivateKV:
 
     def load(self, kv: torch.Tensor) -> None:
         """Append tokens computed elsewhere: ``kv`` [L, 2, H, n, D] (e.g. a stored snapshot's tail)."""
-        n = kv.shape[3]
-        self.reserve(self.length + n)
-        self.pool.slab[:, :, self.slot, :, self.length : self.length + n].copy_(kv)
-        self.length += n
+        self.reserve(self.length + kv.shape[3])
+        self.place(self.length, kv)
+        self.length += kv.shape[3]
+
+    def place(self, start: int, kv: torch.Tensor) -> None:
+        """Write ``kv`` [L, 2, H, n, D] at private positions [start, start + n) of every layer, in one copy
+        (room reserved; ``length`` is the caller's to move, as after ``write``)."""
+        self.pool.slab[:, :, self.slot, :, start : start + kv.shape[3]].copy_(kv)
 
     def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         slab = self.pool.slab

@@ -14,6 +14,15 @@ captured step, replayed on the inputs of the step just run eagerly, must give th
 else capturing is switched off for good (``disabled``, with the reason) and every step runs
 eagerly. A capture that raises does the same. Captured steps are kept for the ``limit`` most
 recently used keys.
+
+A prompt's last part prefilled alone (a hit: its prefix is stored; or a short prompt) launches as
+many kernels as a decode step, for one token's worth of first-token time. Such a step is *staged*
+(``run(..., staged=True)``): the caller pads its tokens to a bucket (``bucket``: a power of two) and
+points its one row at a staging slab of that bucket (``staging``), the same tensor for every step of
+that bucket, then copies the real tokens' keys and values into the request's own KV. Its key is then
+the bucket and the stored prefix it reads, which repeats whenever requests share a prefix and their new
+tokens a bucket, in any order with other steps: a key seen ``repeats`` times is captured. Staged steps
+that fail to capture or replay switch off staged capturing only (``prefill_disabled``).
 """
 from __future__ import annotations
 
@@ -25,7 +34,9 @@ from typing import Protocol
 
 import torch
 
-from prefixcache.model.hf_cache import CascadeCache
+from prefixcache.model.hf_cache import CascadeCache, private_pool
+from prefixcache.model.layout import KVLayout
+from prefixcache.model.private_kv import PrivateKV
 
 log = logging.getLogger(__name__)
 
@@ -50,33 +61,70 @@ class _Captured:
 class StepGraphs:
     """Decode steps captured by ``capture`` and replayed (see the module docstring)."""
 
-    def __init__(self, forward: Forward, capture: Capture, repeats: int = 2, limit: int = 8):
-        if repeats < 1 or limit < 1:
-            raise ValueError("repeats and limit must be at least 1")
+    def __init__(self, forward: Forward, capture: Capture, repeats: int = 2, limit: int = 8,
+                 staged_tokens: int = 0):
+        """``staged_tokens``: the most new tokens a staged step may have (0: none is staged)."""
+        if repeats < 1 or limit < 1 or staged_tokens < 0:
+            raise ValueError("repeats and limit must be at least 1, staged_tokens at least 0")
         self._forward, self._capture, self.repeats, self.limit = forward, capture, repeats, limit
+        self.staged_tokens = staged_tokens
         self._steps: OrderedDict[tuple, _Captured] = OrderedDict()
         self._last: tuple | None = None
         self._seen = 0
+        self._staged_seen: OrderedDict[tuple, int] = OrderedDict()  # staged keys not captured yet: times seen
+        self._staging: dict[int, PrivateKV] = {}  # by bucket
         self.disabled: str | None = None  # why capturing was switched off
+        self.prefill_disabled: str | None = None  # why capturing staged steps was switched off
         self.captures = self.replays = 0
+        self.staged_captures = self.staged_replays = 0  # of those, staged prompt steps
 
-    def run(self, cache: CascadeCache, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    def bucket(self, tokens: int) -> int | None:
+        """The padded length a staged step of ``tokens`` new tokens runs at (the next power of two, at
+        least 16), or None when it is not staged (more than ``staged_tokens``, or staging is off)."""
+        if self.prefill_disabled is not None or not 0 < tokens <= self.staged_tokens:
+            return None
+        return max(16, 1 << (tokens - 1).bit_length())
+
+    def staging(self, bucket: int, layout: KVLayout) -> PrivateKV:
+        """The staging slab of ``bucket`` tokens (made on first use; one per bucket, kept)."""
+        kv = self._staging.get(bucket)
+        if kv is None:
+            kv = self._staging[bucket] = private_pool(layout, bucket).acquire(bucket)
+            kv.reserve(bucket)
+        return kv
+
+    @property
+    def staging_bytes(self) -> int:
+        return sum(kv.pool.nbytes for kv in self._staging.values())
+
+    def run(self, cache: CascadeCache, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor,
+            staged: bool = False) -> torch.Tensor:
         """Logits of the step: replayed when its shape was captured, else computed eagerly (and captured
-        when the shape has repeated enough)."""
-        key = None if self.disabled is not None else cache.step_key()
+        when the shape has repeated enough). ``staged``: a staged step (see the module docstring)."""
+        off = self.prefill_disabled if staged else self.disabled
+        key = None if off is not None else cache.step_key(own=staged)
         if key is None:
             return self._forward(ids, pos, cache, keep)
+        key = ("staged" if staged else "decode", key)
         captured = self._steps.get(key)
         if captured is not None:
             for target, value in zip(captured.inputs, [ids, pos, keep, *cache.step_inputs()], strict=True):
                 target.copy_(value)
             self._steps.move_to_end(key)
             self.replays += 1
+            self.staged_replays += staged
             return captured.replay()
-        self._seen = self._seen + 1 if key == self._last else 1
-        self._last = key
         logits = self._forward(ids, pos, cache, keep)
-        if self._seen >= self.repeats:
+        if staged:  # seen so often, in any order with other steps
+            seen = self._staged_seen.pop(key, 0) + 1
+            self._staged_seen[key] = seen
+            while len(self._staged_seen) > 4 * self.limit:
+                self._staged_seen.popitem(last=False)
+        else:  # seen so often in a row
+            seen = self._seen = self._seen + 1 if key == self._last else 1
+            self._last = key
+        if seen >= self.repeats:
+            self._staged_seen.pop(key, None)
             self._capture_step(key, cache, ids, pos, keep, logits)
         return logits
 
@@ -84,6 +132,7 @@ class StepGraphs:
                       keep: torch.Tensor, logits: torch.Tensor) -> None:
         """Capture the step just run eagerly (its inputs as they are), replay it, and keep it if it gives
         the same logits. Writing the step's keys again is harmless: the same values at the same places."""
+        kind = "staged prompt step" if key[0] == "staged" else "decode step"
         constant = cache.step_constants(ids.device)  # planned by the eager step already
         inputs = [ids.clone(), pos.clone(), keep.clone()]
         static_ids, static_pos, static_keep = inputs
@@ -96,21 +145,30 @@ class StepGraphs:
             replay = self._capture(step)
             again = replay()
         except Exception as exc:  # noqa: BLE001 - the eager step stands; capturing goes off
-            self._disable(f"capturing a decode step failed: {type(exc).__name__}: {exc}")
+            self._disable(key[0], f"capturing a {kind} failed: {type(exc).__name__}: {exc}")
             return
         differs = replay_difference(again, logits)
         if differs is not None:
-            self._disable(f"a captured decode step replayed {differs}")
+            self._disable(key[0], f"a captured {kind} replayed {differs}")
             return
         self._steps[key] = _Captured(replay, [*inputs, *cache.step_inputs()], constant)
         self.captures += 1
+        self.staged_captures += key[0] == "staged"
         while len(self._steps) > self.limit:
             self._steps.popitem(last=False)
 
-    def _disable(self, reason: str) -> None:
-        log.warning("%s; decode steps run eagerly from now on", reason)
-        self.disabled = reason
-        self._steps.clear()
+    def _disable(self, kind: str, reason: str) -> None:
+        """Switch capturing steps of ``kind`` ("decode" or "staged") off for good; the other kind's stay."""
+        if kind == "staged":
+            log.warning("%s; prompt steps run kernel by kernel from now on", reason)
+            self.prefill_disabled = reason
+            self._staged_seen.clear()
+            self._staging.clear()
+        else:
+            log.warning("%s; decode steps run eagerly from now on", reason)
+            self.disabled = reason
+        for key in [k for k in self._steps if k[0] == kind]:
+            del self._steps[key]
 
 
 def device_capture(device: torch.device) -> Capture | None:

@@ -94,6 +94,11 @@ class BatchConfig:
     step_graphs: bool = True
     #: Captured step shapes kept (the most recently used): each holds one step's activations.
     captured_steps: int = 8
+    #: With ``step_graphs`` on CUDA: a request's last prompt tokens prefilled alone in a step, at most
+    #: this many (a hit's new tokens after its stored prefix), run padded to the next power of two
+    #: (at least 16) over a staging slab of that size, and are captured once the same stored prefix
+    #: and size repeat; 0: prompt steps run kernel by kernel.
+    captured_prompt_tokens: int = 512
     #: Draw a step's sampled rows that only warp their logits (temperature, top-k, top-p) where the
     #: logits are: unseeded ones together (a few kernels for all rows instead of a copy to the host and a
     #: dozen host operations each), seeded ones each from a generator of its own there, as ``generate()``
@@ -108,6 +113,7 @@ class BatchConfig:
         check_positive("fault_window_seconds", self.fault_window_seconds)
         check_int("pool_max_tokens", self.pool_max_tokens, 0, None)
         check_int("fold_max_tokens", self.fold_max_tokens, 0, None)
+        check_int("captured_prompt_tokens", self.captured_prompt_tokens, 0, None)
         check_positive("max_wait_seconds", self.max_wait_seconds)
         if not isinstance(self.step_graphs, bool):
             raise ConfigError("step_graphs", self.step_graphs, "true or false")
@@ -198,7 +204,8 @@ class BatchEngine:
             if overrides is not None:
                 self.config = BatchConfig.for_device(layout, **overrides)
             capture = step_capture or (device_capture(layout.device) if self.config.step_graphs else None)
-            self.runner = ModelRunner(model, layout, capture, self.config.captured_steps)
+            self.runner = ModelRunner(model, layout, capture, self.config.captured_steps,
+                                      self.config.captured_prompt_tokens)
             self.scheduler = Scheduler(store, layout, self.config, clock, self._finish, entropy)
         except UnsupportedModelError as exc:
             self.disabled_reason = str(exc)

@@ -4,7 +4,10 @@ The runner owns the tensors of a step: it packs every request's new tokens into 
 sequence, builds the ``CascadeCache`` that routes each request's attention over its shared
 prefix snapshots (read in place) and its private KV, and runs one forward: the model's own
 forward (``cascade_step``). With a ``Capture`` (CUDA graphs on CUDA), steps of decodes whose
-shape repeats are captured and replayed (``StepGraphs``).
+shape repeats are captured and replayed (``StepGraphs``), and so are steps of one request's last
+prompt tokens alone, at most ``staged_tokens`` of them (a hit's new tokens after its stored prefix):
+those run *staged*, padded to a bucket over a staging slab, whether replayed or not, so a prompt gets
+the same answer before and after its shape is captured.
 """
 from __future__ import annotations
 
@@ -22,17 +25,25 @@ from prefixcache.serving.request import Request
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, layout: KVLayout, capture: Capture | None = None,
-                 captured_steps: int = 8):
-        """``capture``: how steps of decodes are captured (None: every step runs eagerly);
-        ``captured_steps``: how many step shapes stay captured (the most recently used)."""
+                 captured_steps: int = 8, staged_tokens: int = 0):
+        """``capture``: how steps are captured (None: every step runs eagerly); ``captured_steps``: how
+        many step shapes stay captured (the most recently used); ``staged_tokens``: the most new tokens
+        of a prompt step that is staged (0: none; only with a ``capture``)."""
         self.model, self.layout = model, layout
         self.kernels = kernels_for(layout.device, layout.dtype, layout.head_dim)  # attention calls, one per model
-        self.graphs = None if capture is None else StepGraphs(self._forward, capture, limit=captured_steps)
+        self.graphs = None if capture is None else StepGraphs(self._forward, capture, limit=captured_steps,
+                                                               staged_tokens=staged_tokens)
         self.steps = 0
 
     def run(self, plan: Sequence[tuple[Request, int]]) -> torch.Tensor:
         """One packed forward of ``plan`` ((request, new tokens) pairs); returns logits [K, V] for the
         K requests whose prompt is complete after this step (they sample), in plan order."""
+        if len(plan) == 1 and self.graphs is not None:
+            req, n = plan[0]
+            bucket = self.graphs.bucket(n)
+            if (bucket is not None and req.prefilling and req.private.length == 0
+                    and req.held_len + n == len(req.prompt)):
+                return self._run_staged(req, n, bucket)
         ids, pos, rows, keep, at = [], [], [], [], 0
         for req, n in plan:
             start = req.held_len
@@ -55,6 +66,26 @@ class ModelRunner:
                 logits = self.graphs.run(cache, ids_t, pos_t, keep_t)
         self.steps += 1
         return logits.clone()  # [K, V], a normal tensor for the samplers (a replay refills its output)
+
+    def _run_staged(self, req: Request, n: int, bucket: int) -> torch.Tensor:
+        """The last ``n`` prompt tokens of ``req`` (which holds no private tokens yet), staged: padded to
+        ``bucket`` with copies of the last token at its position (the causal mask keeps them from every
+        real row) over the bucket's staging slab, whose first ``n`` tokens are then copied to ``req``'s
+        private KV. Logits [1, V] of its last real token."""
+        start = req.held_len
+        new = req.prompt[start : start + n]
+        staging = self.graphs.staging(bucket, self.layout)
+        req.private.reserve(n)
+        cache = CascadeCache([CascadeRow(req.segments, staging, 0, bucket)], self.layout.num_layers, self.kernels)
+        pad = bucket - n
+        packed = index_tensor([*new, *[new[-1]] * pad, *range(start, start + n), *[start + n - 1] * pad, n - 1],
+                              self.layout.device)
+        with torch.inference_mode():
+            logits = self.graphs.run(cache, packed[:bucket], packed[bucket : 2 * bucket], packed[2 * bucket :],
+                                     staged=True)
+            req.private.place(0, staging.window(0, n))
+        self.steps += 1
+        return logits.clone()
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, cache: CascadeCache, keep: torch.Tensor) -> torch.Tensor:
         before = cache.calls

@@ -291,10 +291,12 @@ def draw_rows(scores: torch.Tensor, warps: Sequence[tuple[float, int, float]], u
 def draw_seeded(scores: torch.Tensor, samplers: Sequence[Sampler], generators: Sequence[torch.Generator]) -> list[int]:
     """One token for each row of ``scores`` ([S, V] float32, on any device) as a seeded ``generate()`` draws it
     on that device: the row's warpers (``Sampler.seeded_warps``: they read no token ids; applied at once to the
-    rows that have the same), a softmax and ``torch.multinomial`` from the row's own generator (on that device,
-    seeded with the request's seed). A row that is no distribution raises ``RuntimeError`` (its draw ran on a
-    stand-in, so ``torch.multinomial`` never refuses it on the device). ``torch.multinomial`` checks its input on
-    the host, waiting for the device twice a row; the tokens and the rows' validity come back in one copy."""
+    rows that have the same), a softmax, then ``torch.multinomial``'s draw of one sample: the argmax of the
+    probabilities over exponential variates drawn from the row's own generator (on that device, seeded with
+    the request's seed) into a row of the probabilities' shape, as that function draws them. Only the variates
+    are drawn row by row; ``torch.multinomial`` itself would also wait for the device twice a row to check its
+    input. A row that is no distribution raises ``RuntimeError`` (its draw ran on a stand-in: a device never
+    sees it). The tokens and the rows' validity come back in one copy."""
     none = torch.empty((1, 0), dtype=torch.long, device=scores.device)
     groups: dict[tuple, list[int]] = {}
     for i, sampler in enumerate(samplers):
@@ -306,12 +308,13 @@ def draw_seeded(scores: torch.Tensor, samplers: Sequence[Sampler], generators: S
     probs = torch.softmax(warped, dim=-1)
     valid = torch.isfinite(probs).all(dim=1) & (probs.sum(dim=1) > 0)
     probs = torch.where(valid[:, None], probs, 1.0)
-    picks = [torch.multinomial(probs[i : i + 1], 1, generator=generator)[0]
-             for i, generator in enumerate(generators)]
-    drawn = torch.cat([*picks, valid.long()]).tolist()
-    if not all(drawn[len(picks):]):
+    variates = torch.empty_like(probs)
+    for i, generator in enumerate(generators):
+        variates[i : i + 1].exponential_(1, generator=generator)
+    drawn = torch.cat([torch.argmax(probs / variates, dim=-1), valid.long()]).tolist()
+    if not all(drawn[len(samplers):]):
         raise RuntimeError(NOT_A_DISTRIBUTION)
-    return drawn[: len(picks)]
+    return drawn[: len(samplers)]
 
 
 def _draw_sorted(values: torch.Tensor, index: torch.Tensor, drop: torch.Tensor, u: torch.Tensor,

@@ -315,6 +315,60 @@ def test_decode_steps_are_captured_in_reduced_precision(dtype):
     assert answers[True] == answers[False]
 
 
+HIT_SUFFIXES = [[7] * 3, [9, 8, 7, 6, 5], [5] * 3, list(range(30, 39)), list(range(40, 57)), [4] * 4, [6] * 3,
+                list(range(60, 66)), list(range(70, 81))]
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa", "gpt2", "qwen2"])
+def test_hits_are_staged_and_captured_as_cuda_graphs_and_answer_exactly(arch):
+    """float32: hits of 3-17 new tokens on a stored prefix, one after another (staged prompt steps: padded to
+    a bucket of 16 or 32, captured as a CUDA graph once a bucket repeats, replayed after): answers equal
+    ``generate()``. Bucket 16's second hit is captured and its later six replayed (the one hit of 17 tokens
+    and the cold prefix's bucket of 64 are seen once); staging never switched off."""
+    model = build_tiny(arch).to("cuda")
+    ref = untouched(model).to("cuda")
+    prefix = [5 + (j * 13) % 300 for j in range(48)]
+    prompts = [prefix + suffix for suffix in HIT_SUFFIXES]
+    want = [ref.generate(torch.tensor([p], device="cuda"), max_new_tokens=8, min_new_tokens=8,
+                         do_sample=False)[0, len(p):].tolist() for p in prompts]
+    scope = Scope(("t", "m"), "t")
+    with PrefixCache(model, start_sweeper=False) as pc:
+        engine = pc.batcher
+        engine.generate(prefix, scope, SamplingParams(max_new_tokens=1))
+        got = []
+        for p in prompts:
+            result = engine.generate(p, scope, SamplingParams(max_new_tokens=8, min_new_tokens=8))
+            assert result.stats.cached_tokens == len(prefix)
+            got.append(result.tokens)
+        graphs = engine.runner.graphs
+        assert graphs.prefill_disabled is None, graphs.prefill_disabled
+        assert (graphs.staged_captures, graphs.staged_replays) == (1, 6)
+    assert got == want
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+def test_staged_hits_replayed_as_cuda_graphs_answer_as_the_same_steps_run_eagerly(dtype):
+    """bfloat16/float16: staged hits replayed from CUDA graphs give the tokens of the same staged steps run
+    kernel by kernel (a capture that reruns the step's Python)."""
+    from tests.serving.test_step_graphs import engine_with, rerun
+
+    prefix = [5 + (j * 13) % 300 for j in range(48)]
+    scope = Scope(("t", "m"), "t")
+    answers = {}
+    for name, capture in (("eager", rerun), ("graphs", None)):
+        model = build_tiny("llama-gqa").to("cuda", dtype)
+        engine = engine_with(model, capture)
+        try:
+            engine.generate(prefix, scope, SamplingParams(max_new_tokens=1))
+            answers[name] = [engine.generate(prefix + s, scope, SamplingParams(max_new_tokens=8)).tokens
+                             for s in HIT_SUFFIXES]
+            graphs = engine.runner.graphs
+            assert graphs.prefill_disabled is None and graphs.staged_replays == 6, graphs.prefill_disabled
+        finally:
+            engine.close()
+    assert answers["graphs"] == answers["eager"]
+
+
 def test_documents_blend_on_cuda():
     """float32 on CUDA: a first sight is prefilled and its documents stored; moved documents blended at the
     default share give, on the batching engine (serving the serial engine's blend), the serial engine's tokens

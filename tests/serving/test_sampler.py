@@ -241,6 +241,7 @@ def seeded_against_multinomial(device: str) -> None:
             want = [int(torch.multinomial(torch.softmax(s.processors(None, scores[i:i + 1]), dim=-1), 1,
                                           generator=theirs[i])) for i, s in enumerate(samplers)]
             assert got == want
+            assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(ours, theirs, strict=True))
 
 
 def test_seeded_rows_drawn_at_once_draw_what_multinomial_draws_row_by_row():

@@ -116,11 +116,102 @@ def test_captured_steps_are_bounded_and_evicted_least_recently_used():
         graphed.close()
 
 
+# -- staged prompt steps (a hit's new tokens alone in a step) ---------------------------
+
+SUFFIXES = [[7] * 3, [9, 8, 7, 6, 5], [5] * 3, list(range(30, 39)), list(range(40, 57)), [4] * 4, [6] * 3]
+
+
+def hits(engine, logprobs=None, seed=None, new=5, shift=0):
+    """Each suffix (its tokens moved by ``shift``) after the stored ``PREFIX``, one call after another (each
+    prefilled alone in a step, over the prefix alone): tokens, and their log-probabilities where asked."""
+    out = []
+    for i, suffix in enumerate(SUFFIXES):
+        params = SamplingParams(max_new_tokens=new, logprobs=logprobs, temperature=None if seed is None else 0.9,
+                                seed=None if seed is None else seed + i)
+        result = engine.generate(PREFIX + [t + shift for t in suffix], SCOPE, params)
+        assert result.stats.cached_tokens == len(PREFIX)
+        out.append((result.tokens, [lp.logprob for lp in result.logprobs]))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama-gqa", "gpt2"])
+def test_hits_are_staged_captured_once_their_shape_repeats_and_answer_like_eager_steps(arch):
+    """Hits of 3-17 new tokens on a stored prefix (buckets of 16 and 32 tokens), greedy then seeded: the
+    same tokens as the engine that runs every step unpadded and eagerly, their log-probabilities within
+    float32 rounding (padding changes the shapes the kernels see, not what a real row attends to). The
+    second hit of a bucket is captured, later ones replayed."""
+    eager = engine_with(build_tiny(arch), None, max_batch=8, private_chunk=4)
+    graphed = engine_with(build_tiny(arch), rerun, max_batch=8, private_chunk=4)
+    try:
+        for engine in (eager, graphed):
+            engine.generate(PREFIX, SCOPE, SamplingParams(max_new_tokens=1))  # a cold 40-token prompt: staged too
+        for seed, shift in ((None, 0), (5, 100)):  # new suffixes: each hit reads the prefix alone
+            want = hits(eager, logprobs=0, seed=seed, shift=shift)
+            got = hits(graphed, logprobs=0, seed=seed, shift=shift)
+            assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
+            for (_, ours), (_, theirs) in zip(got, want):
+                assert ours == pytest.approx(theirs, abs=1e-4)
+        graphs = graphed.runner.graphs
+        assert graphs.prefill_disabled is None and graphs.disabled is None
+        # Bucket 16: seen on the first hit, captured on the second, replayed on the other 10 of 12;
+        # bucket 32: once a round, captured on the second; the cold prompt's bucket of 64: seen once.
+        assert (graphs.staged_captures, graphs.staged_replays) == (2, 10)
+        assert graphs.staging_bytes == (16 + 32 + 64) * graphed.layout.bytes_per_token
+    finally:
+        eager.close()
+        graphed.close()
+
+
+def test_a_staged_step_that_fails_to_capture_switches_off_staging_only():
+    """A capture that raises at its first use (a staged hit): staged steps go back to running unpadded,
+    decode steps are still captured and replayed, and every answer equals the eager engine's."""
+    calls = []
+
+    def refuses_first(fn):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return fn
+
+    eager = engine_with(build_tiny("llama-gqa"), None, max_batch=8)
+    broken = engine_with(build_tiny("llama-gqa"), refuses_first, max_batch=8)
+    try:
+        for engine in (eager, broken):
+            engine.generate(PREFIX, SCOPE, SamplingParams(max_new_tokens=1))
+        assert hits(broken, new=1) == hits(eager, new=1)  # one token: no decode step to capture
+        graphs = broken.runner.graphs
+        assert "capturing a staged prompt step failed: RuntimeError" in graphs.prefill_disabled
+        assert graphs.bucket(3) is None and graphs.staging_bytes == 0
+        assert answers(broken, PROMPTS, NEWS) == answers(eager, PROMPTS, NEWS)
+        assert graphs.disabled is None and graphs.replays > 0 and graphs.staged_replays == 0
+    finally:
+        eager.close()
+        broken.close()
+
+
+def test_staged_prompt_steps_are_bounded_by_captured_prompt_tokens():
+    """Hits of more new tokens than ``captured_prompt_tokens`` run as before; 0 stages none."""
+    for limit, staged in ((8, (1, 3)), (0, (0, 0))):
+        graphed = engine_with(build_tiny("llama-gqa"), rerun, max_batch=8, captured_prompt_tokens=limit)
+        try:
+            graphed.generate(PREFIX, SCOPE, SamplingParams(max_new_tokens=1))
+            hits(graphed, new=1)
+            graphs = graphed.runner.graphs
+            # Limit 8: the five hits of 3-5 new tokens (one seen, one captured, three replayed), not the cold
+            # prompt of 40 nor the hits of 9 and 17.
+            assert (graphs.staged_captures, graphs.staged_replays) == staged
+            assert graphs.staging_bytes == (16 * graphed.layout.bytes_per_token if limit else 0)
+        finally:
+            graphed.close()
+
+
 def test_a_batched_config_validates_captured_steps():
     from prefixcache.errors import ConfigError
 
     with pytest.raises(ConfigError, match="captured_steps"):
         BatchConfig(captured_steps=0)
+    with pytest.raises(ConfigError, match="captured_prompt_tokens"):
+        BatchConfig(captured_prompt_tokens=-1)
     with pytest.raises(ConfigError, match="step_graphs"):
         BatchConfig(step_graphs="yes")
 
@@ -158,6 +249,13 @@ def test_the_key_is_what_fixes_a_step_s_shapes_and_addresses():
     assert _step(pool, privates[:2], snap, 12).step_key() != first.step_key()  # a request left
     assert _step(pool, privates, snap.clone(), 12).step_key() != first.step_key()  # another snapshot
     assert _step(pool, privates, snap, 12, counts=[1, 3, 1]).step_key() is None  # a prompt chunk: not decodes only
+    # A staged step's key: its rows' slabs, slots and positions are in it.
+    staging = private_pool(LAYOUT, 16).acquire(16)
+    staged = _step(None, [staging], snap, 12, counts=[16])
+    assert staged.step_key(own=True) == _step(None, [staging], snap, 12, counts=[16]).step_key(own=True)
+    assert staged.step_key(own=True) != _step(None, [staging], snap, 11, counts=[16]).step_key(own=True)
+    other = private_pool(LAYOUT, 16).acquire(16)
+    assert staged.step_key(own=True) != _step(None, [other], snap, 12, counts=[16]).step_key(own=True)
     # Without whole-slot decodes the keys read grow every step: no two steps alike.
     a = _step(pool, privates, snap, 12, whole=False).step_key()
     for private in privates:
