@@ -3,9 +3,12 @@ beside the bare forward of the same new tokens on a ready cache.
 
 Run: ``python benchmarks/hit_breakdown.py [--tokens 8192] [--new 128] [--shape llama-1b]`` (CUDA, bfloat16;
 on a CPU, float32). Phases, in milliseconds, median of the runs: ``submit`` (the call up to the request
-queued), ``queued`` (until the loop plans it), ``plan`` (admission and step plan), ``build`` (the step's
-tensors), ``forward`` (the packed forward, device drained), ``sample`` (logits to token), ``return``
-(from the token to the call's return). ``--series`` also prints each run's figures, in order.
+queued), ``queued`` (until the loop plans it), ``plan`` (admission and step plan), ``step`` (the step's
+tensors and its forward, kernel by kernel or replayed as a captured graph, device drained), ``sample``
+(logits to token), ``return`` (from the token to the call's return). ``--series`` also prints each run's
+figures, in order. On CUDA the hits of one size on one prefix are captured once seen twice (staged prompt
+steps): the two warm-up runs see and capture it, the timed ones replay it; ``--eager`` times them kernel
+by kernel instead (``captured_prompt_tokens=0``).
 """
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--shape", default="llama-1b")
     parser.add_argument("--runs", type=int, default=7)
-    parser.add_argument("--series", action="store_true", help="also print every run's first token and forward")
+    parser.add_argument("--series", action="store_true", help="also print every run's first token and step")
+    parser.add_argument("--eager", action="store_true", help="no staged prompt steps: every hit kernel by kernel")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -40,7 +44,7 @@ def main() -> None:
         return time.perf_counter()
 
     marks: dict[str, float] = {}
-    run, step, schedule = model_runner.ModelRunner.run, model_runner.cascade_step, engine_module.Scheduler.schedule
+    run, schedule = model_runner.ModelRunner.run, engine_module.Scheduler.schedule
     submit = engine_module.BatchEngine.submit
 
     def timed_submit(self, *a, **k):
@@ -55,15 +59,9 @@ def main() -> None:
         return plan
 
     def timed_run(self, plan):
-        marks["build0"] = time.perf_counter()
+        marks["step0"] = time.perf_counter()
         out = run(self, plan)
-        marks["run1"] = now()
-        return out
-
-    def timed_step(*a, **k):
-        marks["fwd0"] = now()
-        out = step(*a, **k)
-        marks["fwd1"] = now()
+        marks["step1"] = now()
         return out
 
     class First:
@@ -79,14 +77,15 @@ def main() -> None:
             pass
 
     engine_module.BatchEngine.submit, engine_module.Scheduler.schedule = timed_submit, timed_schedule
-    model_runner.ModelRunner.run, model_runner.cascade_step = timed_run, timed_step
+    model_runner.ModelRunner.run = timed_run
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     prefix = _ids(gen, args.tokens, vocab)
     phases: dict[str, list[float]] = {}
     bare: list[float] = []
 
-    with PrefixCache(model, config=CacheConfig(max_bytes=8 << 30), start_sweeper=False) as cache:
+    batching = {"captured_prompt_tokens": 0} if args.eager else True
+    with PrefixCache(model, config=CacheConfig(max_bytes=8 << 30), start_sweeper=False, batching=batching) as cache:
         cache.generate([prefix], max_new_tokens=1, do_sample=False)
         with torch.inference_mode():  # the model's own cache of the prefix, as a plain forward leaves it
             ready = model(input_ids=torch.tensor([prefix], device=device), use_cache=True).past_key_values
@@ -106,15 +105,19 @@ def main() -> None:
             bare.append(t1 - t0)
             m = marks
             for name, a, b in (("submit", start, m["submitted"]), ("queued", m["submitted"], m["plan0"]),
-                               ("plan", m["plan0"], m["plan1"]), ("build", m["build0"], m["fwd0"]),
-                               ("forward", m["fwd0"], m["fwd1"]), ("sample", m["fwd1"], m["token"]),
+                               ("plan", m["plan0"], m["plan1"]), ("step", m["step0"], m["step1"]),
+                               ("sample", m["step1"], m["token"]),
                                ("return", m["token"], end), ("first token", start, m["token"])):
                 phases.setdefault(name, []).append(b - a)
     for name, values in phases.items():
         print(f"{name:12s} {statistics.median(values) * 1e3:8.2f} ms")
+    graphs = cache.batcher.runner.graphs
+    if graphs is not None:
+        print(f"staged prompt steps replayed: {graphs.staged_replays}"
+              + (f" (capturing off: {graphs.prefill_disabled})" if graphs.prefill_disabled else ""))
     print(f"{'bare forward':12s} {statistics.median(bare) * 1e3:8.2f} ms")
     if args.series:
-        for name, values in (("first token", phases["first token"]), ("forward", phases["forward"]),
+        for name, values in (("first token", phases["first token"]), ("step", phases["step"]),
                              ("bare forward", bare)):
             print(f"{name:12s} " + " ".join(f"{v * 1e3:.1f}" for v in values))
 
