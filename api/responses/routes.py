@@ -50,7 +50,7 @@ from .protocol import (
     ResponseUsage,
 )
 from .store import ResponseStore, StoredResponse
-from .translate import chat_request, check_call_outputs, input_messages, output_messages, param_of, refuse
+from .translate import chat_request, check_call_ids, input_messages, output_messages, param_of, refuse
 
 router = APIRouter(route_class=GuardedRoute, tags=["openai"])
 
@@ -77,7 +77,7 @@ async def create_response(body: ResponsesRequest, request: Request, who: Caller,
                                                     "found.", param="previous_response_id")
         own = input_messages(body)
         earlier = found.conversation() if found is not None else []
-        check_call_outputs(body, earlier)
+        check_call_ids(body, earlier)
         conversation = earlier + own
         chat = chat_request(body, conversation)
         check_chat(chat, srv.settings)

@@ -67,17 +67,27 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     return _item_messages(req.input)
 
 
-def check_call_outputs(req: ResponsesRequest, earlier: list[dict[str, Any]]) -> None:
+def check_call_ids(req: ResponsesRequest, earlier: list[dict[str, Any]]) -> None:
     """Refuse a ``function_call_output`` whose ``call_id`` answers no ``function_call`` of the conversation (the
-    input's items, or the calls of the ``earlier`` conversation it continues), with OpenAI's message."""
+    input's items, or the calls of the ``earlier`` conversation it continues), with OpenAI's message; and an input
+    item whose ``call_id`` repeats a ``function_call``'s, or a ``function_call_output``'s, of the conversation before
+    it (each call has one id and one output: a repeat would pair an output with the wrong call)."""
     if isinstance(req.input, str):
         return
-    calls = {call["id"] for message in earlier for call in message.get("tool_calls") or ()}
-    calls.update(item.call_id for item in req.input if isinstance(item, FunctionCallItem))
+    called = {call["id"] for message in earlier for call in message.get("tool_calls") or ()}
+    answered = {message["tool_call_id"] for message in earlier if message["role"] == "tool"}
+    calls = called | {item.call_id for item in req.input if isinstance(item, FunctionCallItem)}
     for i, item in enumerate(req.input):
         if isinstance(item, FunctionCallOutputItem) and item.call_id not in calls:
             raise InvalidRequestError(f"No tool call found for function call output with call_id {item.call_id}.",
                                       param=f"input[{i}].call_id")
+        if isinstance(item, FunctionCallItem | FunctionCallOutputItem):
+            seen = called if isinstance(item, FunctionCallItem) else answered
+            if item.call_id in seen:
+                raise InvalidRequestError(f"Duplicate {item.type} for call_id {item.call_id}: each function_call "
+                                          "has its own call_id and one function_call_output.",
+                                          param=f"input[{i}].call_id")
+            seen.add(item.call_id)
 
 
 def output_messages(output: list[BaseModel]) -> list[dict[str, Any]]:

@@ -1,6 +1,7 @@
 """Several choices for one prompt (``n``) through a live proxy with the official ``openai`` client, on both
 engines: greedy choices equal, seeded ones reproducible per choice and different across choices, streamed
-as not streamed, the prompt counted once and prefilled once, the server's limit and the key's places."""
+as not streamed, the prompt counted once and prefilled once, the server's limit and the key's places, and a
+request that fails whole when one of its choices fails."""
 from __future__ import annotations
 
 import time
@@ -15,7 +16,9 @@ from proxy_support import ALPHA, MODEL, auth, live, make_cache, metric_samples, 
 
 from prefixcache import CacheConfig, PrefixCache
 from tests.api.test_proxy_abnormal_ends import CHAT, SERVED, WORD, assert_idle_and_exact, errors, totals
+from tests.api.test_proxy_tool_calls import ASK, WEATHER, strict
 from tests.step_hooks import HOLD_LIMIT, hold_until_cancelled
+from tests.support.tool_templates import BROKEN, family_tokenizer, scripted_model
 
 MESSAGES = [{"role": "user", "content": "Write three words about the sea, then stop. Keep it short please."}]
 
@@ -230,6 +233,70 @@ def test_a_failed_step_fails_the_request_and_leaves_nothing_running(own, monkeyp
     assert_idle_and_exact(own)
     assert own.serving.admission.in_flight("alpha") == 0
     assert len(chat(client, n=3).choices) == 3
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["batched", "serial"])
+def scripted(request, tokenizer):
+    """A live server on the scripted Hermes model (``tests/support/tool_templates.py``), on either engine."""
+    tok = family_tokenizer(tokenizer, "hermes")
+    cache = PrefixCache(scripted_model(tok, "hermes"), tok, CacheConfig(max_bytes=256 << 20), batching=request.param)
+    with live(create_app(settings(workers=4), cache=cache)) as srv:
+        yield tok, srv
+    cache.close()
+
+
+def test_a_choice_that_fails_fails_the_request_and_stops_the_others(scripted):
+    """Two choices at temperature 1, the scripted model's broken call biased to be as likely as its call: with
+    seed 0 choice 0 writes the broken call and choice 1 the call, with seed 5 the other way round. To a strict tool
+    the broken call is the 500 tool_arguments_invalid, and the whole request fails, streamed (an error event ends
+    it) or not, never an answer short of a choice, and all the choices held is given back."""
+    tok, srv = scripted
+    client = srv.openai(ALPHA)
+    tie = {str(tok.convert_tokens_to_ids(BROKEN["hermes"][0])): 40}  # the call's first token's logit
+    body = dict(model=MODEL, messages=ASK, n=2, temperature=1.0, max_tokens=16, logit_bias=tie)
+    for seed, broken in ((0, 0), (5, 1)):
+        loose = client.chat.completions.create(**body, seed=seed, tools=[WEATHER])  # a loose tool's: text
+        assert [c.message.tool_calls is None for c in loose.choices] == [i == broken for i in range(2)]
+        failed = errors(srv, CHAT, 500)
+        with pytest.raises(openai.InternalServerError, match="strict tool 'get_weather' is not JSON") as err:
+            client.chat.completions.create(**body, seed=seed, tools=[strict(WEATHER)])
+        assert err.value.body["code"] == "tool_arguments_invalid"
+        with pytest.raises(openai.APIError, match="strict tool 'get_weather' is not JSON"):
+            list(client.chat.completions.create(**body, seed=seed, tools=[strict(WEATHER)], stream=True))
+        assert_idle_and_exact(srv)
+        assert srv.serving.admission.in_flight("alpha") == 0
+        assert errors(srv, CHAT, 500) == failed + 2
+
+
+def test_a_choice_whose_generation_raises_fails_the_request_and_leaves_nothing_held(scripted, monkeypatch):
+    """The model's forward raises once its input holds the broken call's first token (an injected fault): with
+    seed 0 only choice 0 writes it. On the serial engine each choice runs on its own, so choice 0 alone fails, a
+    500; on the batching engine the step holding both fails, the 503 engine_fault. The request fails whole,
+    counted once as its error and never as served, and nothing stays held."""
+    tok, srv = scripted
+    model, token = srv.cache.model, tok.convert_tokens_to_ids(BROKEN["hermes"][0])
+    forward = model.forward
+
+    def faulty(*args, **kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None and bool((ids == token).any()):
+            raise RuntimeError("injected fault")
+        return forward(*args, **kwargs)
+    monkeypatch.setattr(model, "forward", faulty)
+    client, before = srv.openai(ALPHA).with_options(max_retries=0), totals(srv)
+    status = 503 if srv.cache.batcher is not None else 500
+    failed = errors(srv, CHAT, status)
+    with pytest.raises(openai.InternalServerError) as err:
+        client.chat.completions.create(model=MODEL, messages=ASK, n=2, temperature=1.0, max_tokens=16, seed=0,
+                                       logit_bias={str(token): 40})
+    assert err.value.status_code == status
+    assert err.value.body["code"] == ("engine_fault" if status == 503 else "internal_error")
+    assert_idle_and_exact(srv)
+    assert srv.serving.admission.in_flight("alpha") == 0
+    wait_until(lambda: errors(srv, CHAT, status) > failed, timeout=10)
+    assert errors(srv, CHAT, status) == failed + 1
+    after = totals(srv)
+    assert {name: after.get(name, 0.0) for name in SERVED} == {name: before.get(name, 0.0) for name in SERVED}
 
 
 def test_a_prompt_that_cannot_be_prefilled_ahead_is_computed_by_the_choices(tiny_model, tokenizer):

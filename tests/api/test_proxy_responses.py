@@ -610,7 +610,8 @@ def test_a_function_call_output_must_answer_a_call_of_the_conversation(hermes):
     call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
     answered = [{"role": "user", "content": ASK}, call, {"type": "function_call_output", "call_id": "call_1",
                                                         "output": "18 C"}]
-    first = client.responses.create(model=MODEL, input=answered, max_output_tokens=1)
+    client.responses.create(model=MODEL, input=answered, max_output_tokens=1)
+    first = client.responses.create(model=MODEL, input=answered[:2], max_output_tokens=1)
     again = client.responses.create(model=MODEL, input=[answered[2]], max_output_tokens=1,
                                     previous_response_id=first.id)  # the call is in the stored conversation
     for body in (dict(input=[answered[0], {**answered[2], "call_id": "call_nowhere"}]),
@@ -620,3 +621,25 @@ def test_a_function_call_output_must_answer_a_call_of_the_conversation(hermes):
             client.responses.create(model=MODEL, max_output_tokens=1, **body)
         assert err.value.body["message"] == "No tool call found for function call output with call_id call_nowhere."
         assert (err.value.body["type"], err.value.body["param"]) == ("invalid_request_error", "input[1].call_id")
+
+
+def test_a_call_id_is_one_call_and_one_output(hermes):
+    """Two function_calls with one call_id, or two function_call_outputs answering one, in the input or repeating
+    the previous responses' conversation, are a 400 naming the repeat: the output would be paired with the wrong
+    call, or the call answered twice."""
+    client = hermes.openai(ALPHA)
+    call = {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'}
+    output = {"type": "function_call_output", "call_id": "call_1", "output": "18 C"}
+    ask = {"role": "user", "content": ASK}
+    stored = client.responses.create(model=MODEL, input=[ask, call, output], max_output_tokens=1)
+    for body, at, kind in ((dict(input=[ask, call, {**call, "arguments": '{"city": "Rome"}'}, output]), 2, "function_call"),
+                           (dict(input=[ask, call, output, {**output, "output": "20 C"}]), 3, "function_call_output"),
+                           (dict(input=[ask, call], previous_response_id=stored.id), 1, "function_call"),
+                           (dict(input=[output], previous_response_id=stored.id), 0, "function_call_output")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.responses.create(model=MODEL, max_output_tokens=1, **body)
+        assert err.value.body["message"] == f"Duplicate {kind} for call_id call_1: each function_call has its own " \
+            "call_id and one function_call_output."
+        assert (err.value.body["type"], err.value.body["param"]) == ("invalid_request_error", f"input[{at}].call_id")
+    parallel = [ask, call, {**call, "call_id": "call_2"}, output, {**output, "call_id": "call_2"}]
+    assert client.responses.create(model=MODEL, input=parallel, max_output_tokens=1).status == "incomplete"

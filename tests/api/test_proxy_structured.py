@@ -25,6 +25,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from prefixcache import CacheConfig, OutputFormatError, PrefixCache
 from tests.serving.test_structured import ANTHROPIC_SCHEMA, MESSAGES, PET, SCHEMA
+from tests.support.slow_tokenizer import ByteTokenizer
 
 
 class Home(BaseModel):
@@ -151,6 +152,41 @@ def test_a_format_the_model_cannot_end_is_a_400_before_a_stream_begins(tokenizer
                     client.responses.create(model=MODEL, input=MESSAGES, max_output_tokens=5, stream=stream,
                                             text={"format": {"type": "json_object"}})
             assert create(client, max_tokens=3).choices[0].finish_reason == "length"  # no format: served
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("batching", [True, False], ids=["batched", "serial"])
+def test_a_slow_tokenizer_refuses_a_format_before_a_stream_begins(batching):
+    """A slow (pure-Python) tokenizer cannot bind a grammar: a schema the server cannot serve is the 400 it is with a
+    fast one, and one it could is a 400 naming response_format (text.format), streamed or not, one choice or two,
+    before the stream's 200; a request without a format is served, streamed as it is answered."""
+    tok = ByteTokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                         eos_token_id=tok.eos_token_id)).eval()
+    cache = PrefixCache(model, tok, CacheConfig(max_bytes=64 << 20), batching=batching)
+    try:
+        with live(create_app(settings(), cache=cache)) as srv:
+            client = srv.openai(ALPHA)
+            unservable = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {"type": "string"}}}}
+            with pytest.raises(openai.BadRequestError) as err:
+                create(client, max_tokens=5, response_format=unservable, stream=True)
+            assert err.value.body["param"] == "response_format.json_schema.schema"
+            for stream in (False, True):
+                for n in (1, 2):
+                    with pytest.raises(openai.BadRequestError, match="fast .Rust-backed. tokenizer") as err:
+                        create(client, max_tokens=5, response_format=PET, stream=stream, n=n)
+                    assert err.value.body["param"] == "response_format"
+                with pytest.raises(openai.BadRequestError, match="fast .Rust-backed. tokenizer") as err:
+                    client.responses.create(model=MODEL, input=MESSAGES, max_output_tokens=5, stream=stream,
+                                            text={"format": {"type": "json_object"}})
+                assert err.value.body["param"] == "text.format"
+            whole = create(client, max_tokens=4).choices[0]
+            chunks = list(create(client, max_tokens=4, stream=True))
+            assert whole.finish_reason == "length"
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.message.content
     finally:
         cache.close()
 
