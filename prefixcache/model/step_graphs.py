@@ -1,4 +1,4 @@
-"""Captured decode steps: a step of decodes replayed instead of launched kernel by kernel.
+"""Captured steps: a step of decodes, or a hit's new tokens, replayed instead of launched kernel by kernel.
 
 A decode step of a few dozen requests costs the GPU a few milliseconds and the host far more:
 it launches about a thousand small kernels, one Python call each. Once the same step shape
@@ -59,7 +59,7 @@ class _Captured:
 
 
 class StepGraphs:
-    """Decode steps captured by ``capture`` and replayed (see the module docstring)."""
+    """Decode steps and staged prompt steps captured by ``capture`` and replayed (see the module docstring)."""
 
     def __init__(self, forward: Forward, capture: Capture, repeats: int = 2, limit: int = 8,
                  staged_tokens: int = 0):
