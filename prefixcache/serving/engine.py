@@ -206,7 +206,9 @@ class BatchEngine:
             capture = step_capture or (device_capture(layout.device) if self.config.step_graphs else None)
             self.runner = ModelRunner(model, layout, capture, self.config.captured_steps,
                                       self.config.captured_prompt_tokens)
-            self.scheduler = Scheduler(store, layout, self.config, clock, self._finish, entropy)
+            graphs = self.runner.graphs
+            self.scheduler = Scheduler(store, layout, self.config, clock, self._finish, entropy,
+                                       beside=lambda: 0 if graphs is None else graphs.staging_bytes)
         except UnsupportedModelError as exc:
             self.disabled_reason = str(exc)
             log.warning("batching disabled: %s", exc)

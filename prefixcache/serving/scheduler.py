@@ -42,9 +42,12 @@ class Scheduler:
     """
 
     def __init__(self, store: KVStore, layout: KVLayout, config, clock: Callable[[], float], finish: Finish,
-                 entropy: Callable[[], int]):
+                 entropy: Callable[[], int], beside: Callable[[], int] = lambda: 0):
+        """``beside``: bytes of KV the step runner holds besides the requests' pools (staging slabs), counted
+        with them."""
         self.store, self.layout, self.config, self._clock, self._finish = store, layout, config, clock, finish
         self._entropy = entropy
+        self._beside = beside
         self.pool = private_pool(layout, config.private_chunk, plan_ahead=True)  # shared by short requests
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -117,8 +120,9 @@ class Scheduler:
         return True
 
     def private_bound(self, joining: Sequence[Request] = (), alone: bool = False) -> int:
-        """The most bytes the private KV of the running requests plus ``joining`` may take (``alone``:
-        of ``joining`` only, in empty pools): an upper bound of the pools' size as they grow.
+        """The most bytes the private KV of the running requests plus ``joining`` may take, with what the
+        runner holds beside it (``alone``: of ``joining`` only, in empty pools): an upper bound of the
+        pools' size as they grow.
 
         The shared pool holds a slot per request at the capacity of its largest need (free slots kept
         for reuse count); a pool of its own holds at most its request's need, rounded to a chunk.
@@ -137,7 +141,7 @@ class Scheduler:
         capacity = max(0 if alone else self.pool.capacity, _round(max(needs, default=0), chunk))
         own = sum(max(_round(r.private_need, chunk) * bpt, 0 if r.private is None else r.private.pool.nbytes)
                   for r in members if not shared(r))
-        return slots * capacity * bpt + own
+        return slots * capacity * bpt + own + (0 if alone else self._beside())
 
     def _join(self, joining: list[Request]) -> None:
         """Give just admitted (running) requests their private KV; one that cannot have it fails.

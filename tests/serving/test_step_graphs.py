@@ -157,6 +157,8 @@ def test_hits_are_staged_captured_once_their_shape_repeats_and_answer_like_eager
         # bucket 32: once a round, captured on the second; the cold prompt's bucket of 64: seen once.
         assert (graphs.staged_captures, graphs.staged_replays) == (2, 10)
         assert graphs.staging_bytes == (16 + 32 + 64) * graphed.layout.bytes_per_token
+        # The staging slabs count as private KV in the ledger, as the requests' pools do (none is running).
+        assert graphed.store.ledger.held()["private"] == graphs.staging_bytes == graphed.scheduler.private_bound()
     finally:
         eager.close()
         graphed.close()
