@@ -267,9 +267,10 @@ class PrefixCache:
             raise InvalidRequestError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
                                       f"{tuple(ids.shape)}", param="attention_mask")
         check_seed(kwargs.get("seed"))
+        config = self.dispatcher.serial_engine.effective_config(generation_config, kwargs)  # once per call
         inferred = attention_mask is None
         if inferred:  # as generate() infers it: the pad id masked, where it is no EOS id
-            attention_mask = self._inferred_mask(ids, generation_config, kwargs)
+            attention_mask = self._inferred_mask(ids, config)
         rows = [ids[i] if attention_mask is None else ids[i][attention_mask[i].to(torch.bool)]
                 for i in range(ids.shape[0])]
         if any(len(r) == 0 for r in rows):
@@ -281,7 +282,7 @@ class PrefixCache:
                           or getattr(generation_config, "return_dict_in_generate", False)):
             raise InvalidRequestError("return_dict_in_generate needs one unpadded prompt per call (batch size 1)",
                                       param="return_dict_in_generate")
-        routes = [self.dispatcher.route(len(r), generation_config, kwargs) for r in rows]
+        routes = [self.dispatcher.route(len(r), config, kwargs) for r in rows]
         if all(params is not None for params, _ in routes):
             outs, self._local.last = self.dispatcher.generate_batched(rows, [p for p, _ in routes], scope, kwargs,
                                                                       timeout)
@@ -294,7 +295,7 @@ class PrefixCache:
                 outs.append(out[0, len(row):])
         if whole:
             return torch.cat([ids, outs[0].unsqueeze(0)], dim=1)
-        pad = self._pad_id(generation_config, kwargs)
+        pad = self._pad_id(config)
         width = max(len(o) for o in outs)
         new = torch.full((len(outs), width), pad, dtype=ids.dtype, device=ids.device)
         for i, o in enumerate(outs):
@@ -526,9 +527,9 @@ class PrefixCache:
                                                                 options.timeout_seconds,
                                                                 counted=options.counted_cached_tokens)
         else:
+            pad = self._pad_id(self.dispatcher.serial_engine.effective_config(None, {}))
             new, stats, reason = self.dispatcher.answer_serial(prompt, options, stream, scope,
-                                                               next(self.model.parameters()).device,
-                                                               self._pad_id(None), plan)
+                                                               next(self.model.parameters()).device, pad, plan)
         stats.blend_reason = stats.blend_reason or why_not
         self._local.last = stats
         text = self.tokenizer.decode(new, skip_special_tokens=True)
@@ -751,29 +752,29 @@ class PrefixCache:
             return ttl
         return cap if ttl is None else min(ttl, cap)
 
-    def _special_ids(self, generation_config: GenerationConfig | None,
-                     kwargs: dict[str, Any]) -> tuple[int | None, list[int]]:
-        """The pad id and the EOS ids (in their order) ``generate()`` uses: the call's, else its config's, else the
-        model's (``SerialEngine.effective_config``)."""
-        config = self.dispatcher.serial_engine.effective_config(generation_config, kwargs)
+    @staticmethod
+    def _special_ids(config: GenerationConfig) -> tuple[int | None, list[int]]:
+        """The pad id and the EOS ids (in their order) ``generate()`` uses under ``config``, a call's effective
+        configuration (``SerialEngine.effective_config``: the call's, else its config's, else the model's)."""
         pad, eos = config.pad_token_id, config.eos_token_id
         if isinstance(eos, torch.Tensor):
             eos = eos.flatten().tolist()
         return (None if pad is None else int(pad)), ([] if eos is None else [int(e) for e in (
             eos if isinstance(eos, (list, tuple)) else [eos])])
 
-    def _inferred_mask(self, ids: torch.Tensor, generation_config: GenerationConfig | None,
-                       kwargs: dict[str, Any]) -> torch.Tensor | None:
-        """The attention mask ``generate()`` builds when given none: positions holding the pad id masked, if the
-        pad id is set, occurs in ``ids`` and is no EOS id; None (every token counts) otherwise."""
-        pad, eos = self._special_ids(generation_config, kwargs)
+    def _inferred_mask(self, ids: torch.Tensor, config: GenerationConfig) -> torch.Tensor | None:
+        """The attention mask ``generate()`` builds when given none (``config``: the call's effective one):
+        positions holding the pad id masked, if the pad id is set, occurs in ``ids`` and is no EOS id; None
+        (every token counts) otherwise."""
+        pad, eos = self._special_ids(config)
         if pad is None or pad in eos or not bool((ids == pad).any()):
             return None
         return ids.ne(pad).long()
 
-    def _pad_id(self, generation_config: GenerationConfig | None, kwargs: dict[str, Any] | None = None) -> int:
-        """What ``generate()`` pads finished rows with: the pad id, else the first EOS id (else 0)."""
-        pad, eos = self._special_ids(generation_config, kwargs or {})
+    def _pad_id(self, config: GenerationConfig) -> int:
+        """What ``generate()`` pads finished rows with under ``config`` (a call's effective configuration): the pad
+        id, else the first EOS id (else 0)."""
+        pad, eos = self._special_ids(config)
         return pad if pad is not None else (eos[0] if eos else 0)
 
 

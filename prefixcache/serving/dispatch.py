@@ -40,12 +40,12 @@ class Dispatcher:
         self.serial_engine, self.batcher, self.cache_generated = serial, batcher, cache_generated
         self.counters = HitCounters()
 
-    def route(self, prompt_len: int, generation_config: GenerationConfig | None,
+    def route(self, prompt_len: int, config: GenerationConfig,
               kwargs: dict[str, Any]) -> tuple[SamplingParams | None, str | None]:
-        """A ``generate()`` call's ``SamplingParams`` when the batching engine serves it, else (None, why not)."""
+        """A ``generate()`` call's ``SamplingParams`` when the batching engine serves it, else (None, why not);
+        ``config``: the call's effective configuration (``SerialEngine.effective_config``)."""
         if self.batcher is None:
             return None, "batching is off"
-        config = self.serial_engine.effective_config(generation_config, kwargs)
         return self._servable(prompt_len, *batch_params(config, kwargs, prompt_len))
 
     def route_answer(self, prompt_len: int, options: AnswerOptions) -> tuple[SamplingParams | None, str | None]:
