@@ -73,6 +73,8 @@ class StepGraphs:
         self._seen = 0
         self._staged_seen: OrderedDict[tuple, int] = OrderedDict()  # staged keys not captured yet: times seen
         self._staging: dict[int, PrivateKV] = {}  # by bucket
+        #: Bytes of the staging slabs: kept as a number, as other threads read it while the loop adds a slab.
+        self.staging_bytes = 0
         self.disabled: str | None = None  # why capturing was switched off
         self.prefill_disabled: str | None = None  # why capturing staged steps was switched off
         self.captures = self.replays = 0
@@ -91,11 +93,8 @@ class StepGraphs:
         if kv is None:
             kv = self._staging[bucket] = private_pool(layout, bucket).acquire(bucket)
             kv.reserve(bucket)
+            self.staging_bytes += kv.pool.nbytes
         return kv
-
-    @property
-    def staging_bytes(self) -> int:
-        return sum(kv.pool.nbytes for kv in self._staging.values())
 
     def run(self, cache: CascadeCache, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor,
             staged: bool = False) -> torch.Tensor:
@@ -164,6 +163,7 @@ class StepGraphs:
             self.prefill_disabled = reason
             self._staged_seen.clear()
             self._staging.clear()
+            self.staging_bytes = 0
         else:
             log.warning("%s; decode steps run eagerly from now on", reason)
             self.disabled = reason
