@@ -93,9 +93,21 @@ class StepGraphs:
             kv.reserve(bucket)
         return kv
 
+    def staging_cost(self, bucket: int, layout: KVLayout) -> int:
+        """The bytes of KV a staged step of ``bucket`` tokens would add: its staging slab's, 0 once made."""
+        return 0 if bucket in self._staging else bucket * layout.bytes_per_token
+
     @property
     def staging_bytes(self) -> int:
         return sum(kv.pool.nbytes for kv in self._staging.values())
+
+    def shed(self) -> None:
+        """Free the staging slabs, with the staged steps captured over them (staging stays on: a slab is made
+        again when a step of its bucket needs it)."""
+        for key in [k for k in self._steps if k[0] == "staged"]:
+            del self._steps[key]
+        self._staged_seen.clear()
+        self._staging.clear()
 
     def run(self, cache: CascadeCache, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor,
             staged: bool = False) -> torch.Tensor:
@@ -162,13 +174,12 @@ class StepGraphs:
         if kind == "staged":
             log.warning("%s; prompt steps run kernel by kernel from now on", reason)
             self.prefill_disabled = reason
-            self._staged_seen.clear()
-            self._staging.clear()
+            self.shed()
         else:
             log.warning("%s; decode steps run eagerly from now on", reason)
             self.disabled = reason
-        for key in [k for k in self._steps if k[0] == kind]:
-            del self._steps[key]
+            for key in [k for k in self._steps if k[0] == kind]:
+                del self._steps[key]
 
 
 def device_capture(device: torch.device) -> Capture | None:

@@ -205,10 +205,11 @@ class BatchEngine:
                 self.config = BatchConfig.for_device(layout, **overrides)
             capture = step_capture or (device_capture(layout.device) if self.config.step_graphs else None)
             self.runner = ModelRunner(model, layout, capture, self.config.captured_steps,
-                                      self.config.captured_prompt_tokens)
+                                      self.config.captured_prompt_tokens, room=self._staging_room)
             graphs = self.runner.graphs
             self.scheduler = Scheduler(store, layout, self.config, clock, self._finish, entropy,
-                                       beside=lambda: 0 if graphs is None else graphs.staging_bytes)
+                                       beside=lambda: 0 if graphs is None else graphs.staging_bytes,
+                                       shed=lambda: None if graphs is None else graphs.shed())
         except UnsupportedModelError as exc:
             self.disabled_reason = str(exc)
             log.warning("batching disabled: %s", exc)
@@ -512,6 +513,12 @@ class BatchEngine:
         if req.private is not None:  # free its slot now; keep it only for a request about to reuse it
             release_private(req.private, trim=not reuse)
         self._account_private()
+
+    def _staging_room(self, nbytes: int) -> bool:
+        """Whether a new staging slab of ``nbytes`` fits the KV total beside the running requests' pools:
+        reserved as private KV if so (evicting snapshots that may go), as admission reserves a request's."""
+        with self._cv:
+            return self.store.ledger.try_set("private", self.scheduler.private_bound() + nbytes)
 
     def _account_private(self) -> None:
         """Bring the KV ledger's private reservation in line with the running requests' pools."""

@@ -207,6 +207,46 @@ def test_staged_prompt_steps_are_bounded_by_captured_prompt_tokens():
             graphed.close()
 
 
+def test_staging_slabs_stay_within_the_kv_total_and_give_way_to_requests():
+    """All KV within 300 tokens' worth: a staging slab is made only where it fits beside the running requests,
+    and the slabs made give way to a request that fits the total without them (they are made again when they
+    fit). Stored plus reserved KV never passes the total, and every answer equals the eager engine's."""
+    engines = []
+    for capture in (None, rerun):
+        clock = FakeClock()
+        probe = engine_with(build_tiny("llama-gqa"), None)
+        total = 300 * probe.layout.bytes_per_token
+        probe.close()
+        store = KVStore(CacheConfig(block_size=8, max_kv_bytes_total=total), BlockHasher(1), clock)
+        engines.append(BatchEngine(build_tiny("llama-gqa"), store, clock, BatchConfig(), step_capture=capture))
+    eager, graphed = engines
+    bpt = graphed.layout.bytes_per_token
+    # A prompt of 200 new tokens: 224 tokens of private KV, 480 with a slab of 256 (not made: it runs unstaged);
+    # a stored prefix (its 40 tokens staged over a slab of 64) and two hits (slabs of 16 and 32); another 200:
+    # 336 with the slabs made (they go); a hit again.
+    long = [[3 + (i * k) % 200 for i in range(200)] for k in (1, 3)]
+    prompts = [long[0], PREFIX, PREFIX + [7] * 3, PREFIX + list(range(40, 57)), long[1], PREFIX + [9] * 5]
+    try:
+        for prompt in prompts:
+            want = eager.generate(prompt, SCOPE, SamplingParams(max_new_tokens=10)).tokens
+            peaks = []  # all KV accounted at each token (after each step)
+            req = graphed.submit(prompt, SCOPE, SamplingParams(max_new_tokens=10),
+                                 on_token=lambda _: peaks.append(sum(graphed.store.ledger.held().values())))
+            assert graphed.wait(req, timeout=30).tokens == want
+            assert max(peaks) <= total, peaks
+            held = graphed.store.ledger.held()
+            assert held["private"] == graphed.runner.graphs.staging_bytes
+            if prompt is prompts[3]:
+                assert graphed.runner.graphs.staging_bytes == (64 + 16 + 32) * bpt
+            if prompt is long[1]:
+                assert graphed.runner.graphs.staging_bytes == 0
+        assert graphed.runner.graphs.staging_bytes > 0  # made again once it fits
+        assert graphed.runner.graphs.prefill_disabled is None
+    finally:
+        eager.close()
+        graphed.close()
+
+
 def test_a_batched_config_validates_captured_steps():
     from prefixcache.errors import ConfigError
 
