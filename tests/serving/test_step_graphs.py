@@ -134,6 +134,14 @@ def hits(engine, logprobs=None, seed=None, new=5, shift=0):
     return out
 
 
+def with_prefix(*captures):
+    """Engines over fresh tiny llama-gqa models, one per capture (None: eager), each with ``PREFIX`` stored."""
+    engines = [engine_with(build_tiny("llama-gqa"), capture, max_batch=8) for capture in captures]
+    for engine in engines:
+        engine.generate(PREFIX, SCOPE, SamplingParams(max_new_tokens=1))
+    return engines
+
+
 @pytest.mark.parametrize("arch", ["llama-gqa", "gpt2"])
 def test_hits_are_staged_captured_once_their_shape_repeats_and_answer_like_eager_steps(arch):
     """Hits of 3-17 new tokens on a stored prefix (buckets of 16 and 32 tokens), greedy then seeded: the
@@ -175,17 +183,41 @@ def test_a_staged_step_that_fails_to_capture_switches_off_staging_only():
             raise RuntimeError("operation not permitted when stream is capturing")
         return fn
 
-    eager = engine_with(build_tiny("llama-gqa"), None, max_batch=8)
-    broken = engine_with(build_tiny("llama-gqa"), refuses_first, max_batch=8)
+    eager, broken = with_prefix(None, refuses_first)
     try:
-        for engine in (eager, broken):
-            engine.generate(PREFIX, SCOPE, SamplingParams(max_new_tokens=1))
         assert hits(broken, new=1) == hits(eager, new=1)  # one token: no decode step to capture
         graphs = broken.runner.graphs
         assert "capturing a staged prompt step failed: RuntimeError" in graphs.prefill_disabled
         assert graphs.bucket(3) is None and graphs.staging_bytes == 0
         assert answers(broken, PROMPTS, NEWS) == answers(eager, PROMPTS, NEWS)
         assert graphs.disabled is None and graphs.replays > 0 and graphs.staged_replays == 0
+    finally:
+        eager.close()
+        broken.close()
+
+
+def test_a_replay_that_raises_switches_its_kind_off_and_the_step_runs_eagerly():
+    """Captures whose replays raise after the check at capture (a device fault at a later launch): the step
+    that meets it runs eagerly, the kind of step it was is not captured from then on, and every answer
+    equals the eager engine's (staged hits first, then decodes)."""
+    def breaks_later(fn):
+        calls = []
+
+        def replay():
+            calls.append(1)
+            if len(calls) > 1:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return fn()
+        return replay
+
+    eager, broken = with_prefix(None, breaks_later)
+    try:
+        assert hits(broken, new=1) == hits(eager, new=1)
+        graphs = broken.runner.graphs
+        assert "replaying a staged prompt step failed: RuntimeError" in graphs.prefill_disabled
+        assert graphs.disabled is None and graphs.staging_bytes == 0
+        assert answers(broken, PROMPTS, NEWS) == answers(eager, PROMPTS, NEWS)
+        assert "replaying a decode step failed: RuntimeError" in graphs.disabled
     finally:
         eager.close()
         broken.close()
