@@ -12,8 +12,8 @@ snapshots and pool slabs, the requests' slots and rows. A step whose key has no 
 runs eagerly; a key seen on ``repeats`` steps in a row is captured. Capturing is checked: the
 captured step, replayed on the inputs of the step just run eagerly, must give the same logits,
 else capturing is switched off for good (``disabled``, with the reason) and every step runs
-eagerly. A capture or a replay that raises does the same (the step then runs eagerly). Captured steps are kept for the ``limit`` most
-recently used keys.
+eagerly. A capture or a replay that raises does the same (the step then runs eagerly). Captured
+steps are kept for the ``limit`` most recently used keys.
 
 A prompt's last part prefilled alone (a hit: its prefix is stored; or a short prompt) launches as
 many kernels as a decode step, for one token's worth of first-token time. Such a step is *staged*
