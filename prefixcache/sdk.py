@@ -278,8 +278,7 @@ class PrefixCache:
         if attention_mask is not None:
             _check_left_padded(attention_mask, inferred)
         whole = len(rows) == 1 and len(rows[0]) == ids.shape[1]
-        if not whole and (kwargs.get("return_dict_in_generate")
-                          or getattr(generation_config, "return_dict_in_generate", False)):
+        if not whole and config.return_dict_in_generate:
             raise InvalidRequestError("return_dict_in_generate needs one unpadded prompt per call (batch size 1)",
                                       param="return_dict_in_generate")
         routes = [self.dispatcher.route(len(r), config, kwargs) for r in rows]

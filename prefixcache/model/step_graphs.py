@@ -12,8 +12,8 @@ snapshots and pool slabs, the requests' slots and rows. A step whose key has no 
 runs eagerly; a key seen on ``repeats`` steps in a row is captured. Capturing is checked: the
 captured step, replayed on the inputs of the step just run eagerly, must give the same logits,
 else capturing is switched off for good (``disabled``, with the reason) and every step runs
-eagerly. A capture that raises does the same. Captured steps are kept for the ``limit`` most
-recently used keys.
+eagerly. A capture or a replay that raises does the same (the step then runs eagerly). Captured
+steps are kept for the ``limit`` most recently used keys.
 
 A prompt's last part prefilled alone (a hit: its prefix is stored; or a short prompt) launches as
 many kernels as a decode step, for one token's worth of first-token time. Such a step is *staged*
@@ -96,6 +96,19 @@ class StepGraphs:
             self.staging_bytes += kv.pool.nbytes
         return kv
 
+    def staging_cost(self, bucket: int, layout: KVLayout) -> int:
+        """The bytes of KV a staged step of ``bucket`` tokens would add: its staging slab's, 0 once made."""
+        return 0 if bucket in self._staging else bucket * layout.bytes_per_token
+
+    def shed(self) -> None:
+        """Free the staging slabs, with the staged steps captured over them (staging stays on: a slab is made
+        again when a step of its bucket needs it)."""
+        for key in [k for k in self._steps if k[0] == "staged"]:
+            del self._steps[key]
+        self._staged_seen.clear()
+        self._staging.clear()
+        self.staging_bytes = 0
+
     def run(self, cache: CascadeCache, ids: torch.Tensor, pos: torch.Tensor, keep: torch.Tensor,
             staged: bool = False) -> torch.Tensor:
         """Logits of the step: replayed when its shape was captured, else computed eagerly (and captured
@@ -110,9 +123,14 @@ class StepGraphs:
             for target, value in zip(captured.inputs, [ids, pos, keep, *cache.step_inputs()], strict=True):
                 target.copy_(value)
             self._steps.move_to_end(key)
+            try:
+                logits = captured.replay()
+            except Exception as exc:  # noqa: BLE001 - the step runs eagerly; capturing its kind goes off
+                self._disable(key[0], f"replaying a {_kind(key)} failed: {type(exc).__name__}: {exc}")
+                return self._forward(ids, pos, cache, keep)
             self.replays += 1
             self.staged_replays += staged
-            return captured.replay()
+            return logits
         logits = self._forward(ids, pos, cache, keep)
         if staged:  # seen so often, in any order with other steps
             seen = self._staged_seen.pop(key, 0) + 1
@@ -131,7 +149,7 @@ class StepGraphs:
                       keep: torch.Tensor, logits: torch.Tensor) -> None:
         """Capture the step just run eagerly (its inputs as they are), replay it, and keep it if it gives
         the same logits. Writing the step's keys again is harmless: the same values at the same places."""
-        kind = "staged prompt step" if key[0] == "staged" else "decode step"
+        kind = _kind(key)
         constant = cache.step_constants(ids.device)  # planned by the eager step already
         inputs = [ids.clone(), pos.clone(), keep.clone()]
         static_ids, static_pos, static_keep = inputs
@@ -161,14 +179,16 @@ class StepGraphs:
         if kind == "staged":
             log.warning("%s; prompt steps run kernel by kernel from now on", reason)
             self.prefill_disabled = reason
-            self._staged_seen.clear()
-            self._staging.clear()
-            self.staging_bytes = 0
+            self.shed()
         else:
             log.warning("%s; decode steps run eagerly from now on", reason)
             self.disabled = reason
-        for key in [k for k in self._steps if k[0] == kind]:
-            del self._steps[key]
+            for key in [k for k in self._steps if k[0] == kind]:
+                del self._steps[key]
+
+
+def _kind(key: tuple) -> str:
+    return "staged prompt step" if key[0] == "staged" else "decode step"
 
 
 def device_capture(device: torch.device) -> Capture | None:

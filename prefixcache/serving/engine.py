@@ -97,7 +97,9 @@ class BatchConfig:
     #: With ``step_graphs`` on CUDA: a request's last prompt tokens prefilled alone in a step, at most
     #: this many (a hit's new tokens after its stored prefix), run padded to the next power of two
     #: (at least 16) over a staging slab of that size, and are captured once the same stored prefix
-    #: and size repeat; 0: prompt steps run kernel by kernel.
+    #: and size repeat; 0: prompt steps run kernel by kernel. A hit whose cached tail is copied into its
+    #: private KV at admission (``fold_max_tokens``: a prefix of several stored runs, as a conversation's
+    #: earlier turns) is not staged.
     captured_prompt_tokens: int = 512
     #: Draw a step's sampled rows that only warp their logits (temperature, top-k, top-p) where the
     #: logits are: unseeded ones together (a few kernels for all rows instead of a copy to the host and a
@@ -205,10 +207,11 @@ class BatchEngine:
                 self.config = BatchConfig.for_device(layout, **overrides)
             capture = step_capture or (device_capture(layout.device) if self.config.step_graphs else None)
             self.runner = ModelRunner(model, layout, capture, self.config.captured_steps,
-                                      self.config.captured_prompt_tokens)
+                                      self.config.captured_prompt_tokens, room=self._staging_room)
             graphs = self.runner.graphs
             self.scheduler = Scheduler(store, layout, self.config, clock, self._finish, entropy,
-                                       beside=lambda: 0 if graphs is None else graphs.staging_bytes)
+                                       beside=lambda: 0 if graphs is None else graphs.staging_bytes,
+                                       shed=lambda: None if graphs is None else graphs.shed())
         except UnsupportedModelError as exc:
             self.disabled_reason = str(exc)
             log.warning("batching disabled: %s", exc)
@@ -512,6 +515,12 @@ class BatchEngine:
         if req.private is not None:  # free its slot now; keep it only for a request about to reuse it
             release_private(req.private, trim=not reuse)
         self._account_private()
+
+    def _staging_room(self, nbytes: int) -> bool:
+        """Whether a new staging slab of ``nbytes`` fits the KV total beside the running requests' pools:
+        reserved as private KV if so (evicting snapshots that may go), as admission reserves a request's."""
+        with self._cv:
+            return self.store.ledger.try_set("private", self.scheduler.private_bound() + nbytes)
 
     def _account_private(self) -> None:
         """Bring the KV ledger's private reservation in line with the running requests' pools."""

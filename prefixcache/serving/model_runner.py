@@ -11,7 +11,7 @@ the same answer before and after its shape is captured.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -25,11 +25,14 @@ from prefixcache.serving.request import Request
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, layout: KVLayout, capture: Capture | None = None,
-                 captured_steps: int = 8, staged_tokens: int = 0):
+                 captured_steps: int = 8, staged_tokens: int = 0,
+                 room: Callable[[int], bool] = lambda nbytes: True):
         """``capture``: how steps are captured (None: every step runs eagerly); ``captured_steps``: how
         many step shapes stay captured (the most recently used); ``staged_tokens``: the most new tokens
-        of a prompt step that is staged (0: none; only with a ``capture``)."""
-        self.model, self.layout = model, layout
+        of a prompt step that is staged (0: none; only with a ``capture``); ``room``: whether that many
+        more bytes of KV (a new staging slab) fit the KV total, reserved there if so (a step whose slab
+        does not fit runs unstaged)."""
+        self.model, self.layout, self._room = model, layout, room
         self.kernels = kernels_for(layout.device, layout.dtype, layout.head_dim)  # attention calls, one per model
         self.graphs = None if capture is None else StepGraphs(self._forward, capture, limit=captured_steps,
                                                                staged_tokens=staged_tokens)
@@ -42,7 +45,7 @@ class ModelRunner:
             req, n = plan[0]
             bucket = self.graphs.bucket(n)
             if (bucket is not None and req.prefilling and req.private.length == 0
-                    and req.held_len + n == len(req.prompt)):
+                    and req.held_len + n == len(req.prompt) and self._slab_fits(bucket)):
                 return self._run_staged(req, n, bucket)
         ids, pos, rows, keep, at = [], [], [], [], 0
         for req, n in plan:
@@ -66,6 +69,11 @@ class ModelRunner:
                 logits = self.graphs.run(cache, ids_t, pos_t, keep_t)
         self.steps += 1
         return logits.clone()  # [K, V], a normal tensor for the samplers (a replay refills its output)
+
+    def _slab_fits(self, bucket: int) -> bool:
+        """Whether ``bucket``'s staging slab is made, or fits the KV total (``room``: reserved there then)."""
+        cost = self.graphs.staging_cost(bucket, self.layout)
+        return cost == 0 or self._room(cost)
 
     def _run_staged(self, req: Request, n: int, bucket: int) -> torch.Tensor:
         """The last ``n`` prompt tokens of ``req`` (which holds no private tokens yet), staged: padded to

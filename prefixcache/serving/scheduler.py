@@ -42,12 +42,13 @@ class Scheduler:
     """
 
     def __init__(self, store: KVStore, layout: KVLayout, config, clock: Callable[[], float], finish: Finish,
-                 entropy: Callable[[], int], beside: Callable[[], int] = lambda: 0):
+                 entropy: Callable[[], int], beside: Callable[[], int] = lambda: 0,
+                 shed: Callable[[], None] = lambda: None):
         """``beside``: bytes of KV the step runner holds besides the requests' pools (staging slabs), counted
-        with them."""
+        with them; ``shed``: free those (they give way to a request that does not fit beside them)."""
         self.store, self.layout, self.config, self._clock, self._finish = store, layout, config, clock, finish
         self._entropy = entropy
-        self._beside = beside
+        self._beside, self._shed = beside, shed
         self.pool = private_pool(layout, config.private_chunk, plan_ahead=True)  # shared by short requests
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -91,7 +92,7 @@ class Scheduler:
                 req.read_steps = self._read_in_place(req)
                 if self.running and reserved + req.private_need > cfg.max_private_tokens:
                     break  # keep order: the head of the queue is never overtaken for memory
-                if not self.store.ledger.try_set("private", self.private_bound([*joining, req])):
+                if not self._reserve([*joining, req]):
                     if self._out_of_memory(req):
                         continue
                     break  # it waits (bounded) for running requests to give KV memory back
@@ -104,6 +105,17 @@ class Scheduler:
             self.running.append(req)
             joining.append(req)
         self._join(joining)
+
+    def _reserve(self, joining: Sequence[Request]) -> bool:
+        """Reserve the private KV of the running requests plus ``joining``; the runner's staging slabs are
+        freed when the reservation fits without them only."""
+        ledger, bound, beside = self.store.ledger, self.private_bound(joining), self._beside()
+        if ledger.try_set("private", bound):
+            return True
+        if not beside or not ledger.try_set("private", bound - beside):
+            return False
+        self._shed()
+        return True
 
     def _out_of_memory(self, req: Request) -> bool:
         """Fail ``req`` if its KV cannot fit the total even alone, or it waited ``kv_wait_seconds`` for it."""

@@ -187,6 +187,18 @@ def test_padded_batch_rows_equal_single_prompts(llama, new_cache):
         cache.generate(ids, attention_mask=mask, max_new_tokens=2, return_dict_in_generate=True)
 
 
+def test_a_padded_batch_is_refused_when_the_model_s_own_config_returns_a_dict(new_cache):
+    """``return_dict_in_generate`` set in the model's generation config, not the call's: a padded batch gets
+    the same clear error as when the call sets it."""
+    model = build_tiny("llama-gqa")
+    model.generation_config.return_dict_in_generate = True
+    cache = new_cache(model, None, start_sweeper=False)
+    ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]])
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
+    with pytest.raises(InvalidRequestError, match="batch size 1"):
+        cache.generate(ids, attention_mask=mask, max_new_tokens=2)
+
+
 @pytest.mark.parametrize("bad", [[], [[]], [[1, 2], [3]], [[-1, 2]], [[10**9]], "text"])
 def test_bad_input_ids_raise_clear_errors(llama, bad, new_cache):
     cache = new_cache(llama, None, start_sweeper=False)

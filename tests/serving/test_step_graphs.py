@@ -134,6 +134,14 @@ def hits(engine, logprobs=None, seed=None, new=5, shift=0):
     return out
 
 
+def with_prefix(*captures):
+    """Engines over fresh tiny llama-gqa models, one per capture (None: eager), each with ``PREFIX`` stored."""
+    engines = [engine_with(build_tiny("llama-gqa"), capture, max_batch=8) for capture in captures]
+    for engine in engines:
+        engine.generate(PREFIX, SCOPE, SamplingParams(max_new_tokens=1))
+    return engines
+
+
 @pytest.mark.parametrize("arch", ["llama-gqa", "gpt2"])
 def test_hits_are_staged_captured_once_their_shape_repeats_and_answer_like_eager_steps(arch):
     """Hits of 3-17 new tokens on a stored prefix (buckets of 16 and 32 tokens), greedy then seeded: the
@@ -175,17 +183,41 @@ def test_a_staged_step_that_fails_to_capture_switches_off_staging_only():
             raise RuntimeError("operation not permitted when stream is capturing")
         return fn
 
-    eager = engine_with(build_tiny("llama-gqa"), None, max_batch=8)
-    broken = engine_with(build_tiny("llama-gqa"), refuses_first, max_batch=8)
+    eager, broken = with_prefix(None, refuses_first)
     try:
-        for engine in (eager, broken):
-            engine.generate(PREFIX, SCOPE, SamplingParams(max_new_tokens=1))
         assert hits(broken, new=1) == hits(eager, new=1)  # one token: no decode step to capture
         graphs = broken.runner.graphs
         assert "capturing a staged prompt step failed: RuntimeError" in graphs.prefill_disabled
         assert graphs.bucket(3) is None and graphs.staging_bytes == 0
         assert answers(broken, PROMPTS, NEWS) == answers(eager, PROMPTS, NEWS)
         assert graphs.disabled is None and graphs.replays > 0 and graphs.staged_replays == 0
+    finally:
+        eager.close()
+        broken.close()
+
+
+def test_a_replay_that_raises_switches_its_kind_off_and_the_step_runs_eagerly():
+    """Captures whose replays raise after the check at capture (a device fault at a later launch): the step
+    that meets it runs eagerly, the kind of step it was is not captured from then on, and every answer
+    equals the eager engine's (staged hits first, then decodes)."""
+    def breaks_later(fn):
+        calls = []
+
+        def replay():
+            calls.append(1)
+            if len(calls) > 1:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return fn()
+        return replay
+
+    eager, broken = with_prefix(None, breaks_later)
+    try:
+        assert hits(broken, new=1) == hits(eager, new=1)
+        graphs = broken.runner.graphs
+        assert "replaying a staged prompt step failed: RuntimeError" in graphs.prefill_disabled
+        assert graphs.disabled is None and graphs.staging_bytes == 0
+        assert answers(broken, PROMPTS, NEWS) == answers(eager, PROMPTS, NEWS)
+        assert "replaying a decode step failed: RuntimeError" in graphs.disabled
     finally:
         eager.close()
         broken.close()
@@ -205,6 +237,46 @@ def test_staged_prompt_steps_are_bounded_by_captured_prompt_tokens():
             assert graphs.staging_bytes == (16 * graphed.layout.bytes_per_token if limit else 0)
         finally:
             graphed.close()
+
+
+def test_staging_slabs_stay_within_the_kv_total_and_give_way_to_requests():
+    """All KV within 300 tokens' worth: a staging slab is made only where it fits beside the running requests,
+    and the slabs made give way to a request that fits the total without them (they are made again when they
+    fit). Stored plus reserved KV never passes the total, and every answer equals the eager engine's."""
+    engines = []
+    for capture in (None, rerun):
+        clock = FakeClock()
+        probe = engine_with(build_tiny("llama-gqa"), None)
+        total = 300 * probe.layout.bytes_per_token
+        probe.close()
+        store = KVStore(CacheConfig(block_size=8, max_kv_bytes_total=total), BlockHasher(1), clock)
+        engines.append(BatchEngine(build_tiny("llama-gqa"), store, clock, BatchConfig(), step_capture=capture))
+    eager, graphed = engines
+    bpt = graphed.layout.bytes_per_token
+    # A prompt of 200 new tokens: 224 tokens of private KV, 480 with a slab of 256 (not made: it runs unstaged);
+    # a stored prefix (its 40 tokens staged over a slab of 64) and two hits (slabs of 16 and 32); another 200:
+    # 336 with the slabs made (they go); a hit again.
+    long = [[3 + (i * k) % 200 for i in range(200)] for k in (1, 3)]
+    prompts = [long[0], PREFIX, PREFIX + [7] * 3, PREFIX + list(range(40, 57)), long[1], PREFIX + [9] * 5]
+    try:
+        for prompt in prompts:
+            want = eager.generate(prompt, SCOPE, SamplingParams(max_new_tokens=10)).tokens
+            peaks = []  # all KV accounted at each token (after each step)
+            req = graphed.submit(prompt, SCOPE, SamplingParams(max_new_tokens=10),
+                                 on_token=lambda _: peaks.append(sum(graphed.store.ledger.held().values())))
+            assert graphed.wait(req, timeout=30).tokens == want
+            assert max(peaks) <= total, peaks
+            held = graphed.store.ledger.held()
+            assert held["private"] == graphed.runner.graphs.staging_bytes
+            if prompt is prompts[3]:
+                assert graphed.runner.graphs.staging_bytes == (64 + 16 + 32) * bpt
+            if prompt is long[1]:
+                assert graphed.runner.graphs.staging_bytes == 0
+        assert graphed.runner.graphs.staging_bytes > 0  # made again once it fits
+        assert graphed.runner.graphs.prefill_disabled is None
+    finally:
+        eager.close()
+        graphed.close()
 
 
 def test_a_batched_config_validates_captured_steps():
