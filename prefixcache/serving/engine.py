@@ -388,6 +388,9 @@ class BatchEngine:
         with self._cv:
             for req in [*sched.running, *sched.waiting]:
                 self._finish(req, "cancelled", None)
+        if self.runner.graphs is not None:  # closed: the staging slabs go, and their bytes from the ledger
+            self.runner.graphs.shed()
+            self._account_private()
 
     def _postprocess(self, plan: list[tuple[Request, int]], logits: torch.Tensor) -> None:
         """logits: [K, V], one row per request of ``plan`` whose prompt is complete (in plan order)."""

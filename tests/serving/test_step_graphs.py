@@ -170,6 +170,7 @@ def test_hits_are_staged_captured_once_their_shape_repeats_and_answer_like_eager
     finally:
         eager.close()
         graphed.close()
+    assert graphs.staging_bytes == 0 and graphed.store.ledger.held()["private"] == 0  # closed: the slabs went
 
 
 def test_a_staged_step_that_fails_to_capture_switches_off_staging_only():
