@@ -13,7 +13,8 @@ runs eagerly; a key seen on ``repeats`` steps in a row is captured. Capturing is
 captured step, replayed on the inputs of the step just run eagerly, must give the same logits,
 else capturing is switched off for good (``disabled``, with the reason) and every step runs
 eagerly. A capture or a replay that raises does the same (the step then runs eagerly). Captured
-steps are kept for the ``limit`` most recently used keys.
+steps are kept for the ``limit`` most recently used keys of each kind (decode steps, staged prompt
+steps), so hits never evict the decode steps.
 
 A prompt's last part prefilled alone (a hit: its prefix is stored; or a short prompt) launches as
 many kernels as a decode step, for one token's worth of first-token time. Such a step is *staged*
@@ -171,8 +172,9 @@ class StepGraphs:
         self._steps[key] = _Captured(replay, [*inputs, *cache.step_inputs()], constant)
         self.captures += 1
         self.staged_captures += key[0] == "staged"
-        while len(self._steps) > self.limit:
-            self._steps.popitem(last=False)
+        kept = [k for k in self._steps if k[0] == key[0]]  # least recently used first
+        for old in kept[: max(0, len(kept) - self.limit)]:  # each kind its own ``limit``: hits never evict decodes
+            del self._steps[old]
 
     def _disable(self, kind: str, reason: str) -> None:
         """Switch capturing steps of ``kind`` ("decode" or "staged") off for good; the other kind's stay."""

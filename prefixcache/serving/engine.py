@@ -92,7 +92,8 @@ class BatchConfig:
     #: On CUDA, capture steps of decodes whose shape repeats as CUDA graphs and replay them (one
     #: launch instead of about a thousand); off, every step runs kernel by kernel.
     step_graphs: bool = True
-    #: Captured step shapes kept (the most recently used): each holds one step's activations.
+    #: Captured step shapes kept, the most recently used, of decode steps and as many of staged prompt
+    #: steps: each holds one step's activations.
     captured_steps: int = 8
     #: With ``step_graphs`` on CUDA: a request's last prompt tokens prefilled alone in a step, at most
     #: this many (a hit's new tokens after its stored prefix), run padded to the next power of two

@@ -280,6 +280,27 @@ def test_staging_slabs_stay_within_the_kv_total_and_give_way_to_requests():
         graphed.close()
 
 
+def test_staged_steps_and_decode_steps_are_each_kept_to_captured_steps():
+    """One step shape of each kind kept: hits of two sizes (buckets 16 and 32, each captured in turn) evict each
+    other, never the captured decode step."""
+    graphed = engine_with(build_tiny("llama-gqa"), rerun, max_batch=8, captured_steps=1)
+    try:
+        graphed.generate(PREFIX, SCOPE, SamplingParams(max_new_tokens=1))
+        answers(graphed, PROMPTS[:1], [12])  # one request decoding alone: one step shape, captured
+        graphs = graphed.runner.graphs
+        decodes = [k for k in graphs._steps if k[0] == "decode"]
+        assert len(decodes) == 1
+        # The decoding request's own hit was bucket 16's first; then 16 (captured), 16 (replayed), 32, 32
+        # (captured: 16 evicted), 16, 16 (captured again: 32 evicted).
+        for suffix in ([7] * 3, [8] * 3, [9] * 20, [10] * 20, [11] * 3, [12] * 3):
+            graphed.generate(PREFIX + suffix, SCOPE, SamplingParams(max_new_tokens=1))
+        assert (graphs.staged_captures, graphs.staged_replays) == (3, 1)
+        assert [k for k in graphs._steps if k[0] == "decode"] == decodes
+        assert sum(k[0] == "staged" for k in graphs._steps) == 1
+    finally:
+        graphed.close()
+
+
 def test_a_batched_config_validates_captured_steps():
     from prefixcache.errors import ConfigError
 
