@@ -16,14 +16,15 @@ eagerly. A capture or a replay that raises does the same (the step then runs eag
 steps are kept for the ``limit`` most recently used keys of each kind (decode steps, staged prompt
 steps), so hits never evict the decode steps.
 
-A prompt's last part prefilled alone (a hit: its prefix is stored; or a short prompt) launches as
-many kernels as a decode step, for one token's worth of first-token time. Such a step is *staged*
+A prompt's tokens past its stored prefix prefilled alone in one step (a hit's; or a short prompt's)
+launch as many kernels as a decode step, for one token's worth of first-token time. Such a step is *staged*
 (``run(..., staged=True)``): the caller pads its tokens to a bucket (``bucket``: a power of two) and
 points its one row at a staging slab of that bucket (``staging``), the same tensor for every step of
 that bucket, then copies the real tokens' keys and values into the request's own KV. Its key is then
 the bucket and the stored prefix it reads, which repeats whenever requests share a prefix and their new
-tokens a bucket, in any order with other steps: a key seen ``repeats`` times is captured. Staged steps
-that fail to capture or replay switch off staged capturing only (``prefill_disabled``).
+tokens a bucket, in any order with other steps: a key seen ``repeats`` times is captured. A staged step
+that fails to capture or replay switches staging off (``prefill_disabled``: its slabs freed, prompt steps
+run unpadded and eagerly from then on); decode steps stay captured.
 """
 from __future__ import annotations
 

@@ -95,10 +95,11 @@ class BatchConfig:
     #: Captured step shapes kept, the most recently used, of decode steps and as many of staged prompt
     #: steps: each holds one step's activations.
     captured_steps: int = 8
-    #: With ``step_graphs`` on CUDA: a request's last prompt tokens prefilled alone in a step, at most
-    #: this many (a hit's new tokens after its stored prefix), run padded to the next power of two
-    #: (at least 16) over a staging slab of that size, and are captured once the same stored prefix
-    #: and size repeat; 0: prompt steps run kernel by kernel. A hit whose cached tail is copied into its
+    #: With ``step_graphs`` on CUDA: a request's prompt tokens past its stored prefix, when all of them,
+    #: at most this many, are prefilled in one step alone (a hit's new tokens, or a short prompt; not a
+    #: long prompt's last chunk), run padded to the next power of two (at least 16) over a staging slab
+    #: of that size, and are captured once the same stored prefix and size repeat; 0: prompt steps run
+    #: kernel by kernel. A hit whose cached tail is copied into its
     #: private KV at admission (``fold_max_tokens``: a prefix of several stored runs, as a conversation's
     #: earlier turns) is not staged.
     captured_prompt_tokens: int = 512

@@ -4,10 +4,10 @@ The runner owns the tensors of a step: it packs every request's new tokens into 
 sequence, builds the ``CascadeCache`` that routes each request's attention over its shared
 prefix snapshots (read in place) and its private KV, and runs one forward: the model's own
 forward (``cascade_step``). With a ``Capture`` (CUDA graphs on CUDA), steps of decodes whose
-shape repeats are captured and replayed (``StepGraphs``), and so are steps of one request's last
-prompt tokens alone, at most ``staged_tokens`` of them (a hit's new tokens after its stored prefix):
-those run *staged*, padded to a bucket over a staging slab, whether replayed or not, so a prompt gets
-the same answer before and after its shape is captured.
+shape repeats are captured and replayed (``StepGraphs``), and so are steps of one request's prompt
+tokens past its stored prefix, all of them alone in one step, at most ``staged_tokens`` (a hit's new
+tokens): those run *staged*, padded to a bucket over a staging slab, whether replayed or not, so a
+prompt gets the same answer before and after its shape is captured.
 """
 from __future__ import annotations
 
