@@ -229,7 +229,8 @@ class _EngineCollector:
         yield per_tenant
         yield GaugeMetricFamily(ENTRIES, "Cached blocks (trie nodes).", value=r.entries)
         kv = GaugeMetricFamily(KV_BYTES, "All KV memory, by kind: stored snapshots, and what running requests "
-                               "reserve for their buffers (private: batching pools; serial: working caches; prewarm).",
+                               "reserve for their buffers (private: batching pools, and on CUDA staging slabs; serial: "
+                               "working caches; prewarm).",
                                labels=["kind"])
         for kind, nbytes in server.kv_bytes.items():
             kv.add_metric([kind], nbytes)
