@@ -318,7 +318,8 @@ class PrefixCache:
         in its chat template's syntax into ``result.tool_calls`` (``finish_reason`` "tool_calls", or "length"
         where ``max_tokens`` cut the last), ``text`` holding the rest. ``tool_choice``: "auto" (default), "none"
         (tools hidden), "required" or ``{"type": "function", "function": {"name": ...}}``; a forced call the
-        answer lacks raises ``ToolCallError`` (unless ``max_tokens`` cut the answer before it). ``parallel_tool_calls=False`` keeps the first call only.
+        answer lacks raises ``ToolCallError`` (unless ``max_tokens`` cut the answer before it).
+        ``parallel_tool_calls=False`` keeps the first call only.
 
         Cache diagnostics: ``record_id`` keeps this call's prompt fingerprint under that id; ``previous_id``
         compares with the fingerprint kept under it, and ``result.stats.miss_reason`` says why this call

@@ -99,9 +99,8 @@ class BatchConfig:
     #: at most this many, are prefilled in one step alone (a hit's new tokens, or a short prompt; not a
     #: long prompt's last chunk), run padded to the next power of two (at least 16) over a staging slab
     #: of that size, and are captured once the same stored prefix and size repeat; 0: prompt steps run
-    #: kernel by kernel. A hit whose cached tail is copied into its
-    #: private KV at admission (``fold_max_tokens``: a prefix of several stored runs, as a conversation's
-    #: earlier turns) is not staged.
+    #: kernel by kernel. A hit whose cached tail is copied into its private KV at admission
+    #: (``fold_max_tokens``: a prefix of several stored runs, as a conversation's earlier turns) is not staged.
     captured_prompt_tokens: int = 512
     #: Draw a step's sampled rows that only warp their logits (temperature, top-k, top-p) where the
     #: logits are: unseeded ones together (a few kernels for all rows instead of a copy to the host and a
